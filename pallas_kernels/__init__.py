@@ -1,0 +1,1 @@
+"""Attention kernels over the paged KV pool. Imports jax only, never jaxserve."""
