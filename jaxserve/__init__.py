@@ -1,2 +1,23 @@
 """jaxserve: LLM inference and serving in JAX and Pallas."""
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "AsyncLLM", "LLMEngine"]
+
+
+def __getattr__(name):  # lazy, so host-side modules never pull in jax
+    if name == "LLM":
+        from jaxserve.entrypoints.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from jaxserve.sampling_params import SamplingParams
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from jaxserve import outputs
+        return getattr(outputs, name)
+    if name == "AsyncLLM":
+        from jaxserve.async_engine import AsyncLLM
+        return AsyncLLM
+    if name == "LLMEngine":
+        from jaxserve.engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)

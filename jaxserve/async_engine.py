@@ -1,0 +1,144 @@
+"""AsyncLLM: the engine loop on its own thread, one asyncio stream per request.
+
+The device step blocks, so it must not run on the event loop. Requests and aborts are handed
+to the loop thread through a queue; outputs come back with ``call_soon_threadsafe``. If the loop
+dies, every stream gets ``EngineDeadError`` and ``check_health`` raises, so the server answers
+503 instead of hanging.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.errors import EngineDeadError
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_FINISHED = object()
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        self.config = config
+        self.engine = engine or LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self.served_model_name = config.served_model_name or config.model or "jaxserve"
+        self.chat_template = None
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._dead: BaseException | None = None
+        self._stopping = threading.Event()
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                block = not self.engine.has_unfinished_requests()
+                self._drain(block)
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                        if out.finished:
+                            self._deliver(out.request_id, _FINISHED)
+                self._stats = self.engine.stats()
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine, visibly
+            logger.exception("engine loop died")
+            self._dead = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, args, fut = cmd
+            try:
+                if kind == "add":
+                    self.engine.add_request(*args[:3], priority=args[3])
+                elif kind == "abort":
+                    self.engine.abort_request(args[0])
+                if fut is not None:
+                    fut.set_result(None)
+            except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
+                if fut is not None:
+                    fut.set_exception(e)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            self._streams.pop(request_id, None)
+
+    # ---- public API --------------------------------------------------------------------
+    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        if request_id in self._streams:
+            from jaxserve.errors import InvalidRequestError
+            raise InvalidRequestError(f"request_id {request_id!r} is already running",
+                                      param="request_id")
+        self._streams[request_id] = (loop, q)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("add", (request_id, prompt, sampling_params, priority), fut))
+        finished = False
+        try:
+            await asyncio.wrap_future(fut)
+            while True:
+                item = await q.get()
+                if item is _FINISHED:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", (request_id,), None))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", (request_id,), None))
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            self._deliver(request_id, _FINISHED)
+
+    def check_health(self) -> None:
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine loop is not running ({self._dead!r})")
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)

@@ -1,0 +1,348 @@
+"""LLMEngine: requests in, one scheduled device step at a time, RequestOutputs out.
+
+    add_request -> Scheduler.schedule -> StepPlan -> ModelRunner.execute -> update -> stop checks
+
+Stopping (EOS, stop token ids, stop strings on the detokenized text, max_tokens, max_model_len)
+is decided here, on the host, after each step. ``n > 1`` fans out into child requests; with
+prefix caching on, the children are admitted once the first child's prompt pages are cached, so
+they share those pages instead of recomputing them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.block_manager import BlockManager
+from jaxserve.config import EngineConfig
+from jaxserve.errors import InvalidRequestError
+from jaxserve.loader import load_model, load_tokenizer
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner import ModelRunner, default_attention_backend
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str):
+    if name in (None, "auto"):
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    table = {"float32": jnp.float32, "fp32": jnp.float32, "float": jnp.float32,
+             "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float16": jnp.float16,
+             "half": jnp.float16, "fp16": jnp.float16}
+    if name not in table:
+        raise InvalidRequestError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}",
+                                  param="dtype")
+    return table[name]
+
+
+@dataclass
+class _Child:
+    """Per-sequence text state the scheduler does not need."""
+
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    children: list[_Child] = field(default_factory=list)
+    pending: list[Request] = field(default_factory=list)  # n>1 children waiting for the cache
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and all(c.request.status.is_finished for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.dtype = resolve_dtype(config.dtype)
+        backend = config.attention_backend
+        if backend in (None, "auto"):
+            backend = default_attention_backend()
+        self.attention_backend = backend
+        t0 = time.perf_counter()
+        self.model, self.model_config, self.model_dir = load_model(
+            config.model, dtype=config.dtype, load_format=config.load_format,
+            attention_backend=backend)
+        self.tokenizer = load_tokenizer(self.model_dir, config.tokenizer)
+        param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
+                          if hasattr(x, "nbytes"))
+        logger.info("loaded %s (%s, %.1f MiB of params) in %.1f s", config.model,
+                    jnp.dtype(self.dtype).name, param_bytes / 2**20, time.perf_counter() - t0)
+        mc = self.model_config
+        limit = mc.max_position_embeddings or 2048
+        self.max_model_len = int(config.scheduler.max_model_len or limit)
+        if self.max_model_len > limit:
+            raise InvalidRequestError(
+                f"max_model_len={self.max_model_len} exceeds the model's limit of {limit}",
+                param="max_model_len")
+        self.eos_token_ids = _eos_ids(mc.eos_token_id, self.tokenizer)
+        self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
+        self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
+                                  param_bytes=param_bytes)
+        self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching)
+        from jaxserve.kv_cache import page_bytes
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
+                                   self.max_model_len,
+                                   page_bytes=page_bytes(mc, config.cache.block_size, self.dtype))
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[_Parent, _Child]] = {}
+        self._swapped: dict[str, object] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.runner.warmup()
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running",
+                                      param="request_id")
+        prompt_text, ids = self._tokenize(prompt)
+        if len(ids) + 1 > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt plus at least one generated token)",
+                param="prompt", status_code=400)
+        if params.logprobs is not None and params.logprobs > 20:
+            raise InvalidRequestError("logprobs must be <= 20", param="logprobs")
+        now = arrival_time if arrival_time is not None else time.time()
+        parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now))
+        self.prompt_tokens_total += len(ids)
+        self._parents[request_id] = parent
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(rid, list(ids), child_params, arrival_time=now, priority=priority,
+                          eos_token_id=self.eos_token_id)
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, list(ids),
+                                               params.skip_special_tokens,
+                                               params.spaces_between_special_tokens)
+            child = _Child(req, i, detok, logprobs=[] if params.logprobs is not None else None)
+            parent.children.append(child)
+            self._child_of[rid] = (parent, child)
+            share = params.n > 1 and i > 0 and self.config.cache.enable_prefix_caching
+            if share:
+                parent.pending.append(req)
+            else:
+                self.scheduler.add_request(req)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        else:
+            try:
+                ids, text = [int(t) for t in prompt], None
+            except (TypeError, ValueError):
+                raise InvalidRequestError("prompt must be a string or a list of token ids",
+                                          param="prompt") from None
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is out of range [0, {vocab})",
+                                      param="prompt")
+        return text, ids
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self._child_of.pop(child.request.request_id, None)
+                self._swapped.pop(child.request.request_id, None)
+                if not child.request.status.is_finished and child.request not in parent.pending:
+                    self.scheduler.abort_request(child.request.request_id)
+            parent.pending.clear()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        for rid, pages in getattr(sched, "swap_out", []) or []:
+            self._swapped[rid] = (list(pages), self.runner.swap_out(pages))
+        for rid, pages in getattr(sched, "swap_in", []) or []:
+            _, saved = self._swapped.pop(rid)
+            self.runner.swap_in(pages, saved)
+        touched: dict[str, _Parent] = {}
+        for rid in getattr(sched, "finished_aborted", []) or []:
+            hit = self._child_of.get(rid)
+            if hit:
+                touched[hit[0].request_id] = hit[0]
+        if sched.scheduled:
+            now = time.time()
+            inputs = []
+            for s in sched.scheduled:
+                r = s.request
+                inputs.append((r.sampling_params, r.output_token_ids, r.prompt_token_ids,
+                               self.eos_token_id, r.num_output_tokens))
+                parent = self._child_of[r.request_id][0]
+                if parent.metrics.first_scheduled_time is None:
+                    parent.metrics.first_scheduled_time = now
+            plan = self.runner.build_plan(sched.to_rows(), inputs)
+            out = self.runner.execute(plan)
+            sampled = {}
+            for i, s in enumerate(sched.scheduled):
+                if s.sample:
+                    sampled[s.request.request_id] = int(out.token_ids[i])
+            self.scheduler.update_from_output(sched, sampled)
+            now = time.time()
+            for i, s in enumerate(sched.scheduled):
+                if not s.sample:
+                    continue
+                parent, child = self._child_of[s.request.request_id]
+                self._on_token(parent, child, int(out.token_ids[i]), out, i, now)
+                touched[parent.request_id] = parent
+        self._admit_pending()
+        outputs = []
+        for parent in touched.values():
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                self._parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self._child_of.pop(c.request.request_id, None)
+        return outputs
+
+    def _admit_pending(self) -> None:
+        for parent in self._parents.values():
+            if parent.pending:
+                first = parent.children[0].request
+                if (first.num_computed_tokens >= first.num_prompt_tokens
+                        or first.status.is_finished):
+                    for req in parent.pending:
+                        self.scheduler.add_request(req)
+                    parent.pending.clear()
+
+    def _on_token(self, parent: _Parent, child: _Child, tok: int, out, row: int, now: float):
+        req, params = child.request, child.request.sampling_params
+        self.generation_tokens_total += 1
+        m = parent.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        child.cumulative_logprob += float(out.logprobs[row])
+        if child.logprobs is not None:
+            child.logprobs.append(self._position_logprobs(tok, out, row, params.logprobs))
+        n_out = req.num_output_tokens
+        status, stop_reason = None, None
+        if child.detok is not None:
+            delta = child.detok.add_tokens([tok])
+            child.text = child.detok.text if hasattr(child.detok, "text") else child.text + delta
+            stop = params.stop or []
+            if isinstance(stop, str):
+                stop = [stop]
+            if stop and n_out >= params.min_tokens:
+                hit = check_stop_strings(child.text, len(delta), stop,
+                                         params.include_stop_str_in_output)
+                if hit is not None:
+                    stop_str, cut = hit
+                    child.text = child.text[:cut] if cut is not None else child.text
+                    status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and n_out >= params.min_tokens:
+            if tok in self.eos_token_ids and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif params.stop_token_ids and tok in params.stop_token_ids:
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        if status is None:
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            if n_out >= max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            req.stop_reason = stop_reason
+            self.scheduler.finish_request(req.request_id, status)
+            if parent.finished:
+                m.finished_time = now
+
+    def _position_logprobs(self, tok: int, out, row: int, k: int) -> dict:
+        d = {tok: Logprob(float(out.logprobs[row]),
+                          int(out.ranks[row]) if out.ranks is not None else None,
+                          decode_token(self.tokenizer, tok))}
+        if k and out.topk_ids is not None:
+            for j in range(k):
+                t = int(out.topk_ids[row, j])
+                if t not in d:
+                    d[t] = Logprob(float(out.topk_logprobs[row, j]), j + 1,
+                                   decode_token(self.tokenizer, t))
+        return d
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        comps = []
+        for c in parent.children:
+            r = c.request
+            comps.append(CompletionOutput(
+                index=c.index, text=c.text, token_ids=list(r.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason))
+        first = parent.children[0].request
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, outputs=comps, finished=parent.finished,
+            metrics=parent.metrics, num_cached_tokens=getattr(first, "num_cached_tokens", 0))
+
+    # ---- stats -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return dict(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=getattr(bm, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(bm, "prefix_cache_hits", 0),
+            num_preemptions=self.scheduler.num_preemptions_total,
+            num_compiles=self.runner.num_compiles,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_free_pages=bm.num_free_pages,
+            num_pages=self.runner.num_pages,
+        )
+
+
+def _eos_ids(eos, tokenizer) -> frozenset[int]:
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, (list, tuple)):
+        return frozenset(int(e) for e in eos)
+    return frozenset([int(eos)])
