@@ -1,0 +1,128 @@
+"""Real model shapes without checkpoints: config.json + generation_config.json + a tokenizer.
+
+Benchmarks run these with ``load_format="dummy"`` (random weights made on the device from the
+config), so the 1.1B and 8B shapes can be measured on a machine with no network and no weights.
+The tokenizer is a small stand-in (its vocab is far smaller than the model's); benchmarks feed
+random token ids, so only the shapes matter.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+PRESETS: dict[str, dict] = {
+    # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+    "tinyllama-1.1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
+    # meta-llama/Llama-3.1-8B (Llama-3 8B shape with the llama3 rope scaling)
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def preset_config(name: str) -> dict:
+    """A copy of the HF config.json dict of a preset; unknown names raise ValueError."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+    return copy.deepcopy(PRESETS[name])
+
+
+def param_count(config: dict) -> int:
+    """Number of weights of a Llama-family config (embeddings, layers, final norm, LM head)."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    v, n_layers = config["vocab_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    d = config.get("head_dim") or h // heads
+    attn = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+    if config.get("attention_bias"):
+        attn += heads * d + 2 * kv_heads * d
+    per_layer = attn + 3 * h * i + 2 * h
+    head = 0 if config.get("tie_word_embeddings") else v * h
+    return v * h + n_layers * per_layer + h + head
+
+
+def write_preset(name: str, out_dir: str) -> str:
+    """Write config.json, generation_config.json and a small tokenizer (no weights) to out_dir."""
+    config = preset_config(name)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+           "do_sample": False}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2)
+    _write_tokenizer(out_dir)
+    return out_dir
+
+
+def _write_tokenizer(out_dir: str) -> None:
+    builder = None
+    try:  # the tiny-model tools' trained BPE, when present
+        from jaxserve import tiny_model
+        builder = getattr(tiny_model, "build_tokenizer", None)
+    except ImportError:
+        pass
+    tok = builder() if builder is not None else _byte_level_tokenizer()
+    tok.save_pretrained(out_dir)
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE with no merges: 256 byte tokens plus <s>, </s>, <unk>. Needs no training."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
