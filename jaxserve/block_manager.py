@@ -1,0 +1,229 @@
+"""KV page allocator with automatic prefix caching (vLLM V1 style).
+
+Host side only (no jax). The pool has ``num_pages`` pages of ``block_size`` tokens; page 0 is
+the trash page that padded tokens write to, so it is never handed out.
+
+Prefix caching: once a page is full and its K/V computed, it is keyed by a hash chain
+``hash(parent_hash, page token ids, extra keys)``. A later request whose prompt starts with the
+same tokens reuses those pages copy-free (ref count > 1). Freed pages keep their hash and stay
+in the free queue; a cached page is only evicted (hash dropped) when the allocator hands it
+out again, least recently freed first. Pages without a hash go to the front of the free queue
+so cached ones are the last to be reused.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from jaxserve.request import Request
+from jaxserve.step_plan import TRASH_PAGE
+
+
+def hash_page_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys=None) -> int:
+    """128-bit xxh3 over (parent hash, int32 token bytes, extra keys): one link of the chain."""
+    h = xxhash.xxh3_128()
+    h.update((0 if parent_hash is None else parent_hash).to_bytes(16, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int32).tobytes())
+    if extra_keys is not None:
+        h.update(repr(extra_keys).encode())
+    return h.intdigest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self.page_hash: list[int | None] = [None] * num_pages
+        # Free queue, head = next to hand out. OrderedDict gives O(1) removal of a cached page
+        # that gets a prefix hit while free.
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (p, None) for p in range(num_pages) if p != TRASH_PAGE
+        )
+        self._cached: dict[int, int] = {}  # hash -> page
+        self._num_cached_blocks: dict[str, int] = {}  # request_id -> pages registered so far
+        self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
+        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_requests = 0
+
+    # -- pool state -------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that can be handed out (includes cached pages nobody uses)."""
+        return len(self._free)
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_usable_pages - len(self._free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages held by requests (vLLM's kv_cache_usage)."""
+        return self.num_used_pages / self.num_usable_pages
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def free_page_ids(self) -> list[int]:
+        """The free queue, head (next evicted) first. For tests and debugging."""
+        return list(self._free)
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def _extra_keys(self, request: Request, page_index: int):
+        return request.cache_salt if page_index == 0 and request.cache_salt is not None else None
+
+    def _ensure_hashes(self, request: Request, num_pages: int) -> list[int]:
+        """Extend ``request.block_hashes`` to its first ``num_pages`` full pages (tokens never change)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        toks = request.all_token_ids
+        while len(hashes) < num_pages:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_page_tokens(parent, toks[i * bs:(i + 1) * bs], self._extra_keys(request, i)))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request as (pages, tokens). Pure lookup; stats are recorded
+        by ``allocate_slots`` when the hit is used. At least one token is always left to compute
+        (the step needs it to produce logits)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_pages = (request.num_tokens - 1) // self.block_size
+        hashes = self._ensure_hashes(request, max_pages)
+        pages = []
+        for h in hashes[:max_pages]:
+            p = self._cached.get(h)
+            if p is None:
+                break
+            pages.append(p)
+        return pages, len(pages) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's pages that became full of computed tokens since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if n_full <= start:
+            return
+        hashes = self._ensure_hashes(request, n_full)
+        for i in range(start, n_full):
+            page = request.block_ids[i]
+            h = hashes[i]
+            if self.page_hash[page] is None and h not in self._cached:
+                self.page_hash[page] = h
+                self._cached[h] = page
+            # else: already a cached page (a prefix hit), or an identical page computed by a
+            # concurrent request is cached already; this copy stays unregistered.
+        self._num_cached_blocks[request.request_id] = n_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash. Only possible while no page is in use (like vLLM)."""
+        if self.num_used_pages:
+            return False
+        self._cached.clear()
+        self.page_hash = [None] * self.num_pages
+        return True
+
+    # -- allocation -------------------------------------------------------------------------
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[int] | None = None,
+    ) -> bool:
+        """Make ``request.block_ids`` cover ``num_computed_tokens + hits + num_new_tokens`` tokens.
+
+        ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only on a
+        request that owns no pages yet); passing it (even ``[]``) marks a first admission and
+        counts the lookup in the hit-rate stats. Returns False and changes nothing if the free
+        queue is too short.
+        """
+        computed = list(new_computed_blocks or ())
+        if computed and request.block_ids:
+            raise ValueError("prefix-cache hits can only be added to a request without pages")
+        bs = self.block_size
+        total = request.num_computed_tokens + len(computed) * bs + num_new_tokens
+        n_alloc = max(0, cdiv(total, bs) - len(request.block_ids) - len(computed))
+        # Hit pages nobody holds are in the free queue; touching them takes them out of it.
+        n_touch_free = sum(1 for p in computed if self.ref_counts[p] == 0)
+        if n_alloc + n_touch_free > len(self._free):
+            return False
+        for p in computed:
+            if self.ref_counts[p] == 0:
+                del self._free[p]
+            self.ref_counts[p] += 1
+        if computed:
+            self._num_cached_blocks[request.request_id] = len(computed)
+        pages = request.block_ids
+        pages.extend(computed)
+        for _ in range(n_alloc):
+            p, _ = self._free.popitem(last=False)
+            h = self.page_hash[p]
+            if h is not None:  # evict: its content is about to be overwritten
+                self.page_hash[p] = None
+                if self._cached.get(h) == p:
+                    del self._cached[h]
+            self.ref_counts[p] = 1
+            pages.append(p)
+        if new_computed_blocks is not None and self.enable_prefix_caching:
+            self.prefix_cache_requests += 1
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed) * bs
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release a request's pages, tail first, so the tail of a cached prefix is evicted first."""
+        for p in reversed(request.block_ids):
+            rc = self.ref_counts[p] - 1
+            if rc < 0:
+                raise RuntimeError(f"page {p} freed more often than allocated")
+            self.ref_counts[p] = rc
+            if rc == 0:
+                self._free[p] = None
+                if self.page_hash[p] is None:  # worthless: reuse it before any cached page
+                    self._free.move_to_end(p, last=False)
+        request.block_ids = []
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    def check_invariants(self, requests: Sequence[Request] = ()) -> None:
+        """Assert the pool's bookkeeping is consistent with the given live requests (tests)."""
+        owners = [0] * self.num_pages
+        for r in requests:
+            for p in r.block_ids:
+                owners[p] += 1
+        assert owners[TRASH_PAGE] == 0 and self.ref_counts[TRASH_PAGE] == 0, "trash page handed out"
+        assert TRASH_PAGE not in self._free
+        for p in range(1, self.num_pages):
+            assert self.ref_counts[p] == owners[p], f"page {p}: ref {self.ref_counts[p]} != owners {owners[p]}"
+            assert (p in self._free) == (owners[p] == 0), f"page {p} free-queue state wrong"
+            if owners[p] > 1:
+                assert self.page_hash[p] is not None, f"page {p} shared but not a cached page"
+        for h, p in self._cached.items():
+            assert self.page_hash[p] == h
+        assert sum(h is not None for h in self.page_hash) == len(self._cached)

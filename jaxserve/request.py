@@ -1,0 +1,111 @@
+"""One generation request as the scheduler sees it: tokens, progress, pages, status.
+
+Host side only (no jax). vLLM V1 style: a request has ``num_computed_tokens`` (tokens whose
+K/V are in its pages) and ``all_token_ids`` (prompt + output); the difference is what the
+next step has to feed. Prefill, chunked prefill, decode and recompute after preemption are all
+the same thing: feed ``all_token_ids[num_computed_tokens:]``.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Sequence
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # recompute: pages dropped, back in the waiting queue
+    SWAPPED = "swapped"  # pages copied to host memory, back in the waiting queue
+    FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"  # client abort, or it can never fit the KV pool
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI / vLLM ``finish_reason`` string of a finished status."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+_FINISHED = frozenset(_FINISH_REASON)
+
+
+class Request:
+    """A request's token state. ``sampling_params`` is opaque here (only ``max_tokens`` is read)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        eos_token_id: int | None = None,
+        cache_salt: str | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
+        self.sampling_params = sampling_params
+        self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
+        self.priority = int(priority)
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt  # mixed into the first page's prefix-cache hash
+
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.block_ids: list[int] = []  # KV pages owned, in position order
+        self.block_hashes: list[int] = []  # prefix-cache hash chain of full pages (lazy)
+        self.num_cached_tokens = 0  # prefix-cache hit at first schedule
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None  # stop token id / stop string, set by engine
+        self.abort_reason: str | None = None  # why the scheduler aborted it, if it did
+        self.first_scheduled_time: float | None = None
+        self._seq_no = 0  # tie-breaker for equal (priority, arrival), set by the scheduler
+        # Effective generation cap (the scheduler lowers it to fit max_model_len).
+        mt = getattr(sampling_params, "max_tokens", None)
+        self.max_tokens: int | None = None if mt is None else int(mt)
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    # -- status -----------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        token_id = int(token_id)
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens},"
+            f" out={self.num_output_tokens}, computed={self.num_computed_tokens},"
+            f" pages={len(self.block_ids)})"
+        )

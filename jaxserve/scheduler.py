@@ -1,0 +1,346 @@
+"""Continuous batching under a token budget (vLLM V1 semantics), host side only (no jax).
+
+Each ``schedule()`` call builds one step:
+1. running requests, in (priority, arrival) order, each get its next chunk: one token for a
+   decode, up to the remaining budget for a prefill. If its pages run out, the lowest-priority
+   / latest running request is preempted (recompute: pages dropped; swap: pages copied to host
+   memory by the runner) until it fits. A request that cannot fit even alone is aborted.
+2. if nothing was preempted, waiting requests (new, preempted, swapped) are admitted in
+   (priority, arrival) order while budget, ``max_num_seqs`` and pages last; a new request
+   first takes the longest cached prefix from the prefix cache.
+
+The engine feeds the step result back with ``update_from_output`` and decides stopping itself
+(``finish_request``). Counting progress only there keeps schedule() side-effect free on tokens.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from jaxserve.block_manager import BlockManager, cdiv
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.errors import InvalidRequestError
+from jaxserve.request import Request, RequestStatus
+from jaxserve.step_plan import ScheduledSeq
+
+ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start_pos: int  # num_computed_tokens before the step
+    sample: bool  # the step completes the request's known tokens: its sampled token is kept
+    new_token_ids: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # preempted this step (both modes)
+    # (request_id, page ids): copy these pages device -> host BEFORE running the step (the
+    # pages are already free and may be reused by this very step).
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    # (request_id, page ids): copy the host copy back into these pages BEFORE running the step.
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    finished_aborted: list[str] = field(default_factory=list)  # aborted by the scheduler now
+    # finished by the scheduler at max_model_len (safety net; empty if the engine stops at
+    # request.max_tokens as it should)
+    finished_length: list[str] = field(default_factory=list)
+    # every request finished since the previous schedule() (engine stops, aborts, and the
+    # above): the runner drops per-request state (host swap copies, sampler state).
+    finished_req_ids: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.scheduled)
+
+    def to_rows(self) -> list[ScheduledSeq]:
+        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order."""
+        return [
+            ScheduledSeq(
+                new_token_ids=s.new_token_ids,
+                start_pos=s.start_pos,
+                block_ids=s.request.block_ids,
+                sample=s.sample,
+            )
+            for s in self.scheduled
+        ]
+
+
+def _order_key(req: Request):
+    return (req.priority, req.arrival_time, req._seq_no)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        page_bytes: int | None = None,
+    ):
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if block_manager.block_size != cache_config.block_size:
+            raise ValueError(
+                f"block manager block_size {block_manager.block_size} != cache_config.block_size"
+                f" {cache_config.block_size}"
+            )
+        if (not scheduler_config.enable_chunked_prefill
+                and scheduler_config.max_num_batched_tokens < max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) is smaller"
+                f" than max_model_len ({max_model_len}) with chunked prefill disabled: long prompts"
+                " could never be scheduled"
+            )
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.preemption_mode = scheduler_config.preemption_mode
+        if page_bytes is None:
+            self.swap_capacity_pages: float = float("inf")
+        else:
+            if page_bytes < 1:
+                raise ValueError(f"page_bytes must be >= 1, got {page_bytes}")
+            self.swap_capacity_pages = int(cache_config.swap_space * (1 << 30)) // page_bytes
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by (priority, arrival, seq)
+        self.running: list[Request] = []  # sorted by (priority, arrival, seq)
+        self._swapped_pages: dict[str, int] = {}  # request_id -> pages held in host memory
+        self._finished_since_schedule: list[str] = []
+        self._seq_counter = 0
+        self.num_preemptions_total = 0
+        self.num_swap_outs_total = 0
+        self.num_aborted_by_scheduler = 0
+
+    # -- counters ---------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._swapped_pages)
+
+    @property
+    def swap_used_pages(self) -> int:
+        return sum(self._swapped_pages.values())
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # -- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Validate and queue. Prompts over ``max_model_len`` (or the whole KV pool) are rejected;
+        ``request.max_tokens`` is capped so prompt + output fits ``max_model_len``."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use", param="request_id")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("the prompt cannot be empty", param="prompt")
+        if n > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt (length {n}) is longer than the maximum model length of"
+                f" {self.max_model_len}", param="prompt")
+        if cdiv(n, self.block_size) > self.block_manager.num_usable_pages:
+            raise InvalidRequestError(
+                f"the prompt (length {n}) needs {cdiv(n, self.block_size)} KV cache pages but the"
+                f" cache only has {self.block_manager.num_usable_pages}", param="prompt")
+        if request.max_tokens is not None and request.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+        # Like vLLM: generation stops once prompt + output reaches max_model_len (>= 1 token).
+        cap = max(1, self.max_model_len - n)
+        request.max_tokens = cap if request.max_tokens is None else min(request.max_tokens, cap)
+        request.status = RequestStatus.WAITING
+        request._seq_no = self._seq_counter
+        self._seq_counter += 1
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=_order_key)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Mark a request finished and release everything it holds. Unknown ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        self._swapped_pages.pop(request_id, None)
+        req.status = status
+        self._finished_since_schedule.append(request_id)
+        return req
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+
+    # -- one step ---------------------------------------------------------------------------
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        n = min(n, self.max_model_len - req.num_computed_tokens)
+        return min(n, budget)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        n_pages = cdiv(victim.num_computed_tokens, self.block_size)
+        swap = (
+            self.preemption_mode == "swap"
+            and n_pages > 0
+            and self.swap_used_pages + n_pages <= self.swap_capacity_pages
+        )
+        if swap:
+            out.swap_out.append((victim.request_id, list(victim.block_ids[:n_pages])))
+            self._swapped_pages[victim.request_id] = n_pages
+            victim.status = RequestStatus.SWAPPED
+            self.num_swap_outs_total += 1
+        else:
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.PREEMPTED
+        self.block_manager.free(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        out.preempted.append(victim.request_id)
+        bisect.insort(self.waiting, victim, key=_order_key)
+
+    def _abort_unfittable(self, req: Request, out: SchedulerOutput) -> None:
+        req.abort_reason = ABORT_KV_CACHE_EXHAUSTED
+        self.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+        self.num_aborted_by_scheduler += 1
+        out.finished_aborted.append(req.request_id)
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            request=req,
+            num_new_tokens=n,
+            start_pos=start,
+            sample=start + n == req.num_tokens,
+            new_token_ids=req.all_token_ids[start:start + n],
+        ))
+        out.num_batched_tokens += n
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+
+        # 1. running requests (sorted: the preemption victim is always the last one)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
+                self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                out.finished_length.append(req.request_id)
+                continue
+            scheduled = True
+            while not bm.allocate_slots(req, n):
+                victim = self.running[-1]
+                if victim is req:
+                    if i == 0:  # alone in the pool and still does not fit: never will
+                        self._abort_unfittable(req, out)
+                    else:  # higher-priority requests hold the pages: wait for them
+                        self._preempt(req, out)
+                    scheduled = False
+                    break
+                self._preempt(victim, out)
+            if scheduled:
+                self._add_scheduled(out, req, n)
+                budget -= n
+                i += 1
+
+        # 2. waiting requests, unless this step had to preempt (vLLM V1: avoid thrashing)
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                resumed_swap = req.status == RequestStatus.SWAPPED
+                hits: list[int] | None = None
+                n_hit = 0
+                if not resumed_swap and req.num_computed_tokens == 0:
+                    hits, n_hit = bm.get_computed_blocks(req)
+                n = req.num_tokens - req.num_computed_tokens - n_hit
+                n = min(n, self.max_model_len - req.num_computed_tokens - n_hit)
+                if n > budget:
+                    if not self.config.enable_chunked_prefill:
+                        break
+                    n = budget
+                if not bm.allocate_slots(req, n, hits):
+                    if not self.running:  # nothing else holds pages: it can never fit
+                        self.waiting.pop(0)
+                        self._abort_unfittable(req, out)
+                        continue
+                    break  # FCFS: nobody overtakes the head of the queue
+                self.waiting.pop(0)
+                if resumed_swap:
+                    n_pages = self._swapped_pages.pop(req.request_id)
+                    out.swap_in.append((req.request_id, list(req.block_ids[:n_pages])))
+                elif hits is not None:
+                    req.num_computed_tokens = n_hit
+                    if req.num_preemptions == 0:
+                        req.num_cached_tokens = n_hit
+                req.status = RequestStatus.RUNNING
+                bisect.insort(self.running, req, key=_order_key)
+                self._add_scheduled(out, req, n)
+                budget -= n
+
+        out.finished_req_ids = self._finished_since_schedule
+        self._finished_since_schedule = []
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests after the device step; append the sampled token of
+        every row that samples; register newly full pages in the prefix cache. Returns the
+        requests that got a new token (the engine checks them for stopping)."""
+        got_token = []
+        for s in scheduler_output.scheduled:
+            req = s.request
+            if req.is_finished or self.requests.get(req.request_id) is not req:
+                continue  # finished/aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            if s.sample:
+                tok = sampled.get(req.request_id)
+                if tok is None:
+                    raise ValueError(f"no sampled token for request {req.request_id!r}")
+                req.append_output_token(tok)
+                got_token.append(req)
+            self.block_manager.cache_full_blocks(req)
+        return got_token

@@ -1,0 +1,468 @@
+"""Scheduler: token budget, chunked prefill, priorities, prefix hits, preemption (both modes),
+aborts, and random workloads driven to completion on a fake device.
+
+The fake device is a real KV store of token ids: each step writes every fed token into its
+slot (from the StepPlan's slot_mapping), checks that every earlier position of every row reads
+back the right token through the block table, and "samples" a token that is a function of the
+context it read. So a lost page, a wrong prefix hit or a bad swap changes the outputs.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.block_manager import BlockManager
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.errors import InvalidRequestError
+from jaxserve.request import Request, RequestStatus
+from jaxserve.scheduler import ABORT_KV_CACHE_EXHAUSTED, Scheduler
+from jaxserve.step_plan import build_step_plan, token_ladder
+
+VOCAB = 1000
+
+
+@dataclass
+class Params:
+    max_tokens: int | None = 16
+
+
+def make_sched(num_pages=64, block_size=4, budget=64, max_seqs=8, max_model_len=256,
+               mode="recompute", chunked=True, prefix=True, swap_space=4.0, page_bytes=None):
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix, swap_space=swap_space)
+    sc = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                         preemption_mode=mode, enable_chunked_prefill=chunked)
+    bm = BlockManager(num_pages, block_size, enable_prefix_caching=prefix)
+    return Scheduler(sc, cc, bm, max_model_len, page_bytes=page_bytes)
+
+
+def req(rid, prompt, max_tokens=16, priority=0, arrival=None):
+    return Request(rid, list(prompt), Params(max_tokens), arrival_time=arrival, priority=priority)
+
+
+class FakeDevice:
+    """KV pages holding token ids (-1 = never written); host swap space as a dict."""
+
+    def __init__(self, sched: Scheduler):
+        self.s = sched
+        bs = sched.block_size
+        self.kv = np.full(sched.block_manager.num_pages * bs, -1, dtype=np.int64)
+        self.host: dict[str, np.ndarray] = {}
+        self.ladder = token_ladder(sched.max_num_batched_tokens, 4)
+        self.max_pages = -(-(sched.max_model_len + 1) // bs)
+
+    def step(self, out) -> dict[str, int]:
+        bs = self.s.block_size
+        for rid in out.finished_req_ids:
+            self.host.pop(rid, None)
+        for rid, pages in out.swap_out:  # before the step: the pages may be reused by it
+            self.host[rid] = np.stack([self.kv[p * bs:(p + 1) * bs] for p in pages])
+        for rid, pages in out.swap_in:
+            data = self.host.pop(rid)
+            assert len(data) == len(pages)
+            for p, d in zip(pages, data):
+                self.kv[p * bs:(p + 1) * bs] = d
+        if out.is_empty:
+            return {}
+        plan = build_step_plan(out.to_rows(), block_size=bs, max_pages_per_seq=self.max_pages,
+                               ladder=self.ladder, max_num_seqs=self.s.max_num_seqs)
+        n = plan.num_tokens
+        self.kv[plan.slot_mapping[:n]] = plan.token_ids[:n]
+        sampled = {}
+        for i, s in enumerate(out.scheduled):
+            L = int(plan.seq_lens[i])
+            pos = np.arange(L)
+            ctx = self.kv[plan.block_tables[i, pos // bs] * bs + pos % bs]
+            expect = np.asarray(s.request.all_token_ids[:L])
+            assert np.array_equal(ctx, expect), f"{s.request_id}: KV context corrupted"
+            if s.sample:
+                sampled[s.request_id] = int((ctx * np.arange(1, L + 1)).sum() % VOCAB)
+        return sampled
+
+
+def check_step(sched, out):
+    assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert len(out.scheduled) <= sched.max_num_seqs
+    ids = [s.request_id for s in out.scheduled]
+    assert len(ids) == len(set(ids))
+    for s in out.scheduled:
+        r = s.request
+        assert s.num_new_tokens >= 1 and s.start_pos == r.num_computed_tokens
+        assert s.new_token_ids == r.all_token_ids[s.start_pos:s.start_pos + s.num_new_tokens]
+        assert s.sample == (s.start_pos + s.num_new_tokens == r.num_tokens)
+        assert s.start_pos + s.num_new_tokens <= sched.max_model_len
+        assert r.status == RequestStatus.RUNNING
+    live = list(sched.requests.values())
+    sched.block_manager.check_invariants(live)
+    for r in sched.waiting:
+        assert r.block_ids == []
+
+
+def run_all(sched, requests, abort_at=None, max_steps=5000):
+    """Engine loop: stop at max_tokens. ``abort_at``: {step: [ids]}. Returns (outputs, steps)."""
+    dev = FakeDevice(sched)
+    for r in requests:
+        sched.add_request(r)
+    done = {}
+    steps = 0
+    while sched.has_unfinished():
+        for rid in (abort_at or {}).get(steps, []):
+            sched.abort_request(rid)
+        out = sched.schedule()
+        check_step(sched, out)
+        assert out.scheduled or out.finished_aborted or not sched.has_unfinished() or \
+            out.preempted, "scheduler idles with work left (deadlock)"
+        sampled = dev.step(out)
+        for r in sched.update_from_output(out, sampled):
+            if r.num_output_tokens >= r.max_tokens:
+                sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+        steps += 1
+        assert steps < max_steps, "did not terminate"
+    for r in requests:
+        assert r.is_finished
+        done[r.request_id] = list(r.output_token_ids)
+    bm = sched.block_manager
+    assert bm.num_free_pages == bm.num_pages - 1
+    assert all(rc == 0 for rc in bm.ref_counts)
+    assert sched.num_swapped == 0 and not dev.host
+    return done, steps
+
+
+def workload(n=12, seed=0, shared=12, vocab=VOCAB):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, shared).tolist()
+    reqs = []
+    for i in range(n):
+        tail = rng.integers(0, vocab, int(rng.integers(1, 30))).tolist()
+        prompt = (system if i % 2 == 0 else []) + tail
+        reqs.append(req(f"r{i}", prompt, max_tokens=int(rng.integers(1, 20)), arrival=float(i)))
+    return reqs
+
+
+# -- validation --------------------------------------------------------------------------------
+def test_add_request_validation_and_length_cap():
+    s = make_sched(max_model_len=32, num_pages=64)
+    with pytest.raises(InvalidRequestError) as e:
+        s.add_request(req("long", range(33)))
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as e:
+        s.add_request(req("empty", []))
+    assert e.value.param == "prompt"
+    r = req("edge", range(32), max_tokens=100)
+    s.add_request(r)
+    assert r.max_tokens == 1  # prompt == max_model_len: one token, like vLLM
+    r2 = req("cap", range(20), max_tokens=100)
+    s.add_request(r2)
+    assert r2.max_tokens == 12
+    r3 = req("none", range(10), max_tokens=None)
+    s.add_request(r3)
+    assert r3.max_tokens == 22
+    with pytest.raises(InvalidRequestError) as e:
+        s.add_request(req("cap", [1]))
+    assert e.value.param == "request_id"
+    small = make_sched(num_pages=3, block_size=4, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="pages"):
+        small.add_request(req("huge", range(12)))  # 3 pages > 2 usable
+    with pytest.raises(ValueError, match="chunked"):
+        make_sched(chunked=False, budget=16, max_model_len=64)
+
+
+def test_requests_at_max_model_len_never_exceed_it():
+    s = make_sched(max_model_len=24, budget=8)
+    reqs = [req("a", range(24), max_tokens=50), req("b", range(10), max_tokens=50),
+            req("c", range(23), max_tokens=None)]
+    out, _ = run_all(s, reqs)
+    assert [len(out[k]) for k in "abc"] == [1, 14, 1]
+
+
+# -- budget, chunking, ordering ---------------------------------------------------------------
+def test_chunked_prefill_respects_budget():
+    s = make_sched(budget=32, block_size=4)
+    r = req("long", range(100), max_tokens=2)
+    s.add_request(r)
+    chunks = []
+    while not r.is_finished:
+        out = s.schedule()
+        check_step(s, out)
+        (sr,) = out.scheduled
+        chunks.append((sr.start_pos, sr.num_new_tokens, sr.sample))
+        got = s.update_from_output(out, {"long": 5} if sr.sample else {})
+        if got and r.num_output_tokens >= r.max_tokens:
+            s.finish_request("long", RequestStatus.FINISHED_LENGTH)
+    assert chunks == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True), (100, 1, True)]
+    assert r.output_token_ids == [5, 5]
+
+
+def test_decodes_first_then_prefill_chunks_fill_the_budget():
+    s = make_sched(budget=16, max_seqs=8)
+    a = req("a", range(10), max_tokens=50, arrival=0)
+    s.add_request(a)
+    out = s.schedule()
+    s.update_from_output(out, {"a": 1})
+    b = req("b", range(100, 140), max_tokens=5, arrival=1)
+    c = req("c", range(200, 203), max_tokens=5, arrival=2)
+    s.add_request(b)
+    s.add_request(c)
+    out = s.schedule()
+    check_step(s, out)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 15)]
+    s.update_from_output(out, {"a": 2})
+    out = s.schedule()
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 15)]
+
+
+def test_chunked_prefill_disabled_schedules_whole_prompts():
+    s = make_sched(budget=64, chunked=False, max_model_len=64)
+    s.add_request(req("a", range(40), arrival=0))
+    s.add_request(req("b", range(40), arrival=1))
+    out = s.schedule()
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 40)]
+
+
+def test_max_num_seqs():
+    s = make_sched(max_seqs=3, budget=256)
+    reqs = [req(f"r{i}", range(5), arrival=i) for i in range(7)]
+    for r in reqs:
+        s.add_request(r)
+    out = s.schedule()
+    assert [x.request_id for x in out.scheduled] == ["r0", "r1", "r2"]
+    assert s.num_running == 3 and s.num_waiting == 4
+
+
+def test_priority_then_arrival_order():
+    s = make_sched(max_seqs=1)
+    specs = [("low-early", 5, 0.0), ("high-late", -1, 3.0), ("mid", 0, 1.0), ("mid-late", 0, 2.0),
+             ("high", -1, 4.0)]
+    reqs = [req(n, range(6), max_tokens=3, priority=p, arrival=t) for n, p, t in specs]
+    order = []
+    dev = FakeDevice(s)
+    for r in reqs:
+        s.add_request(r)
+    while s.has_unfinished():
+        out = s.schedule()
+        for x in out.scheduled:
+            if not order or order[-1] != x.request_id:
+                order.append(x.request_id)
+        for r in s.update_from_output(out, dev.step(out)):
+            if r.num_output_tokens >= r.max_tokens:
+                s.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+    assert order == ["high-late", "high", "mid", "mid-late", "low-early"]
+    assert all(r.finish_reason == "stop" for r in reqs)
+
+
+def test_prefix_cache_hit_at_first_schedule():
+    s = make_sched(block_size=4)
+    system = list(range(500, 520))
+    a = req("a", system + [1, 2], max_tokens=2, arrival=0)
+    out, _ = run_all(s, [a])
+    b = req("b", system + [3], max_tokens=2, arrival=1)
+    s.add_request(b)
+    o = s.schedule()
+    (sb,) = o.scheduled
+    assert b.num_cached_tokens == 20 and sb.start_pos == 20 and sb.num_new_tokens == 1
+    assert s.block_manager.hit_rate > 0
+
+
+def test_prefix_caching_on_off_same_outputs():
+    on, _ = run_all(make_sched(prefix=True), workload(seed=1))
+    off, _ = run_all(make_sched(prefix=False), workload(seed=1))
+    assert on == off
+    s = make_sched(prefix=True, max_seqs=2)
+    run_all(s, workload(seed=1))
+    assert s.block_manager.prefix_cache_hits > 0
+
+
+# -- preemption -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_tiny_pool_completes_with_same_outputs(mode):
+    ref, _ = run_all(make_sched(num_pages=256, max_seqs=16), workload(n=16, seed=2))
+    s = make_sched(num_pages=16, block_size=4, max_seqs=16, budget=32, mode=mode)
+    reqs = workload(n=16, seed=2)
+    out, _ = run_all(s, reqs)
+    assert s.num_preemptions_total > 0
+    if mode == "swap":
+        assert s.num_swap_outs_total > 0
+    assert out == ref
+    for r in reqs:
+        assert len(r.output_token_ids) == r.max_tokens
+        assert r.finish_reason == "length"
+
+
+def test_swap_falls_back_to_recompute_when_swap_space_is_full():
+    # 1 page of host swap space: most preemptions must recompute
+    page_bytes = 1 << 30
+    s = make_sched(num_pages=16, block_size=4, max_seqs=16, budget=32, mode="swap",
+                   swap_space=1.0, page_bytes=page_bytes)
+    assert s.swap_capacity_pages == 1
+    ref, _ = run_all(make_sched(num_pages=256, max_seqs=16), workload(n=16, seed=3))
+    out, _ = run_all(s, workload(n=16, seed=3))
+    assert out == ref
+    assert s.num_preemptions_total > s.num_swap_outs_total
+
+
+def test_swap_output_lists_pages_then_swaps_back_in():
+    s = make_sched(num_pages=7, block_size=4, budget=64, max_seqs=4, mode="swap")  # 6 usable
+    a = req("a", range(8), max_tokens=12, arrival=0)  # 19 tokens = 5 pages each, 10 > 6
+    b = req("b", range(100, 108), max_tokens=12, arrival=1)
+    dev = FakeDevice(s)
+    s.add_request(a)
+    s.add_request(b)
+    swap_outs, swap_ins = [], []
+    while s.has_unfinished():
+        out = s.schedule()
+        check_step(s, out)
+        swap_outs += out.swap_out
+        swap_ins += out.swap_in
+        for r in s.update_from_output(out, dev.step(out)):
+            if r.num_output_tokens >= r.max_tokens:
+                s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+    assert swap_outs and swap_outs[0][0] == "b"  # the later request is the victim
+    assert [x[0] for x in swap_ins] == [x[0] for x in swap_outs]
+    assert all(len(o[1]) == len(i[1]) for o, i in zip(swap_outs, swap_ins))
+    assert a.num_preemptions == 0 and b.num_preemptions >= 1
+    assert len(a.output_token_ids) == len(b.output_token_ids) == 12
+
+
+def test_request_that_cannot_fit_alone_is_aborted_not_spun():
+    # 4 usable pages of 4 tokens = 16 tokens; "big" needs 30
+    s = make_sched(num_pages=5, block_size=4, budget=16, max_model_len=64)
+    big = req("big", range(10), max_tokens=20, arrival=0)
+    small = req("small", range(50, 53), max_tokens=4, arrival=1)
+    out, steps = run_all(s, [big, small])
+    assert big.status == RequestStatus.FINISHED_ABORTED and big.finish_reason == "abort"
+    assert big.abort_reason == ABORT_KV_CACHE_EXHAUSTED
+    assert 0 < len(out["big"]) < 20
+    assert len(out["small"]) == 4 and small.finish_reason == "length"
+
+
+# -- aborts -----------------------------------------------------------------------------------
+def test_abort_mid_prefill_and_mid_decode_frees_pages():
+    s = make_sched(budget=8, num_pages=32)
+    a = req("a", range(40), max_tokens=10, arrival=0)  # long prefill
+    b = req("b", range(3), max_tokens=10, arrival=1)
+    dev = FakeDevice(s)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(2):
+        out = s.schedule()
+        s.update_from_output(out, dev.step(out))
+    assert 0 < a.num_computed_tokens < 40 and a.block_ids
+    s.abort_request("a")
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.block_ids == []
+    assert s.get_request("a") is None
+    for _ in range(4):
+        out = s.schedule()
+        assert "a" in out.finished_req_ids or _ > 0
+        s.update_from_output(out, dev.step(out))
+    assert b.num_output_tokens > 0 and b.block_ids
+    s.abort_request(["b", "unknown"])
+    assert not s.has_unfinished()
+    bm = s.block_manager
+    assert bm.num_free_pages == bm.num_pages - 1 and all(rc == 0 for rc in bm.ref_counts)
+
+
+def test_abort_while_step_in_flight_is_ignored_by_update():
+    s = make_sched()
+    r = req("a", range(5))
+    s.add_request(r)
+    out = s.schedule()
+    s.abort_request("a")
+    assert s.update_from_output(out, {"a": 3}) == []
+    assert r.output_token_ids == [] and r.block_ids == []
+
+
+def test_abort_swapped_request_releases_host_space():
+    s = make_sched(num_pages=7, block_size=4, budget=64, mode="swap")
+    a = req("a", range(8), max_tokens=20, arrival=0)
+    b = req("b", range(100, 108), max_tokens=20, arrival=1)
+    dev = FakeDevice(s)
+    s.add_request(a)
+    s.add_request(b)
+    while b.status != RequestStatus.SWAPPED:
+        out = s.schedule()
+        s.update_from_output(out, dev.step(out))
+    assert s.num_swapped == 1
+    s.abort_request("b")
+    assert s.num_swapped == 0 and s.swap_used_pages == 0
+    out = s.schedule()
+    assert "b" in out.finished_req_ids
+
+
+def test_scheduler_aborts_with_random_client_aborts():
+    reqs = workload(n=14, seed=5)
+    s = make_sched(num_pages=14, budget=16, max_seqs=6)
+    out, _ = run_all(s, reqs, abort_at={3: ["r1", "r2"], 9: ["r5"], 20: ["r13"]})
+    for rid in ("r1", "r2", "r5"):
+        assert s.get_request(rid) is None
+        assert next(r for r in reqs if r.request_id == rid).finish_reason == "abort"
+
+
+# -- property-based ---------------------------------------------------------------------------
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = draw(st.integers(8, 64))
+    num_pages = draw(st.integers(2, 40))
+    budget = draw(st.integers(1, 48))
+    chunked = draw(st.booleans()) if budget >= max_model_len else True
+    cfg = dict(block_size=block_size, max_model_len=max_model_len, num_pages=num_pages,
+               budget=budget, max_seqs=draw(st.integers(1, 8)), chunked=chunked,
+               mode=draw(st.sampled_from(["recompute", "swap"])), prefix=draw(st.booleans()),
+               page_bytes=draw(st.sampled_from([None, 1 << 30, 1 << 32])))
+    prefixes = [draw(st.lists(st.integers(0, 9), min_size=0, max_size=16)) for _ in range(2)]
+    n = draw(st.integers(1, 10))
+    reqs = []
+    for i in range(n):
+        pre = prefixes[draw(st.integers(0, 1))]
+        tail = draw(st.lists(st.integers(0, 9), min_size=1, max_size=24))
+        reqs.append(dict(rid=f"r{i}", prompt=(pre + tail)[:max_model_len],
+                         max_tokens=draw(st.integers(1, 12)), priority=draw(st.integers(0, 2)),
+                         arrival=float(draw(st.integers(0, 5)))))
+    aborts = draw(st.dictionaries(st.integers(0, 30), st.lists(st.sampled_from(
+        [f"r{i}" for i in range(n)]), max_size=2), max_size=3))
+    return cfg, reqs, aborts
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_invariants(w):
+    cfg, specs, aborts = w
+    s = make_sched(**cfg)
+    reqs, accepted = [], []
+    dev = FakeDevice(s)
+    for sp in specs:
+        r = req(sp["rid"], sp["prompt"], sp["max_tokens"], sp["priority"], sp["arrival"])
+        try:
+            s.add_request(r)
+            accepted.append(r)
+        except InvalidRequestError as e:
+            assert e.param == "prompt"  # only too big for the pool can fail here
+        reqs.append(r)
+    steps = 0
+    while s.has_unfinished():
+        for rid in aborts.get(steps, []):
+            s.abort_request(rid)
+        out = s.schedule()
+        check_step(s, out)
+        assert out.scheduled or out.finished_aborted or not s.has_unfinished(), "idle step"
+        for r in s.update_from_output(out, dev.step(out)):
+            if r.num_output_tokens >= r.max_tokens:
+                s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+        steps += 1
+        assert steps < 3000, "did not terminate"
+    bm = s.block_manager
+    assert bm.num_free_pages == bm.num_pages - 1 and all(rc == 0 for rc in bm.ref_counts)
+    bm.check_invariants([])
+    for r in accepted:
+        assert r.is_finished
+        if r.status == RequestStatus.FINISHED_LENGTH:
+            assert r.num_output_tokens == r.max_tokens
+            assert r.num_prompt_tokens + r.num_output_tokens <= max(cfg["max_model_len"], r.num_prompt_tokens + 1)
+        else:
+            assert r.status == RequestStatus.FINISHED_ABORTED
+            client_abort = any(r.request_id in v for v in aborts.values())
+            assert client_abort or r.abort_reason == ABORT_KV_CACHE_EXHAUSTED
+            if r.abort_reason == ABORT_KV_CACHE_EXHAUSTED:  # really could not fit the pool
+                assert -(-r.num_tokens // cfg["block_size"]) > cfg["num_pages"] - 1
