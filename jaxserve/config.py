@@ -78,3 +78,121 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+_QKV_BIAS_MODEL_TYPES = ("qwen2",)  # qkv bias without an `attention_bias` field in config.json
+_QK_NORM_MODEL_TYPES = ("qwen3",)
+
+
+@dataclass
+class ModelConfig:
+    """The fields of an HF ``config.json`` the Llama-family forward needs, under one set of names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope parameters ("rope_type", "factor", ...); None = plain
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    sliding_window: int | None = None  # Mistral; None = full attention
+    layer_types: tuple[str, ...] | None = None  # HF per-layer "full_attention"/"sliding_attention"
+    architecture: str = "LlamaForCausalLM"
+    model_type: str = "llama"
+    eos_token_id: int | list[int] | None = None
+    bos_token_id: int | None = None
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (None = full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        if e is None:
+            return ()
+        return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> "ModelConfig":
+        """Map an HF config.json dict (transformers 4.x or 5.x spelling) to a ModelConfig."""
+        d = dict(d)
+        if "text_config" in d and "hidden_size" not in d:
+            d = {**d, **d["text_config"]}
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if key not in d:
+                raise ValueError(f"config.json lacks {key!r}")
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        model_type = d.get("model_type", "llama")
+        num_heads = int(d["num_attention_heads"])
+        num_kv = int(d.get("num_key_value_heads") or num_heads)
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+
+        # transformers 5 folds rope_theta and rope_scaling into `rope_parameters`.
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        rope = dict(rope) if rope else {}
+        rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type in ("default", None) and not {"factor"} & rope.keys():
+            rope_scaling = None
+        else:
+            rope.pop("type", None)
+            rope["rope_type"] = rope_type
+            rope_scaling = rope
+
+        sliding = d.get("sliding_window")
+        if d.get("use_sliding_window") is False:
+            sliding = None
+        layer_types = d.get("layer_types")
+        if layer_types is not None:
+            layer_types = tuple(layer_types)
+            if "sliding_attention" not in layer_types:
+                sliding = None
+
+        attention_bias = d.get("attention_bias")
+        if attention_bias is None:
+            attention_bias = model_type in _QKV_BIAS_MODEL_TYPES
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(attention_bias),
+            qk_norm=model_type in _QK_NORM_MODEL_TYPES,
+            sliding_window=int(sliding) if sliding else None,
+            layer_types=layer_types,
+            architecture=archs[0],
+            model_type=model_type,
+            eos_token_id=d.get("eos_token_id"),
+            bos_token_id=d.get("bos_token_id"),
+            hidden_act=d.get("hidden_act", "silu"),
+        )
+

@@ -1,0 +1,243 @@
+"""Checkpoints -> placed model parameters, and the tokenizer.
+
+Sources: an HF directory (config.json + one or many ``*.safetensors``, read lazily with
+``safe_open``), a GGUF file (through ``jaxserve.gguf_loader``), ``dummy`` random weights from
+config.json alone, and the name ``demo-random``. Every parameter is placed with a
+``NamedSharding`` whose ``PartitionSpec`` comes from :func:`param_partition_spec`; tensor
+parallelism only changes the mesh and that one function.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.registry import get_model_class
+
+TP_AXIS = "tp"
+# Checkpoint tensors that carry no parameter (HF buffers saved by old exports).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    """"auto": bfloat16 on GPU/TPU, float32 on CPU; else a dtype name or object."""
+    if dtype in (None, "auto"):
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    names = {"float32": jnp.float32, "fp32": jnp.float32, "float": jnp.float32,
+             "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+             "float16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"dtype {dtype!r} not one of auto, {', '.join(sorted(names))}")
+        return jnp.dtype(names[dtype])
+    return jnp.dtype(dtype)
+
+
+def default_mesh() -> Mesh:
+    """A 1-device mesh with the tensor-parallel axis (size 1)."""
+    return Mesh(np.array(jax.devices()[:1]), (TP_AXIS,))
+
+
+def param_partition_spec(name: str, mesh: Mesh | None = None) -> PartitionSpec:
+    """The PartitionSpec of one parameter (HF name, HF ``[out, in]`` layout).
+
+    Megatron-style: q/k/v/gate/up split their output rows, o/down their input columns, the
+    embedding and LM head split the vocabulary; norms are replicated. A mesh without the
+    ``tp`` axis gets everything replicated.
+    """
+    if mesh is not None and TP_AXIS not in mesh.axis_names:
+        return PartitionSpec()
+    tp = TP_AXIS
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                      "gate_proj.weight", "up_proj.weight")):
+        return PartitionSpec(tp, None)
+    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return PartitionSpec(tp)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return PartitionSpec(None, tp)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return PartitionSpec(tp, None)
+    return PartitionSpec()
+
+
+def _param_sharding(name: str, shape, mesh: Mesh) -> NamedSharding:
+    spec = param_partition_spec(name, mesh)
+    # A dimension the mesh axis does not divide stays replicated (e.g. 2 KV heads on 4 GPUs).
+    size = dict(zip(mesh.axis_names, mesh.devices.shape))
+    spec = PartitionSpec(*[
+        ax if ax is None or shape[i] % size[ax] == 0 else None for i, ax in enumerate(spec)
+    ])
+    return NamedSharding(mesh, spec)
+
+
+def _abstract_model(model_config: ModelConfig, dtype, attention_backend: str):
+    cls = get_model_class(model_config.architecture)
+    return nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0),
+                                      attention_backend=attention_backend))
+
+
+def _param_names(model) -> dict[str, nnx.Variable]:
+    _, state = nnx.split(model)
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        out[".".join(str(p) for p in path)] = var
+    return out
+
+
+def _resolve(model, name: str) -> nnx.Variable:
+    obj = model
+    for part in name.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray]], *,
+                dtype=jnp.float32, mesh: Mesh | None = None,
+                attention_backend: str = "reference"):
+    """The model with every parameter loaded from ``tensors`` (HF name -> loader of a numpy
+    array), cast to ``dtype`` and placed on ``mesh``. Errors name the offending tensor."""
+    dtype = resolve_dtype(dtype)
+    mesh = mesh or default_mesh()
+    model = _abstract_model(model_config, dtype, attention_backend)
+    expected = _param_names(model)
+    given = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
+    if model_config.tie_word_embeddings:
+        given.discard("lm_head.weight")  # some exports save the tied head anyway
+    missing = sorted(set(expected) - given)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    unexpected = sorted(given - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r}"
+                         + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                         + f" for {model_config.architecture}")
+    for name, var in expected.items():
+        arr = np.asarray(tensors[name]())
+        want = tuple(var.get_value().shape)
+        if arr.shape != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
+        placed = jax.device_put(arr.astype(dtype), _param_sharding(name, want, mesh))
+        _resolve(model, name).set_value(placed)
+    return model
+
+
+def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mesh | None = None,
+                      attention_backend: str = "reference", seed: int = 0):
+    """Random weights (normal, std 0.02; norms 1) created on device by one jitted init."""
+    dtype = resolve_dtype(dtype)
+    mesh = mesh or default_mesh()
+    cls = get_model_class(model_config.architecture)
+    abstract = _abstract_model(model_config, dtype, attention_backend)
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = jax.tree.map_with_path(
+        lambda path, leaf: _param_sharding(".".join(str(getattr(p, "key", getattr(p, "idx", p)))
+                                                    for p in path), leaf.shape, mesh),
+        abs_state,
+    )
+
+    def init():
+        m = cls(model_config, dtype=dtype, rngs=nnx.Rngs(seed),
+                attention_backend=attention_backend)
+        return nnx.split(m)[1]
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise ValueError(f"{model_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+def safetensors_tensors(model_dir: Path) -> dict[str, Callable[[], np.ndarray]]:
+    """HF name -> lazy loader over one or many ``*.safetensors`` files (index file honoured)."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors files")
+    out: dict[str, Callable[[], np.ndarray]] = {}
+    for fname in files:
+        path = model_dir / fname
+        if not path.exists():
+            raise ValueError(f"{model_dir}: the index names {fname!r}, which is missing")
+        with safe_open(str(path), framework="numpy") as f:
+            names = list(f.keys())
+        for n in names:
+            if n in out:
+                raise ValueError(f"tensor {n!r} appears in more than one safetensors file")
+            out[n] = _lazy_tensor(path, n)
+    return out
+
+
+def _lazy_tensor(path: Path, name: str) -> Callable[[], np.ndarray]:
+    def load():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                return f.get_tensor(name)
+        except TypeError:  # older safetensors: no bfloat16 in numpy mode
+            with safe_open(str(path), framework="flax") as f:
+                return np.asarray(f.get_tensor(name))
+    return load
+
+
+def _resolve_model_path(model: str) -> Path:
+    from jaxserve.tiny_model import DEMO_NAME, ensure_demo_random
+
+    if model == DEMO_NAME:
+        return ensure_demo_random()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model {model!r} is neither a local path nor a known model name "
+                         f"({DEMO_NAME!r})")
+    return path
+
+
+def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
+               attention_backend: str = "reference"):
+    """Load ``model`` (HF dir, ``.gguf`` file or ``demo-random``) -> (model, ModelConfig, dir)."""
+    formats = ("auto", "safetensors", "gguf", "dummy")
+    if load_format not in formats:
+        raise ValueError(f"load_format {load_format!r} not one of {formats}")
+    path = _resolve_model_path(model)
+    if load_format == "gguf" or (load_format == "auto" and path.suffix == ".gguf"):
+        from jaxserve import gguf_loader
+
+        hf_config, tensors = gguf_loader.load_gguf(path)
+        cfg = ModelConfig.from_hf_config(hf_config)
+        m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
+        return m, cfg, path
+    cfg = ModelConfig.from_hf_config(_read_config(path))
+    if load_format == "dummy":
+        m = build_dummy_model(cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
+    else:
+        m = build_model(cfg, safetensors_tensors(path), dtype=dtype, mesh=mesh,
+                        attention_backend=attention_backend)
+    return m, cfg, path
+
+
+def load_tokenizer(model_dir_or_name, tokenizer=None):
+    """The HF tokenizer of a model (or of ``tokenizer``, a dir or hub name, when given)."""
+    from transformers import AutoTokenizer
+
+    src = tokenizer if tokenizer is not None else model_dir_or_name
+    if str(src) == "demo-random":
+        src = _resolve_model_path("demo-random")
+    return AutoTokenizer.from_pretrained(str(src))

@@ -1,0 +1,1 @@
+"""Flax NNX models; :mod:`jaxserve.models.registry` maps HF ``architectures`` to classes."""

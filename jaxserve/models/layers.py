@@ -1,0 +1,198 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embeddings, SwiGLU MLP, paged attention.
+
+Parameters keep Hugging Face's names and layouts (a linear weight is ``[out, in]``), so a
+checkpoint's tensor names are exactly the model's state paths and loading needs no renaming.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels import reference
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ weight.T (+ bias)`` with HF's ``[out, in]`` weight layout."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x):
+        w = self.weight[...]
+        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class Embedding(nnx.Module):
+    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (num_embeddings, features), dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    """HF's RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, *, act: str, dtype, rngs: nnx.Rngs):
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        self.gate_proj = Linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+def _base_inv_freq(base: float, dim: int) -> np.ndarray:
+    return 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
+                  max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """Static inverse frequencies ``[head_dim/2]`` and the cos/sin scale, as HF computes them.
+
+    "dynamic" scaling depends on the sequence length; it is handled per token in
+    :func:`rope_cos_sin` and returns the unscaled frequencies here.
+    """
+    inv = _base_inv_freq(theta, head_dim)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind in ("default", "dynamic"):
+        return inv.astype(np.float32), 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return (inv / factor).astype(np.float32), 1.0
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if kind == "yarn":
+        orig = float(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+
+        def mscale_of(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attn = mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+
+        def corr_dim(rot):
+            return head_dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+        extrap = 1 - ramp
+        out = (inv / factor) * (1 - extrap) + inv * extrap
+        return out.astype(np.float32), float(attn)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported "
+                     "(supported: default, linear, dynamic, llama3, yarn)")
+
+
+def rope_cos_sin(positions, *, head_dim: int, theta: float, scaling: dict | None,
+                 max_position_embeddings: int, token_seq_lens=None):
+    """cos, sin ``[T, head_dim]`` (float32) for absolute ``positions[T]``.
+
+    ``token_seq_lens[T]`` (each token's sequence length after this step) drives "dynamic" NTK
+    scaling, which HF applies per forward from the current sequence length.
+    """
+    inv, attn = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+    pos = positions.astype(jnp.float32)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "dynamic":
+        if token_seq_lens is None:
+            raise ValueError("dynamic rope scaling needs token_seq_lens")
+        factor = float(scaling["factor"])
+        max_pos = float(max_position_embeddings)
+        seq = jnp.maximum(token_seq_lens.astype(jnp.float32), max_pos)
+        base = theta * ((factor * seq / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        exps = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+        inv_t = 1.0 / (base[:, None] ** exps[None, :])
+        freqs = pos[:, None] * inv_t
+    else:
+        freqs = pos[:, None] * jnp.asarray(inv)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * attn, jnp.sin(emb) * attn
+
+
+def apply_rope(x, cos, sin):
+    """HF's rotate-half rotary embedding; ``x`` is ``[T, H, D]``, cos/sin ``[T, D]``."""
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+class AttentionMetadata(NamedTuple):
+    """Where this step's tokens go and what they attend to (a pytree; all int32)."""
+
+    slot_mapping: jax.Array  # [T] page*block_size+offset of each new token (trash page for pad)
+    query_start: jax.Array  # [S+1] prefix sums of new tokens per sequence
+    seq_lens: jax.Array  # [S] context length after this step; 0 = padding row
+    block_tables: jax.Array  # [S, M] pages of each sequence
+    num_seqs: jax.Array  # scalar: real rows
+
+
+ATTENTION_BACKENDS = ("reference", "pallas", "xla")
+
+
+def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str, sm_scale: float,
+                    sliding_window: int | None = None, soft_cap: float | None = None):
+    """Ragged paged attention of ``q[T, Hq, D]`` through the chosen kernel backend."""
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (q, k_pages, v_pages, md.query_start, md.seq_lens, md.block_tables, md.num_seqs)
+    if backend == "reference":
+        return reference.ragged_paged_attention(*args, **kwargs)
+    if backend == "pallas":
+        from pallas_kernels import ragged_paged_attention as rpa
+
+        interpret = jax.default_backend() == "cpu"
+        return rpa.ragged_paged_attention(*args, interpret=interpret, **kwargs)
+    if backend == "xla":
+        from pallas_kernels import xla_attention
+
+        return xla_attention.ragged_paged_attention(*args, **kwargs)
+    raise ValueError(f"attention_backend {backend!r} is not one of {ATTENTION_BACKENDS}")

@@ -1,0 +1,125 @@
+"""The Llama family in Flax NNX: Llama 2/3, Mistral, Qwen2/2.5, Qwen3.
+
+One implementation; the differences are config flags (qkv bias, q/k RMSNorm, sliding window,
+tied embeddings, GQA/MQA, rope scaling). State paths equal HF tensor names
+(``model.layers.0.self_attn.q_proj.weight``), so checkpoints load without renaming.
+
+Forward contract: ``model(token_ids[T], positions[T], kv_pages, md) -> (hidden[T, H], kv_pages)``
+with ``kv_pages`` one ``(k_pages, v_pages)`` per layer, each ``[Hkv, num_pages, block_size, D]``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.layers import (
+    AttentionMetadata,
+    Embedding,
+    Linear,
+    MLP,
+    RMSNorm,
+    apply_rope,
+    paged_attention,
+    rope_cos_sin,
+)
+from pallas_kernels.reference import token_metadata, write_kv
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.sliding_window = cfg.layer_sliding_window(layer)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=False, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str):
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
+        out = paged_attention(q, k_pages, v_pages, md, backend=backend,
+                              sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_pages, v_pages)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype,
+                       rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv, md, backend):
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, backend)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama / Mistral / Qwen2 / Qwen3. ``attention_backend`` is static: reference | pallas | xla."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 attention_backend: str = "reference"):
+        self.num_layers = cfg.num_layers
+        # Static (hashable) rope settings: the graphdef is a jit cache key.
+        self.rope = (cfg.head_dim, cfg.rope_theta, _freeze(cfg.rope_scaling),
+                     cfg.max_position_embeddings)
+        self.attention_backend = attention_backend
+        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+
+    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
+        if len(kv_pages) != self.num_layers:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
+        head_dim, theta, scaling, max_pos = self.rope
+        scaling = dict(scaling) if scaling is not None else None
+        token_seq_lens = None
+        if (scaling or {}).get("rope_type") == "dynamic":
+            seq_of, _, _ = token_metadata(md.query_start, md.seq_lens, token_ids.shape[0])
+            token_seq_lens = md.seq_lens[seq_of]
+        cos, sin = rope_cos_sin(positions, head_dim=head_dim, theta=theta, scaling=scaling,
+                                max_position_embeddings=max_pos, token_seq_lens=token_seq_lens)
+        x = self.model.embed_tokens(token_ids)
+        new_pages = []
+        for layer, kv in zip(self.model.layers, kv_pages):
+            x, kv = layer(x, cos, sin, kv, md, self.attention_backend)
+            new_pages.append(kv)
+        return self.model.norm(x), new_pages
+
+    def compute_logits(self, hidden):
+        """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits."""
+        w = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
+        return jax.lax.dot_general(hidden.astype(w.dtype), w, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+
+def _freeze(d):
+    if d is None:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))

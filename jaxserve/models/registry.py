@@ -1,0 +1,26 @@
+"""HF ``architectures`` name -> model class."""
+from __future__ import annotations
+
+from jaxserve.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(architecture: str):
+    """The class for an HF architecture name; unknown names list what is supported."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: "
+            + ", ".join(supported_architectures())
+        ) from None

@@ -1,0 +1,41 @@
+#!/usr/bin/env python
+"""Build a random-weight tiny HF checkpoint (+ trained BPE tokenizer) of a Llama-family model.
+
+    python tools/make_tiny_model.py --arch qwen3 --out /tmp/tiny-qwen3 --layers 2 --hidden 64
+
+The logic lives in ``jaxserve.tiny_model`` so tests and the ``demo-random`` model share it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jaxserve.tiny_model import ARCHS, ROPE_PRESETS, make_tiny_model  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    ap.add_argument("--out", required=True, type=Path)
+    for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "vocab", "intermediate",
+                 "sliding-window", "max-position", "seed"):
+        ap.add_argument(f"--{flag}", type=int)
+    ap.add_argument("--rope-theta", type=float)
+    ap.add_argument("--tie-embeddings", action="store_true", default=None)
+    ap.add_argument("--rope-scaling", choices=sorted(ROPE_PRESETS))
+    ap.add_argument("--max-shard-size", help='e.g. "20KB" to write several safetensors files')
+    ap.add_argument("--no-torch", action="store_true", help="write numpy weights (no torch)")
+    args = ap.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("arch", "out", "no_torch") and v is not None}
+    out = make_tiny_model(args.arch, args.out, use_torch=False if args.no_torch else None,
+                          **overrides)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
