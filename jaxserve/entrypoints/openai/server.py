@@ -1,0 +1,744 @@
+"""The OpenAI-compatible HTTP server: a Starlette app around one ``AsyncLLM``, served by uvicorn.
+
+Every request is validated (JSON, schema, model name, lengths) before it reaches the engine, and
+every failure leaves as an OpenAI-style JSON error with a 4xx code; only real bugs are 500s.
+Streams are Server-Sent Events ending in ``data: [DONE]``. A client that goes away cancels its
+engine stream, which aborts the request and frees its KV pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import jaxserve
+from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.errors import EngineDeadError, InvalidRequestError
+from jaxserve.metrics import RequestObserver, ServerMetrics
+from jaxserve.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 2**20  # a request body larger than this is answered 413
+LOGPROB_FLOOR = -9999.0  # -inf (masked tokens) is not JSON; vLLM clamps the same way
+
+
+# ---- errors ----------------------------------------------------------------------------------
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+                422: "UnprocessableEntityError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               type: str | None = None) -> dict:
+    info = P.ErrorInfo(message=message, type=type or _ERROR_TYPES.get(status, "error"),
+                       param=param, code=status)
+    return P.ErrorResponse(error=info).model_dump()
+
+
+def error_response(message: str, status: int, param: str | None = None,
+                   type: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, type), status_code=status)
+
+
+def _error_from_exception(exc: BaseException, engine) -> tuple[dict, int]:
+    if isinstance(exc, InvalidRequestError):
+        status = exc.status_code
+        typ = exc.type if exc.type != "invalid_request_error" else None
+        return error_body(exc.message, status, exc.param, typ), status
+    if isinstance(exc, EngineDeadError):
+        return error_body(f"the engine is not running: {exc}", 503), 503
+    if isinstance(exc, ValueError):  # the project's contract: bad input raises ValueError
+        return error_body(str(exc), 400), 400
+    try:
+        engine.check_health()
+    except EngineDeadError as dead:
+        return error_body(f"the engine is not running: {dead}", 503), 503
+    logger.exception("internal error", exc_info=exc)
+    return error_body(f"internal server error: {type(exc).__name__}", 500), 500
+
+
+class _JSON(Response):
+    """JSON via pydantic (NaN/inf become null instead of failing)."""
+
+    media_type = "application/json"
+
+    def __init__(self, model: P.OpenAIBaseModel, status_code: int = 200):
+        super().__init__(model.model_dump_json(), status_code=status_code)
+
+
+# ---- auth ------------------------------------------------------------------------------------
+class _BearerAuth:
+    """Pure ASGI middleware: every /v1 route needs ``Authorization: Bearer <api_key>``."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.expected):
+                resp = error_response("missing or invalid API key (Authorization: Bearer ...)",
+                                      401)
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- engine streams --------------------------------------------------------------------------
+@dataclass
+class _Event:
+    prompt_index: int
+    output: RequestOutput | None = None  # None: this prompt's stream ended
+    error: BaseException | None = None
+
+
+@dataclass
+class _FanIn:
+    """Runs one engine stream per prompt as tasks and merges their outputs into one queue.
+
+    ``prime`` waits until every stream has produced its first event, so validation errors the
+    engine raises before its first output still become a 4xx response. ``close`` cancels the
+    tasks; cancelling an engine stream aborts its request and frees its pages.
+    """
+
+    engine: Any
+    prompts: list
+    params: Any
+    request_id: str
+    priority: int
+    observers: list[RequestObserver]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    buffered: list[_Event] = field(default_factory=list)
+    last: dict[int, RequestOutput] = field(default_factory=dict)
+    pending: int = 0
+
+    def engine_id(self, i: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
+
+    async def _produce(self, i: int, prompt) -> None:
+        try:
+            gen = self.engine.generate(prompt, self.params, self.engine_id(i),
+                                       priority=self.priority)
+            async for out in gen:
+                self.queue.put_nowait(_Event(i, out))
+            self.queue.put_nowait(_Event(i))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put_nowait(_Event(i, error=e))
+
+    async def prime(self) -> None:
+        self.tasks = [asyncio.create_task(self._produce(i, p)) for i, p in enumerate(self.prompts)]
+        self.pending = len(self.prompts)
+        seen: set[int] = set()
+        while len(seen) < len(self.prompts):
+            ev = await self.queue.get()
+            if ev.error is not None:
+                self.close()
+                raise ev.error
+            seen.add(ev.prompt_index)
+            self.buffered.append(ev)
+
+    async def events(self) -> AsyncIterator[_Event]:
+        """Outputs in arrival order; raises the first error; ends when all streams ended."""
+        while self.pending:
+            ev = self.buffered.pop(0) if self.buffered else await self.queue.get()
+            if ev.error is not None:
+                raise ev.error
+            if ev.output is None:
+                self.pending -= 1
+                out = self.last.get(ev.prompt_index)
+                self.observers[ev.prompt_index].on_finish(
+                    out, [c.finish_reason or "abort" for c in out.outputs] if out else ["abort"])
+            else:
+                self.last[ev.prompt_index] = ev.output
+                self.observers[ev.prompt_index].on_output(ev.output)
+            yield ev
+
+    def close(self) -> None:
+        for t in self.tasks:
+            if not t.done():
+                t.cancel()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(fanin: _FanIn, request: Request) -> dict[int, RequestOutput]:
+    """Drain a non-streaming request; a client that hangs up aborts it."""
+
+    async def drain():
+        async for _ in fanin.events():
+            pass
+        return fanin.last
+
+    work = asyncio.create_task(drain())
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise _ClientGone()
+    finally:
+        for t in (work, watch):
+            t.cancel()
+        fanin.close()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _SSEResponse(StreamingResponse):
+    """An event stream whose body generator is always closed, however the response ends."""
+
+    def __init__(self, body: AsyncIterator[str]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(model: P.OpenAIBaseModel | dict) -> str:
+    data = model if isinstance(model, dict) else None
+    text = json.dumps(data) if data is not None else model.model_dump_json()
+    return f"data: {text}\n\n"
+
+
+# ---- logprob formats -------------------------------------------------------------------------
+def _clamp(x: float | None) -> float | None:
+    if x is None:
+        return None
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+class _Tokens:
+    """Token-string helpers over the HF tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def text(self, tid: int) -> str:
+        return self.tok.decode([tid])
+
+    def entry_text(self, tid: int, lp) -> str:
+        return lp.decoded_token if getattr(lp, "decoded_token", None) is not None else self.text(tid)
+
+
+def _legacy_logprobs(tokens: _Tokens, token_ids: list[int], positions: list, start_offset: int
+                     ) -> P.CompletionLogProbs:
+    """The completions format: parallel lists of tokens, their logprobs, top-k dicts, offsets."""
+    out = P.CompletionLogProbs()
+    offset = start_offset
+    for tid, pos in zip(token_ids, positions):
+        lp = pos.get(tid) if pos else None
+        s = tokens.entry_text(tid, lp) if lp is not None else tokens.text(tid)
+        out.tokens.append(s)
+        out.text_offset.append(offset)
+        offset += len(s)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_clamp(lp.logprob))
+        ranked = sorted(pos.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+        out.top_logprobs.append({tokens.entry_text(t, e): _clamp(e.logprob) for t, e in ranked})
+    return out
+
+
+def _chat_logprobs(tokens: _Tokens, token_ids: list[int], positions: list, k: int
+                   ) -> list[P.ChatCompletionLogProbsContent]:
+    """The chat format: one entry per generated token with its top-k alternatives."""
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        lp = (pos or {}).get(tid)
+        s = tokens.entry_text(tid, lp) if lp is not None else tokens.text(tid)
+        ranked = sorted((pos or {}).items(),
+                        key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+        top = [P.ChatCompletionLogProb(token=tokens.entry_text(t, e),
+                                       logprob=_clamp(e.logprob),
+                                       bytes=list(tokens.entry_text(t, e).encode()))
+               for t, e in ranked[:k]]
+        content.append(P.ChatCompletionLogProbsContent(
+            token=s, logprob=_clamp(lp.logprob) if lp is not None else LOGPROB_FLOOR,
+            bytes=list(s.encode()), top_logprobs=top))
+    return content
+
+
+# ---- the app ---------------------------------------------------------------------------------
+class OpenAIServing:
+    """Route handlers over one engine. Plain methods; ``build_app`` wires them to paths."""
+
+    def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
+                 metrics: ServerMetrics):
+        self.engine = engine
+        self.names = served_model_names
+        self.chat_template = chat_template
+        self.metrics = metrics
+        self.tokens = _Tokens(engine.tokenizer)
+
+    # -- shared steps --------------------------------------------------------------------------
+    async def _body(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise InvalidRequestError(f"request body larger than {MAX_BODY_BYTES} bytes",
+                                      status_code=413)
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise InvalidRequestError(f"request body larger than {MAX_BODY_BYTES} bytes",
+                                          status_code=413)
+        if not raw.strip():
+            raise InvalidRequestError("the request body is empty; expected a JSON object")
+        try:
+            return json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:
+            raise InvalidRequestError(f"malformed JSON body: {e}") from None
+
+    def _model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            raise InvalidRequestError(f"The model `{requested}` does not exist.", param="model",
+                                      status_code=404)
+        return requested
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _chat_ids(self, req) -> list[int]:
+        from jaxserve.tokenizer import apply_chat_template
+
+        if req.continue_final_message:
+            raise InvalidRequestError("continue_final_message is not supported yet",
+                                      param="continue_final_message")
+        messages = req.message_dicts()
+        template = self.chat_template or getattr(self.engine, "chat_template", None)
+        try:
+            ids = apply_chat_template(self.engine.tokenizer, messages,
+                                      add_generation_prompt=req.add_generation_prompt,
+                                      chat_template=template)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - template errors are caused by the messages
+            raise InvalidRequestError(f"could not apply the chat template: {e}",
+                                      param="messages") from None
+        return list(ids)
+
+    def _vocab_size(self) -> int:
+        mc = getattr(self.engine, "model_config", None)
+        return int(getattr(mc, "vocab_size", 0) or len(self.engine.tokenizer))
+
+    def _check_vocab(self, sp) -> None:
+        sp.verify_vocab(self._vocab_size())
+
+    def _check_prompt_ids(self, ids: list[int], param: str) -> None:
+        vocab = self._vocab_size()
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t} is out of range [0, {vocab})",
+                                          param=param)
+        self._check_prompt_len(ids, param)
+
+    def _check_prompt_len(self, ids: list[int], param: str) -> None:
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{'messages result' if param == 'messages' else 'prompt results'} in "
+                f"{len(ids)} tokens, which leaves no room for a completion. Please reduce "
+                "the length of the input.", param=param)
+
+    def _fanin(self, prompts: list[list[int]], params, request_id: str, priority: int) -> _FanIn:
+        self.engine.check_health()
+        observers = [self.metrics.observer() for _ in prompts]
+        return _FanIn(self.engine, prompts, params, request_id, priority, observers)
+
+    # -- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await self._body(request))
+        model = self._model_name(req.model)
+        prompts, echo_texts = [], []
+        for p in req.prompt_list():
+            ids = self._encode(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+            self._check_prompt_ids(ids, "prompt")
+            prompts.append(ids)
+            if req.echo:
+                echo_texts.append(p if isinstance(p, str) else self.engine.tokenizer.decode(ids))
+            else:
+                echo_texts.append("")
+        params = [req.to_sampling_params(self.engine.max_model_len, len(ids)) for ids in prompts]
+        # One SamplingParams serves all prompts; the tightest max_tokens default applies.
+        sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
+        self._check_vocab(sp)
+        request_id = req.request_id or P.random_id("cmpl")
+        fanin = self._fanin(prompts, sp, request_id, req.priority)
+        await fanin.prime()
+        if req.stream:
+            return _SSEResponse(self._completion_stream(req, fanin, model, echo_texts))
+        try:
+            finals = await _collect(fanin, request)
+        except _ClientGone:
+            return Response(status_code=499)
+        choices = []
+        usage = P.UsageInfo()
+        for i, ids in enumerate(prompts):
+            out = finals[i]
+            usage.prompt_tokens += len(ids)
+            usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            for c in out.outputs:
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._completion_choice_logprobs(req, out, c, echo_texts[i])
+                choices.append(P.CompletionResponseChoice(
+                    index=i * req.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        choices.sort(key=lambda ch: ch.index)
+        return _JSON(P.CompletionResponse(id=request_id, model=model, choices=choices,
+                                          usage=usage))
+
+    def _completion_choice_logprobs(self, req, out: RequestOutput, c: CompletionOutput,
+                                    echo_text: str) -> P.CompletionLogProbs:
+        gen = _legacy_logprobs(self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids),
+                               len(echo_text))
+        if not req.echo:
+            return gen
+        prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        head = _legacy_logprobs(self.tokens, out.prompt_token_ids, prompt_lps, 0)
+        return P.CompletionLogProbs(
+            text_offset=head.text_offset + gen.text_offset,
+            token_logprobs=head.token_logprobs + gen.token_logprobs,
+            tokens=head.tokens + gen.tokens, top_logprobs=head.top_logprobs + gen.top_logprobs)
+
+    async def _completion_stream(self, req: P.CompletionRequest, fanin: _FanIn, model: str,
+                                 echo_texts: list[str]) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        completion_tokens = 0
+        try:
+            async for ev in fanin.events():
+                if ev.output is None:
+                    continue
+                for c in ev.output.outputs:
+                    idx = ev.prompt_index * req.n + c.index
+                    prefix = ""
+                    if idx not in sent_text:
+                        sent_text[idx] = 0
+                        sent_tokens[idx] = 0
+                        prefix = echo_texts[ev.prompt_index]
+                    delta = c.text[sent_text[idx]:]
+                    new_ids = c.token_ids[sent_tokens[idx]:]
+                    done = c.finish_reason is not None and idx not in finished
+                    if not (prefix or delta or done or (new_ids and req.logprobs is not None)):
+                        continue
+                    logprobs = None
+                    if req.logprobs is not None:
+                        start = sent_tokens[idx]
+                        logprobs = _legacy_logprobs(
+                            self.tokens, new_ids, (c.logprobs or [])[start:] or [{}] * len(new_ids),
+                            len(prefix) + sent_text[idx])
+                    sent_text[idx] = len(c.text)
+                    sent_tokens[idx] = len(c.token_ids)
+                    if done:
+                        finished.add(idx)
+                        completion_tokens += len(c.token_ids)
+                    yield _sse(P.CompletionStreamResponse(
+                        id=fanin.request_id, created=created, model=model,
+                        choices=[P.CompletionResponseChoice(
+                            index=idx, text=prefix + delta, logprobs=logprobs,
+                            finish_reason=c.finish_reason if done else None,
+                            stop_reason=c.stop_reason if done else None)]))
+            if req.include_usage:
+                prompt_tokens = sum(len(o.prompt_token_ids) for o in fanin.last.values())
+                completion_tokens = sum(len(c.token_ids) for o in fanin.last.values()
+                                        for c in o.outputs)
+                yield _sse(P.CompletionStreamResponse(
+                    id=fanin.request_id, created=created, model=model, choices=[],
+                    usage=P.UsageInfo(prompt_tokens=prompt_tokens,
+                                      completion_tokens=completion_tokens,
+                                      total_tokens=prompt_tokens + completion_tokens)))
+        except Exception as e:  # noqa: BLE001 - headers are sent; report in-band
+            body, _ = _error_from_exception(e, self.engine)
+            yield _sse(body)
+        finally:
+            fanin.close()
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions ------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest,
+                                                       await self._body(request))
+        model = self._model_name(req.model)
+        ids = self._chat_ids(req)
+        self._check_prompt_len(ids, "messages")
+        sp = req.to_sampling_params(self.engine.max_model_len, len(ids))
+        self._check_vocab(sp)
+        request_id = req.request_id or P.random_id("chatcmpl")
+        fanin = self._fanin([ids], sp, request_id, req.priority)
+        await fanin.prime()
+        echo = ""
+        if req.echo and req.messages[-1].role == "assistant":
+            echo = req.messages[-1].text("messages.-1")
+        top_k = (req.top_logprobs or 0) if req.logprobs else None
+        if req.stream:
+            return _SSEResponse(self._chat_stream(req, fanin, model, echo, top_k))
+        try:
+            out = (await _collect(fanin, request))[0]
+        except _ClientGone:
+            return Response(status_code=499)
+        choices = []
+        for c in out.outputs:
+            logprobs = None
+            if top_k is not None:
+                logprobs = P.ChatCompletionLogProbs(content=_chat_logprobs(
+                    self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids), top_k))
+            choices.append(P.ChatCompletionResponseChoice(
+                index=c.index, message=P.ChatMessage(role="assistant", content=echo + c.text),
+                logprobs=logprobs, finish_reason=c.finish_reason or "abort",
+                stop_reason=c.stop_reason))
+        completion = sum(len(c.token_ids) for c in out.outputs)
+        usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=completion,
+                            total_tokens=len(ids) + completion,
+                            prompt_tokens_details=P.PromptTokensDetails(
+                                cached_tokens=out.num_cached_tokens))
+        return _JSON(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                              usage=usage))
+
+    async def _chat_stream(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
+                           echo: str, top_k: int | None) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None):
+            return _sse(P.ChatCompletionStreamResponse(
+                id=fanin.request_id, created=created, model=model,
+                choices=[P.ChatCompletionStreamChoice(
+                    index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                    stop_reason=stop_reason)]))
+
+        sent_text = [0] * req.n
+        sent_tokens = [0] * req.n
+        finished: set[int] = set()
+        try:
+            for i in range(req.n):
+                yield chunk(i, P.DeltaMessage(role="assistant", content=echo))
+            async for ev in fanin.events():
+                if ev.output is None:
+                    continue
+                for c in ev.output.outputs:
+                    i = c.index
+                    delta = c.text[sent_text[i]:]
+                    new_ids = c.token_ids[sent_tokens[i]:]
+                    done = c.finish_reason is not None and i not in finished
+                    if not (delta or done or (new_ids and top_k is not None)):
+                        continue
+                    logprobs = None
+                    if top_k is not None:
+                        positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
+                        logprobs = P.ChatCompletionLogProbs(
+                            content=_chat_logprobs(self.tokens, new_ids, positions, top_k))
+                    sent_text[i] = len(c.text)
+                    sent_tokens[i] = len(c.token_ids)
+                    if done:
+                        finished.add(i)
+                    yield chunk(i, P.DeltaMessage(content=delta), logprobs,
+                                c.finish_reason if done else None,
+                                c.stop_reason if done else None)
+            for i in range(req.n):  # streams that ended without a finish (aborted elsewhere)
+                if i not in finished:
+                    yield chunk(i, P.DeltaMessage(), finish_reason="abort")
+            if req.include_usage:
+                out = fanin.last.get(0)
+                prompt = len(out.prompt_token_ids) if out else 0
+                completion = sum(len(c.token_ids) for c in out.outputs) if out else 0
+                yield _sse(P.ChatCompletionStreamResponse(
+                    id=fanin.request_id, created=created, model=model, choices=[],
+                    usage=P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                                      total_tokens=prompt + completion)))
+        except Exception as e:  # noqa: BLE001 - headers are sent; report in-band
+            body, _ = _error_from_exception(e, self.engine)
+            yield _sse(body)
+        finally:
+            fanin.close()
+        yield "data: [DONE]\n\n"
+
+    # -- small routes --------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        root = getattr(self.engine.config, "model", None)
+        cards = [P.ModelCard(id=name, root=root or name, max_model_len=self.engine.max_model_len)
+                 for name in self.names]
+        return _JSON(P.ModelList(data=cards))
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        if isinstance(body, dict) and "messages" in body:
+            req = P.parse_request(P.TokenizeChatRequest, body)
+            self._model_name(req.model)
+            ids = self._chat_ids(req)
+        else:
+            req = P.parse_request(P.TokenizeCompletionRequest, body)
+            self._model_name(req.model)
+            ids = self._encode(req.prompt, req.add_special_tokens)
+        strs = None
+        if req.return_token_strs:
+            strs = list(self.engine.tokenizer.convert_ids_to_tokens(ids))
+        return _JSON(P.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len,
+                                        tokens=ids, token_strs=strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = P.parse_request(P.DetokenizeRequest, await self._body(request))
+        self._model_name(req.model)
+        vocab = len(self.engine.tokenizer)
+        for j, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t} is out of range [0, {vocab})",
+                                          param=f"tokens.{j}")
+        return _JSON(P.DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens)))
+
+    async def health(self, request: Request) -> Response:
+        self.engine.check_health()
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": jaxserve.__version__})
+
+    async def render_metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a Jinja file, or the template itself (like vLLM)."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a readable file nor a template")
+
+
+def build_app(engine, *, api_key: str | None = None,
+              served_model_names: list[str] | str | None = None,
+              chat_template: str | None = None) -> Starlette:
+    """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine and
+    the metrics registry."""
+    if isinstance(served_model_names, str):
+        served_model_names = [served_model_names]
+    names = list(served_model_names or [engine.served_model_name])
+    metrics = ServerMetrics(engine.stats, names[0])
+    serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, HTTPException):
+            return error_response(exc.detail or "error", exc.status_code)
+        body, status = _error_from_exception(exc, engine)
+        return JSONResponse(body, status_code=status)
+
+    routes = [
+        Route("/v1/completions", serving.completions, methods=["POST"]),
+        Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+        Route("/v1/models", serving.models, methods=["GET"]),
+        Route("/tokenize", serving.tokenize, methods=["POST"]),
+        Route("/detokenize", serving.detokenize, methods=["POST"]),
+        Route("/health", serving.health, methods=["GET"]),
+        Route("/version", serving.version, methods=["GET"]),
+        Route("/metrics", serving.render_metrics, methods=["GET"]),
+    ]
+    handlers = {HTTPException: on_error, InvalidRequestError: on_error,
+                EngineDeadError: on_error, ValueError: on_error, Exception: on_error}
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.served_model_names = names
+    return app
+
+
+# ---- running it ------------------------------------------------------------------------------
+def startup_message(engine, host: str, port: int, names: list[str]) -> str:
+    s = engine.stats()
+    dtype = getattr(getattr(engine, "engine", None), "dtype", None) or engine.config.dtype
+    dtype = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)
+    shown = "localhost" if host in ("127.0.0.1", "::1") else host
+    return (f"jaxserve ready: model {engine.config.model or names[0]!s} served as "
+            f"{', '.join(names)} | dtype {dtype} | {s.get('num_pages', '?')} KV pages of "
+            f"{engine.config.cache.block_size} tokens | max_model_len {engine.max_model_len} | "
+            f"{s.get('num_compiles', '?')} compiles in warm-up | "
+            f"OpenAI API at http://{shown}:{port}/v1")
+
+
+def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
+               api_key: str | None = None, uvicorn_log_level: str = "info",
+               served_model_names: list[str] | None = None, chat_template: str | None = None,
+               timeout_graceful_shutdown: int = 5) -> None:
+    """Load the engine, serve until SIGINT/SIGTERM, then stop uvicorn and the engine cleanly."""
+    import uvicorn
+
+    from jaxserve.async_engine import AsyncLLM
+
+    template = load_chat_template(chat_template)  # fail before the slow model load
+    t0 = time.perf_counter()
+    engine = AsyncLLM(engine_config)
+    logger.info("engine ready in %.1f s", time.perf_counter() - t0)
+    app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
+                    chat_template=template)
+    names = app.state.served_model_names
+    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                            timeout_graceful_shutdown=timeout_graceful_shutdown)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it; with these handlers in place that re-raise
+    # is a no-op, so the engine is shut down below and the process exits with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    logger.info(startup_message(engine, host, port, names))
+
+    async def serve():
+        try:
+            await server.serve()
+        finally:
+            logger.info("shutting down the engine")
+            await engine.shutdown()
+
+    asyncio.run(serve())
+    logger.info("jaxserve stopped")

@@ -1,0 +1,176 @@
+"""Prometheus metrics with vLLM's names under the ``jaxserve:`` prefix.
+
+Two sources: engine-wide state (running/waiting requests, KV pool usage, prefix-cache and token
+counters, preemptions, compiles) is read from ``engine.stats()`` at scrape time by a collector,
+so it can never drift from the engine; per-request latencies (TTFT, inter-token, end-to-end) are
+observed by the server as outputs stream out. Each app gets its own ``CollectorRegistry`` so
+several servers can live in one process (tests).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.outputs import RequestOutput
+
+PREFIX = "jaxserve:"
+
+# vLLM's buckets (seconds / tokens), so dashboards built for vLLM read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class EngineStatsCollector:
+    """Gauges and counters read from ``engine.stats()`` on every scrape."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self):
+        s = self._stats()
+        label = [self._model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(label, float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(label, float(value))
+            return c
+
+        usage = float(s.get("kv_cache_usage", 0.0))
+        queries = s.get("prefix_cache_queries", 0)
+        hits = s.get("prefix_cache_hits", 0)
+        yield gauge("num_requests_running", "Number of requests in model execution batches.",
+                    s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                    s.get("num_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        yield gauge("gpu_cache_usage_perc",
+                    "KV-cache usage (vLLM's older name). 1 means 100 percent usage.", usage)
+        yield gauge("gpu_prefix_cache_hit_rate", "Prefix cache hit rate over the server's life.",
+                    hits / queries if queries else 0.0)
+        yield gauge("num_kv_pages", "KV pages in the pool (page 0, the trash page, included).",
+                    s.get("num_pages", 0))
+        yield gauge("num_free_kv_pages", "KV pages free or held only by the prefix cache.",
+                    s.get("num_free_pages", 0))
+        yield gauge("num_compiles",
+                    "XLA compilations of the step so far (warm-up included; must not grow).",
+                    s.get("num_compiles", 0))
+        yield counter("prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
+        yield counter("prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
+        yield counter("prompt_tokens", "Number of prefill tokens processed.",
+                      s.get("prompt_tokens_total", 0))
+        yield counter("generation_tokens", "Number of generation tokens processed.",
+                      s.get("generation_tokens_total", 0))
+        yield counter("num_preemptions", "Cumulative number of preemptions.",
+                      s.get("num_preemptions", 0))
+
+
+class ServerMetrics:
+    """The registry of one app: the engine collector plus the request histograms."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.registry.register(EngineStatsCollector(stats, model_name))
+        labels = ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token.",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency.",
+                        ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Histogram of the mean time per output token of each request.",
+                         ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds",
+                        "Histogram of end-to-end request latency.", E2E_BUCKETS)
+        self.queue_time = hist("request_queue_time_seconds",
+                               "Histogram of time spent waiting before the first step.",
+                               E2E_BUCKETS)
+        self.prompt_tokens = hist("request_prompt_tokens",
+                                  "Number of prefill tokens per request.", TOKEN_BUCKETS)
+        self.generation_tokens = hist("request_generation_tokens",
+                                      "Number of generation tokens per request.", TOKEN_BUCKETS)
+        self.success = Counter(PREFIX + "request_success", "Count of finished requests.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observer(self) -> "RequestObserver":
+        return RequestObserver(self)
+
+
+class RequestObserver:
+    """Follows one engine request's cumulative outputs and records its latencies once."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self._last: dict[int, tuple[float, int]] = {}  # choice index -> (time, tokens so far)
+        self._done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        for c in out.outputs:
+            n = len(c.token_ids)
+            last_t, last_n = self._last.get(c.index, (None, 0))
+            if n <= last_n:
+                continue
+            if self.first_token is None:
+                self.first_token = now
+            if last_t is not None:  # spread the gap over the tokens that arrived together
+                gap = (now - last_t) / (n - last_n)
+                for _ in range(n - last_n):
+                    self.m.itl.observe(gap)
+            self._last[c.index] = (now, n)
+
+    def on_finish(self, out: RequestOutput | None, finish_reasons: list[str | None]) -> None:
+        if self._done:
+            return
+        self._done = True
+        now = time.monotonic()
+        for reason in finish_reasons:
+            self.m.success.labels(self.m.model_name, reason or "abort").inc()
+        if out is None:
+            return
+        gen_tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.m.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.m.generation_tokens.observe(gen_tokens)
+        # Prefer the engine's own timestamps (they exclude HTTP and tokenization time).
+        em = out.metrics
+        if em is not None and em.first_token_time is not None:
+            ttft = em.first_token_time - em.arrival_time
+            end = em.finished_time or em.last_token_time or em.first_token_time
+            e2e = end - em.arrival_time
+            decode = end - em.first_token_time
+            if em.first_scheduled_time is not None:
+                self.m.queue_time.observe(max(0.0, em.first_scheduled_time - em.arrival_time))
+        elif self.first_token is not None:
+            ttft = self.first_token - self.arrival
+            e2e = now - self.arrival
+            decode = now - self.first_token
+        else:
+            return
+        self.m.ttft.observe(max(0.0, ttft))
+        self.m.e2e.observe(max(0.0, e2e))
+        per_seq = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
+        if per_seq > 1:
+            self.m.tpot.observe(max(0.0, decode) / (per_seq - 1))

@@ -1,0 +1,545 @@
+"""The OpenAI server end to end: a real uvicorn on 127.0.0.1, the real engine on the random tiny
+model, driven by the official ``openai`` client (and raw httpx where the client would hide the
+HTTP details). One server for the whole module keeps it fast."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
+from jaxserve.entrypoints.openai.server import build_app
+from jaxserve.sampling_params import SamplingParams
+
+API_KEY = "sk-test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+ENGINE_FLAGS = ["serve", "demo-random", "--served-model-name", MODEL, "other-name",
+                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                "--max-num-batched-tokens", "128", "--num-gpu-blocks-override", "96"]
+
+
+def make_engine():
+    from jaxserve.async_engine import AsyncLLM
+
+    return AsyncLLM(engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS)))
+
+
+class ServerThread:
+    """uvicorn on a free port of 127.0.0.1, in a thread with its own event loop."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = make_engine()
+    yield eng
+    asyncio.run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = build_app(engine, api_key=API_KEY, served_model_names=[MODEL, "other-name"])
+    with ServerThread(app) as srv:
+        srv.full_free_pages = engine.stats()["num_free_pages"]
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+def wait_idle(engine, full_free_pages, timeout=30.0) -> dict:
+    """Poll until no request runs or waits and every page is free again; return the stats."""
+    deadline = time.time() + timeout
+    while True:
+        s = engine.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0 \
+                and s["num_free_pages"] == full_free_pages:
+            return s
+        if time.time() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+def engine_generate(engine, prompt, params: SamplingParams):
+    """The engine's own answer, bypassing HTTP (same engine, a different event loop)."""
+
+    async def run():
+        last = None
+        async for out in engine.generate(prompt, params, f"direct-{time.monotonic_ns()}"):
+            last = out
+        return last
+
+    return asyncio.run(run())
+
+
+def metric_values(text: str) -> dict[str, float]:
+    values = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("model_name", MODEL) == MODEL and "le" not in s.labels \
+                    and "finished_reason" not in s.labels:
+                values[s.name] = s.value
+    return values
+
+
+# ---- basic routes ----------------------------------------------------------------------------
+def test_models_lists_served_names(client, engine):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL, "other-name"]
+    assert models.data[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_health_and_version(server):
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    v = httpx.get(server.url + "/version")
+    import jaxserve
+    assert v.json() == {"version": jaxserve.__version__}
+
+
+def test_tokenize_detokenize_round_trip(http):
+    text = "The quick brown fox jumps over the lazy dog."
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": text, "add_special_tokens": False,
+                                     "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) > 0
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    assert len(body["token_strs"]) == body["count"]
+    back = http.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200
+    assert back.json()["prompt"] == text
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": text}]})
+    assert chat.status_code == 200
+    assert chat.json()["count"] > body["count"]  # the template adds role markers
+
+
+# ---- completions -----------------------------------------------------------------------------
+def test_completion_greedy_matches_engine(client, http, engine):
+    prompt = "Once upon a time"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == MODEL
+    (choice,) = r.choices
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    n_prompt = http.post("/tokenize", json={"prompt": prompt}).json()["count"]
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.total_tokens == n_prompt + 12
+    direct = engine_generate(engine, prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                            ignore_eos=True))
+    assert choice.text == direct.outputs[0].text
+
+
+def test_completion_stream_matches_non_stream(client):
+    kw = dict(model=MODEL, prompt="The capital of France", max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_batch_prompts_and_token_ids(client, http):
+    ids = http.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=["hello there", "a b c"], max_tokens=4,
+                                  temperature=0, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text  # same prompt as ids or as text
+    assert r.choices[0].text == r.choices[1].text  # greedy n=2: identical samples
+
+
+def test_completion_n2_with_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=6, n=2,
+                                  temperature=1.0, seed=3, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 12
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+        assert all(x <= 0 for x in lp.token_logprobs)
+        for tok, top in zip(lp.tokens, lp.top_logprobs):
+            assert 1 <= len(top) <= 4 and tok in top  # top-3 and the sampled token, by text
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_completion_echo(client):
+    prompt = "Echo this prompt"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                  echo=True)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert r.choices[0].text == prompt + plain.choices[0].text
+
+
+def test_completion_stop_string(client):
+    kw = dict(model=MODEL, prompt="In the beginning", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) > 6
+    # a stop string that first occurs strictly inside the text
+    stop = next(full[i:i + 2] for i in range(2, len(full) - 2)
+                if full.find(full[i:i + 2]) > 0 and full[i:i + 2].strip())
+    cut = full.find(stop)
+    r = client.completions.create(stop=[stop], **kw).choices[0]
+    assert r.finish_reason == "stop"
+    assert r.text == full[:cut]
+    assert stop not in r.text
+
+
+def test_seed_reproducible(client):
+    kw = dict(model=MODEL, prompt="Random words:", max_tokens=12, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    assert a == b
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}
+    assert len(others | {a}) > 1  # the seed actually changes the sample
+
+
+# ---- chat ------------------------------------------------------------------------------------
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_non_stream_and_stream_agree(client, http):
+    kw = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    (choice,) = r.choices
+    assert r.object == "chat.completion"
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    n_prompt = http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_n2_logprobs_stream_and_non_stream(client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=5, n=2, temperature=0.8, seed=11,
+              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        content = c.logprobs.content
+        assert len(content) == 5
+        for t in content:
+            assert t.logprob <= 0 and len(t.top_logprobs) == 2
+            assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+            assert t.logprob <= t.top_logprobs[0].logprob + 1e-5
+            assert bytes(t.bytes) == t.token.encode()
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = {0: [], 1: []}
+    for ch in chunks:
+        for c in ch.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed[c.index] += c.logprobs.content
+    for c in r.choices:  # same seed: the stream carries the same tokens and logprobs
+        assert [t.token for t in streamed[c.index]] == [t.token for t in c.logprobs.content]
+
+
+def test_chat_echo_and_generation_prompt(client):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0,
+                                       extra_body={"echo": True, "add_generation_prompt": False})
+    assert r.choices[0].message.content.startswith("Hello")
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+METRIC_NAMES = [
+    "jaxserve:num_requests_running", "jaxserve:num_requests_waiting",
+    "jaxserve:kv_cache_usage_perc", "jaxserve:gpu_cache_usage_perc",
+    "jaxserve:prefix_cache_queries_total", "jaxserve:prefix_cache_hits_total",
+    "jaxserve:prompt_tokens_total", "jaxserve:generation_tokens_total",
+    "jaxserve:num_preemptions_total", "jaxserve:num_compiles",
+    "jaxserve:time_to_first_token_seconds_count", "jaxserve:inter_token_latency_seconds_count",
+    "jaxserve:time_per_output_token_seconds_count", "jaxserve:e2e_request_latency_seconds_count",
+]
+
+
+def test_metrics_names_and_counters_move(client, server, engine):
+    before = metric_values(httpx.get(server.url + "/metrics").text)
+    for name in METRIC_NAMES:
+        assert name in before, name
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    wait_idle(engine, server.full_free_pages)
+    after = metric_values(httpx.get(server.url + "/metrics").text)
+    assert after["jaxserve:prompt_tokens_total"] > before["jaxserve:prompt_tokens_total"]
+    assert after["jaxserve:generation_tokens_total"] >= \
+        before["jaxserve:generation_tokens_total"] + 5
+    assert after["jaxserve:e2e_request_latency_seconds_count"] == \
+        before["jaxserve:e2e_request_latency_seconds_count"] + 1
+    assert after["jaxserve:time_to_first_token_seconds_count"] == \
+        before["jaxserve:time_to_first_token_seconds_count"] + 1
+    assert after["jaxserve:inter_token_latency_seconds_count"] >= \
+        before["jaxserve:inter_token_latency_seconds_count"] + 4
+    assert after["jaxserve:num_compiles"] == before["jaxserve:num_compiles"]  # no recompiles
+    assert 0.0 <= after["jaxserve:kv_cache_usage_perc"] <= 1.0
+
+
+# ---- auth ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                         ("POST", "/v1/chat/completions")])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": API_KEY}])
+def test_v1_routes_need_the_key(server, method, path, headers):
+    r = httpx.request(method, server.url + path, headers=headers,
+                      json={"model": MODEL, "prompt": "x", "messages": MESSAGES})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == 401
+
+
+def test_openai_client_with_wrong_key(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# ---- bad requests ----------------------------------------------------------------------------
+LONG = "word " * (MAX_MODEL_LEN * 2)
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None),
+    ("/v1/completions", {"prompt": 12}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [10**8]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": -1}, 400, "n"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 10**6}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content.0"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream": True, "n": 0}, 400, "n"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD,
+                         ids=[f"{p}-{i}" for i, (p, *_) in enumerate(BAD)])
+def test_bad_requests_get_openai_errors(http, path, body, status, param):
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_unknown_route_and_method(http):
+    r = http.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", n=0)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES)
+
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12))
+json_value = st.recursive(json_leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream",
+          "temperature", "top_p", "top_k", "min_p", "logprobs", "top_logprobs", "echo", "stop",
+          "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+          "min_tokens", "ignore_eos", "priority", "stop_token_ids", "stream_options", "best_of",
+          "add_generation_prompt", "include_stop_str_in_output", "prompt_logprobs"]
+small_ints = st.integers(-3, 40)
+field_values = {
+    "model": st.sampled_from([MODEL, "other-name", "nope", 5]),
+    "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 600), max_size=6),
+                        json_value),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "", "robot"]),
+         "content": st.one_of(st.text(max_size=20), json_value)}), max_size=3), json_value),
+    "max_tokens": st.one_of(small_ints, json_value), "n": st.one_of(small_ints, json_value),
+    "stream": st.one_of(st.booleans(), json_value),
+    "logprobs": st.one_of(small_ints, st.booleans(), json_value),
+    "top_logprobs": st.one_of(small_ints, json_value),
+}
+
+
+@st.composite
+def request_bodies(draw):
+    keys = draw(st.lists(st.sampled_from(FIELDS), unique=True, max_size=8))
+    body = {k: draw(field_values.get(k, json_value)) for k in keys}
+    if draw(st.booleans()):
+        body["max_tokens"] = draw(st.integers(1, 4))
+    return body
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=request_bodies(), path=st.sampled_from(["/v1/completions", "/v1/chat/completions",
+                                                    "/tokenize"]))
+def test_fuzzed_bodies_never_500(http, body, path):
+    r = http.post(path, json=body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert err["code"] == r.status_code and isinstance(err["message"], str)
+    elif body.get("stream") is True:
+        assert r.text.rstrip().endswith("data: [DONE]")
+
+
+# ---- disconnects and load --------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_pages(server, engine):
+    body = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(g.startswith("data: ") for g in got)
+            assert engine.stats()["num_running"] + engine.stats()["num_waiting"] >= 1
+    s = wait_idle(engine, server.full_free_pages)
+    assert s["num_running"] == 0 and s["num_waiting"] == 0
+    assert s["num_free_pages"] == server.full_free_pages
+
+
+def test_disconnect_non_stream_aborts(server, engine):
+    body = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    s = wait_idle(engine, server.full_free_pages)
+    assert s["num_running"] == 0 and s["num_free_pages"] == server.full_free_pages
+    assert s["generation_tokens_total"] < 10**6
+
+
+@pytest.mark.slow
+def test_200_concurrent_streams_30pct_cancelled(server, engine, client):
+    async def one(aclient, i):
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"request {i}"}],
+            max_tokens=12 if i % 10 < 7 else 64, temperature=0.7, seed=i, stream=True,
+            extra_body={"ignore_eos": True})
+        text, n = "", 0
+        async for chunk in stream:
+            n += 1
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if i % 10 >= 7 and n == 3:  # 30 % hang up mid-stream
+                await stream.close()
+                return None
+        return text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY,
+                                      max_retries=0, timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(200)))
+
+    results = asyncio.run(run())
+    assert sum(r is None for r in results) == 60
+    assert all(isinstance(r, str) for r in results if r is not None)
+    s = wait_idle(engine, server.full_free_pages, timeout=60)
+    assert s["num_running"] == 0 and s["num_waiting"] == 0
+    assert s["num_free_pages"] == server.full_free_pages
+    r = client.completions.create(model=MODEL, prompt="still there?", max_tokens=2)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+# ---- must run last: it stops the engine --------------------------------------------------------
+def test_zz_dead_engine_gives_503(server, engine, http):
+    asyncio.run(engine.shutdown())
+    assert httpx.get(server.url + "/health").status_code == 503
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                "stream": True})
+    assert r.status_code == 503
