@@ -11,6 +11,8 @@ import copy
 import json
 import os
 
+TOKENIZER_VOCAB = 512
+
 PRESETS: dict[str, dict] = {
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0
     "tinyllama-1.1b": {
@@ -102,13 +104,12 @@ def write_preset(name: str, out_dir: str) -> str:
 
 
 def _write_tokenizer(out_dir: str) -> None:
-    builder = None
-    try:  # the tiny-model tools' trained BPE, when present
-        from jaxserve import tiny_model
-        builder = getattr(tiny_model, "build_tokenizer", None)
+    try:  # the tiny models' trained BPE (small vocab; fine, benchmarks feed token ids)
+        from jaxserve.tiny_model import train_tokenizer
     except ImportError:
-        pass
-    tok = builder() if builder is not None else _byte_level_tokenizer()
+        tok = _byte_level_tokenizer()
+    else:
+        tok = train_tokenizer(TOKENIZER_VOCAB)
     tok.save_pretrained(out_dir)
 
 
