@@ -51,6 +51,7 @@ class Request:
         priority: int = 0,
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
+        prefix_parent: "Request | None" = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
@@ -59,6 +60,11 @@ class Request:
         self.priority = int(priority)
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt  # mixed into the first page's prefix-cache hash
+        # n > 1: siblings name the first child here; the scheduler admits them once its prompt
+        # is computed, so they take its full prompt pages from the prefix cache (copy-free).
+        self.prefix_parent = prefix_parent
+        # prompt_logprobs need every prompt position computed, so no prefix-cache reads (vLLM)
+        self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

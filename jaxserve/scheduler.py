@@ -158,6 +158,23 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        """Gauges and counters for metrics (vLLM names, without the prefix)."""
+        bm = self.block_manager
+        return dict(
+            num_requests_running=self.num_running,
+            num_requests_waiting=self.num_waiting,
+            num_requests_swapped=self.num_swapped,
+            kv_cache_usage_perc=bm.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_hit_rate=bm.hit_rate,
+        )
+
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Validate and queue. Prompts over ``max_model_len`` (or the whole KV pool) are rejected;
@@ -244,6 +261,16 @@ class Scheduler:
         self.num_aborted_by_scheduler += 1
         out.finished_aborted.append(req.request_id)
 
+    def _waits_for_parent(self, req: Request) -> bool:
+        p = req.prefix_parent
+        if p is None or not self.block_manager.enable_prefix_caching or req.num_preemptions:
+            return False
+        if (p.is_finished or p.num_computed_tokens >= p.num_prompt_tokens
+                or self.requests.get(p.request_id) is not p):
+            req.prefix_parent = None  # gate open for good; drop the reference
+            return False
+        return True
+
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
         out.scheduled.append(ScheduledRequest(
@@ -289,13 +316,17 @@ class Scheduler:
 
         # 2. waiting requests, unless this step had to preempt (vLLM V1: avoid thrashing)
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+            j = 0
+            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[j]
+                if self._waits_for_parent(req):  # an n>1 sibling: admit once the prompt is cached
+                    j += 1
+                    continue
                 resumed_swap = req.status == RequestStatus.SWAPPED
                 hits: list[int] | None = None
                 n_hit = 0
                 if not resumed_swap and req.num_computed_tokens == 0:
-                    hits, n_hit = bm.get_computed_blocks(req)
+                    hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
                 n = req.num_tokens - req.num_computed_tokens - n_hit
                 n = min(n, self.max_model_len - req.num_computed_tokens - n_hit)
                 if n > budget:
@@ -304,11 +335,11 @@ class Scheduler:
                     n = budget
                 if not bm.allocate_slots(req, n, hits):
                     if not self.running:  # nothing else holds pages: it can never fit
-                        self.waiting.pop(0)
+                        self.waiting.pop(j)
                         self._abort_unfittable(req, out)
                         continue
                     break  # FCFS: nobody overtakes the head of the queue
-                self.waiting.pop(0)
+                self.waiting.pop(j)
                 if resumed_swap:
                     n_pages = self._swapped_pages.pop(req.request_id)
                     out.swap_in.append((req.request_id, list(req.block_ids[:n_pages])))

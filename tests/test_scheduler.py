@@ -95,7 +95,12 @@ def check_step(sched, out):
         assert s.start_pos + s.num_new_tokens <= sched.max_model_len
         assert r.status == RequestStatus.RUNNING
     live = list(sched.requests.values())
-    sched.block_manager.check_invariants(live)
+    bm = sched.block_manager
+    bm.check_invariants(live)
+    for r in live:  # a cached page in a request's table is exactly its own prefix's page
+        for i, p in enumerate(r.block_ids):
+            if bm.page_hash[p] is not None:
+                assert i < len(r.block_hashes) and r.block_hashes[i] == bm.page_hash[p]
     for r in sched.waiting:
         assert r.block_ids == []
 
@@ -274,6 +279,65 @@ def test_prefix_caching_on_off_same_outputs():
     assert s.block_manager.prefix_cache_hits > 0
 
 
+def test_n_siblings_share_the_parents_prompt_pages():
+    s = make_sched(block_size=4, budget=64, max_seqs=8)
+    prompt = list(range(300, 322))  # 22 tokens: 5 full pages
+    parent = req("p", prompt, max_tokens=4, arrival=0)
+    kids = [Request(f"p-{k}", prompt, Params(4), arrival_time=0, prefix_parent=parent)
+            for k in range(1, 4)]
+    dev = FakeDevice(s)
+    for r in [parent] + kids:
+        s.add_request(r)
+    first = s.schedule()
+    assert [x.request_id for x in first.scheduled] == ["p"]  # siblings wait for the prompt
+    s.update_from_output(first, dev.step(first))
+    second = s.schedule()
+    assert {x.request_id for x in second.scheduled} == {"p", "p-1", "p-2", "p-3"}
+    for k in kids:
+        assert k.num_cached_tokens == 20 and k.block_ids[:5] == parent.block_ids[:5]
+    assert [s.block_manager.ref_counts[p] for p in parent.block_ids[:5]] == [4] * 5
+    s.update_from_output(second, dev.step(second))
+    while s.has_unfinished():
+        out = s.schedule()
+        for r in s.update_from_output(out, dev.step(out)):
+            if r.num_output_tokens >= r.max_tokens:
+                s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+    # the fake sampler is deterministic, so all siblings generate the same tokens
+    assert all(k.output_token_ids == parent.output_token_ids for k in kids)
+    assert s.block_manager.num_free_pages == s.block_manager.num_pages - 1
+
+
+def test_sibling_of_an_aborted_or_unknown_parent_is_not_blocked():
+    s = make_sched()
+    ghost = req("ghost", range(8))  # never added
+    kid = Request("kid", list(range(8)), Params(2), prefix_parent=ghost)
+    s.add_request(kid)
+    assert [x.request_id for x in s.schedule().scheduled] == ["kid"]
+
+
+def test_prompt_logprobs_requests_skip_prefix_cache_reads():
+    @dataclass
+    class PLParams:
+        max_tokens: int = 2
+        prompt_logprobs: int | None = 1
+
+    s = make_sched(block_size=4)
+    run_all(s, [req("a", range(20), max_tokens=1)])
+    b = Request("b", list(range(20)), PLParams())
+    s.add_request(b)
+    (x,) = s.schedule().scheduled
+    assert x.start_pos == 0 and x.num_new_tokens == 20 and b.num_cached_tokens == 0
+
+
+def test_stats_and_reset_prefix_cache():
+    s = make_sched()
+    run_all(s, workload(n=6, seed=4))
+    st_ = s.stats()
+    assert st_["num_requests_running"] == 0 and st_["kv_cache_usage_perc"] == 0.0
+    assert st_["prefix_cache_queries"] > 0
+    assert s.reset_prefix_cache() and s.block_manager.num_cached_pages == 0
+
+
 # -- preemption -------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_tiny_pool_completes_with_same_outputs(mode):
@@ -419,7 +483,9 @@ def workloads(draw):
         tail = draw(st.lists(st.integers(0, 9), min_size=1, max_size=24))
         reqs.append(dict(rid=f"r{i}", prompt=(pre + tail)[:max_model_len],
                          max_tokens=draw(st.integers(1, 12)), priority=draw(st.integers(0, 2)),
-                         arrival=float(draw(st.integers(0, 5)))))
+                         arrival=float(draw(st.integers(0, 5))), at_step=draw(st.integers(0, 12)),
+                         parent=draw(st.one_of(st.none(), st.integers(0, max(0, i - 1)))) if i else None,
+                         salt=draw(st.sampled_from([None, None, "s"]))))
     aborts = draw(st.dictionaries(st.integers(0, 30), st.lists(st.sampled_from(
         [f"r{i}" for i in range(n)]), max_size=2), max_size=3))
     return cfg, reqs, aborts
@@ -430,18 +496,22 @@ def workloads(draw):
 def test_random_workloads_keep_invariants(w):
     cfg, specs, aborts = w
     s = make_sched(**cfg)
-    reqs, accepted = [], []
+    accepted, by_id = [], {}
     dev = FakeDevice(s)
-    for sp in specs:
-        r = req(sp["rid"], sp["prompt"], sp["max_tokens"], sp["priority"], sp["arrival"])
-        try:
-            s.add_request(r)
-            accepted.append(r)
-        except InvalidRequestError as e:
-            assert e.param == "prompt"  # only too big for the pool can fail here
-        reqs.append(r)
     steps = 0
-    while s.has_unfinished():
+    pending = sorted(specs, key=lambda sp: sp["at_step"])
+    while pending or s.has_unfinished():
+        while pending and pending[0]["at_step"] <= steps:
+            sp = pending.pop(0)
+            r = Request(sp["rid"], sp["prompt"], Params(sp["max_tokens"]), arrival_time=sp["arrival"],
+                        priority=sp["priority"], cache_salt=sp["salt"],
+                        prefix_parent=by_id.get(f"r{sp['parent']}") if sp["parent"] is not None else None)
+            by_id[r.request_id] = r
+            try:
+                s.add_request(r)
+                accepted.append(r)
+            except InvalidRequestError as e:
+                assert e.param == "prompt"  # only "too big for the pool" can fail here
         for rid in aborts.get(steps, []):
             s.abort_request(rid)
         out = s.schedule()
