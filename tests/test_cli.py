@@ -1,0 +1,167 @@
+"""The ``jaxserve`` CLI: flag names and defaults, the flag -> EngineConfig mapping, and the real
+``serve`` / ``generate`` commands in a subprocess (start-up log, SIGINT/SIGTERM shutdown)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from jaxserve.entrypoints.cli import build_parser, engine_config_from_args, main, parse_size
+
+
+def parse(*argv):
+    return build_parser().parse_args(list(argv))
+
+
+def test_serve_defaults_are_vllms_and_host_is_local():
+    a = parse("serve")
+    assert a.model is None and a.host == "127.0.0.1" and a.port == 8000
+    assert a.block_size == 16 and a.gpu_memory_utilization == 0.9 and a.swap_space == 4.0
+    assert a.enable_prefix_caching is True and a.seed == 0 and a.dtype == "auto"
+    assert a.tensor_parallel_size == 1 and a.preemption_mode == "recompute"
+    assert a.uvicorn_log_level == "info"
+
+
+def test_flags_map_to_engine_config():
+    a = parse("serve", "some/model", "--served-model-name", "alias", "alias2", "--dtype", "half",
+              "--max-model-len", "2k", "--gpu-memory-utilization", "0.5", "--block-size", "32",
+              "--max-num-seqs", "7", "--max-num-batched-tokens", "333",
+              "--no-enable-prefix-caching", "--swap-space", "1.5", "--seed", "42",
+              "--tensor-parallel-size", "2", "--load-format", "gguf", "--tokenizer", "tok",
+              "--attention-backend", "reference", "--num-gpu-blocks-override", "77",
+              "--preemption-mode", "swap")
+    c = engine_config_from_args(a)
+    assert c.model == "some/model" and c.tokenizer == "tok" and c.dtype == "float16"
+    assert c.served_model_name == "alias" and c.seed == 42 and c.load_format == "gguf"
+    assert c.attention_backend == "reference"
+    assert c.scheduler.max_model_len == 2000 and c.scheduler.max_num_seqs == 7
+    assert c.scheduler.max_num_batched_tokens == 333 and c.scheduler.preemption_mode == "swap"
+    assert c.cache.block_size == 32 and c.cache.gpu_memory_utilization == 0.5
+    assert c.cache.enable_prefix_caching is False and c.cache.swap_space == 1.5
+    assert c.cache.num_gpu_blocks_override == 77
+    assert c.parallel.tensor_parallel_size == 2
+
+
+def test_model_flag_and_positional_agree():
+    assert engine_config_from_args(parse("serve", "--model", "m")).model == "m"
+    with pytest.raises(ValueError):
+        engine_config_from_args(parse("serve", "a", "--model", "b"))
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("JAXSERVE_API_KEY", "from-env")
+    assert parse("serve").api_key == "from-env"
+    assert parse("serve", "--api-key", "flag").api_key == "flag"
+    monkeypatch.delenv("JAXSERVE_API_KEY")
+    assert parse("serve").api_key is None
+
+
+def test_sizes():
+    assert parse_size("4096") == 4096 and parse_size("4k") == 4000 and parse_size("4K") == 4096
+    assert parse_size("1M") == 2**20
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--block-size", "x"], ["serve", "--max-model-len", "0"],
+    ["serve", "--dtype", "int3"], ["serve", "--port", "eighty"], ["nonsense"],
+    ["generate"],  # --prompt is required
+])
+def test_bad_flags_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_config_errors_are_reported_without_traceback(capsys):
+    assert main(["serve", "demo-random", "--block-size", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "block_size" in err and "Traceback" not in err
+
+
+def test_help_is_grouped(capsys):
+    with pytest.raises(SystemExit):
+        parse("serve", "--help")
+    out = capsys.readouterr().out
+    for group in ("server:", "model:", "KV cache:", "scheduler:", "parallelism and kernels:"):
+        assert group in out
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching", "--api-key",
+                 "--chat-template", "--uvicorn-log-level", "--max-num-batched-tokens"):
+        assert flag in out
+
+
+def test_bench_unknown_name(capsys):
+    assert main(["bench", "no-such-benchmark"]) == 2
+    assert "no benchmark named 'no-such-benchmark'" in capsys.readouterr().err
+
+
+# ---- the real commands -----------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("JAXSERVE_API_KEY", None)
+    return env
+
+
+TINY = ["demo-random", "--max-model-len", "128", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_starts_answers_and_stops_cleanly(sig, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "log.txt", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", *TINY,
+                             "--port", str(port), "--api-key", "k",
+                             "--uvicorn-log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env=_env())
+    try:
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "log.txt").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.25)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       headers={"Authorization": "Bearer k"},
+                       json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "log.txt").read_text()
+    ready = re.search(r"jaxserve ready: .*", text)
+    assert ready, text
+    line = ready.group(0)
+    assert f"http://localhost:{port}/v1" in line and "KV pages" in line
+    assert re.search(r"\d+ compiles in warm-up", line) and "dtype" in line
+    assert "jaxserve stopped" in text
+
+
+@pytest.mark.slow
+def test_generate_one_shot(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "generate", *TINY,
+                          "--prompt", "Hello", "--max-tokens", "5"],
+                         capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"\d+ prompt tokens, \d+ generated, finish_reason=(length|stop)",
+                     out.stderr), out.stderr
