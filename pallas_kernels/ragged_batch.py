@@ -1,0 +1,108 @@
+"""Random ragged attention batches in the step-plan layout, for kernel tests and benchmarks.
+
+Numpy only: builds what a StepPlan would hand the attention kernel (query_start, seq_lens,
+block_tables padded to static buckets) plus a random page pool with each sequence's pages
+scattered at random over it. Page 0 stays the trash page and is never allocated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class RaggedBatch:
+    q: np.ndarray  # [T, Hq, D]
+    k_pages: np.ndarray  # [Hkv, P, page, D]
+    v_pages: np.ndarray
+    query_start: np.ndarray  # [S+1] int32
+    seq_lens: np.ndarray  # [S] int32, 0 = padding row
+    block_tables: np.ndarray  # [S, M] int32
+    num_seqs: int
+    num_tokens: int
+
+    def args(self):
+        return (self.q, self.k_pages, self.v_pages, self.query_start, self.seq_lens, self.block_tables)
+
+
+def make_ragged_batch(
+    rng: np.random.Generator,
+    q_lens,
+    ctx_lens,
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    max_pages: int,
+    num_pages: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype=np.float32,
+    padding_tables: str = "trash",
+) -> RaggedBatch:
+    """``q_lens[i]`` new tokens of sequence i end its context of ``ctx_lens[i]`` tokens.
+
+    ``padding_tables``: what the block-table rows of padding sequences hold — ``"trash"`` (page 0,
+    as the step plan writes) or ``"random"`` (arbitrary pages, which the kernel must not read).
+    """
+    q_lens = np.asarray(q_lens, np.int32)
+    ctx_lens = np.asarray(ctx_lens, np.int32)
+    n = len(q_lens)
+    if n > num_seqs or q_lens.sum() > num_tokens:
+        raise ValueError(f"{n} sequences / {q_lens.sum()} tokens exceed buckets {num_seqs}/{num_tokens}")
+    if np.any(q_lens < 1) or np.any(q_lens > ctx_lens):
+        raise ValueError("need 1 <= q_len <= ctx_len for every sequence")
+    pages_per_seq = -(-ctx_lens // page_size)
+    if np.any(pages_per_seq > max_pages) or pages_per_seq.sum() > num_pages - 1:
+        raise ValueError("contexts do not fit the block tables / page pool")
+    query_start = np.zeros(num_seqs + 1, np.int32)
+    query_start[1 : n + 1] = np.cumsum(q_lens)
+    query_start[n + 1 :] = query_start[n]
+    seq_lens = np.zeros(num_seqs, np.int32)
+    seq_lens[:n] = ctx_lens
+    block_tables = np.zeros((num_seqs, max_pages), np.int32)
+    free = rng.permutation(np.arange(1, num_pages, dtype=np.int32))
+    used = 0
+    for i, np_ in enumerate(pages_per_seq):
+        block_tables[i, :np_] = free[used : used + np_]
+        used += np_
+    if padding_tables == "random" and n < num_seqs:
+        block_tables[n:] = rng.integers(0, num_pages, size=(num_seqs - n, max_pages))
+    q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+    return RaggedBatch(
+        q=q.astype(dtype), k_pages=k.astype(dtype), v_pages=v.astype(dtype),
+        query_start=query_start, seq_lens=seq_lens, block_tables=block_tables,
+        num_seqs=n, num_tokens=int(q_lens.sum()),
+    )
+
+
+def naive_attention(batch: RaggedBatch, *, sm_scale, sliding_window=None, soft_cap=None):
+    """Per-sequence, per-token float64 numpy attention: the slow obvious ground truth."""
+    q = np.asarray(batch.q, np.float64)
+    k_pages = np.asarray(batch.k_pages, np.float64)
+    v_pages = np.asarray(batch.v_pages, np.float64)
+    t, hq, d = q.shape
+    hkv, _, page_size, _ = k_pages.shape
+    group = hq // hkv
+    out = np.zeros_like(q)
+    for i in range(batch.num_seqs):
+        ctx = int(batch.seq_lens[i])
+        lo, hi = int(batch.query_start[i]), int(batch.query_start[i + 1])
+        pages = batch.block_tables[i, : -(-ctx // page_size)]
+        k = k_pages[:, pages].reshape(hkv, -1, d)[:, :ctx]
+        v = v_pages[:, pages].reshape(hkv, -1, d)[:, :ctx]
+        for tok in range(lo, hi):
+            pos = ctx - (hi - lo) + (tok - lo)
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(hq):
+                kh, vh = k[h // group, first : pos + 1], v[h // group, first : pos + 1]
+                s = kh @ q[tok, h] * sm_scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                p = np.exp(s - s.max())
+                out[tok, h] = p @ vh / p.sum()
+    return out
