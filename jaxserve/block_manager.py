@@ -164,12 +164,17 @@ class BlockManager:
         counts the lookup in the hit-rate stats. Returns False and changes nothing if the free
         queue is too short.
         """
-        computed = list(new_computed_blocks or ())
+        computed = list(new_computed_blocks) if new_computed_blocks else []
         if computed and request.block_ids:
             raise ValueError("prefix-cache hits can only be added to a request without pages")
         bs = self.block_size
         total = request.num_computed_tokens + len(computed) * bs + num_new_tokens
-        n_alloc = max(0, cdiv(total, bs) - len(request.block_ids) - len(computed))
+        n_alloc = -(-total // bs) - len(request.block_ids) - len(computed)
+        if n_alloc <= 0 and not computed:  # fast path: a decode inside its last page
+            if new_computed_blocks is not None:
+                self._record_query(request, 0)
+            return True
+        n_alloc = max(0, n_alloc)
         # Hit pages nobody holds are in the free queue; touching them takes them out of it.
         n_touch_free = sum(1 for p in computed if self.ref_counts[p] == 0)
         if n_alloc + n_touch_free > len(self._free):
@@ -191,11 +196,15 @@ class BlockManager:
                     del self._cached[h]
             self.ref_counts[p] = 1
             pages.append(p)
-        if new_computed_blocks is not None and self.enable_prefix_caching:
+        if new_computed_blocks is not None:
+            self._record_query(request, len(computed) * bs)
+        return True
+
+    def _record_query(self, request: Request, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
             self.prefix_cache_requests += 1
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed) * bs
-        return True
+            self.prefix_cache_hits += num_hit_tokens
 
     def free(self, request: Request) -> None:
         """Release a request's pages, tail first, so the tail of a cached prefix is evicted first."""

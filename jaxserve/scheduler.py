@@ -28,7 +28,7 @@ from jaxserve.step_plan import ScheduledSeq
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -148,6 +148,11 @@ class Scheduler:
     @property
     def swap_used_pages(self) -> int:
         return sum(self._swapped_pages.values())
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Block-table width M: no request ever computes a position >= max_model_len."""
+        return cdiv(self.max_model_len, self.block_size)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -50,7 +50,7 @@ class FakeDevice:
         self.kv = np.full(sched.block_manager.num_pages * bs, -1, dtype=np.int64)
         self.host: dict[str, np.ndarray] = {}
         self.ladder = token_ladder(sched.max_num_batched_tokens, 4)
-        self.max_pages = -(-(sched.max_model_len + 1) // bs)
+        self.max_pages = sched.max_pages_per_seq  # build_step_plan raises if a row needs more
 
     def step(self, out) -> dict[str, int]:
         bs = self.s.block_size
