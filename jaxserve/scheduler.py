@@ -10,7 +10,9 @@ Each ``schedule()`` call builds one step:
    first takes the longest cached prefix from the prefix cache.
 
 The engine feeds the step result back with ``update_from_output`` and decides stopping itself
-(``finish_request``). Counting progress only there keeps schedule() side-effect free on tokens.
+(``finish_request``). Progress is counted only there, so ``num_computed_tokens`` never runs
+ahead of what the device has computed (schedule() only sets it to a prefix-cache hit, or to 0
+on a recompute preemption).
 """
 from __future__ import annotations
 
