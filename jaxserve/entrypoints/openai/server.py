@@ -443,7 +443,6 @@ class OpenAIServing:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
-        completion_tokens = 0
         try:
             async for ev in fanin.events():
                 if ev.output is None:
@@ -470,7 +469,6 @@ class OpenAIServing:
                     sent_tokens[idx] = len(c.token_ids)
                     if done:
                         finished.add(idx)
-                        completion_tokens += len(c.token_ids)
                     yield _sse(P.CompletionStreamResponse(
                         id=fanin.request_id, created=created, model=model,
                         choices=[P.CompletionResponseChoice(
