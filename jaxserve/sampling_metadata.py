@@ -1,0 +1,161 @@
+"""Host side of the sampler: SamplingParams of the rows in a step -> padded numpy arrays.
+
+Numpy only (no jax). The arrays are exactly the fields of ``jaxserve.sampler.SamplingMetadata``
+(``SAMPLING_FIELDS``). Padding rows (and ``None`` rows, e.g. a prefill chunk that samples
+nothing) are greedy and inert.
+
+Shapes, and why they cannot cause recompiles: every array is ``[S]`` or ``[S, W]`` where W comes
+from one of exactly two layouts, so the step has at most two sampler variants per S bucket:
+
+* ``compact`` (the normal case): history width 1, logit_bias width ``COMPACT_BIAS_WIDTH``,
+  stop-id width ``COMPACT_STOP_WIDTH``;
+* ``full`` — used for the whole batch when any row has a penalty, more logit_bias entries or more
+  stop ids (with min_tokens active) than the compact widths: history width ``history_len``
+  (the engine passes max_model_len, so any prompt+output fits), bias width ``MAX_LOGIT_BIAS``,
+  stop width ``FULL_STOP_WIDTH``.
+
+Both layouts are fixed by the engine's config, never by request values; ``dummy_sampling_arrays``
+builds either one for warm-up.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS,
+                                      SamplingParams)
+
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seeds", "steps", "num_logprobs", "mask_stop", "stop_ids", "bias_ids",
+    "bias_values", "history", "prompt_lens",
+)
+COMPACT_BIAS_WIDTH = 8
+COMPACT_STOP_WIDTH = 8
+FULL_STOP_WIDTH = MAX_STOP_TOKEN_IDS + 65  # stop_token_ids + EOS ids from the generation config
+
+_default_rng = np.random.default_rng()
+
+
+def layout_widths(full: bool, history_len: int) -> tuple[int, int, int]:
+    """(history, bias, stop) widths of a layout."""
+    if full:
+        return history_len, MAX_LOGIT_BIAS, FULL_STOP_WIDTH
+    return 1, COMPACT_BIAS_WIDTH, COMPACT_STOP_WIDTH
+
+
+def _eos_list(eos) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, (int, np.integer)):
+        return [int(eos)]
+    return [int(t) for t in eos]
+
+
+def dummy_sampling_arrays(s_bucket: int, *, full: bool = False, history_len: int = 1) -> dict:
+    """All-padding arrays of a layout (greedy rows): what warm-up compiles with."""
+    L, B, E = layout_widths(full, history_len)
+    S = s_bucket
+    return dict(
+        temperature=np.zeros(S, np.float32),
+        top_p=np.ones(S, np.float32),
+        top_k=np.zeros(S, np.int32),
+        min_p=np.zeros(S, np.float32),
+        presence_penalty=np.zeros(S, np.float32),
+        frequency_penalty=np.zeros(S, np.float32),
+        repetition_penalty=np.ones(S, np.float32),
+        seeds=np.zeros((S, 2), np.uint32),
+        steps=np.zeros(S, np.int32),
+        num_logprobs=np.full(S, -1, np.int32),
+        mask_stop=np.zeros(S, np.bool_),
+        stop_ids=np.full((S, E), -1, np.int32),
+        bias_ids=np.full((S, B), -1, np.int32),
+        bias_values=np.zeros((S, B), np.float32),
+        history=np.full((S, L), -1, np.int32),
+        prompt_lens=np.zeros(S, np.int32),
+    )
+
+
+def build_sampling_arrays(
+    rows: Sequence[tuple | None],
+    s_bucket: int,
+    *,
+    history_len: int,
+    rng: np.random.Generator | None = None,
+) -> dict:
+    """rows[i] = (params, output_token_ids, prompt_token_ids, eos_token_id, num_generated) or None.
+
+    ``eos_token_id``: int, list of ints or None (min_tokens masks it with stop_token_ids, like
+    vLLM's all_stop_token_ids). ``num_generated`` = tokens generated so far (the row's key step
+    and the min_tokens counter). ``history_len``: width of the full layout's history (the
+    engine's max_model_len). ``rng`` draws fresh seeds for unseeded rows (the engine passes one
+    seeded from its global seed, so whole runs are reproducible).
+    """
+    if len(rows) > s_bucket:
+        raise ValueError(f"{len(rows)} rows exceed the sequence bucket {s_bucket}")
+    rng = _default_rng if rng is None else rng
+    n = len(rows)
+    real = [i for i, r in enumerate(rows) if r is not None]
+
+    # Which rows need wide tables (decides the layout for the whole batch).
+    stop_lists: dict[int, list[int]] = {}
+    full = False
+    for i in real:
+        p, out_ids, _, eos, n_gen = rows[i]
+        if p.min_tokens and n_gen < p.min_tokens:
+            ids = list(dict.fromkeys(list(p.stop_token_ids) + _eos_list(eos)))
+            stop_lists[i] = ids
+            full |= len(ids) > COMPACT_STOP_WIDTH
+        full |= p.uses_penalties or len(p.logit_bias or ()) > COMPACT_BIAS_WIDTH
+
+    a = dummy_sampling_arrays(s_bucket, full=full, history_len=history_len)
+    if not real:
+        return a
+    L, B, E = layout_widths(full, history_len)
+
+    cols = np.array([
+        (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+         p.repetition_penalty, n_gen, -1 if p.logprobs is None else p.logprobs)
+        for p, _, _, _, n_gen in (rows[i] for i in real)
+    ], dtype=np.float64)
+    idx = np.asarray(real)
+    greedy = cols[:, 0] < SAMPLING_EPS
+    a["temperature"][idx] = np.where(greedy, 0.0, cols[:, 0])
+    a["top_p"][idx] = np.where(greedy, 1.0, cols[:, 1])
+    a["top_k"][idx] = np.where(greedy | (cols[:, 2] < 0), 0, cols[:, 2])
+    a["min_p"][idx] = np.where(greedy, 0.0, cols[:, 3])
+    a["presence_penalty"][idx] = cols[:, 4]
+    a["frequency_penalty"][idx] = cols[:, 5]
+    a["repetition_penalty"][idx] = cols[:, 6]
+    a["steps"][idx] = cols[:, 7]
+    a["num_logprobs"][idx] = cols[:, 8]
+
+    seeds = rng.integers(0, 2**32, size=(s_bucket, 2), dtype=np.uint32)
+    seeds[n:] = 0
+    for i in real:
+        seed = rows[i][0].seed
+        if seed is not None:
+            seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
+    a["seeds"] = seeds
+
+    for i, ids in stop_lists.items():
+        if len(ids) > E:
+            raise ValueError(f"row {i} has {len(ids)} stop ids, more than {E}")
+        a["mask_stop"][i] = True
+        a["stop_ids"][i, : len(ids)] = ids
+
+    for i in real:
+        p, out_ids, prompt_ids, _, _ = rows[i]
+        if p.logit_bias:
+            nb = len(p.logit_bias)
+            a["bias_ids"][i, :nb] = np.fromiter(p.logit_bias.keys(), np.int32, nb)
+            a["bias_values"][i, :nb] = np.fromiter(p.logit_bias.values(), np.float32, nb)
+        if p.uses_penalties:
+            n_p, n_o = len(prompt_ids), len(out_ids)
+            if n_p + n_o > L:
+                raise ValueError(f"row {i}: {n_p + n_o} tokens exceed history_len={L}")
+            a["history"][i, :n_p] = prompt_ids
+            a["history"][i, n_p : n_p + n_o] = out_ids
+            a["prompt_lens"][i] = n_p
+    return a

@@ -1,0 +1,237 @@
+"""SamplingParams: vLLM's names and defaults, validated up front so bad input never reaches the device.
+
+Host side only (no jax). Every invalid value raises ``InvalidRequestError(msg, param=<field>)``
+whose message names the field and the value. Limits that exist only because the device side works
+on fixed shapes (``MAX_LOGPROBS``, ``MAX_LOGIT_BIAS``, ``MAX_STOP_TOKEN_IDS``) are module constants.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.errors import InvalidRequestError
+
+# The sampler returns this many top logprobs per row (a static shape); asking for more is an error.
+MAX_LOGPROBS = 20
+# logit_bias entries per request (the sampler's padded bias table has this width at most).
+MAX_LOGIT_BIAS = 1024
+# stop_token_ids per request (masked on device while min_tokens is not reached).
+MAX_STOP_TOKEN_IDS = 63
+# temperature below this is greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+MAX_SEED = 2**64 - 1
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _bad(param: str, value: Any, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param} {why}, got {value!r}", param=param)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling controls (vLLM semantics; see ``docs`` of vllm.SamplingParams).
+
+    ``max_tokens=None`` means "up to max_model_len" (the engine resolves it). ``top_k`` 0 or -1
+    disables top-k. ``logprobs=k`` returns the sampled token's logprob plus the top-k (k<=20);
+    logprobs are those of the raw model distribution (vLLM V1's default ``raw_logprobs``).
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    # Set by the engine from the tokenizer / generation config (vLLM: update_from_generation_config).
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify()
+
+    # -- normalisation (types the OpenAI layer may hand us) -------------------------------------
+    def _normalize(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise _bad("stop", self.stop, "must be a string or a list of strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise _bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _bad("logit_bias", self.logit_bias, "must be a dict of token id -> bias")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)  # JSON object keys arrive as strings
+                except (TypeError, ValueError):
+                    raise _bad("logit_bias", k, "keys must be token ids") from None
+                if isinstance(k, float) and k != tok or isinstance(k, bool):
+                    raise _bad("logit_bias", k, "keys must be token ids")
+                bias[tok] = v
+            self.logit_bias = bias
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v):
+                raise _bad(name, v, "must be a number")
+            setattr(self, name, float(v))
+
+    # -- validation -----------------------------------------------------------------------------
+    def _verify(self) -> None:
+        def check_int(name: str, lo: int | None = None, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not _is_int(v):
+                raise _bad(name, v, "must be an integer")
+            if lo is not None and v < lo:
+                raise _bad(name, v, f"must be >= {lo}")
+
+        check_int("n", 1)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise _bad(name, v, "must be finite")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise _bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise _bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise _bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if self.temperature < 0.0:
+            raise _bad("temperature", self.temperature, "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", self.top_p, "must be in (0, 1]")
+        check_int("top_k")
+        if self.top_k < -1:
+            raise _bad("top_k", self.top_k, "must be -1 or 0 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.seed is not None:
+            check_int("seed", 0)
+            if self.seed > MAX_SEED:
+                raise _bad("seed", self.seed, f"must be < 2**64")
+        check_int("max_tokens", 1, allow_none=True)
+        check_int("min_tokens", 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+                param="min_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            check_int(name, 0, allow_none=True)
+            v = getattr(self, name)
+            if v is not None and v > MAX_LOGPROBS:
+                raise _bad(name, v, f"must be <= {MAX_LOGPROBS}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise _bad("stop", s, "must contain only strings")
+            if not s:
+                raise _bad("stop", s, "cannot contain an empty string")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise _bad("stop_token_ids", t, "must contain non-negative integer token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise _bad("stop_token_ids", len(self.stop_token_ids),
+                       f"may hold at most {MAX_STOP_TOKEN_IDS} ids")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise _bad("logit_bias", len(self.logit_bias),
+                           f"may hold at most {MAX_LOGIT_BIAS} entries")
+            for tok, v in self.logit_bias.items():
+                if tok < 0:
+                    raise _bad("logit_bias", tok, "keys must be non-negative token ids")
+                if not _is_number(v) or not math.isfinite(v):
+                    raise _bad("logit_bias", v, f"values must be finite numbers (token {tok})")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "must be a boolean")
+        if not self.detokenize and self.stop:
+            raise _bad("stop", self.stop, "needs detokenize=True (stop strings match on text)")
+
+    # -- derived --------------------------------------------------------------------------------
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_ids[0] if self._eos_token_ids else None
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids plus the model's EOS id(s) (vLLM includes EOS even with ignore_eos;
+        the engine's stop check skips EOS when ignore_eos, min_tokens masks them all)."""
+        return set(self.stop_token_ids) | set(self._eos_token_ids)
+
+    def update_from_generation_config(self, eos_token_id: int | list[int] | None) -> None:
+        """Record the model's EOS id(s) (tokenizer and generation_config.json's eos_token_id)."""
+        if eos_token_id is None:
+            ids: tuple[int, ...] = ()
+        elif isinstance(eos_token_id, int):
+            ids = (eos_token_id,)
+        else:
+            ids = tuple(dict.fromkeys(int(t) for t in eos_token_id))
+        self._eos_token_ids = ids
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Token ids must exist in the model's vocabulary (needs the model, so the engine calls it)."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise _bad("stop_token_ids", t, f"must be < vocab size {vocab_size}")
+        for t in self.logit_bias or ():
+            if t >= vocab_size:
+                raise _bad("logit_bias", t, f"keys must be < vocab size {vocab_size}")
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)

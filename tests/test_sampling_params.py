@@ -1,0 +1,112 @@
+"""SamplingParams: vLLM defaults, and every invalid value raises InvalidRequestError naming the field."""
+import sys
+
+import pytest
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.max_tokens == 16 and p.min_tokens == 0 and p.seed is None
+    assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias is None
+    assert p.logprobs is None and p.prompt_logprobs is None
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
+    assert not p.ignore_eos and not p.include_stop_str_in_output
+    assert MAX_LOGPROBS == 20
+
+
+INVALID = [
+    ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", float("nan")),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1),
+    ("min_p", 1.5), ("presence_penalty", 2.5), ("presence_penalty", -2.01),
+    ("frequency_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0), ("seed", -1), ("seed", 2**64), ("max_tokens", 0),
+    ("max_tokens", -5), ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1),
+    ("prompt_logprobs", 100), ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", list(range(64))),
+    ("logit_bias", {"x": 1.0}), ("logit_bias", {-3: 1.0}), ("logit_bias", {3: float("inf")}),
+    ("logit_bias", [1, 2]), ("logit_bias", {i: 1.0 for i in range(1025)}),
+    ("ignore_eos", "yes"), ("temperature", "hot"),
+]
+
+
+@pytest.mark.parametrize("field,value", INVALID)
+def test_invalid_value_names_field(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+    assert field in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert e.value.param == "min_tokens" and "5" in str(e.value)
+    SamplingParams(max_tokens=None, min_tokens=50)  # None = up to max_model_len
+
+
+def test_stop_needs_detokenize():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(stop="x", detokenize=False)
+    assert e.value.param == "stop"
+
+
+def test_valid_edge_values():
+    SamplingParams(temperature=0, top_p=1, top_k=-1, min_p=1.0, presence_penalty=-2,
+                   frequency_penalty=2, repetition_penalty=2.0, seed=2**64 - 1, logprobs=20,
+                   prompt_logprobs=0, max_tokens=1)
+
+
+def test_normalisation():
+    p = SamplingParams(stop="###", logit_bias={"5": -100, 7: 3}, temperature=1)
+    assert p.stop == ["###"]
+    assert p.logit_bias == {5: -100, 7: 3}
+    assert isinstance(p.temperature, float)
+
+
+def test_sampling_type():
+    assert SamplingParams(temperature=0).sampling_type == SamplingType.GREEDY
+    assert SamplingParams(temperature=5e-6).sampling_type == SamplingType.GREEDY
+    assert SamplingParams(temperature=0.7).sampling_type == SamplingType.RANDOM
+    assert SamplingParams(temperature=0.7, seed=1).sampling_type == SamplingType.RANDOM_SEED
+
+
+def test_stop_token_ids_and_eos():
+    p = SamplingParams(stop_token_ids=[5, 9])
+    assert p.all_stop_token_ids == {5, 9}
+    p.update_from_generation_config([2, 5])
+    assert p.all_stop_token_ids == {2, 5, 9} and p.eos_token_id == 2
+    p.update_from_generation_config(3)
+    assert p.all_stop_token_ids == {3, 5, 9}
+
+
+def test_verify_vocab():
+    SamplingParams(stop_token_ids=[9], logit_bias={9: 1}).verify_vocab(10)
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(stop_token_ids=[10]).verify_vocab(10)
+    assert e.value.param == "stop_token_ids"
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(logit_bias={12: 1}).verify_vocab(10)
+    assert e.value.param == "logit_bias"
+
+
+def test_clone_is_deep():
+    p = SamplingParams(stop=["a"], logit_bias={1: 2.0})
+    q = p.clone()
+    q.stop.append("b")
+    q.logit_bias[3] = 1.0
+    assert p.stop == ["a"] and p.logit_bias == {1: 2.0}
+
+
+def test_host_module_imports_no_jax():
+    import subprocess
+    code = ("import sys, jaxserve.sampling_params, jaxserve.sampling_metadata;"
+            "bad=[m for m in sys.modules if m.split('.')[0] in ('jax','flax')];"
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
