@@ -105,7 +105,7 @@ def test_clone_is_deep():
 
 def test_host_module_imports_no_jax():
     import subprocess
-    code = ("import sys, jaxserve.sampling_params, jaxserve.sampling_metadata;"
+    code = ("import sys, jaxserve.sampling_params, jaxserve.sampling_metadata, jaxserve.tokenizer;"
             "bad=[m for m in sys.modules if m.split('.')[0] in ('jax','flax')];"
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,0 +1,191 @@
+"""Text side of generation: incremental detokenization, stop strings, chat templates.
+
+Host side only (no jax). Works with any transformers tokenizer (loading lives in loader.py).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+from jaxserve.errors import InvalidRequestError
+
+# Context tokens of the prompt kept in the detokenization window (vLLM uses 5 as well): enough
+# for tokenizers whose decode of a token depends on its left neighbour (SentencePiece spaces).
+INITIAL_DETOKENIZATION_OFFSET = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas that never split a UTF-8 character.
+
+    vLLM's prefix/read offset method on token ids: ``prefix_offset..read_offset`` is a window of
+    already-emitted tokens decoded for context, and the delta is what decoding the window plus the
+    new tokens adds to it. When that text ends in U+FFFD (an incomplete byte sequence from
+    byte-level BPE) or adds nothing (a skipped special token), the delta is held back and the
+    offsets stay, so the next token completes the character. ``text`` is the output text so far
+    (prompt excluded); the engine may truncate it for stop strings.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        start = max(0, len(prompt_token_ids) - INITIAL_DETOKENIZATION_OFFSET)
+        tail = [int(t) for t in prompt_token_ids[start:]]
+        self._ids: list[int] = tail  # window context + output ids
+        self.prefix_offset = 0
+        self.read_offset = len(tail)
+        self.output_token_ids: list[int] = []
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False)
+
+    def add_tokens(self, new_ids: Sequence[int]) -> str:
+        """Append generated ids; returns the new text (possibly "" while a character is open)."""
+        delta = []
+        for t in new_ids:
+            t = int(t)
+            self._ids.append(t)
+            self.output_token_ids.append(t)
+            prefix_text = self._decode(self._ids[self.prefix_offset:self.read_offset])
+            new_text = self._decode(self._ids[self.prefix_offset:])
+            if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+                continue
+            delta.append(new_text[len(prefix_text):])
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self._ids)
+            # drop ids left of the window so a long generation does not keep them all twice
+            if self.prefix_offset > 1024:
+                del self._ids[: self.prefix_offset]
+                self.read_offset -= self.prefix_offset
+                self.prefix_offset = 0
+        out = "".join(delta)
+        self.text += out
+        return out
+
+
+def check_stop_strings(text: str, new_delta_len: int, stop: Sequence[str],
+                       include_stop_str_in_output: bool) -> tuple[str, int | None] | None:
+    """Did the last ``new_delta_len`` characters of ``text`` complete a stop string?
+
+    Only the tail that could contain a new match is searched (a stop string may span token
+    boundaries: it may start before the delta). Returns ``(stop_str, truncate_to)``: the output
+    text becomes ``text[:truncate_to]`` — the stop string is cut off, or kept when
+    ``include_stop_str_in_output`` — and ``truncate_to`` is None when nothing needs cutting.
+    When several stop strings match, the earliest in the text wins (ties: the first listed).
+    vLLM semantics otherwise (StopChecker.check_stop_strings).
+    """
+    if not new_delta_len or not stop:
+        return None
+    best: tuple[int, str] | None = None
+    for s in stop:
+        start = max(0, len(text) - new_delta_len - len(s) + 1)
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    if best is None:
+        return None
+    i, s = best
+    end = i + len(s) if include_stop_str_in_output else i
+    return s, (None if end >= len(text) else end)
+
+
+def stop_buffer_length(stop: Sequence[str] | None, include_stop_str_in_output: bool) -> int:
+    """Characters a stream must hold back so it never shows a stop string's beginning that a
+    later token completes (vLLM's stop_buffer_length)."""
+    if not stop or include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in stop) - 1
+
+
+def _message_content(content, i: int):
+    """OpenAI content (string, None, or a list of parts) -> a string for the template."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                    part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(
+                    f"messages[{i}].content: only text parts are supported, got {kind!r}",
+                    param="messages")
+        return "\n".join(texts)
+    raise InvalidRequestError(
+        f"messages[{i}].content must be a string or a list of parts, got {type(content).__name__}",
+        param="messages")
+
+
+def normalize_messages(messages) -> list[dict]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects",
+                                  param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"messages[{i}] must be an object, got {type(m).__name__}",
+                                      param="messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"messages[{i}].role must be a non-empty string, got {role!r}",
+                                      param="messages")
+        if "content" not in m and not m.get("tool_calls"):
+            raise InvalidRequestError(f"messages[{i}] has no content", param="messages")
+        msg = dict(m)
+        msg["content"] = _message_content(m.get("content"), i)
+        out.append(msg)
+    return out
+
+
+def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True,
+                        chat_template: str | None = None, **template_kwargs) -> list[int]:
+    """Render ``messages`` with the tokenizer's (or the given) chat template -> token ids.
+
+    The rendered text already holds the template's special tokens (BOS...), so it is encoded
+    without adding them again (as vLLM does).
+    """
+    msgs = normalize_messages(messages)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "this model's tokenizer has no chat template; pass one (--chat-template or "
+            "chat_template=...) or use the completions API", param="chat_template")
+    try:
+        text = tokenizer.apply_chat_template(msgs, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **template_kwargs)
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # jinja errors (raise_exception in templates) come from the messages
+        raise InvalidRequestError(f"could not apply the chat template: {e}",
+                                  param="messages") from None
+    if not isinstance(text, str):  # some versions return a list for a batch
+        text = text[0]
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+_token_text_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def decode_token(tokenizer, token_id: int) -> str:
+    """One token's text for logprob display (special tokens kept; a partial UTF-8 byte shows
+    as U+FFFD, like vLLM). Cached per tokenizer."""
+    try:
+        cache = _token_text_cache.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable
+        cache = {}
+    s = cache.get(token_id)
+    if s is None:
+        s = tokenizer.decode([int(token_id)], skip_special_tokens=False,
+                             clean_up_tokenization_spaces=False)
+        cache[token_id] = s
+    return s
