@@ -1,0 +1,507 @@
+"""Attention kernel benchmark: jaxserve's Pallas ragged paged attention vs JAX's own GPU ops.
+
+Cases (GPU defaults; issue "Pallas ragged paged attention" / "GPU: attention kernel performance"):
+  decode  B 64, 32 query / 8 KV heads, head_dim 128, page 16, bf16, ctx 512 / 2048 / 8192:
+          time, KV bytes moved per second against the device copy bandwidth measured in the same
+          run; baselines JAX `pallas.ops.gpu.paged_attention` (same page pool) and
+          `decode_attention.gqa` (contiguous, unpaged KV: what a dense layout would give).
+  mixed   4 prefill chunks of 512 tokens ending at a 2048 context (earlier context in pages)
+          + 32 decodes at 2048, one call; bound = a dense attention with the chunks' FLOPs
+          (`jax.nn.dot_product_attention`, cuDNN when available) + the decodes' KV bytes at copy
+          bandwidth.
+Every case checks the kernel against pallas_kernels/reference.py first (sub-batch when the
+reference would not fit). ``--sweep`` times a grid of tile parameters per case and reports the
+fastest (issue 11). On CPU (or ``--tiny``) it runs tiny shapes in interpret mode.
+
+    python benchmarks/kernels.py                      # GPU, full sizes
+    python benchmarks/kernels.py --tiny               # CPU smoke run (CI)
+    python benchmarks/kernels.py --sweep --cases decode --ctx 2048
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+# Peak dense bf16 tensor FLOP/s (no sparsity) for the theoretical bound, by device_kind prefix.
+PEAK_BF16_FLOPS = {"NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12}
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes in interpret mode (default when no accelerator)")
+    p.add_argument("--cases", default="decode,mixed", help="comma list of decode, mixed")
+    p.add_argument("--batch", type=int, default=64, help="decode sequences")
+    p.add_argument("--ctx", default="512,2048,8192", help="decode context lengths")
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--mixed-chunks", type=int, default=4, help="prefill chunks in the mixed case")
+    p.add_argument("--mixed-chunk-len", type=int, default=512)
+    p.add_argument("--mixed-ctx", type=int, default=2048, help="context at the end of each chunk")
+    p.add_argument("--mixed-decodes", type=int, default=32, help="decodes in the mixed case")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-baseline", action="store_true", help="skip JAX's ops and the dense bound")
+    p.add_argument("--no-check", action="store_true", help="skip the reference check")
+    p.add_argument("--tiles", default=None,
+                   help='JSON dict of TileConfig overrides, e.g. \'{"decode_block_kv": 128}\'')
+    p.add_argument("--sweep", action="store_true", help="time a grid of tile parameters per case")
+    p.add_argument("--sweep-budget-s", type=float, default=300.0,
+                   help="wall-clock budget of the whole sweep")
+    common.add_output_args(p)
+    args = p.parse_args(argv)
+    return args
+
+
+# ------------------------------------------------------------------------------------------
+# cases
+# ------------------------------------------------------------------------------------------
+def decode_case(args, ctx):
+    return dict(name=f"decode_ctx{ctx}", kind="decode", q_lens=[1] * args.batch,
+                ctx_lens=[ctx] * args.batch)
+
+
+def mixed_case(args):
+    n, c, L, nd = args.mixed_chunks, args.mixed_chunk_len, args.mixed_ctx, args.mixed_decodes
+    return dict(name=f"mixed_{n}x{c}@{L}+{nd}dec", kind="mixed", q_lens=[c] * n + [1] * nd,
+                ctx_lens=[L] * (n + nd))
+
+
+def build(case, args, seed=0):
+    """Device arrays of a case; block tables as wide as the longest context needs."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_batch import make_ragged_batch
+
+    ps = args.page_size
+    q_lens, ctx = case["q_lens"], case["ctx_lens"]
+    max_pages = -(-max(ctx) // ps)
+    num_pages = 1 + sum(-(-c // ps) for c in ctx)
+    batch = make_ragged_batch(
+        np.random.default_rng(seed), q_lens, ctx, num_tokens=sum(q_lens), num_seqs=len(q_lens),
+        max_pages=max_pages, num_pages=num_pages, num_q_heads=args.num_q_heads,
+        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, page_size=ps,
+    )
+    dt = jnp.dtype(args.dtype)
+    dev = dict(
+        q=jnp.asarray(batch.q, dt), k_pages=jnp.asarray(batch.k_pages, dt),
+        v_pages=jnp.asarray(batch.v_pages, dt), query_start=jnp.asarray(batch.query_start),
+        seq_lens=jnp.asarray(batch.seq_lens), block_tables=jnp.asarray(batch.block_tables),
+        num_seqs=jnp.int32(batch.num_seqs),
+    )
+    return batch, dev
+
+
+def kv_bytes(case, args):
+    """Bytes a perfect kernel reads from the pool: every context token's K and V, once."""
+    item = np.dtype(np.float32).itemsize if args.dtype == "float32" else 2
+    return sum(case["ctx_lens"]) * args.num_kv_heads * args.head_dim * 2 * item
+
+
+def io_bytes(case, args):
+    item = 4 if args.dtype == "float32" else 2
+    tokens = sum(case["q_lens"])
+    return 2 * tokens * args.num_q_heads * args.head_dim * item  # q in, out
+
+
+def attention_flops(q_lens, ctx_lens, args):
+    """QK^T and PV FLOPs of causal attention (each token attends to its position + 1 keys)."""
+    keys = 0
+    for ql, c in zip(q_lens, ctx_lens):
+        first = c - ql  # position of the first new token
+        keys += ql * first + ql * (ql + 1) // 2
+    return 4 * keys * args.num_q_heads * args.head_dim
+
+
+# ------------------------------------------------------------------------------------------
+# implementations
+# ------------------------------------------------------------------------------------------
+def ours_fn(args, tiles):
+    import jax
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    sm_scale = args.head_dim ** -0.5
+
+    @jax.jit
+    def run(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs):
+        return ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
+                                      num_seqs, sm_scale=sm_scale, interpret=args.interpret,
+                                      **tiles)
+
+    return run
+
+
+def jax_paged_fn(args, pages_per_seq):
+    """JAX's Pallas GPU paged_attention (decode only; it applies no sm_scale itself)."""
+    import jax
+
+    from jax.experimental.pallas.ops.gpu import paged_attention as pa
+
+    k_splits = max(s for s in (16, 8, 4, 2, 1) if pages_per_seq % s == 0)
+    sm_scale = args.head_dim ** -0.5
+
+    @jax.jit
+    def run(q, k_pages, v_pages, block_tables, lengths):
+        return pa.paged_attention((q * sm_scale).astype(q.dtype), k_pages, v_pages, block_tables,
+                                  lengths, k_splits=k_splits, interpret=args.interpret)
+
+    return run, dict(k_splits=k_splits)
+
+
+def jax_dense_decode_fn(args, ctx):
+    """JAX's Pallas decode_attention.gqa over contiguous [B, ctx, Hkv, D] K/V (not paged)."""
+    import jax
+
+    from jax.experimental.pallas.ops.gpu import decode_attention as da
+
+    sm_scale = args.head_dim ** -0.5
+    k_splits = max(s for s in (16, 8, 4, 2, 1) if ctx % s == 0 and (ctx // s >= 16 or s == 1))
+    block_k = min(128, ctx // k_splits)
+
+    @jax.jit
+    def run(q, k, v, lengths):
+        return da.gqa(q, k, v, kv_seq_len=lengths, sm_scale=sm_scale, k_splits=k_splits,
+                      block_k=block_k, interpret=args.interpret)
+
+    return run, dict(k_splits=k_splits, block_k=block_k)
+
+
+def dense_attention_fn():
+    """jax.nn.dot_product_attention, cuDNN flash when the backend has it, else XLA."""
+    import jax
+
+    def make(impl):
+        return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl))
+
+    return make
+
+
+# ------------------------------------------------------------------------------------------
+# checks and timing
+# ------------------------------------------------------------------------------------------
+def rel_err(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def check_vs_reference(case, args, tiles, budget_bytes=1 << 28):
+    """Kernel == reference on the case, or on a sub-batch when the reference would be too big."""
+    import jax
+
+    from pallas_kernels import reference
+
+    q_lens, ctx = list(case["q_lens"]), list(case["ctx_lens"])
+
+    def ref_bytes(ql, cl):
+        return 4 * sum(ql) * args.num_q_heads * len(cl) * max(cl) * 3
+
+    sub = dict(case)
+    if ref_bytes(q_lens, ctx) > budget_bytes:  # keep one row of each kind, drop the rest
+        keep = [0] + ([q_lens.index(1)] if 1 in q_lens and q_lens[0] != 1 else [])
+        sub = dict(case, q_lens=[q_lens[i] for i in keep], ctx_lens=[ctx[i] for i in keep])
+    _, dev = build(sub, args, seed=1)
+    out = ours_fn(args, tiles)(*dev.values())
+    ref = jax.jit(functools.partial(reference.ragged_paged_attention,
+                                    sm_scale=args.head_dim ** -0.5))(
+        dev["q"], dev["k_pages"], dev["v_pages"], dev["query_start"], dev["seq_lens"],
+        dev["block_tables"])
+    err = rel_err(out, ref)
+    return dict(rel_err=err, tol=TOL[args.dtype], ok=err <= TOL[args.dtype],
+                rows_checked=len(sub["q_lens"]), tokens_checked=sum(sub["q_lens"]))
+
+
+def timed(fn, *a, args):
+    t = common.time_fn(fn, *a, warmup=args.warmup, iters=args.iters)
+    return t
+
+
+def run_case(case, args, tiles, copy_bw):
+    """Time ours (+ baselines) on one case; returns the case's result dict."""
+    import jax.numpy as jnp
+
+    batch, dev = build(case, args)
+    res = dict(case=case["name"], kind=case["kind"], num_seqs=len(case["q_lens"]),
+               num_tokens=sum(case["q_lens"]), ctx=max(case["ctx_lens"]), tiles=tiles)
+    if not args.no_check:
+        res["check"] = check_vs_reference(case, args, tiles)
+    kvb, iob = kv_bytes(case, args), io_bytes(case, args)
+    res["kv_bytes"] = kvb
+    flops = attention_flops(case["q_lens"], case["ctx_lens"], args)
+    res["flops"] = flops
+    ours = ours_fn(args, tiles)
+    t = timed(ours, *dev.values(), args=args)
+    res["ours"] = dict(t, bytes_per_s=(kvb + iob) / t["median_s"],
+                       frac_copy_bw=(kvb + iob) / t["median_s"] / copy_bw,
+                       tflops=flops / t["median_s"] / 1e12)
+    if args.no_baseline:
+        return res
+    out_ours = np.asarray(ours(*dev.values()), np.float32)
+    if case["kind"] == "decode":
+        bsz = len(case["q_lens"])
+        lengths = dev["seq_lens"]
+        try:
+            fn, info = jax_paged_fn(args, dev["block_tables"].shape[1])
+            a = (dev["q"], dev["k_pages"], dev["v_pages"], dev["block_tables"], lengths)
+            t = timed(fn, *a, args=args)
+            res["jax_paged_attention"] = dict(
+                t, **info, bytes_per_s=(kvb + iob) / t["median_s"],
+                frac_copy_bw=(kvb + iob) / t["median_s"] / copy_bw,
+                rel_err_vs_ours=rel_err(fn(*a), out_ours))
+        except Exception as e:  # a baseline failing must not lose our numbers
+            res["jax_paged_attention"] = dict(error=f"{type(e).__name__}: {e}"[:500])
+        try:
+            hkv, _, ps, d = dev["k_pages"].shape
+            ctx = max(case["ctx_lens"])
+            # Contiguous [B, ctx, Hkv, D] copies of each sequence's pages (not timed).
+            bt = dev["block_tables"][:bsz]
+            k = dev["k_pages"][:, bt].reshape(hkv, bsz, -1, d)[:, :, :ctx].transpose(1, 2, 0, 3)
+            v = dev["v_pages"][:, bt].reshape(hkv, bsz, -1, d)[:, :, :ctx].transpose(1, 2, 0, 3)
+            fn, info = jax_dense_decode_fn(args, ctx)
+            a = (dev["q"], k, v, lengths)
+            t = timed(fn, *a, args=args)
+            res["jax_decode_attention_dense"] = dict(
+                t, **info, bytes_per_s=(kvb + iob) / t["median_s"],
+                frac_copy_bw=(kvb + iob) / t["median_s"] / copy_bw,
+                rel_err_vs_ours=rel_err(fn(*a), out_ours))
+            del k, v
+        except Exception as e:
+            res["jax_decode_attention_dense"] = dict(error=f"{type(e).__name__}: {e}"[:500])
+    else:
+        res["bound"] = mixed_bound(case, args, copy_bw)
+        if res["bound"].get("bound_s"):
+            res["ours"]["x_of_bound"] = res["ours"]["median_s"] / res["bound"]["bound_s"]
+    return res
+
+
+def mixed_bound(case, args, copy_bw):
+    """Dense attention with the chunks' FLOPs + the decodes' KV at copy bandwidth."""
+    import jax
+    import jax.numpy as jnp
+
+    chunks = [(ql, c) for ql, c in zip(case["q_lens"], case["ctx_lens"]) if ql > 1]
+    decs = [(ql, c) for ql, c in zip(case["q_lens"], case["ctx_lens"]) if ql == 1]
+    out = {}
+    chunk_flops = attention_flops([c[0] for c in chunks], [c[1] for c in chunks], args)
+    dec_bytes = kv_bytes(dict(ctx_lens=[c[1] for c in decs]), args)
+    out["chunk_flops"] = chunk_flops
+    out["decode_kv_bytes"] = dec_bytes
+    dec_s = dec_bytes / copy_bw
+    if chunks:
+        n, ql = len(chunks), chunks[0][0]
+        # Same FLOPs, no mask: every chunk token against `keys` keys.
+        keys = chunk_flops // (4 * n * ql * args.num_q_heads * args.head_dim)
+        keys = max(16, int(round(keys / 16)) * 16)
+        rng = np.random.default_rng(2)
+        dt = jnp.dtype(args.dtype)
+        q = jnp.asarray(rng.standard_normal((n, ql, args.num_q_heads, args.head_dim)), dt)
+        k = jnp.asarray(rng.standard_normal((n, keys, args.num_kv_heads, args.head_dim)), dt)
+        make = dense_attention_fn()
+        for impl in ("cudnn", None):
+            try:
+                t = timed(make(impl), q, k, k, args=args)
+                out.update(dense_impl=impl or "xla", dense_keys=keys, dense_s=t["median_s"],
+                           dense_tflops=chunk_flops / t["median_s"] / 1e12)
+                break
+            except Exception as e:
+                out[f"dense_{impl or 'xla'}_error"] = f"{type(e).__name__}: {e}"[:300]
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if kind.startswith(k)), None)
+    if peak:
+        out["peak_flops"] = peak
+        out["peak_flops_s"] = chunk_flops / peak + dec_s
+    if "dense_s" in out:
+        out["bound_s"] = out["dense_s"] + dec_s
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# sweep (issue 11): fastest tile parameters per case
+# ------------------------------------------------------------------------------------------
+def sweep_grid(kind, tiny):
+    if kind == "decode":
+        if tiny:
+            return [dict(decode_block_kv=kv, decode_num_splits=s, decode_min_kv_per_split=kv)
+                    for kv in (16, 32) for s in (1, 2)]
+        grid = []
+        for kv, s, w, st in itertools.product((32, 64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (2, 3)):
+            grid.append(dict(decode_block_kv=kv, decode_num_splits=s, decode_min_kv_per_split=kv,
+                             decode_num_warps=w, decode_num_stages=st))
+        return grid
+    if tiny:
+        return [dict(prefill_block_m=m, prefill_block_kv=kv) for m in (16, 32) for kv in (16, 32)]
+    return [dict(prefill_block_m=m, prefill_block_kv=kv, prefill_num_warps=w, prefill_num_stages=st)
+            for m, kv, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))]
+
+
+def run_sweep(case, args, base_tiles, deadline):
+    _, dev = build(case, args)
+    rows = []
+    for cfg in common.progress(sweep_grid(case["kind"], args.tiny), disable=args.disable_tqdm,
+                               desc=f"sweep {case['name']}", leave=False):
+        if time.time() > deadline:
+            break
+        tiles = dict(base_tiles, **cfg)
+        try:
+            t = timed(ours_fn(args, tiles), *dev.values(), args=args)
+            rows.append(dict(tiles=cfg, median_s=t["median_s"]))
+        except Exception as e:  # e.g. shared memory overflow for a large tile
+            rows.append(dict(tiles=cfg, error=f"{type(e).__name__}: {e}"[:200]))
+    ok = [r for r in rows if "median_s" in r]
+    best = min(ok, key=lambda r: r["median_s"]) if ok else None
+    return dict(case=case["name"], tried=len(rows), best=best, rows=rows)
+
+
+# ------------------------------------------------------------------------------------------
+def apply_tiny(args):
+    args.batch, args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 4, 2, 64
+    if args.ctx == "512,2048,8192":
+        args.ctx = "64,128"
+    args.mixed_chunks, args.mixed_chunk_len, args.mixed_ctx, args.mixed_decodes = 2, 32, 96, 2
+    args.iters, args.warmup = min(args.iters, 2), 1
+    args.sweep_budget_s = min(args.sweep_budget_s, 60)
+
+
+def plot(results, path, copy_bw):
+    plt = common.pyplot()
+    dec = [r for r in results["cases"] if r["kind"] == "decode"]
+    mix = [r for r in results["cases"] if r["kind"] == "mixed"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.3), gridspec_kw=dict(width_ratios=[2, 1]))
+    ax = axes[0]
+    names = ["ours", "jax_paged_attention", "jax_decode_attention_dense"]
+    width = 0.27
+    for i, name in enumerate(names):
+        xs, ys = [], []
+        for j, r in enumerate(dec):
+            v = r.get(name, {}).get("frac_copy_bw")
+            if v is not None:
+                xs.append(j + (i - 1) * width)
+                ys.append(100 * v)
+        if xs:
+            bars = ax.bar(xs, ys, width, label=name)
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.axhline(80, color="k", linestyle="--", linewidth=1, label="80% target")
+    ax.set_xticks(range(len(dec)), [f"ctx {r['ctx']}" for r in dec])
+    ax.set_ylabel("% of copy bandwidth")
+    ax.set_title(f"decode, B={dec[0]['num_seqs'] if dec else '?'}; copy bw "
+                 f"{copy_bw / 1e9:.0f} GB/s", fontsize=10)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for j, r in enumerate(mix):
+        vals = {"ours": r["ours"]["median_s"] * 1e3}
+        if r.get("bound", {}).get("bound_s"):
+            vals["dense bound"] = r["bound"]["bound_s"] * 1e3
+        if r.get("bound", {}).get("peak_flops_s"):
+            vals["peak-FLOP bound"] = r["bound"]["peak_flops_s"] * 1e3
+        bars = ax.bar(list(vals), list(vals.values()),
+                      color=["C0", "C3", "C7"][: len(vals)])
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_title(r["case"], fontsize=10)
+    ax.set_ylabel("ms")
+    fig.suptitle(f"{results['meta']['device']}  {results['meta']['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def summary_table(results):
+    lines = [f"{'case':<28}{'ours ms':>10}{'%bw':>7}{'jax paged ms':>14}{'%bw':>7}"
+             f"{'dense ms':>10}{'check':>10}"]
+    for r in results["cases"]:
+        o = r["ours"]
+        jp = r.get("jax_paged_attention", {})
+        dn = r.get("jax_decode_attention_dense", {})
+        chk = r.get("check", {})
+        extra = ""
+        if r["kind"] == "mixed":
+            b = r.get("bound", {})
+            jp = {}
+            dn = {"median_s": b.get("bound_s")}
+            extra = f"  (x bound {o.get('x_of_bound', float('nan')):.2f})"
+
+        def ms(d):
+            return f"{d['median_s'] * 1e3:.3f}" if d.get("median_s") else "-"
+
+        def pct(d):
+            return f"{100 * d['frac_copy_bw']:.0f}" if d.get("frac_copy_bw") else "-"
+
+        ok = ("ok" if chk.get("ok") else "FAIL") + f" {chk.get('rel_err', float('nan')):.0e}" \
+            if chk else "-"
+        lines.append(f"{r['case']:<28}{ms(o):>10}{pct(o):>7}{ms(jp):>14}{pct(jp):>7}{ms(dn):>10}"
+                     f"{ok:>10}{extra}")
+    for s in results.get("sweep", []):
+        if s.get("best"):
+            lines.append(f"sweep {s['case']}: best {s['best']['median_s'] * 1e3:.3f} ms "
+                         f"{json.dumps(s['best']['tiles'])} ({s['tried']} tried)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    accel = jax.devices()[0].platform != "cpu"
+    if not accel:
+        args.tiny = True
+    args.interpret = not accel
+    if args.tiny:
+        apply_tiny(args)
+    tiles = json.loads(args.tiles) if args.tiles else {}
+    meta = common.run_metadata()
+    bw = common.measure_copy_bandwidth()
+    copy_bw = bw["bandwidth_bytes_per_s"]
+    cases = []
+    kinds = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if "decode" in kinds:
+        cases += [decode_case(args, int(c)) for c in args.ctx.split(",")]
+    if "mixed" in kinds:
+        cases.append(mixed_case(args))
+    results = dict(meta=meta, copy_bandwidth=bw, tiny=args.tiny, interpret=args.interpret,
+                   config=dict(batch=args.batch, num_q_heads=args.num_q_heads,
+                               num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                               page_size=args.page_size, dtype=args.dtype, iters=args.iters,
+                               warmup=args.warmup), cases=[])
+    for case in common.progress(cases, disable=args.disable_tqdm, desc="kernels"):
+        results["cases"].append(run_case(case, args, tiles, copy_bw))
+    if args.sweep:
+        deadline = time.time() + args.sweep_budget_s
+        results["sweep"] = [run_sweep(c, args, tiles, deadline) for c in cases]
+    path = common.result_path("kernels", args, tag="-tiny" if args.tiny else "")
+    common.write_json(path, results)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        print(f"wrote {plot(results, path[:-5] + '.png', copy_bw)}")
+    print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s on {meta['device']}")
+    print(summary_table(results))
+    bad = [r["case"] for r in results["cases"] if r.get("check") and not r["check"]["ok"]]
+    if bad:
+        print(f"REFERENCE CHECK FAILED: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
