@@ -13,9 +13,10 @@ Order of operations follows vLLM V1's Sampler:
 
 Everything data-dependent is an array in ``SamplingMetadata``: changing parameters never
 recompiles. Costly parts sit behind ``lax.cond`` on "does any row need it" so the common
-all-greedy step is an argmax plus a logsumexp: penalties (scatter of the token history), random
-sampling (one Gumbel draw per row), the full-vocabulary sort (only for top_k / top_p), and the
-top-k logprobs (only when a row asked for logprobs).
+all-greedy step with no bias/min_tokens/penalty is a bare argmax plus a logsumexp (no [S, V]
+copy): logit edits, penalties (scatter of the token history), random sampling (one Gumbel draw
+per row), the full-vocabulary sort (only for top_k / top_p), and the top-k logprobs and ranks
+(only when a row asked for logprobs).
 """
 from __future__ import annotations
 
@@ -160,16 +161,23 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int = MAX_
     S, V = raw.shape
     lse = jax.nn.logsumexp(raw, axis=-1)
 
-    x = apply_logit_bias_and_min_tokens(raw, md)
+    greedy_rows = md.temperature < SAMPLING_EPS
     any_penalty = jnp.any((md.presence_penalty != 0.0) | (md.frequency_penalty != 0.0)
                           | (md.repetition_penalty != 1.0))
-    x = jax.lax.cond(any_penalty, lambda x: apply_penalties(x, md), lambda x: x, x)
+    any_edit = (any_penalty | jnp.any(md.bias_ids >= 0)
+                | jnp.any(md.mask_stop[:, None] & (md.stop_ids >= 0)))
 
-    greedy_rows = md.temperature < SAMPLING_EPS
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    token_ids = jax.lax.cond(
-        jnp.all(greedy_rows), lambda x: greedy,
-        lambda x: jnp.where(greedy_rows, greedy, _random_sample(x, md, greedy_rows)), x)
+    def processed(raw):
+        x = apply_logit_bias_and_min_tokens(raw, md)
+        x = jax.lax.cond(any_penalty, lambda x: apply_penalties(x, md), lambda x: x, x)
+        greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        return jax.lax.cond(
+            jnp.all(greedy_rows), lambda x: greedy,
+            lambda x: jnp.where(greedy_rows, greedy, _random_sample(x, md, greedy_rows)), x)
+
+    # The common step (all greedy, nothing to edit) is a bare argmax: no [S, V] copies.
+    token_ids = jax.lax.cond(jnp.all(greedy_rows) & ~any_edit,
+                             lambda r: jnp.argmax(r, axis=-1).astype(jnp.int32), processed, raw)
 
     tok_lp = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
     k = num_top_logprobs
