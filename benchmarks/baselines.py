@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH_DIR)
@@ -33,17 +33,10 @@ RESULTS_DIR = os.path.join(BENCH_DIR, "results")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks import common  # noqa: E402  (metadata, copy bandwidth, JSON, pyplot)
+
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
                "fp16": 2, "half": 2}
-
-
-def _common():
-    """H2's benchmarks/common.py when it is there (metadata, bandwidth, plotting), else None."""
-    try:
-        from benchmarks import common
-    except ImportError:
-        return None
-    return common
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,39 +123,9 @@ def roofline_for_run(config: dict, dtype: str, batch: int, input_len: float, out
                            input_len + output_len / 2.0, bandwidth)
 
 
-def measure_copy_bandwidth(nbytes: int | None = None, iters: int = 10) -> dict:
-    """Device copy bandwidth, bytes read + written per second (median of ``iters`` copies).
-
-    Uses benchmarks/common.py's measurement when it exists; otherwise a jitted ``x + 0`` copy
-    of a buffer (1 GiB on an accelerator, 64 MiB on CPU).
-    """
-    common = _common()
-    fn = getattr(common, "measure_copy_bandwidth", None) if common else None
-    if fn is not None:
-        res = fn()
-        if isinstance(res, dict):
-            return res
-        return {"bandwidth_bytes_per_s": float(res), "method": "benchmarks.common"}
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    dev = jax.devices()[0]
-    if nbytes is None:
-        nbytes = (1 << 30) if dev.platform != "cpu" else (64 << 20)
-    n = nbytes // 4
-    x = jnp.ones((n,), jnp.float32)
-    copy = jax.jit(lambda a: a + 0.0)
-    copy(x).block_until_ready()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        copy(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    del x
-    med = float(np.median(times))
-    return {"bandwidth_bytes_per_s": 2 * n * 4 / med, "copy_bytes": n * 4, "median_s": med,
-            "iters": iters, "device": dev.device_kind, "method": "jax x+0 copy (read+write)"}
+def measure_copy_bandwidth() -> dict:
+    """Device copy bandwidth (bytes read + written per second), measured in this run."""
+    return common.measure_copy_bandwidth()
 
 
 def bandwidth_value(bw: dict) -> float:
@@ -280,6 +243,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--attention-backend", default="auto")
+    g.add_argument("--min-token-bucket", type=int, default=None,
+                   help="smallest token bucket of the step ladder (fewer buckets, fewer "
+                        "compiles); default: the engine's")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
 
@@ -294,6 +260,7 @@ def llm_kwargs(args, requests: list[BenchRequest]) -> dict:
               num_gpu_blocks_override=args.num_gpu_blocks_override, block_size=block,
               attention_backend=args.attention_backend,
               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+              min_token_bucket=args.min_token_bucket,
               load_format=args.load_format or ("dummy" if args.preset else "auto"))
     return {k: v for k, v in kw.items() if v is not None}
 
@@ -337,46 +304,7 @@ def summarize(values, name: str, percentiles=(50, 90, 99), scale: float = 1.0) -
 # results
 # ---------------------------------------------------------------------------------------------
 def run_metadata() -> dict:
-    common = _common()
-    fn = getattr(common, "run_metadata", None) or getattr(common, "metadata", None) \
-        if common else None
-    if fn is not None:
-        try:
-            return dict(fn())
-        except Exception as e:  # keep the run; say what went wrong
-            meta = _own_metadata()
-            meta["common_metadata_error"] = repr(e)
-            return meta
-    return _own_metadata()
-
-
-def _own_metadata() -> dict:
-    versions = {"python": platform.python_version()}
-    for mod in ("jax", "jaxlib", "flax", "numpy", "torch", "transformers"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:
-            pass
-    device = "unknown"
-    try:
-        import jax
-        d = jax.devices()[0]
-        device = f"{d.platform}: {d.device_kind} x{jax.device_count()}"
-    except Exception:
-        pass
-
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except Exception:
-            return ""
-
-    return dict(device=device, versions=versions,
-                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                git_commit=git("rev-parse", "HEAD"), git_dirty=bool(git("status", "--porcelain",
-                                                                        "--untracked-files=no")),
-                hostname=platform.node(), cpu_count=os.cpu_count())
+    return common.run_metadata()
 
 
 def result_path(kind: str, args, tag: str = "") -> str:
@@ -391,38 +319,15 @@ def result_path(kind: str, args, tag: str = "") -> str:
 
 
 def write_result(path: str, result: dict) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2, default=_json_default)
-    return path
-
-
-def _json_default(o):
-    try:
-        import numpy as np
-        if isinstance(o, np.generic):
-            return o.item()
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-    except ImportError:
-        pass
-    return str(o)
+    return common.write_json(path, result)
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("output")
-    g.add_argument("--output-json", default=None, help="result file (default: a timestamped "
-                                                       "name under --result-dir)")
-    g.add_argument("--result-dir", default=None, help=f"default {RESULTS_DIR}")
-    g.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    g.add_argument("--disable-tqdm", action="store_true")
+    common.add_output_args(p)
 
 
 def plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as pyplot
-    return pyplot
+    return common.pyplot()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,10 +588,89 @@ def _torch_device_name(torch, dev: str) -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
+def summary_table(result_dir: str) -> str:
+    """A plain-text table of every result JSON in ``result_dir``, with issue #14's targets."""
+    rows = []
+
+    def row(name, value, target=None, ok=None):
+        mark = "" if ok is None else ("  ok" if ok else "  MISSED")
+        rows.append(f"  {name:<44} {value:>14}  {target or '':<10}{mark}")
+
+    def num(v, fmt="{:,.1f}"):
+        return "n/a" if v is None else fmt.format(v)
+
+    for fn in sorted(os.listdir(result_dir)):
+        if not fn.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(result_dir, fn)) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            continue
+        kind = d.get("benchmark")
+        cfg = d.get("config", {})
+        if kind == "throughput":
+            r = d.get("jaxserve", {})
+            big = cfg.get("preset") == "llama3-8b"
+            rows.append(f"{fn}  [{d.get('device', '?')}]")
+            row("output tok/s", num(r.get("output_throughput")),
+                ">= 12000" if big else None,
+                r.get("output_throughput", 0) >= 12000 if big else None)
+            row("requests/s | total tok/s", f"{num(r.get('request_throughput'), '{:.2f}')} | "
+                f"{num(r.get('total_token_throughput'), '{:,.0f}')}")
+            for k, tgt, need in (("output_throughput_vs_hf", ">= 15", 15.0),
+                                 ("output_throughput_vs_hf_cb", ">= 3", 3.0),
+                                 ("output_throughput_of_roofline", ">= 0.40", 0.40),
+                                 ("decode_step_throughput_of_roofline", None, None)):
+                if k in r:
+                    row(k, num(r[k], "{:.3f}"), tgt, None if need is None else r[k] >= need)
+            for name, b in (d.get("baselines") or {}).items():
+                best = b.get("best", {})
+                row(f"  {name} best output tok/s", num(b.get("output_throughput")),
+                    f"bs {best['batch_size']}" if "batch_size" in best else
+                    best.get("attn_implementation"))
+                if "error" in b:
+                    row(f"  {name} error", b["error"][:60])
+            roof = d.get("roofline") or {}
+            if roof:
+                row("roofline tok/s (copy GB/s)", f"{num(roof.get('output_tokens_per_s'))} "
+                    f"({num(roof.get('bandwidth_gbps'), '{:.0f}')})")
+            row("host / device ms per step", f"{num(r.get('host_ms_per_step'), '{:.2f}')} / "
+                f"{num(r.get('device_ms_per_step'), '{:.2f}')}")
+            if "decode_host_time_fraction" in r:
+                row(f"decode host/device at batch {r.get('decode_batch')}",
+                    num(r["decode_host_time_fraction"], "{:.3f}"), "<= 0.10",
+                    r["decode_host_time_fraction"] <= 0.10)
+            row("compiles after warm-up", str(r.get("compiles_after_warmup")), "0",
+                r.get("compiles_after_warmup") == 0)
+        elif kind == "serving":
+            rows.append(f"{fn}  [{d.get('device', '?')}]")
+            for m in d.get("runs", []):
+                ttft, tpot = m.get("median_ttft_ms"), m.get("median_tpot_ms")
+                row(f"rate {m.get('request_rate')}: req/s, ok/failed",
+                    f"{num(m.get('request_throughput'), '{:.2f}')}, {m.get('completed')}/"
+                    f"{m.get('failed')}")
+                row("  TTFT p50 ms", num(ttft, "{:.2f}"), "< 30")
+                row("  TPOT p50 ms", num(tpot, "{:.3f}"), "< 8")
+                if "request_goodput" in m:
+                    row("  goodput req/s", num(m["request_goodput"], "{:.2f}"))
+        elif kind == "latency":
+            rows.append(f"{fn}  [{d.get('device', '?')}]")
+            row("median batch latency s", num(d.get("median_latency_s"), "{:.4f}"))
+            for k in ("latency_vs_hf", "latency_vs_hf_cb", "latency_of_roofline"):
+                if k in d:
+                    row(k, num(d[k], "{:.3f}"))
+        elif kind:
+            rows.append(f"{fn}  ({kind})")
+    return "\n".join(rows) if rows else f"no results in {result_dir}"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="HF baselines (run by the benchmark scripts in a "
-                                            "subprocess; usable by hand)")
+                                            "subprocess; usable by hand) and the results table")
     sub = p.add_subparsers(dest="kind", required=True)
+    t = sub.add_parser("table", help="print a table of the result JSONs in a folder")
+    t.add_argument("result_dir", nargs="?", default=RESULTS_DIR)
     for kind in ("hf-generate", "hf-cb"):
         s = sub.add_parser(kind)
         s.add_argument("--model", required=True)
@@ -698,6 +682,9 @@ def main(argv=None) -> None:
         s.add_argument("--attn-impls", type=lambda s: [x for x in s.split(",") if x],
                        default=["sdpa", "paged|eager"])
     a = p.parse_args(argv)
+    if a.kind == "table":
+        print(summary_table(a.result_dir))
+        return
     (hf_generate_main if a.kind == "hf-generate" else hf_cb_main)(a)
 
 

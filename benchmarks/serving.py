@@ -80,16 +80,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.percentiles = [float(x) for x in args.metric_percentiles.split(",")]
     except ValueError as e:
         p.error(str(e))
-    if any(r <= 0 for r in args.rates):
+    if any(not isinstance(r, str) and r <= 0 for r in args.rates):
         p.error("request rates must be > 0")
+    if isinstance(args.rates[0], str):
+        p.error("a relative rate (0.8x) needs an absolute or inf rate before it")
     if args.burstiness <= 0:
         p.error("--burstiness must be > 0")
     return args
 
 
-def _rate(s: str) -> float:
+def _rate(s: str):
+    """A rate in requests/s, ``inf``, or ``0.8x``: that fraction of the highest request
+    throughput achieved earlier in the sweep (e.g. ``inf,0.8x`` = 80 % of the peak)."""
     s = s.strip()
-    return float("inf") if s in ("inf", "Inf", "INF") else float(s)
+    if s.lower() == "inf":
+        return float("inf")
+    if s.endswith("x"):
+        f = float(s[:-1])
+        if f <= 0:
+            raise ValueError(f"relative rate {s!r} must be > 0")
+        return s
+    return float(s)
 
 
 def parse_goodput(items) -> dict[str, float]:
@@ -309,7 +320,8 @@ class LaunchedServer:
         raise RuntimeError(f"jaxserve serve not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 3000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, errors="replace") as f:
             return f.read()[-n:]
 
@@ -372,6 +384,8 @@ def main(argv=None) -> dict:
             raise RuntimeError(f"test request failed: {test[0].error}")
         runs = []
         for rate in args.rates:
+            if isinstance(rate, str):  # fraction of the peak so far
+                rate = float(rate[:-1]) * max(r["request_throughput"] for r in runs)
             bar = tqdm(total=len(requests), desc=f"rate {rate:g} req/s",
                        disable=args.disable_tqdm)
             results, duration = asyncio.run(run_rate(base_url, args.endpoint, model, requests,
@@ -388,7 +402,8 @@ def main(argv=None) -> dict:
 
     config = dict(vars(args), model_dir=model_dir, base_url=base_url, served_model=model,
                   max_model_len_launched=max_model_len if args.launch else None)
-    config["rates"] = ["inf" if r == float("inf") else r for r in args.rates]
+    config["rates"] = [r if isinstance(r, str) else "inf" if r == float("inf") else r
+                       for r in args.rates]
     config["request_rate"] = "inf" if args.request_rate == float("inf") else args.request_rate
     out = dict(benchmark="serving", **B.run_metadata(), config=config, runs=runs)
     if args.launch:

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# One command for a GPU machine: the GPU tests and the benchmarks of issue "GPU: end-to-end
+# performance", everything written under $OUT, a table printed last. Budget: < 9 minutes on
+# one H100 (each stage has a time cap, and no stage starts past the overall deadline).
+#
+#   OUT=/tmp/out tools/gpu_run.sh                     # all stages
+#   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
+#
+# Stages (in this order): pytest  kernels  tp11  tp8b  serving
+#   pytest   pytest -m gpu (short)
+#   kernels  benchmarks/kernels.py (when present)
+#   tp11     throughput, 1.1B shape (tinyllama-1.1b preset, dummy weights, bf16): 1024 prompts,
+#            in 512, out 128, greedy, + HF generate, HF generate_batch and the decode roofline
+#   tp8b     throughput, Llama-3-8B shape (llama3-8b preset), + roofline
+#   serving  serving sweep on the 1.1B shape against a launched `jaxserve serve`
+# Knobs (env): STAGES, BUDGET_S (default 525), N11 (1024), N8B (512), HF_CB_N (512),
+#   HF_BS ("64,128,256"), SERVE_N (256), SERVE_RATES ("inf,0.8x,0.5x"), T_<STAGE> caps (s).
+#
+# Wheels: a machine without network gets what it lacks from .whl/ (pip download them where
+# pip works; see README "GPU run"): installed into /tmp/site, put first on PYTHONPATH.
+# Results come back as three files: $OUT/summary.txt, $OUT/gpu_run.log, $OUT/results.tgz
+# (JSON + PNG + logs; unpack into benchmarks/results/ to commit them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu_out}
+mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/gpu_run.XXXXXX)
+RES=$WORK/results
+mkdir -p "$RES"
+LOG=$OUT/gpu_run.log
+exec > >(tee -a "$LOG") 2>&1
+
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-525}
+STAGES=${STAGES:-"pytest kernels tp11 tp8b serving"}
+N11=${N11:-1024}
+N8B=${N8B:-512}
+HF_CB_N=${HF_CB_N:-512}
+HF_BS=${HF_BS:-64,128,256}
+SERVE_N=${SERVE_N:-256}
+SERVE_RATES=${SERVE_RATES:-inf,0.8x,0.5x}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+unset JAX_PLATFORMS  # the GPU, not the CPU default of the dev machines
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  echo "== installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into /tmp/site"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || echo "WARNING: wheel install failed"
+  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) stages: $STAGES"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+$PY - <<'EOF' 2>&1 | grep -v "^WARNING: All log"
+import importlib
+for m in ("jax", "jaxlib", "flax", "torch", "transformers", "starlette", "uvicorn", "pydantic",
+          "httpx", "matplotlib"):
+    try:
+        print(f"  {m} {importlib.import_module(m).__version__}")
+    except Exception as e:
+        print(f"  {m} MISSING ({type(e).__name__})")
+import jax
+print("  jax devices:", jax.devices())
+EOF
+
+STATUS=()
+# run_stage NAME CAP_SECONDS CMD...: time-capped, never past the overall deadline
+run_stage() {
+  local name=$1 cap=$2; shift 2
+  case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
+  local var="T_${name}"; cap=${!var:-$cap}
+  local left=$(( BUDGET_S - ($(date +%s) - START) ))
+  if (( left < 20 )); then
+    echo "== $name: SKIPPED (budget spent)"; STATUS+=("$name: skipped (budget)"); return 0
+  fi
+  (( cap > left )) && cap=$left
+  echo "== $name (cap ${cap}s): $*"
+  local t0=$(date +%s)
+  timeout -k 10 "$cap" "$@" > "$RES/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$RES/$name.log"
+  local dt=$(( $(date +%s) - t0 ))
+  if (( rc == 124 || rc == 137 )); then STATUS+=("$name: TIMEOUT after ${dt}s")
+  elif (( rc != 0 )); then STATUS+=("$name: FAILED rc=$rc (${dt}s)")
+  else STATUS+=("$name: ok (${dt}s)"); fi
+}
+
+run_stage pytest 75 $PY -m pytest -m gpu -q -x -p no:cacheprovider --timeout 60 tests
+
+if [ -f benchmarks/kernels.py ]; then
+  run_stage kernels 45 $PY benchmarks/kernels.py --result-dir "$RES"
+fi
+
+run_stage tp11 200 $PY benchmarks/throughput.py --preset tinyllama-1.1b --dtype bfloat16 \
+  --num-prompts "$N11" --input-len 512 --output-len 128 --disable-detokenize \
+  --hf-baseline --hf-batch-sizes "$HF_BS" --hf-cb-baseline --hf-cb-num-prompts "$HF_CB_N" \
+  --hf-cb-attn-impls "sdpa,paged|eager,flash_attention_2" --hf-timeout 75 --roofline \
+  --disable-tqdm --output-json "$RES/throughput-tinyllama-1.1b.json"
+
+run_stage tp8b 140 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloat16 \
+  --num-prompts "$N8B" --input-len 512 --output-len 128 --disable-detokenize --roofline \
+  --disable-tqdm --output-json "$RES/throughput-llama3-8b.json"
+
+run_stage serving 100 $PY benchmarks/serving.py --launch --preset tinyllama-1.1b \
+  --dtype bfloat16 --num-prompts "$SERVE_N" --input-len 512 --output-len 128 \
+  --request-rates "$SERVE_RATES" --goodput ttft:30 tpot:8 --launch-timeout 80 \
+  --disable-tqdm --output-json "$RES/serving-tinyllama-1.1b.json"
+
+echo
+echo "== stages"
+printf '  %s\n' "${STATUS[@]}"
+$PY benchmarks/baselines.py table "$RES" | tee "$OUT/summary.txt"
+printf '  %s\n' "${STATUS[@]}" >> "$OUT/summary.txt"
+echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
+tar czf "$OUT/results.tgz" -C "$WORK" results
+echo "results: $OUT/results.tgz ($(ls "$RES" | wc -l) files)"
