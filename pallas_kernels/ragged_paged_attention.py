@@ -77,13 +77,16 @@ def default_tiles(head_dim: int, dtype) -> TileConfig:
     cfg = TileConfig()
     # K and V tiles per pipeline stage; keep <= ~96 KB so two programs fit per SM.
     budget = 96 * 1024
-    kv = cfg.prefill_block_kv
-    while kv > 16 and 2 * kv * head_dim * itemsize * cfg.prefill_num_stages > budget:
-        kv //= 2
+
+    def fit(kv, stages):
+        while kv > 16 and 2 * kv * head_dim * itemsize * stages > budget:
+            kv //= 2
+        return kv
+
     warps = 8 if head_dim * itemsize >= 512 else 4
     return cfg.replace(
-        prefill_block_kv=kv,
-        decode_block_kv=min(cfg.decode_block_kv, max(kv, 32)),
+        prefill_block_kv=fit(cfg.prefill_block_kv, cfg.prefill_num_stages),
+        decode_block_kv=fit(cfg.decode_block_kv, cfg.decode_num_stages),
         prefill_num_warps=warps,
     )
 
@@ -140,6 +143,7 @@ def _attn_kernel(
     def _():
         o_ref = out_refs[0]
         block_m, head_dim = o_ref.shape[-2], o_ref.shape[-1]
+        num_pages = k_ref.shape[0]
         q = q_ref[pl.ds(q0 * gp, block_m), :]
         rows = lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
         tok = lax.div(rows, jnp.int32(gp))
@@ -152,6 +156,7 @@ def _attn_kernel(
             acc, m_i, l_i = carry
             page0 = lo_page + it * pages_per_kv
             pages = bt_ref[pl.ds(seq * bt_stride + page0, pages_per_kv)]
+            pages = jnp.clip(pages, 0, num_pages - 1)  # a bad table must not fault the GPU
             k = k_ref[pages].reshape(block_kv, head_dim)
             v = v_ref[pages].reshape(block_kv, head_dim)
             s = lax.dot_general(
@@ -327,8 +332,8 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
         )
     for name in ("decode_block_m", "decode_block_kv", "prefill_block_m", "prefill_block_kv"):
         val = getattr(cfg, name)
-        if not _is_pow2(val):
-            raise ValueError(f"{name} must be a power of two, got {val}")
+        if not _is_pow2(val) or val < 16:  # Triton's dot needs every dimension >= 16
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
 
 
 def _pages_per_kv(block_kv: int, page_size: int) -> int:
