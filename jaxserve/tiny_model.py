@@ -236,7 +236,7 @@ def make_tiny_model(arch: str, out_dir, *, use_torch: bool | None = None, note: 
 DEMO_NAME = "demo-random"
 DEMO_OPTIONS = dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=2048,
                     max_position=4096, seed=0)
-_DEMO_VERSION = "1"
+_DEMO_VERSION = "2"
 
 
 def cache_dir() -> Path:

@@ -211,3 +211,33 @@ def test_page_bytes_matches_allocation(tiny_model_factory):
     assert kv[0][0].shape == (cfg.num_kv_heads, 5, BLOCK, cfg.head_dim)
     with pytest.raises(ValueError, match="num_pages"):
         allocate_kv_pages(cfg, 1, BLOCK, jnp.float32)
+
+
+def _backend_steps(path, backend):
+    ids = _prompt(30, 512, seed=11)
+    runner = PagedRunner(path, seed=12, attention_backend=backend)
+    assert runner.model.attention_backend == backend
+    a = runner.run([(0, ids[:25], 0)])[0]  # prefill past the sliding window of 16
+    b = runner.run([(0, ids[25:26], 25), (1, ids[:9], 0)])  # a decode and a prefill together
+    return np.concatenate([a, *b])
+
+
+@pytest.mark.slow
+def test_xla_attention_backend_is_drop_in(tiny_model_factory):
+    path = tiny_model_factory("mistral", layers=1)
+    np.testing.assert_allclose(_backend_steps(path, "xla"), _backend_steps(path, "reference"),
+                               atol=ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+def test_pallas_attention_backend_is_drop_in_on_gpu(tiny_model_factory):
+    """Native Pallas kernel inside the model vs the jnp reference, both on the GPU."""
+    path = tiny_model_factory("mistral")
+    np.testing.assert_allclose(_backend_steps(path, "pallas"), _backend_steps(path, "reference"),
+                               atol=2e-3, rtol=0)
+
+
+def test_unknown_attention_backend_is_rejected(tiny_model_factory):
+    runner = PagedRunner(tiny_model_factory("llama"), attention_backend="cudnn")
+    with pytest.raises(ValueError, match="cudnn"):
+        runner.run([(0, _prompt(3, 512), 0)])
