@@ -88,6 +88,7 @@ def mixed_case(args):
 
 def build(case, args, seed=0):
     """Device arrays of a case; block tables as wide as the longest context needs."""
+    import jax
     import jax.numpy as jnp
 
     from pallas_kernels.ragged_batch import make_ragged_batch
@@ -99,12 +100,15 @@ def build(case, args, seed=0):
     batch = make_ragged_batch(
         np.random.default_rng(seed), q_lens, ctx, num_tokens=sum(q_lens), num_seqs=len(q_lens),
         max_pages=max_pages, num_pages=num_pages, num_q_heads=args.num_q_heads,
-        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, page_size=ps,
+        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, page_size=ps, fill=False,
     )
     dt = jnp.dtype(args.dtype)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)  # on device: GBs at long contexts
+    pool = (args.num_kv_heads, num_pages, ps, args.head_dim)
     dev = dict(
-        q=jnp.asarray(batch.q, dt), k_pages=jnp.asarray(batch.k_pages, dt),
-        v_pages=jnp.asarray(batch.v_pages, dt), query_start=jnp.asarray(batch.query_start),
+        q=jax.random.normal(kq, (sum(q_lens), args.num_q_heads, args.head_dim), dt),
+        k_pages=jax.random.normal(kk, pool, dt), v_pages=jax.random.normal(kv, pool, dt),
+        query_start=jnp.asarray(batch.query_start),
         seq_lens=jnp.asarray(batch.seq_lens), block_tables=jnp.asarray(batch.block_tables),
         num_seqs=jnp.int32(batch.num_seqs),
     )

@@ -41,11 +41,13 @@ def make_ragged_batch(
     page_size: int,
     dtype=np.float32,
     padding_tables: str = "trash",
+    fill: bool = True,
 ) -> RaggedBatch:
     """``q_lens[i]`` new tokens of sequence i end its context of ``ctx_lens[i]`` tokens.
 
     ``padding_tables``: what the block-table rows of padding sequences hold — ``"trash"`` (page 0,
     as the step plan writes) or ``"random"`` (arbitrary pages, which the kernel must not read).
+    ``fill=False`` leaves q/k_pages/v_pages as None (callers that generate them on device).
     """
     q_lens = np.asarray(q_lens, np.int32)
     ctx_lens = np.asarray(ctx_lens, np.int32)
@@ -70,11 +72,14 @@ def make_ragged_batch(
         used += np_
     if padding_tables == "random" and n < num_seqs:
         block_tables[n:] = rng.integers(0, num_pages, size=(num_seqs - n, max_pages))
-    q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
-    k = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
-    v = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+    q = k = v = None
+    if fill:
+        q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32).astype(dtype)
+        k = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+        v = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim)).astype(np.float32)
+        k, v = k.astype(dtype), v.astype(dtype)
     return RaggedBatch(
-        q=q.astype(dtype), k_pages=k.astype(dtype), v_pages=v.astype(dtype),
+        q=q, k_pages=k, v_pages=v,
         query_start=query_start, seq_lens=seq_lens, block_tables=block_tables,
         num_seqs=n, num_tokens=int(q_lens.sum()),
     )
