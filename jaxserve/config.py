@@ -164,6 +164,10 @@ class ModelConfig:
         if d.get("use_sliding_window") is False:
             sliding = None
         layer_types = d.get("layer_types")
+        if layer_types is None and sliding and d.get("use_sliding_window") and \
+                "max_window_layers" in d:  # transformers 4.x Qwen2/Qwen3 spelling
+            layer_types = ["sliding_attention" if i >= d["max_window_layers"] else
+                           "full_attention" for i in range(int(d["num_hidden_layers"]))]
         if layer_types is not None:
             layer_types = tuple(layer_types)
             if "sliding_attention" not in layer_types:

@@ -167,8 +167,9 @@ def safetensors_tensors(model_dir: Path) -> dict[str, Callable[[], np.ndarray]]:
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    else:  # prefer HF's model*.safetensors over e.g. Mistral's consolidated.safetensors
+        files = (sorted(p.name for p in model_dir.glob("model*.safetensors"))
+                 or sorted(p.name for p in model_dir.glob("*.safetensors")))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors files")
     out: dict[str, Callable[[], np.ndarray]] = {}
@@ -204,10 +205,25 @@ def _resolve_model_path(model: str) -> Path:
     if model == DEMO_NAME:
         return ensure_demo_random()
     path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model {model!r} is neither a local path nor a known model name "
-                         f"({DEMO_NAME!r})")
-    return path
+    if path.exists():
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return _download_from_hub(model)
+    raise ValueError(f"model {model!r} is neither a local path, a Hugging Face repo id nor "
+                     f"a known model name ({DEMO_NAME!r})")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    """An ``org/name`` from the Hugging Face Hub (or its local cache), weights as safetensors."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja",
+                                     "*.model", "*.txt"]))
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
+                         f"from the Hugging Face Hub: {type(e).__name__}: {e}") from None
 
 
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
@@ -240,4 +256,8 @@ def load_tokenizer(model_dir_or_name, tokenizer=None):
     src = tokenizer if tokenizer is not None else model_dir_or_name
     if str(src) == "demo-random":
         src = _resolve_model_path("demo-random")
+    if str(src).endswith(".gguf"):
+        from jaxserve.gguf_loader import gguf_tokenizer
+
+        return gguf_tokenizer(src)
     return AutoTokenizer.from_pretrained(str(src))

@@ -238,6 +238,5 @@ def test_pallas_attention_backend_is_drop_in_on_gpu(tiny_model_factory):
 
 
 def test_unknown_attention_backend_is_rejected(tiny_model_factory):
-    runner = PagedRunner(tiny_model_factory("llama"), attention_backend="cudnn")
     with pytest.raises(ValueError, match="cudnn"):
-        runner.run([(0, _prompt(3, 512), 0)])
+        load_model(str(tiny_model_factory("llama")), attention_backend="cudnn")

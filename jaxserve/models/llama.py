@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import (
+    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
     Linear,
@@ -85,6 +86,9 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference"):
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
+                             f"{ATTENTION_BACKENDS}")
         self.num_layers = cfg.num_layers
         # Static (hashable) rope settings: the graphdef is a jit cache key.
         self.rope = (cfg.head_dim, cfg.rope_theta, _freeze(cfg.rope_scaling),
