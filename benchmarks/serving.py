@@ -300,8 +300,8 @@ class LaunchedServer:
             "PYTHONPATH", "").split(os.pathsep) if x])
         self.cmd = cmd
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        # same process group: a `timeout` or Ctrl-C that ends the benchmark ends the server too
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float) -> float:
@@ -365,6 +365,8 @@ def main(argv=None) -> dict:
     max_model_len = args.max_model_len or -(-need // args.block_size) * args.block_size
 
     server = None
+    # SIGTERM (e.g. from `timeout`) unwinds through `finally`, which stops a launched server
+    old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if args.launch:
             server = LaunchedServer(model_dir, args, max_model_len)
@@ -396,6 +398,7 @@ def main(argv=None) -> dict:
             runs.append(m)
             _print_run(m)
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         if server is not None:
             code = server.stop()
             print(f"server stopped (exit {code})")

@@ -219,7 +219,11 @@ def main(argv=None) -> dict:
     requests = B.make_requests(args, model_dir, cfg["vocab_size"])
     print(f"{len(requests)} requests; mean prompt {sum(r.prompt_len for r in requests) / len(requests):.0f}"
           f", mean output {sum(r.output_len for r in requests) / len(requests):.0f} tokens")
+    path = B.result_path("throughput", args)
     baselines = B.run_baselines(args, model_dir, requests)  # before XLA takes the device
+    if baselines:  # kept if the jaxserve run below dies or is timed out
+        B.write_result(path, dict(benchmark="throughput", partial=True, config=vars(args),
+                                  baselines=baselines))
     bandwidth = B.measure_copy_bandwidth() if args.roofline else None
 
     res = run_jaxserve(args, model_dir, requests)
@@ -258,7 +262,6 @@ def main(argv=None) -> dict:
     for k, v in res.items():
         if k.endswith(("_vs_hf", "_vs_hf_cb", "_of_roofline")):
             out[k] = v
-    path = B.result_path("throughput", args)
     if not args.no_plot:
         res["_input_len"], res["_output_len"] = round(mean_in), round(mean_out)
         out["plot"] = plot(path[:-5] + ".png", res, baselines, roofline, steps)
