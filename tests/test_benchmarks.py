@@ -291,3 +291,17 @@ def test_serving_against_launched_server(tmp_path, tiny_llama_dir):
         # generous SLOs: every request is good
         assert m["request_goodput"] == pytest.approx(m["request_throughput"])
     assert _is_png(d["plot"])
+
+
+def test_make_tiny_model_preset_flag(tmp_path):
+    from jaxserve.presets import PRESETS
+
+    out = tmp_path / "tl"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--preset",
+                    "tinyllama-1.1b", "--out", str(out)], check=True, capture_output=True)
+    assert json.loads((out / "config.json").read_text()) == PRESETS["tinyllama-1.1b"]
+    assert (out / "tokenizer.json").exists() and not list(out.glob("*.safetensors"))
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--preset",
+                          "tinyllama-1.1b", "--arch", "llama", "--out", str(out)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "exclude" in bad.stderr

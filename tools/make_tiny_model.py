@@ -2,6 +2,7 @@
 """Build a random-weight tiny HF checkpoint (+ trained BPE tokenizer) of a Llama-family model.
 
     python tools/make_tiny_model.py --arch qwen3 --out /tmp/tiny-qwen3 --layers 2 --hidden 64
+    python tools/make_tiny_model.py --preset tinyllama-1.1b --out /tmp/tinyllama   # no weights
 
 The logic lives in ``jaxserve.tiny_model`` so tests and the ``demo-random`` model share it.
 """
@@ -13,12 +14,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from jaxserve.presets import PRESETS, write_preset  # noqa: E402
 from jaxserve.tiny_model import ARCHS, ROPE_PRESETS, make_tiny_model  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    ap.add_argument("--arch", choices=sorted(ARCHS))
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    help="a real model shape: config.json + tokenizer only, no weights "
+                         "(serve or benchmark it with --load-format dummy)")
     ap.add_argument("--out", required=True, type=Path)
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "vocab", "intermediate",
                  "sliding-window", "max-position", "seed"):
@@ -29,6 +34,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-shard-size", help='e.g. "20KB" to write several safetensors files')
     ap.add_argument("--no-torch", action="store_true", help="write numpy weights (no torch)")
     args = ap.parse_args(argv)
+    if args.preset:
+        if args.arch:
+            ap.error("--preset and --arch exclude each other")
+        print(write_preset(args.preset, str(args.out)))
+        return 0
+    if not args.arch:
+        ap.error("one of --arch or --preset is required")
     overrides = {k: v for k, v in vars(args).items()
                  if k not in ("arch", "out", "no_torch") and v is not None}
     out = make_tiny_model(args.arch, args.out, use_torch=False if args.no_torch else None,
