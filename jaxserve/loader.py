@@ -137,11 +137,8 @@ def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mes
     cls = get_model_class(model_config.architecture)
     abstract = _abstract_model(model_config, dtype, attention_backend)
     graphdef, abs_state = nnx.split(abstract)
-    shardings = jax.tree.map_with_path(
-        lambda path, leaf: _param_sharding(".".join(str(getattr(p, "key", getattr(p, "idx", p)))
-                                                    for p in path), leaf.shape, mesh),
-        abs_state,
-    )
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _param_sharding(_path_name(path), leaf.shape, mesh), abs_state)
 
     def init():
         m = cls(model_config, dtype=dtype, rngs=nnx.Rngs(seed),
@@ -150,6 +147,17 @@ def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mes
 
     state = jax.jit(init, out_shardings=shardings)()
     return nnx.merge(graphdef, state)
+
+
+def _path_name(path) -> str:
+    """``model.layers.0.mlp.up_proj.weight`` from a pytree key path of an nnx State."""
+    parts = []
+    for p in path:
+        if isinstance(p, jax.tree_util.DictKey):
+            parts.append(str(p.key))
+        elif isinstance(p, jax.tree_util.SequenceKey):
+            parts.append(str(p.idx))
+    return ".".join(parts)
 
 
 def _read_config(model_dir: Path) -> dict:

@@ -150,6 +150,8 @@ def test_dummy_weights_from_config_alone(tiny_model_factory, tmp_path):
     shutil.copy(src / "config.json", d / "config.json")
     model, cfg, _ = load_model(str(d), load_format="dummy", dtype="bfloat16")
     params = _params(model)
+    q = model.model.layers[0].self_attn.q_proj.weight.get_value()
+    assert q.sharding.spec == PartitionSpec("tp", None)  # placed by param_partition_spec
     ref = _params(load_model(str(src), dtype="float32")[0])
     assert params.keys() == ref.keys()
     for k, v in params.items():
