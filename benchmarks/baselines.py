@@ -491,7 +491,10 @@ def hf_cb_main(a) -> None:
     for impl in a.attn_impls:
         run = {"attn_implementation": impl}
         try:
-            model.set_attn_implementation(impl)
+            if hasattr(model, "set_attn_implementation"):
+                model.set_attn_implementation(impl)
+            else:
+                model.config._attn_implementation = impl
             dt, produced = _cb_run(model, torch, dev, reqs)
             useful = sum(o for _, o in reqs)
             if produced < useful:
@@ -511,12 +514,15 @@ def hf_cb_main(a) -> None:
 
 
 def _cb_run(model, torch, dev, reqs) -> tuple[float, int]:
-    """Time add-requests-to-last-result with a warmed-up manager; per-request output lengths."""
+    """Time add-requests-to-last-result with a warmed-up manager; per-request output lengths.
+
+    Written against transformers 5.x (``continuous_batching_context_manager``); keyword
+    arguments an installed version lacks are dropped, and without the context manager the
+    whole ``generate_batch`` call is timed.
+    """
+    import inspect
+
     from transformers import GenerationConfig
-    try:
-        from transformers import ContinuousBatchingConfig
-    except ImportError:
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
     max_out = max(o for _, o in reqs)
     gc = GenerationConfig(max_new_tokens=max_out, do_sample=False, eos_token_id=-1,
                           pad_token_id=0)
@@ -525,27 +531,37 @@ def _cb_run(model, torch, dev, reqs) -> tuple[float, int]:
         page = 256
         need = sum(-(-(len(p) + o) // page) for p, o in reqs)
         cb_kw.update(num_blocks=need + 1, max_batch_tokens=512)
+    cbc = None
     try:
-        cbc = ContinuousBatchingConfig(**cb_kw)
-    except TypeError:
-        cbc = ContinuousBatchingConfig()
+        try:
+            from transformers import ContinuousBatchingConfig
+        except ImportError:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        known = inspect.signature(ContinuousBatchingConfig).parameters
+        cbc = ContinuousBatchingConfig(**{k: v for k, v in cb_kw.items() if k in known})
+    except (ImportError, TypeError, ValueError):
+        pass
     hints = None
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
         hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in reqs),
                               max_generated_length=max_out, num_requests=len(reqs))
-    except ImportError:
+    except (ImportError, TypeError):
         pass
     cm = getattr(model, "continuous_batching_context_manager", None)
     if cm is None:  # older API: time generate_batch as a whole
+        kw = {"continuous_batching_config": cbc} if cbc is not None else {}
+        kw = {k: v for k, v in kw.items() if k in inspect.signature(
+            model.generate_batch).parameters}
         _sync(torch, dev)
         t0 = time.perf_counter()
-        out = model.generate_batch([p for p, _ in reqs], generation_config=gc)
+        out = model.generate_batch([p for p, _ in reqs], generation_config=gc, **kw)
         _sync(torch, dev)
         return time.perf_counter() - t0, sum(len(r.generated_tokens) for r in out.values())
-    kw = dict(generation_config=gc, continuous_batching_config=cbc, block=True, timeout=10)
-    if hints is not None:
-        kw["workload_hints"] = hints
+    kw = dict(generation_config=gc, continuous_batching_config=cbc, block=True, timeout=10,
+              workload_hints=hints)
+    params = inspect.signature(cm).parameters
+    kw = {k: v for k, v in kw.items() if v is not None and k in params}
     with cm(**kw) as manager:
         _sync(torch, dev)
         t0 = time.perf_counter()
