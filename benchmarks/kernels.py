@@ -350,14 +350,16 @@ def sweep_grid(kind, tiny):
             return [dict(decode_block_kv=kv, decode_num_splits=s, decode_min_kv_per_split=kv)
                     for kv in (16, 32) for s in (1, 2)]
         grid = []
-        for kv, s, w, st in itertools.product((32, 64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (2, 3)):
+        # Most impactful first (the budget may end the sweep early): KV tile x splits, then
+        # warps and stages.
+        for w, st, kv, s in itertools.product((4, 8), (2, 3), (32, 64, 128, 256), (1, 2, 4, 8, 16)):
             grid.append(dict(decode_block_kv=kv, decode_num_splits=s, decode_min_kv_per_split=kv,
                              decode_num_warps=w, decode_num_stages=st))
         return grid
     if tiny:
         return [dict(prefill_block_m=m, prefill_block_kv=kv) for m in (16, 32) for kv in (16, 32)]
     return [dict(prefill_block_m=m, prefill_block_kv=kv, prefill_num_warps=w, prefill_num_stages=st)
-            for m, kv, w, st in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3))]
+            for w, st, m, kv in itertools.product((4, 8), (2, 3), (32, 64, 128), (32, 64, 128))]
 
 
 def run_sweep(case, args, base_tiles, deadline):
@@ -491,8 +493,11 @@ def main(argv=None) -> int:
     for case in common.progress(cases, disable=args.disable_tqdm, desc="kernels"):
         results["cases"].append(run_case(case, args, tiles, copy_bw))
     if args.sweep:
-        deadline = time.time() + args.sweep_budget_s
-        results["sweep"] = [run_sweep(c, args, tiles, deadline) for c in cases]
+        t_sweep = time.time()
+        results["sweep"] = []
+        for i, c in enumerate(cases):  # an equal share of what is left for each case
+            share = (args.sweep_budget_s - (time.time() - t_sweep)) / (len(cases) - i)
+            results["sweep"].append(run_sweep(c, args, tiles, time.time() + share))
     path = common.result_path("kernels", args, tag="-tiny" if args.tiny else "")
     common.write_json(path, results)
     print(f"wrote {path}")
