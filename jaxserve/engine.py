@@ -4,8 +4,8 @@
 
 Stopping (EOS, stop token ids, stop strings on the detokenized text, max_tokens, max_model_len)
 is decided here, on the host, after each step. ``n > 1`` fans out into child requests; with
-prefix caching on, the children are admitted once the first child's prompt pages are cached, so
-they share those pages instead of recomputing them.
+prefix caching on, the scheduler admits siblings once the first child's prompt pages are cached
+(``prefix_parent``), so they share those pages instead of recomputing them.
 """
 from __future__ import annotations
 
@@ -20,27 +20,15 @@ import jax.numpy as jnp
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.loader import load_model, load_tokenizer
+from jaxserve.loader import load_model, load_tokenizer, resolve_dtype
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner, default_attention_backend
+from jaxserve.runner import ModelRunner, default_attention_backend, enable_compilation_cache
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_dtype(name: str):
-    if name in (None, "auto"):
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    table = {"float32": jnp.float32, "fp32": jnp.float32, "float": jnp.float32,
-             "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float16": jnp.float16,
-             "half": jnp.float16, "fp16": jnp.float16}
-    if name not in table:
-        raise InvalidRequestError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}",
-                                  param="dtype")
-    return table[name]
 
 
 @dataclass
@@ -63,17 +51,23 @@ class _Parent:
     params: SamplingParams
     metrics: RequestMetrics
     children: list[_Child] = field(default_factory=list)
-    pending: list[Request] = field(default_factory=list)  # n>1 children waiting for the cache
 
     @property
     def finished(self) -> bool:
-        return not self.pending and all(c.request.status.is_finished for c in self.children)
+        return all(c.request.status.is_finished for c in self.children)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.dtype = resolve_dtype(config.dtype)
+        enable_compilation_cache()
+        try:
+            self.dtype = resolve_dtype(config.dtype)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="dtype") from None
+        if config.model is None:
+            from jaxserve.gguf_loader import default_model_path
+            config.model = default_model_path()
         backend = config.attention_backend
         if backend in (None, "auto"):
             backend = default_attention_backend()
@@ -82,7 +76,7 @@ class LLMEngine:
         self.model, self.model_config, self.model_dir = load_model(
             config.model, dtype=config.dtype, load_format=config.load_format,
             attention_backend=backend)
-        self.tokenizer = load_tokenizer(self.model_dir, config.tokenizer)
+        self.tokenizer = _load_tokenizer(self.model_dir, config.tokenizer)
         param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
                           if hasattr(x, "nbytes"))
         logger.info("loaded %s (%s, %.1f MiB of params) in %.1f s", config.model,
@@ -139,8 +133,10 @@ class LLMEngine:
                 if params.seed is not None:
                     child_params.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            # siblings wait for child 0's prompt pages to be cached, then share them
+            share = parent.children[0].request if (i > 0 and self.config.cache.enable_prefix_caching) else None
             req = Request(rid, list(ids), child_params, arrival_time=now, priority=priority,
-                          eos_token_id=self.eos_token_id)
+                          eos_token_id=self.eos_token_id, prefix_parent=share)
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, list(ids),
@@ -149,11 +145,11 @@ class LLMEngine:
             child = _Child(req, i, detok, logprobs=[] if params.logprobs is not None else None)
             parent.children.append(child)
             self._child_of[rid] = (parent, child)
-            share = params.n > 1 and i > 0 and self.config.cache.enable_prefix_caching
-            if share:
-                parent.pending.append(req)
-            else:
+            try:
                 self.scheduler.add_request(req)
+            except Exception:
+                self.abort_request(request_id)
+                raise
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -186,9 +182,8 @@ class LLMEngine:
             for child in parent.children:
                 self._child_of.pop(child.request.request_id, None)
                 self._swapped.pop(child.request.request_id, None)
-                if not child.request.status.is_finished and child.request not in parent.pending:
+                if not child.request.status.is_finished:
                     self.scheduler.abort_request(child.request.request_id)
-            parent.pending.clear()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -233,7 +228,6 @@ class LLMEngine:
                 parent, child = self._child_of[s.request.request_id]
                 self._on_token(parent, child, int(out.token_ids[i]), out, i, now)
                 touched[parent.request_id] = parent
-        self._admit_pending()
         outputs = []
         for parent in touched.values():
             outputs.append(self._make_output(parent))
@@ -242,16 +236,6 @@ class LLMEngine:
                 for c in parent.children:
                     self._child_of.pop(c.request.request_id, None)
         return outputs
-
-    def _admit_pending(self) -> None:
-        for parent in self._parents.values():
-            if parent.pending:
-                first = parent.children[0].request
-                if (first.num_computed_tokens >= first.num_prompt_tokens
-                        or first.status.is_finished):
-                    for req in parent.pending:
-                        self.scheduler.add_request(req)
-                    parent.pending.clear()
 
     def _on_token(self, parent: _Parent, child: _Child, tok: int, out, row: int, now: float):
         req, params = child.request, child.request.sampling_params
@@ -284,8 +268,7 @@ class LLMEngine:
             elif params.stop_token_ids and tok in params.stop_token_ids:
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, tok
         if status is None:
-            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-            if n_out >= max_tokens or req.num_tokens >= self.max_model_len:
+            if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             req.stop_reason = stop_reason
@@ -346,3 +329,11 @@ def _eos_ids(eos, tokenizer) -> frozenset[int]:
     if isinstance(eos, (list, tuple)):
         return frozenset(int(e) for e in eos)
     return frozenset([int(eos)])
+
+
+def _load_tokenizer(model_path, tokenizer):
+    """A GGUF file carries its own tokenizer and chat template; a HF dir has tokenizer files."""
+    if tokenizer is None and str(model_path).endswith(".gguf"):
+        from jaxserve.gguf_loader import gguf_tokenizer
+        return gguf_tokenizer(model_path)
+    return load_tokenizer(model_path, tokenizer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +22,34 @@ from jaxserve import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import allocate_kv_pages, page_bytes
 from jaxserve.models.layers import AttentionMetadata
-from jaxserve.sampling_metadata import build_sampling_arrays
+from jaxserve.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
 from jaxserve.step_plan import ScheduledSeq, StepPlan, build_step_plan, seq_bucket, token_ladder
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's CPU KV space: a fixed budget when memory is unknown
+
+
+_TRACES = [0]  # traces of the step in this process; a trace is a compile
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _step(graphdef, state, kv_pages, arrays, sampling):
+    """The device step. Module-level with the graph static, so runners of the same model shape
+    share compiled executables."""
+    _TRACES[0] += 1
+    model = nnx.merge(graphdef, state)
+    md = AttentionMetadata(
+        slot_mapping=arrays["slot_mapping"],
+        query_start=arrays["query_start"],
+        seq_lens=arrays["seq_lens"],
+        block_tables=arrays["block_tables"],
+        num_seqs=arrays["num_seqs"],
+    )
+    hidden, kv_pages = model(arrays["token_ids"], arrays["positions"], kv_pages, md)
+    logits = model.compute_logits(hidden[arrays["logits_indices"]])
+    md_s = sampler_lib.SamplingMetadata(**{k: sampling[k] for k in SAMPLING_FIELDS})
+    return sampler_lib.sample(logits, md_s), kv_pages
 
 
 @dataclass
@@ -38,6 +61,18 @@ class StepOutput:
     topk_ids: np.ndarray | None = None  # [S, K]
     topk_logprobs: np.ndarray | None = None
     ranks: np.ndarray | None = None
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+    """Persist compiled steps on disk so a restart (or a second engine) skips XLA compiles."""
+    import os
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                                "jaxserve", "xla-cache")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def default_attention_backend() -> str:
@@ -93,47 +128,35 @@ class ModelRunner:
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size, dtype,
                                           sharding=kv_sharding)
         self.graphdef, self.state = nnx.split(model)
-        self.num_compiles = 0
+        self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False
-        self._rng = jax.random.key(engine_config.seed)
-        self._step_count = 0
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages, self.block_size,
                     self.num_pages * page_bytes(model_config, self.block_size, dtype) / 2**20)
 
-    # ---- device side -------------------------------------------------------------------
-    def _step_fn(self, state, kv_pages, arrays, sampling, rng):
-        self.num_compiles += 1  # runs once per trace, i.e. once per compiled shape
-        if self.warmed_up:
-            logger.warning("compile after warm-up (token bucket %d): this is a bug",
-                           arrays["token_ids"].shape[0])
-        model = nnx.merge(self.graphdef, state)
-        md = AttentionMetadata(
-            slot_mapping=arrays["slot_mapping"],
-            query_start=arrays["query_start"],
-            seq_lens=arrays["seq_lens"],
-            block_tables=arrays["block_tables"],
-            num_seqs=arrays["num_seqs"],
-        )
-        hidden, kv_pages = model(arrays["token_ids"], arrays["positions"], kv_pages, md)
-        logits = model.compute_logits(hidden[arrays["logits_indices"]])
-        out = sampler_lib.sample(logits, sampler_lib.make_sampling_metadata(sampling, rng))
-        return out, kv_pages
-
     # ---- host side ---------------------------------------------------------------------
+    def _run(self, plan: StepPlan):
+        before = _TRACES[0]
+        out, self.kv_pages = _step(self.graphdef, self.state, self.kv_pages,
+                                   plan.device_arrays(), plan.sampling)
+        if _TRACES[0] != before:
+            self.num_compiles += _TRACES[0] - before
+            if self.warmed_up:
+                logger.warning("compile after warm-up (token bucket %d): this is a bug",
+                               plan.token_bucket)
+        return out
+
     def build_plan(self, rows: list[ScheduledSeq], sampling_inputs: list) -> StepPlan:
         plan = build_step_plan(rows, block_size=self.block_size,
                                max_pages_per_seq=self.max_pages_per_seq, ladder=self.ladder,
                                max_num_seqs=self.max_num_seqs)
-        plan.sampling = build_sampling_arrays(sampling_inputs, plan.seq_bucket)
+        plan.sampling = build_sampling_arrays(sampling_inputs, plan.seq_bucket,
+                                              history_len=self.max_model_len, rng=self._np_rng)
         return plan
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        self._step_count += 1
-        rng = jax.random.fold_in(self._rng, self._step_count)
-        out, self.kv_pages = self._step(self.state, self.kv_pages, plan.device_arrays(),
-                                        plan.sampling, rng)
-        want_topk = bool(plan.sampling.get("_wants_topk", False))
+        out = self._run(plan)
+        want_topk = bool(np.any(plan.sampling["num_logprobs"] >= 0))
         token_ids, logprobs = jax.device_get((out.token_ids, out.logprobs))
         res = StepOutput(token_ids=np.asarray(token_ids), logprobs=np.asarray(logprobs))
         if want_topk:
@@ -141,28 +164,33 @@ class ModelRunner:
             res.topk_ids, res.topk_logprobs, res.ranks = map(np.asarray, (ti, tl, rk))
         return res
 
+    @property
+    def num_graphs(self) -> int:
+        """Two sampler layouts (compact, and full for penalties) per token bucket."""
+        return 2 * len(self.ladder)
+
     def warmup(self) -> float:
-        """Compile every token bucket with an all-padding plan (writes go to the trash page)."""
+        """Compile every token bucket with all-padding plans (writes go to the trash page)."""
         t0 = time.perf_counter()
         for t in self.ladder:
             s = seq_bucket(t, self.max_num_seqs)
-            plan = self._padding_plan(t, s)
-            out, self.kv_pages = self._step(self.state, self.kv_pages, plan.device_arrays(),
-                                            plan.sampling, self._rng)
-            jax.block_until_ready(out.token_ids)
+            for full in (False, True):
+                plan = self._padding_plan(t, s, full)
+                out = self._run(plan)
+                jax.block_until_ready(out.token_ids)
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,
                     list(self.ladder), dt)
         return dt
 
-    def _padding_plan(self, t: int, s: int) -> StepPlan:
+    def _padding_plan(self, t: int, s: int, full: bool) -> StepPlan:
         z = lambda *shape: np.zeros(shape, dtype=np.int32)  # noqa: E731
         plan = StepPlan(token_ids=z(t), positions=z(t), slot_mapping=z(t), query_start=z(s + 1),
                         seq_lens=z(s), block_tables=z(s, self.max_pages_per_seq),
                         logits_indices=z(s), num_seqs=0, num_tokens=0,
                         sample_mask=np.zeros(s, dtype=bool))
-        plan.sampling = build_sampling_arrays([], s)
+        plan.sampling = dummy_sampling_arrays(s, full=full, history_len=self.max_model_len)
         return plan
 
     # ---- swap (preemption to host memory) ------------------------------------------------
