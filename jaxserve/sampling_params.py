@@ -151,7 +151,7 @@ class SamplingParams:
         if self.seed is not None:
             check_int("seed", 0)
             if self.seed > MAX_SEED:
-                raise _bad("seed", self.seed, f"must be < 2**64")
+                raise _bad("seed", self.seed, "must be < 2**64")
         check_int("max_tokens", 1, allow_none=True)
         check_int("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
