@@ -107,6 +107,18 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
     mesh = mesh or default_mesh()
     model = _abstract_model(model_config, dtype, attention_backend)
     expected = _param_names(model)
+    _check_names(model_config, expected, tensors)
+    for name, var in expected.items():
+        arr = np.asarray(tensors[name]())
+        want = tuple(var.get_value().shape)
+        if arr.shape != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
+        placed = jax.device_put(arr.astype(dtype), _param_sharding(name, want, mesh))
+        _resolve(model, name).set_value(placed)
+    return model
+
+
+def _check_names(model_config: ModelConfig, expected, tensors) -> None:
     given = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
     if model_config.tie_word_embeddings:
         given.discard("lm_head.weight")  # some exports save the tied head anyway
@@ -119,14 +131,6 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
         raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r}"
                          + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                          + f" for {model_config.architecture}")
-    for name, var in expected.items():
-        arr = np.asarray(tensors[name]())
-        want = tuple(var.get_value().shape)
-        if arr.shape != want:
-            raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
-        placed = jax.device_put(arr.astype(dtype), _param_sharding(name, want, mesh))
-        _resolve(model, name).set_value(placed)
-    return model
 
 
 def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mesh | None = None,
@@ -234,10 +238,71 @@ def _download_from_hub(repo_id: str) -> Path:
                          f"from the Hugging Face Hub: {type(e).__name__}: {e}") from None
 
 
+ORBAX_PARAMS = "params"  # sub-directory of an orbax checkpoint dir (beside config.json)
+
+
+def _is_orbax_dir(path: Path) -> bool:
+    return (path / ORBAX_PARAMS / "_CHECKPOINT_METADATA").exists()
+
+
+def _load_orbax(path: Path, model_config: ModelConfig, *, dtype, mesh, attention_backend):
+    """Restore a :func:`convert_to_orbax` checkpoint straight into its shardings and dtype."""
+    import orbax.checkpoint as ocp
+
+    dtype = resolve_dtype(dtype)
+    mesh = mesh or default_mesh()
+    model = _abstract_model(model_config, dtype, attention_backend)
+    expected = _param_names(model)
+    ckpt = ocp.StandardCheckpointer()
+    saved = ckpt.metadata(path.resolve() / ORBAX_PARAMS)
+    saved = getattr(saved, "item_metadata", saved)
+    _check_names(model_config, expected, dict(saved))
+    target = {}
+    for name, var in expected.items():
+        shape = tuple(var.get_value().shape)
+        if tuple(saved[name].shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(saved[name].shape)}, "
+                             f"expected {shape}")
+        target[name] = jax.ShapeDtypeStruct(shape, dtype,
+                                            sharding=_param_sharding(name, shape, mesh))
+    restored = ckpt.restore(path.resolve() / ORBAX_PARAMS, target)
+    for name, arr in restored.items():
+        _resolve(model, name).set_value(arr)
+    return model
+
+
+def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "auto") -> Path:
+    """Write ``model`` (HF dir, GGUF, demo-random) as config.json + tokenizer + an orbax
+    checkpoint of HF-named params, which :func:`load_model` restores already sharded."""
+    import orbax.checkpoint as ocp
+
+    out = Path(out_dir).resolve()
+    m, _, src = load_model(model, dtype=dtype, load_format=load_format)
+    gen = None
+    if src.suffix == ".gguf":
+        from jaxserve import gguf_loader
+
+        hf_config = gguf_loader.load_gguf(src)[0]
+    else:
+        hf_config = _read_config(src)
+        gen = src / "generation_config.json"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if gen is not None and gen.exists():
+        (out / "generation_config.json").write_text(gen.read_text())
+    load_tokenizer(src).save_pretrained(str(out))
+    params = {name: var.get_value() for name, var in _param_names(m).items()}
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(out / ORBAX_PARAMS, params, force=True)
+    ckpt.wait_until_finished()
+    return out
+
+
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
                attention_backend: str = "reference"):
-    """Load ``model`` (HF dir, ``.gguf`` file or ``demo-random``) -> (model, ModelConfig, dir)."""
-    formats = ("auto", "safetensors", "gguf", "dummy")
+    """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
+    hub id or ``demo-random``) -> (model, ModelConfig, dir)."""
+    formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
     if load_format not in formats:
         raise ValueError(f"load_format {load_format!r} not one of {formats}")
     path = _resolve_model_path(model)
@@ -251,6 +316,10 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
     cfg = ModelConfig.from_hf_config(_read_config(path))
     if load_format == "dummy":
         m = build_dummy_model(cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
+    elif load_format == "orbax" or (load_format == "auto" and _is_orbax_dir(path)):
+        if not _is_orbax_dir(path):
+            raise ValueError(f"{path} has no orbax checkpoint in {ORBAX_PARAMS}/")
+        m = _load_orbax(path, cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
     else:
         m = build_model(cfg, safetensors_tensors(path), dtype=dtype, mesh=mesh,
                         attention_backend=attention_backend)

@@ -241,3 +241,24 @@ def test_multi_device_mesh_changes_only_the_mesh(tiny_model_factory):
             assert w.sharding.spec == PartitionSpec("tp", None)
             assert len(w.addressable_shards) == 2
     np.testing.assert_allclose(out[0], out[1], atol=1e-5)
+
+
+def test_orbax_convert_and_restore(tiny_model_factory, tmp_path):
+    from jaxserve.loader import convert_to_orbax
+
+    src = tiny_model_factory("qwen3", tie_embeddings=True)
+    out = convert_to_orbax(str(src), tmp_path / "orbax", dtype="float32")
+    assert not list(out.glob("*.safetensors"))
+    model, cfg, path = load_model(str(out), dtype="bfloat16")
+    assert path == out and cfg.tie_word_embeddings and cfg.qk_norm
+    a = _params(model)
+    b = _params(load_model(str(src), dtype="bfloat16")[0])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    q = model.model.layers[0].self_attn.q_proj.weight.get_value()
+    assert q.sharding.spec == PartitionSpec("tp", None)
+    assert load_tokenizer(out)("Paris").input_ids == load_tokenizer(src)("Paris").input_ids
+    with pytest.raises(ValueError, match="orbax"):
+        load_model(str(src), load_format="orbax")
