@@ -232,9 +232,22 @@ def test_xla_attention_backend_is_drop_in(tiny_model_factory):
 @pytest.mark.gpu
 def test_pallas_attention_backend_is_drop_in_on_gpu(tiny_model_factory):
     """Native Pallas kernel inside the model vs the jnp reference, both on the GPU."""
-    path = tiny_model_factory("mistral")
+    path = tiny_model_factory("mistral", head_dim=64)
     np.testing.assert_allclose(_backend_steps(path, "pallas"), _backend_steps(path, "reference"),
                                atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_pallas_forward_matches_hf_cpu(tiny_model_factory, arch):
+    """float32 on the GPU through the Pallas kernel vs HF on the CPU (TF32-level tolerance)."""
+    path = tiny_model_factory(arch, head_dim=64)
+    ids = _prompt(40, 512, seed=13)
+    runner = PagedRunner(path, seed=14, attention_backend="pallas")
+    got = [runner.run([(0, ids[:33], 0)])[0]]
+    got += [runner.run([(0, ids[i:i + 1], i)])[0] for i in range(33, 40)]
+    np.testing.assert_allclose(np.concatenate(got), _hf_logits(_hf(path), ids), atol=5e-3,
+                               rtol=0)
 
 
 def test_unknown_attention_backend_is_rejected(tiny_model_factory):
