@@ -113,7 +113,8 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
         want = tuple(var.get_value().shape)
         if arr.shape != want:
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
-        placed = jax.device_put(arr.astype(dtype), _param_sharding(name, want, mesh))
+        arr = arr.astype(dtype, copy=False)  # no host copy when the checkpoint has the dtype
+        placed = jax.device_put(arr, _param_sharding(name, want, mesh))
         _resolve(model, name).set_value(placed)
     return model
 

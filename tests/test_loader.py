@@ -138,7 +138,8 @@ def test_params_are_placed_with_named_shardings(tiny_llama_dir):
         sh = var.get_value().sharding
         assert isinstance(sh, NamedSharding), name
         assert sh.spec == param_partition_spec(name, sh.mesh), name
-    assert param_partition_spec("model.layers.3.self_attn.q_proj.weight") == PartitionSpec("tp", None)
+    q_spec = param_partition_spec("model.layers.3.self_attn.q_proj.weight")
+    assert q_spec == PartitionSpec("tp", None)
     assert param_partition_spec("model.layers.3.mlp.down_proj.weight") == PartitionSpec(None, "tp")
     assert param_partition_spec("model.norm.weight") == PartitionSpec()
 

@@ -108,7 +108,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
         attn = scaling.get("attention_factor")
         if attn is None:
             m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-            attn = mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
+            attn = (mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all
+                    else mscale_of(factor))
         beta_fast = scaling.get("beta_fast") or 32
         beta_slow = scaling.get("beta_slow") or 1
 

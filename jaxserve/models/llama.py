@@ -33,9 +33,10 @@ class Attention(nnx.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.sliding_window = cfg.layer_sliding_window(layer)
-        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        qkv = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(h, cfg.num_heads * d, **qkv)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, **qkv)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, **qkv)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=False, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -82,7 +83,7 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3. ``attention_backend`` is static: reference | pallas | xla."""
+    """Llama / Mistral / Qwen2 / Qwen3; ``attention_backend`` (static): reference|pallas|xla."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference"):
