@@ -44,8 +44,10 @@ class TileConfig:
     """Tile sizes of both calls. Defaults target Hopper (H100: 132 SMs, 50 MB L2, ~3 TB/s).
 
     ``*_block_m`` is the number of (token x query head) rows per program; ``*_block_kv`` the KV
-    tokens per inner step (a whole number of pages). ``decode_num_splits=None`` picks the split
-    count from the static shapes so the grid fills ``num_sms`` several times over.
+    tokens per inner step (a whole number of pages). ``decode_num_splits=None`` bounds the split
+    count from the static shapes and picks it at run time from the real decode rows, so the
+    grid fills ``num_sms`` about four times over; a split never covers less than
+    ``decode_min_kv_per_split`` KV tokens.
     """
 
     decode_block_m: int = 16
@@ -221,7 +223,7 @@ def _combine_kernel(meta_ref, o_ref, lse_ref, out_ref):
 
 
 def _block_metadata(sel, q_len, qs, ctx_start, nblk_seq, first_blk, shape: _CallShape, *,
-                    page_size, sliding_window, min_iters_per_split):
+                    page_size, sliding_window, min_iters_per_split, num_splits=None):
     """int32 [num_blocks, _NMETA]: which sequence/tokens/pages each query block covers."""
     nb = shape.num_blocks
     b = jnp.arange(nb, dtype=jnp.int32)
@@ -244,7 +246,8 @@ def _block_metadata(sel, q_len, qs, ctx_start, nblk_seq, first_blk, shape: _Call
     lo_page = lo_tok // page_size
     hi_page = _cdiv(hi_tok, page_size)
     nkv = jnp.where(qn > 0, _cdiv(hi_page - lo_page, shape.pages_per_kv), 0)
-    bps = jnp.maximum(_cdiv(nkv, shape.num_splits), min_iters_per_split)
+    splits = shape.num_splits if num_splits is None else num_splits  # <= shape.num_splits
+    bps = jnp.maximum(_cdiv(nkv, splits), min_iters_per_split)
     nsplit = _cdiv(nkv, bps)
     meta = jnp.stack([seq, q0, qn, pos0, lo_page, nkv, bps, nsplit], axis=1)
     return jnp.where(active[:, None], meta, 0).astype(jnp.int32)
@@ -370,9 +373,12 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     ppk_pre = _pages_per_kv(cfg.prefill_block_kv, page_size)
     max_ctx = max_pages * page_size
     if cfg.decode_num_splits is None:
-        want = _cdiv(4 * cfg.num_sms, max(1, s_len * hkv))
+        # Static upper bound (grid size): no more splits than the longest context allows, and
+        # partial results of at most ~64 MB. The split count actually used is picked at run time
+        # from the number of real decode rows (below), so a half-empty bucket still fills the SMs.
         by_len = _cdiv(max_ctx, cfg.decode_min_kv_per_split)
-        ns_dec = max(1, min(16, want, by_len))
+        by_mem = (64 << 20) // max(1, s_len * hkv * bm_dec * d * 4)
+        ns_dec = max(1, min(16, by_len, by_mem))
     else:
         ns_dec = max(1, cfg.decode_num_splits)
     n_long_max = min(s_len, t // (bq_dec + 1))
@@ -401,8 +407,13 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     is_dec = valid & (q_len <= bq_dec)
     seq_idx = jnp.arange(s_len, dtype=jnp.int32)
     min_iters = max(1, _cdiv(cfg.decode_min_kv_per_split, ppk_dec * page_size))
-    meta_dec = _block_metadata(is_dec, q_len, qs, ctx_start, None, seq_idx,
-                               dec, min_iters_per_split=min_iters, **meta_kw)
+    if cfg.decode_num_splits is None and ns_dec > 1:  # aim at ~4 programs per SM
+        n_dec = jnp.maximum(jnp.sum(is_dec.astype(jnp.int32)) * hkv, 1)
+        splits = jnp.clip(_cdiv(4 * cfg.num_sms, n_dec), 1, ns_dec)
+    else:
+        splits = ns_dec
+    meta_dec = _block_metadata(is_dec, q_len, qs, ctx_start, None, seq_idx, dec,
+                               num_splits=splits, min_iters_per_split=min_iters, **meta_kw)
     out_dec = _run_call(meta_dec, bt_flat, q_rows, k_pages, v_pages, dec, name="rpa_decode", **common)
     out_dec = out_dec.reshape(s_len, hkv, bq_dec, gp, d)
 

@@ -73,7 +73,8 @@ CONFIGS = [
     ("bf16_gqa4_d128", jnp.bfloat16, 8, 2, 128, 16, {}, SMALL_TILES),
     ("f32_mqa_d64", jnp.float32, 4, 1, 64, 8, {}, SMALL_TILES),
     ("f32_gqa3_window_cap", jnp.float32, 6, 2, 64, 8, dict(sliding_window=13, soft_cap=5.0), SMALL_TILES),
-    ("f32_mha_defaults", jnp.float32, 2, 2, 64, 16, {}, {}),
+    # Default tiles, but splits allowed down to one page so the run-time split choice is used.
+    ("f32_mha_defaults", jnp.float32, 2, 2, 64, 16, {}, dict(decode_min_kv_per_split=16)),
     ("bf16_gqa2_d256_window", jnp.bfloat16, 4, 2, 256, 16, dict(sliding_window=20), SMALL_TILES),
 ]
 NUM_TOKENS, NUM_SEQS, MAX_PAGES = 32, 6, 6
