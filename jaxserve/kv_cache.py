@@ -25,7 +25,18 @@ def page_bytes(model_config: ModelConfig, block_size: int, dtype) -> int:
 
 def allocate_kv_pages(model_config: ModelConfig, num_pages: int, block_size: int, dtype,
                       sharding=None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed pages for every layer, created on device (with ``sharding`` if given)."""
+    """Zeroed pages for every layer, created on device.
+
+    ``sharding`` defaults to replication on the parameters' default 1-device mesh: a jitted step
+    returns its pages with that same NamedSharding, so the first and every later step see the
+    same input sharding and share one compiled program.
+    """
+    if sharding is None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxserve.loader import default_mesh
+
+        sharding = NamedSharding(default_mesh(), PartitionSpec())
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
     shape = kv_page_shape(model_config, num_pages, block_size)

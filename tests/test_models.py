@@ -203,6 +203,17 @@ def test_bfloat16_forward_is_close_to_float32(tiny_model_factory):
     assert np.abs(bf16 - f32).max() < 0.05 * np.abs(f32).max()
 
 
+def test_pool_sharding_is_stable_across_steps(tiny_model_factory):
+    """A step returns its pages with the sharding they came in with (else: a recompile)."""
+    runner = PagedRunner(tiny_model_factory("llama"))
+    before = runner.kv[0][0].sharding
+    runner.run([(0, _prompt(5, 512), 0)])
+    assert runner.kv[0][0].sharding == before
+    size = _step._cache_size()
+    runner.run([(1, _prompt(5, 512, seed=3), 0)])  # same shapes: no new compile
+    assert _step._cache_size() == size
+
+
 def test_page_bytes_matches_allocation(tiny_model_factory):
     _, cfg, _ = load_model(str(tiny_model_factory("qwen3")), dtype="float32")
     kv = allocate_kv_pages(cfg, 5, BLOCK, jnp.bfloat16)
