@@ -111,7 +111,7 @@ class StepTimer:
                        decode_host_time_fraction=B.percentile(h, 50) / max(B.percentile(d, 50),
                                                                            1e-12),
                        decode_step_throughput=top / max(B.percentile(
-                           [a + b for a, b in zip(h, d)], 50), 1e-12))
+                           [r["step_s"] for r in full], 50), 1e-12))
         return out
 
 

@@ -214,6 +214,9 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
     assert r["num_prompt_tokens"] == n * 12
     assert r["num_steps"] >= out_len and r["device_ms_per_step"] > 0
     assert r["host_ms_per_step"] > 0
+    assert r["host_time_fraction"] == pytest.approx(r["host_ms_per_step"] /
+                                                    r["device_ms_per_step"])
+    assert r["decode_batch"] == 4 and r["decode_step_throughput"] > 0
     assert isinstance(r["compiles_after_warmup"], int) and r["compiles_after_warmup"] >= 0
     # baselines measured the same requests
     hf, cb = d["baselines"]["hf"], d["baselines"]["hf_cb"]
