@@ -12,6 +12,9 @@ How the work is cut (all grid sizes come from static shapes; per-sequence work i
   ``num_splits`` programs (flash-decoding) whose partial results a small combine kernel reduces.
   Longer rows (prefill chunks) go to the *prefill* call: one program per (query block, KV head),
   walking the pages from the window start up to the block's causal end.
+* **KV rows gathered by slot.** The pool is viewed as ``[Hkv, num_pages * page_size, D]`` (a
+  free reshape) and each KV step gathers its ``block_kv`` rows through the block table, so the
+  step size is independent of the page size and no 3-D page tile has to be reshaped.
 * **Padding costs nothing.** Query blocks that belong to no sequence, empty splits and padding
   rows exit before touching memory; the KV loop's trip count is bounded by each sequence's
   ``seq_lens`` (and sliding window).
@@ -111,7 +114,7 @@ class _CallShape:
 
     block_m: int  # rows per program (tokens x Gp)
     block_q: int  # tokens per program
-    pages_per_kv: int  # pages per inner KV step
+    block_kv: int  # KV tokens per inner step (any power of two >= 16; pages may straddle it)
     num_blocks: int  # query blocks in the grid
     num_splits: int
     num_warps: int
@@ -119,13 +122,13 @@ class _CallShape:
 
 
 # Per-block metadata columns (int32 [num_blocks, _NMETA]).
-_SEQ, _Q0, _QN, _POS0, _LO_PAGE, _NKV, _BPS, _NSPLIT = range(8)
+_SEQ, _Q0, _QN, _POS0, _KV_LO, _NKV, _BPS, _NSPLIT = range(8)
 _NMETA = 8
 
 
 def _attn_kernel(
     meta_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs,
-    sm_scale, soft_cap, sliding_window, group, gp, page_size, pages_per_kv, bt_stride, direct,
+    sm_scale, soft_cap, sliding_window, group, gp, page_size, block_kv, bt_stride, direct,
 ):
     """One (query block, KV head, split): online softmax over this split's KV pages."""
     b = pl.program_id(0)
@@ -134,18 +137,17 @@ def _attn_kernel(
     q0 = meta_ref[b, _Q0]
     qn = meta_ref[b, _QN]
     pos0 = meta_ref[b, _POS0]
-    lo_page = meta_ref[b, _LO_PAGE]
+    kv_lo = meta_ref[b, _KV_LO]
     nkv = meta_ref[b, _NKV]
     bps = meta_ref[b, _BPS]
     it_lo = sp * bps
     it_hi = jnp.minimum(it_lo + bps, nkv)
-    block_kv = pages_per_kv * page_size
 
     @pl.when(it_hi > it_lo)
     def _():
         o_ref = out_refs[0]
         block_m, head_dim = o_ref.shape[-2], o_ref.shape[-1]
-        num_pages = k_ref.shape[0]
+        num_pages = k_ref.shape[0] // page_size
         q = q_ref[pl.ds(q0 * gp, block_m), :]
         rows = lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
         tok = lax.div(rows, jnp.int32(gp))
@@ -153,14 +155,19 @@ def _attn_kernel(
         q_pos = pos0 + tok
         row_ok = (tok < qn) & (head < group)
         cols = lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        kv_rows = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+        bt_row = seq * bt_stride
 
         def body(it, carry):
             acc, m_i, l_i = carry
-            page0 = lo_page + it * pages_per_kv
-            pages = bt_ref[pl.ds(seq * bt_stride + page0, pages_per_kv)]
+            kv0 = kv_lo + it * block_kv
+            tok = kv0 + kv_rows  # [block_kv] positions in the sequence
+            ps = jnp.int32(page_size)
+            pages = bt_ref[bt_row + lax.div(tok, ps)]  # page of every row (cached, tiny)
             pages = jnp.clip(pages, 0, num_pages - 1)  # a bad table must not fault the GPU
-            k = k_ref[pages].reshape(block_kv, head_dim)
-            v = v_ref[pages].reshape(block_kv, head_dim)
+            slots = pages * ps + lax.rem(tok, ps)
+            k = k_ref[slots]  # [block_kv, D] rows gathered straight from the pool
+            v = v_ref[slots]
             s = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
                 precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
@@ -168,7 +175,7 @@ def _attn_kernel(
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = s * _LOG2E  # base-2 units from here on
-            kv_pos = page0 * page_size + cols
+            kv_pos = kv0 + cols
             mask = row_ok & (kv_pos <= q_pos)
             if sliding_window is not None:
                 mask = mask & (kv_pos > q_pos - sliding_window)
@@ -243,24 +250,23 @@ def _block_metadata(sel, q_len, qs, ctx_start, nblk_seq, first_blk, shape: _Call
         lo_tok = jnp.zeros_like(pos0)
     else:
         lo_tok = jnp.maximum(pos0 - sliding_window + 1, 0)
-    lo_page = lo_tok // page_size
-    hi_page = _cdiv(hi_tok, page_size)
-    nkv = jnp.where(qn > 0, _cdiv(hi_page - lo_page, shape.pages_per_kv), 0)
+    kv_lo = (lo_tok // page_size) * page_size  # page-aligned start
+    nkv = jnp.where(qn > 0, _cdiv(hi_tok - kv_lo, shape.block_kv), 0)
     splits = shape.num_splits if num_splits is None else num_splits  # <= shape.num_splits
     bps = jnp.maximum(_cdiv(nkv, splits), min_iters_per_split)
     nsplit = _cdiv(nkv, bps)
-    meta = jnp.stack([seq, q0, qn, pos0, lo_page, nkv, bps, nsplit], axis=1)
+    meta = jnp.stack([seq, q0, qn, pos0, kv_lo, nkv, bps, nsplit], axis=1)
     return jnp.where(active[:, None], meta, 0).astype(jnp.int32)
 
 
-def _run_call(meta, bt_flat, q_rows, k_pages, v_pages, shape: _CallShape, *, out_dtype,
+def _run_call(meta, bt_flat, q_rows, k_flat, v_flat, shape: _CallShape, *, out_dtype, page_size,
               sm_scale, soft_cap, sliding_window, group, gp, bt_stride, interpret, name):
-    hkv, num_pages, page_size, d = k_pages.shape
+    hkv, num_slots, d = k_flat.shape
     nb, bm, ns = shape.num_blocks, shape.block_m, shape.num_splits
     direct = ns == 1
     kernel = functools.partial(
         _attn_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        group=group, gp=gp, page_size=page_size, pages_per_kv=shape.pages_per_kv,
+        group=group, gp=gp, page_size=page_size, block_kv=shape.block_kv,
         bt_stride=bt_stride, direct=direct,
     )
     whole = lambda arr: pl.BlockSpec(arr.shape, lambda b, h, s: (0,) * arr.ndim)
@@ -268,8 +274,8 @@ def _run_call(meta, bt_flat, q_rows, k_pages, v_pages, shape: _CallShape, *, out
         whole(meta),
         whole(bt_flat),
         pl.BlockSpec((None, q_rows.shape[1], d), lambda b, h, s: (h, 0, 0)),
-        pl.BlockSpec((None, num_pages, page_size, d), lambda b, h, s: (h, 0, 0, 0)),
-        pl.BlockSpec((None, num_pages, page_size, d), lambda b, h, s: (h, 0, 0, 0)),
+        pl.BlockSpec((None, num_slots, d), lambda b, h, s: (h, 0, 0)),
+        pl.BlockSpec((None, num_slots, d), lambda b, h, s: (h, 0, 0)),
     ]
     if direct:
         out_shape = [jax.ShapeDtypeStruct((nb, hkv, bm, d), out_dtype)]
@@ -291,8 +297,8 @@ def _run_call(meta, bt_flat, q_rows, k_pages, v_pages, shape: _CallShape, *, out
         out_shape=out_shape,
         compiler_params=_TritonParams(num_warps=shape.num_warps, num_stages=shape.num_stages),
         interpret=interpret,
-        name=f"{name}_bm{bm}_kv{shape.pages_per_kv * page_size}_s{ns}",
-    )(meta, bt_flat, q_rows, k_pages, v_pages)
+        name=f"{name}_bm{bm}_kv{shape.block_kv}_s{ns}",
+    )(meta, bt_flat, q_rows, k_flat, v_flat)
     if direct:
         return outs[0]
     o_part, lse_part = outs
@@ -325,8 +331,6 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
         raise ValueError(f"num query heads {hq} not a multiple of num kv heads {hkv}")
     if not _is_pow2(d) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    if not _is_pow2(page_size):
-        raise ValueError(f"page_size must be a power of two, got {page_size}")
     s = seq_lens.shape[0]
     if query_start.shape != (s + 1,) or block_tables.ndim != 2 or block_tables.shape[0] != s:
         raise ValueError(
@@ -337,10 +341,6 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
         val = getattr(cfg, name)
         if not _is_pow2(val) or val < 16:  # Triton's dot needs every dimension >= 16
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
-
-
-def _pages_per_kv(block_kv: int, page_size: int) -> int:
-    return max(1, block_kv // page_size)
 
 
 @functools.partial(
@@ -369,8 +369,6 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     bq_dec = bm_dec // gp
     bm_pre = max(cfg.prefill_block_m, gp)
     bq_pre = bm_pre // gp
-    ppk_dec = _pages_per_kv(cfg.decode_block_kv, page_size)
-    ppk_pre = _pages_per_kv(cfg.prefill_block_kv, page_size)
     max_ctx = max_pages * page_size
     if cfg.decode_num_splits is None:
         # Static upper bound (grid size): no more splits than the longest context allows, and
@@ -383,8 +381,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
         ns_dec = max(1, cfg.decode_num_splits)
     n_long_max = min(s_len, t // (bq_dec + 1))
     nb_pre = t // bq_pre + n_long_max
-    dec = _CallShape(bm_dec, bq_dec, ppk_dec, s_len, ns_dec, cfg.decode_num_warps, cfg.decode_num_stages)
-    pre = _CallShape(bm_pre, bq_pre, ppk_pre, nb_pre, max(1, cfg.prefill_num_splits),
+    dec = _CallShape(bm_dec, bq_dec, cfg.decode_block_kv, s_len, ns_dec, cfg.decode_num_warps, cfg.decode_num_stages)
+    pre = _CallShape(bm_pre, bq_pre, cfg.prefill_block_kv, nb_pre, max(1, cfg.prefill_num_splits),
                      cfg.prefill_num_warps, cfg.prefill_num_stages)
 
     # Query rows: [Hkv, (T + pad) * Gp, D], token-major, the group's heads adjacent.
@@ -394,11 +392,14 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     q_rows = qg.transpose(1, 0, 2, 3).reshape(hkv, (t + pad_t) * gp, d)
 
     # Block tables, flattened, padded so a KV step may read past the last page (masked).
-    pad_p = max(ppk_dec, ppk_pre)
+    pad_p = _cdiv(max(cfg.decode_block_kv, cfg.prefill_block_kv), page_size) + 1
     bt_stride = max_pages + pad_p
     bt_flat = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_p))).reshape(-1)
 
-    common = dict(out_dtype=q.dtype, sm_scale=sm_scale, soft_cap=soft_cap,
+    # The pool as rows of slots (a free reshape): a KV step gathers its rows by slot.
+    k_flat = k_pages.reshape(hkv, -1, d)
+    v_flat = v_pages.reshape(hkv, -1, d)
+    common = dict(out_dtype=q.dtype, page_size=page_size, sm_scale=sm_scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, group=group, gp=gp, bt_stride=bt_stride,
                   interpret=interpret)
     meta_kw = dict(page_size=page_size, sliding_window=sliding_window)
@@ -406,7 +407,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     # Decode call: one block per short row (block index == sequence index).
     is_dec = valid & (q_len <= bq_dec)
     seq_idx = jnp.arange(s_len, dtype=jnp.int32)
-    min_iters = max(1, _cdiv(cfg.decode_min_kv_per_split, ppk_dec * page_size))
+    min_iters = max(1, _cdiv(cfg.decode_min_kv_per_split, cfg.decode_block_kv))
     if cfg.decode_num_splits is None and ns_dec > 1:  # aim at ~4 programs per SM
         n_dec = jnp.maximum(jnp.sum(is_dec.astype(jnp.int32)) * hkv, 1)
         splits = jnp.clip(_cdiv(4 * cfg.num_sms, n_dec), 1, ns_dec)
@@ -414,7 +415,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
         splits = ns_dec
     meta_dec = _block_metadata(is_dec, q_len, qs, ctx_start, None, seq_idx, dec,
                                num_splits=splits, min_iters_per_split=min_iters, **meta_kw)
-    out_dec = _run_call(meta_dec, bt_flat, q_rows, k_pages, v_pages, dec, name="rpa_decode", **common)
+    out_dec = _run_call(meta_dec, bt_flat, q_rows, k_flat, v_flat, dec, name="rpa_decode", **common)
     out_dec = out_dec.reshape(s_len, hkv, bq_dec, gp, d)
 
     # Token -> (sequence, offset) for the final gather.
@@ -431,7 +432,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
         first = (jnp.cumsum(nblk) - nblk).astype(jnp.int32)
         meta_pre = _block_metadata(is_pre, q_len, qs, ctx_start, nblk, first, pre,
                                    min_iters_per_split=1, **meta_kw)
-        out_pre = _run_call(meta_pre, bt_flat, q_rows, k_pages, v_pages, pre, name="rpa_prefill", **common)
+        out_pre = _run_call(meta_pre, bt_flat, q_rows, k_flat, v_flat, pre, name="rpa_prefill", **common)
         out_pre = out_pre.reshape(nb_pre, hkv, bq_pre, gp, d)
         blk = jnp.clip(first[seq_of] + j // bq_pre, 0, nb_pre - 1)
         res_pre = out_pre[blk[:, None], heads[None, :], (j % bq_pre)[:, None]]

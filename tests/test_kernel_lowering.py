@@ -87,13 +87,15 @@ def test_lowers_every_head_dim_dtype_group(d, dtype, heads):
         dict(soft_cap=30.0),
         dict(sliding_window=4096, soft_cap=50.0),
         dict(page_size=8),
-        dict(page_size=32, tiles=dict(decode_block_kv=32)),
+        dict(page_size=32, tiles=dict(decode_block_kv=16)),  # KV step smaller than a page
+        dict(page_size=128),
         dict(tiles=dict(prefill_block_m=128, prefill_block_kv=32, prefill_num_warps=8,
                         prefill_num_stages=3, decode_block_m=32)),
         dict(tokens=512, seqs=64, max_pages=512, pages=4096),  # benchmark-like, default splits
         dict(tokens=16, seqs=16),  # decode-only bucket: T small
     ],
-    ids=["window", "softcap", "window+softcap", "page8", "page32", "big_tiles", "bench_shape",
+    ids=["window", "softcap", "window+softcap", "page8", "page32", "page128", "big_tiles",
+         "bench_shape",
          "decode_bucket"],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda v: v.__name__)

@@ -71,7 +71,7 @@ def ragged_rows(draw, *, num_tokens, num_seqs, max_ctx, page_size):
 CONFIGS = [
     ("f32_gqa2_d64", jnp.float32, 4, 2, 64, 8, {}, SMALL_TILES),
     ("bf16_gqa4_d128", jnp.bfloat16, 8, 2, 128, 16, {}, SMALL_TILES),
-    ("f32_mqa_d64", jnp.float32, 4, 1, 64, 8, {}, SMALL_TILES),
+    ("f32_mqa_d64_page32", jnp.float32, 4, 1, 64, 32, {}, SMALL_TILES),  # KV step < a page
     ("f32_gqa3_window_cap", jnp.float32, 6, 2, 64, 8, dict(sliding_window=13, soft_cap=5.0), SMALL_TILES),
     # Default tiles, but splits allowed down to one page so the run-time split choice is used.
     ("f32_mha_defaults", jnp.float32, 2, 2, 64, 16, {}, dict(decode_min_kv_per_split=16)),
