@@ -252,6 +252,7 @@ def ensure_demo_random() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-random-", dir=target.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is readable like any other
     try:
         make_tiny_model("llama", tmp, **DEMO_OPTIONS)
         (tmp / ".jaxserve-demo-version").write_text(_DEMO_VERSION)
