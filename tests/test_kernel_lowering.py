@@ -93,10 +93,10 @@ def test_lowers_every_head_dim_dtype_group(d, dtype, heads):
                         prefill_num_stages=3, decode_block_m=32)),
         dict(tokens=512, seqs=64, max_pages=512, pages=4096),  # benchmark-like, default splits
         dict(tokens=16, seqs=16),  # decode-only bucket: T small
+        dict(tokens=48, seqs=12, max_pages=20, pages=101),  # nothing a power of two
     ],
     ids=["window", "softcap", "window+softcap", "page8", "page32", "page128", "big_tiles",
-         "bench_shape",
-         "decode_bucket"],
+         "bench_shape", "decode_bucket", "odd_sizes"],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda v: v.__name__)
 def test_lowers_options(opts, dtype):
