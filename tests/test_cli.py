@@ -2,6 +2,7 @@
 ``serve`` / ``generate`` commands in a subprocess (start-up log, SIGINT/SIGTERM shutdown)."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -36,7 +37,7 @@ def test_flags_map_to_engine_config():
               "--no-enable-prefix-caching", "--swap-space", "1.5", "--seed", "42",
               "--tensor-parallel-size", "2", "--load-format", "gguf", "--tokenizer", "tok",
               "--attention-backend", "reference", "--num-gpu-blocks-override", "77",
-              "--preemption-mode", "swap")
+              "--preemption-mode", "swap", "--min-token-bucket", "8")
     c = engine_config_from_args(a)
     assert c.model == "some/model" and c.tokenizer == "tok" and c.dtype == "float16"
     assert c.served_model_name == "alias" and c.seed == 42 and c.load_format == "gguf"
@@ -46,7 +47,7 @@ def test_flags_map_to_engine_config():
     assert c.cache.block_size == 32 and c.cache.gpu_memory_utilization == 0.5
     assert c.cache.enable_prefix_caching is False and c.cache.swap_space == 1.5
     assert c.cache.num_gpu_blocks_override == 77
-    assert c.parallel.tensor_parallel_size == 2
+    assert c.parallel.tensor_parallel_size == 2 and c.scheduler.min_token_bucket == 8
 
 
 def test_model_flag_and_positional_agree():
@@ -120,7 +121,8 @@ def _env():
 
 
 TINY = ["demo-random", "--max-model-len", "128", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "64", "--num-gpu-blocks-override", "32"]
+        "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
+        "--num-gpu-blocks-override", "32"]
 
 
 @pytest.mark.slow
@@ -161,11 +163,21 @@ def test_serve_starts_answers_and_stops_cleanly(sig, tmp_path):
     assert "jaxserve stopped" in text
 
 
+# Same engine shapes as tests/test_server.py, so whichever runs second reuses the compiled step.
+SERVER_FLAGS = ["demo-random", "--max-model-len", "256", "--max-num-seqs", "8",
+                "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
+                "--num-gpu-blocks-override", "96"]
+
+
 @pytest.mark.slow
-def test_generate_one_shot(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "jaxserve.entrypoints.cli", "generate", *TINY,
-                          "--prompt", "Hello", "--max-tokens", "5"],
-                         capture_output=True, text=True, env=_env(), timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert re.search(r"\d+ prompt tokens, \d+ generated, finish_reason=(length|stop)",
-                     out.stderr), out.stderr
+def test_generate_one_shot(capsys, caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve")
+    rc = main(["generate", *SERVER_FLAGS, "--prompt", "Hello", "--prompt", "Bye",
+               "--max-tokens", "5"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--- 'Hello'\n") and "--- 'Bye'\n" in out
+    done = [r.getMessage() for r in caplog.records if "finish_reason=" in r.getMessage()]
+    assert len(done) == 2
+    assert all(re.match(r"\d+ prompt tokens, [1-5] generated, finish_reason=(length|stop)", m)
+               for m in done), done

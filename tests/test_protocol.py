@@ -54,8 +54,8 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
      "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
-     "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+      "add_generation_prompt": True}, "continue_final_message"),
 ])
 def test_chat_request_errors_name_the_field(body, param):
     assert parse_err(P.ChatCompletionRequest, body).param == param

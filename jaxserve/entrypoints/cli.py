@@ -81,6 +81,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences per step (default: chosen for the device)")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="token budget per step (default: chosen for the device)")
+    s.add_argument("--min-token-bucket", type=_positive_int, default=None,
+                   help="smallest token bucket of the compile ladder; fewer buckets compile "
+                        "faster, smaller ones waste less padding (default: chosen for the device)")
     s.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode,
                    choices=("recompute", "swap"),
                    help="what happens to a preempted request's pages (default: %(default)s)")
@@ -160,7 +163,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         load_format=args.load_format, attention_backend=args.attention_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
-        preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None)
+        preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
+        min_token_bucket=args.min_token_bucket)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -335,15 +335,13 @@ class OpenAIServing:
     def _chat_ids(self, req) -> list[int]:
         from jaxserve.tokenizer import apply_chat_template
 
-        if req.continue_final_message:
-            raise InvalidRequestError("continue_final_message is not supported yet",
-                                      param="continue_final_message")
         messages = req.message_dicts()
         template = self.chat_template or getattr(self.engine, "chat_template", None)
+        extra = {"continue_final_message": True} if req.continue_final_message else {}
         try:
             ids = apply_chat_template(self.engine.tokenizer, messages,
                                       add_generation_prompt=req.add_generation_prompt,
-                                      chat_template=template)
+                                      chat_template=template, **extra)
         except InvalidRequestError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors are caused by the messages
