@@ -51,6 +51,7 @@ class _Parent:
     params: SamplingParams
     metrics: RequestMetrics
     children: list[_Child] = field(default_factory=list)
+    final_only: bool = False  # offline use: no output until the request finishes
 
     @property
     def finished(self) -> bool:
@@ -90,6 +91,7 @@ class LLMEngine:
                 param="max_model_len")
         self.eos_token_ids = _eos_ids(mc.eos_token_id, self.tokenizer)
         self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
+        self._eos_list = sorted(self.eos_token_ids)
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
                                   param_bytes=param_bytes)
         self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
@@ -108,7 +110,7 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, final_only: bool = False) -> None:
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
@@ -122,7 +124,8 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > 20:
             raise InvalidRequestError("logprobs must be <= 20", param="logprobs")
         now = arrival_time if arrival_time is not None else time.time()
-        parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now))
+        parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now),
+                         final_only=final_only)
         self.prompt_tokens_total += len(ids)
         self._parents[request_id] = parent
         for i in range(params.n):
@@ -210,7 +213,7 @@ class LLMEngine:
             for s in sched.scheduled:
                 r = s.request
                 inputs.append((r.sampling_params, r.output_token_ids, r.prompt_token_ids,
-                               self.eos_token_id, r.num_output_tokens))
+                               self._eos_list, r.num_output_tokens) if s.sample else None)
                 parent = self._child_of[r.request_id][0]
                 if parent.metrics.first_scheduled_time is None:
                     parent.metrics.first_scheduled_time = now
@@ -230,6 +233,8 @@ class LLMEngine:
                 touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
+            if parent.final_only and not parent.finished:
+                continue
             outputs.append(self._make_output(parent))
             if parent.finished:
                 self._parents.pop(parent.request_id, None)

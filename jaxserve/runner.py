@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxserve import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
@@ -30,26 +31,42 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's CPU KV space: a fixed budget when memory is unknown
 
 
-_TRACES = [0]  # traces of the step in this process; a trace is a compile
+_TRACES = [0]  # traces of the step's jitted functions in this process; a trace is a compile
 
 
-@partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _step(graphdef, state, kv_pages, arrays, sampling):
-    """The device step. Module-level with the graph static, so runners of the same model shape
-    share compiled executables."""
+@lru_cache(maxsize=None)
+def _forward_fn(graphdef, state_treedef):
+    """The model half of the step (write K/V, attend, logits of each row's last token), jitted
+    for one model graph.
+
+    Cached on the graph, so runners of the same model shape share executables; the graph is
+    hashed once here rather than on every call (a static jit argument is hashed per dispatch,
+    which cost milliseconds per step), and params travel as a flat list of leaves.
+    """
+
+    def forward(state_leaves, kv_pages, arrays):
+        _TRACES[0] += 1
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        md = AttentionMetadata(
+            slot_mapping=arrays["slot_mapping"],
+            query_start=arrays["query_start"],
+            seq_lens=arrays["seq_lens"],
+            block_tables=arrays["block_tables"],
+            num_seqs=arrays["num_seqs"],
+        )
+        hidden, kv_pages = model(arrays["token_ids"], arrays["positions"], kv_pages, md)
+        return model.compute_logits(hidden[arrays["logits_indices"]]), kv_pages
+
+    return jax.jit(forward, donate_argnums=(1,))
+
+
+@jax.jit
+def _sample(logits, sampling):
+    """The sampler half: its own jit, so the model graph compiles once per token bucket while
+    the (cheap) sampler compiles once per sequence bucket and sampling-array layout."""
     _TRACES[0] += 1
-    model = nnx.merge(graphdef, state)
-    md = AttentionMetadata(
-        slot_mapping=arrays["slot_mapping"],
-        query_start=arrays["query_start"],
-        seq_lens=arrays["seq_lens"],
-        block_tables=arrays["block_tables"],
-        num_seqs=arrays["num_seqs"],
-    )
-    hidden, kv_pages = model(arrays["token_ids"], arrays["positions"], kv_pages, md)
-    logits = model.compute_logits(hidden[arrays["logits_indices"]])
     md_s = sampler_lib.SamplingMetadata(**{k: sampling[k] for k in SAMPLING_FIELDS})
-    return sampler_lib.sample(logits, md_s), kv_pages
+    return sampler_lib.sample(logits, md_s)
 
 
 @dataclass
@@ -128,6 +145,8 @@ class ModelRunner:
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size, dtype,
                                           sharding=kv_sharding)
         self.graphdef, self.state = nnx.split(model)
+        self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        self._forward = _forward_fn(self.graphdef, treedef)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
@@ -137,8 +156,9 @@ class ModelRunner:
     # ---- host side ---------------------------------------------------------------------
     def _run(self, plan: StepPlan):
         before = _TRACES[0]
-        out, self.kv_pages = _step(self.graphdef, self.state, self.kv_pages,
-                                   plan.device_arrays(), plan.sampling)
+        logits, self.kv_pages = self._forward(self._state_leaves, self.kv_pages,
+                                              plan.device_arrays())
+        out = _sample(logits, plan.sampling)
         if _TRACES[0] != before:
             self.num_compiles += _TRACES[0] - before
             if self.warmed_up:
@@ -166,13 +186,15 @@ class ModelRunner:
 
     @property
     def num_graphs(self) -> int:
-        """Two sampler layouts (compact, and full for penalties) per token bucket."""
-        return 2 * len(self.ladder)
+        """One model graph per token bucket, two sampler layouts (compact, and full for
+        penalties) per sequence bucket."""
+        seqs = {seq_bucket(t, self.max_num_seqs) for t in self.ladder}
+        return len(self.ladder) + 2 * len(seqs)
 
     def warmup(self) -> float:
         """Compile every token bucket with all-padding plans (writes go to the trash page)."""
         t0 = time.perf_counter()
-        for t in self.ladder:
+        for t in tqdm(self.ladder, desc="Compiling token buckets", disable=None, leave=False):
             s = seq_bucket(t, self.max_num_seqs)
             for full in (False, True):
                 plan = self._padding_plan(t, s, full)

@@ -77,7 +77,7 @@ class LLM:
         try:
             for prompt, sp, prio in items:
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, sp, priority=prio)
+                engine.add_request(rid, prompt, sp, priority=prio, final_only=True)
                 order.append(rid)
         except Exception:
             engine.abort_request(order)
