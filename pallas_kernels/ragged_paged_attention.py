@@ -158,7 +158,7 @@ def _attn_kernel(
         kv_rows = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
         bt_row = seq * bt_stride
 
-        def body(it, carry):
+        def step(it, carry, masked):
             acc, m_i, l_i = carry
             kv0 = kv_lo + it * block_kv
             tok = kv0 + kv_rows  # [block_kv] positions in the sequence
@@ -175,14 +175,17 @@ def _attn_kernel(
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = s * _LOG2E  # base-2 units from here on
-            kv_pos = kv0 + cols
-            mask = row_ok & (kv_pos <= q_pos)
-            if sliding_window is not None:
-                mask = mask & (kv_pos > q_pos - sliding_window)
-            s = jnp.where(mask, s, _MASK)
+            if masked:
+                kv_pos = kv0 + cols
+                mask = row_ok & (kv_pos <= q_pos)
+                if sliding_window is not None:
+                    mask = mask & (kv_pos > q_pos - sliding_window)
+                s = jnp.where(mask, s, _MASK)
             m_new = jnp.maximum(m_i, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.where(mask, jnp.exp2(s - m_new), 0.0)
+            p = jnp.exp2(s - m_new)
+            if masked:
+                p = jnp.where(mask, p, 0.0)
             l_new = alpha * l_i + jnp.sum(p, axis=1, keepdims=True)
             pv = lax.dot_general(
                 p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -193,7 +196,16 @@ def _attn_kernel(
         acc0 = jnp.zeros((block_m, head_dim), jnp.float32)
         m0 = jnp.full((block_m, 1), _MASK, jnp.float32)
         l0 = jnp.zeros((block_m, 1), jnp.float32)
-        acc, m_i, l_i = lax.fori_loop(it_lo, it_hi, body, (acc0, m0, l0))
+        carry = (acc0, m0, l0)
+        if sliding_window is None:
+            # KV steps wholly at or before the block's first query position need no mask (rows
+            # past the block's tokens compute garbage that is never read); the rest are masked.
+            n_full = lax.div(pos0 + 1 - kv_lo, jnp.int32(block_kv))
+            mid = jnp.clip(n_full, it_lo, it_hi)
+            carry = lax.fori_loop(it_lo, mid, functools.partial(step, masked=False), carry)
+        else:
+            mid = it_lo
+        acc, m_i, l_i = lax.fori_loop(mid, it_hi, functools.partial(step, masked=True), carry)
         has = l_i > 0.0
         out = acc / jnp.where(has, l_i, 1.0)
         if direct:
