@@ -120,20 +120,27 @@ def _env():
     return env
 
 
-TINY = ["demo-random", "--max-model-len", "128", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
-        "--num-gpu-blocks-override", "32"]
+TINY = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+        "--min-token-bucket", "32", "--num-gpu-blocks-override", "32"]
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """A persistent compilation cache shared by this module's subprocesses (the second start
+    skips the warm-up compiles)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_serve_starts_answers_and_stops_cleanly(sig, tmp_path):
+def test_serve_starts_answers_and_stops_cleanly(sig, tmp_path, tiny_llama_dir, jax_cache):
     port = free_port()
     log = open(tmp_path / "log.txt", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", *TINY,
-                             "--port", str(port), "--api-key", "k",
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.cli", "serve",
+                             str(tiny_llama_dir), *TINY, "--port", str(port), "--api-key", "k",
                              "--uvicorn-log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=_env())
+                            stdout=log, stderr=subprocess.STDOUT, env={**_env(), **jax_cache})
     try:
         deadline = time.time() + 240
         while True:
@@ -164,15 +171,14 @@ def test_serve_starts_answers_and_stops_cleanly(sig, tmp_path):
 
 
 # Same engine shapes as tests/test_server.py, so whichever runs second reuses the compiled step.
-SERVER_FLAGS = ["demo-random", "--max-model-len", "256", "--max-num-seqs", "8",
-                "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
-                "--num-gpu-blocks-override", "96"]
+SERVER_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens",
+                "32", "--min-token-bucket", "32", "--num-gpu-blocks-override", "96"]
 
 
 @pytest.mark.slow
-def test_generate_one_shot(capsys, caplog):
+def test_generate_one_shot(capsys, caplog, tiny_llama_dir):
     caplog.set_level(logging.INFO, logger="jaxserve")
-    rc = main(["generate", *SERVER_FLAGS, "--prompt", "Hello", "--prompt", "Bye",
+    rc = main(["generate", str(tiny_llama_dir), *SERVER_FLAGS, "--prompt", "Hello", "--prompt", "Bye",
                "--max-tokens", "5"])
     assert rc == 0
     out = capsys.readouterr().out

@@ -24,17 +24,14 @@ from jaxserve.sampling_params import SamplingParams
 API_KEY = "sk-test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
-ENGINE_FLAGS = ["serve", "demo-random", "--served-model-name", MODEL, "other-name",
-                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-                # one token bucket: two compiles in warm-up keep the module fast on CPU
-                "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
-                "--num-gpu-blocks-override", "96"]
 
 
-def make_engine():
-    from jaxserve.async_engine import AsyncLLM
-
-    return AsyncLLM(engine_config_from_args(build_parser().parse_args(ENGINE_FLAGS)))
+def engine_flags(model: str) -> list[str]:
+    return ["serve", model, "--served-model-name", MODEL, "other-name",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+            # one token bucket: a handful of compiles in warm-up keep the module fast on CPU
+            "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
+            "--num-gpu-blocks-override", "96"]
 
 
 class ServerThread:
@@ -67,8 +64,15 @@ class ServerThread:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = make_engine()
+def model_dir(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from jaxserve.async_engine import AsyncLLM
+
+    eng = AsyncLLM(engine_config_from_args(build_parser().parse_args(engine_flags(model_dir))))
     yield eng
     asyncio.run(eng.shutdown())
 
@@ -545,14 +549,14 @@ def test_200_concurrent_streams_30pct_cancelled(server, engine, client):
 
 
 @pytest.mark.slow
-def test_greedy_server_equals_offline_llm(client):
+def test_greedy_server_equals_offline_llm(client, model_dir):
     # Late in the module: a second engine in this process would muddle the compile counts
     # the tests above check (the runner's trace counter is process-wide).
     from jaxserve.entrypoints.cli import engine_kwargs_from_args
     from jaxserve.entrypoints.llm import LLM
 
     prompts = ["Once upon a time", "The capital of France is", "1 2 3 4"]
-    llm = LLM(**engine_kwargs_from_args(build_parser().parse_args(ENGINE_FLAGS)))
+    llm = LLM(**engine_kwargs_from_args(build_parser().parse_args(engine_flags(model_dir))))
     offline = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0),
                            use_tqdm=False)
     served = client.completions.create(model=MODEL, prompt=prompts, max_tokens=10,
