@@ -211,3 +211,20 @@ def test_kernel_matches_reference_gpu(cfg, data):
     seed = data.draw(st.integers(0, 2**16))
     _check_config(cfg, rows, seed, interpret=False, num_tokens=num_tokens, num_seqs=num_seqs,
                   max_pages=max_pages)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs a GPU backend")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda v: v.__name__)
+def test_long_contexts_gpu(dtype):
+    """Benchmark-like heads with long contexts: split-KV decode (default, run-time splits) and a
+    prefill chunk deep into its context, in one call."""
+    q_lens, ctx = [1, 1, 1, 256, 1], [8192, 1, 5000, 4096, 2048]
+    batch = make_ragged_batch(
+        np.random.default_rng(3), q_lens, ctx, num_tokens=272, num_seqs=8, max_pages=512,
+        num_pages=1300, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=dtype,
+    )
+    args = [jnp.asarray(a) for a in batch.args()]
+    out = ragged_paged_attention(*args, jnp.int32(batch.num_seqs), sm_scale=128 ** -0.5)
+    ref = _ref_fn(128 ** -0.5, None, None)(*args)
+    assert _rel_err(out, ref) <= TOL[dtype]
