@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -417,6 +418,8 @@ def main(argv=None) -> dict:
     if not args.no_plot:
         out["plot"] = plot(path[:-5] + ".png", runs, args)
     B.write_result(path, out)
+    if server is not None:  # its log's tail is in the JSON
+        shutil.rmtree(os.path.dirname(server.log_path), ignore_errors=True)
     print(f"wrote {path}")
     return out
 

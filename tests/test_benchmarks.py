@@ -269,7 +269,7 @@ def test_latency_end_to_end(tmp_path, tiny_llama_dir):
 def test_serving_against_launched_server(tmp_path, tiny_llama_dir):
     if not (ROOT / "jaxserve" / "entrypoints" / "openai" / "server.py").exists():
         pytest.skip("jaxserve/entrypoints/openai/server.py is not there yet")
-    pytest.importorskip("httpx")
+    httpx = pytest.importorskip("httpx")
     from benchmarks import serving
 
     n, out_len = 5, 4
@@ -294,6 +294,8 @@ def test_serving_against_launched_server(tmp_path, tiny_llama_dir):
         # generous SLOs: every request is good
         assert m["request_goodput"] == pytest.approx(m["request_throughput"])
     assert _is_png(d["plot"])
+    with pytest.raises(httpx.TransportError):  # the launched server was stopped
+        httpx.get(d["config"]["base_url"] + "/health", timeout=5)
 
 
 def test_make_tiny_model_preset_flag(tmp_path):
