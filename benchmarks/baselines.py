@@ -717,22 +717,25 @@ def _int_list(s: str) -> list[int]:
 def run_baselines(args, model_dir: str, requests: list[BenchRequest], log=print) -> dict:
     """The HF baselines the flags ask for, each in its own subprocess, before the engine runs."""
     out = {}
+
+    def report(name, res):
+        err = f" ({res['error'][:200]})" if "error" in res else ""
+        log(f"  {name}: {res.get('output_throughput', float('nan')):.1f} output tok/s{err}")
+
     if args.hf_baseline:
         log("HF generate baseline ...")
         out["hf"] = run_hf_subprocess(
             "hf-generate", model_dir, requests,
             ["--dtype", args.hf_dtype, "--batch-sizes", args.hf_batch_sizes,
              "--num-batches", str(args.hf_num_batches)], args.hf_timeout)
-        log(f"  HF generate: {out['hf'].get('output_throughput', float('nan')):.1f} output "
-            f"tok/s {('(' + out['hf']['error'][:200] + ')') if 'error' in out['hf'] else ''}")
+        report("HF generate", out["hf"])
     if args.hf_cb_baseline:
         log("HF continuous batching baseline ...")
         cb_reqs = requests[:args.hf_cb_num_prompts] if args.hf_cb_num_prompts else requests
         out["hf_cb"] = run_hf_subprocess(
             "hf-cb", model_dir, cb_reqs,
             ["--dtype", args.hf_dtype, "--attn-impls", args.hf_cb_attn_impls], args.hf_timeout)
-        log(f"  HF generate_batch: {out['hf_cb'].get('output_throughput', float('nan')):.1f} "
-            f"output tok/s {('(' + out['hf_cb']['error'][:200] + ')') if 'error' in out['hf_cb'] else ''}")
+        report("HF generate_batch", out["hf_cb"])
     return out
 
 

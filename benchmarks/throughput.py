@@ -217,8 +217,9 @@ def main(argv=None) -> dict:
     model_dir = B.resolve_model(args.model, args.preset)
     cfg = B.load_hf_config(model_dir)
     requests = B.make_requests(args, model_dir, cfg["vocab_size"])
-    print(f"{len(requests)} requests; mean prompt {sum(r.prompt_len for r in requests) / len(requests):.0f}"
-          f", mean output {sum(r.output_len for r in requests) / len(requests):.0f} tokens")
+    mean_in = sum(r.prompt_len for r in requests) / len(requests)
+    mean_out = sum(r.output_len for r in requests) / len(requests)
+    print(f"{len(requests)} requests; mean prompt {mean_in:.0f}, mean output {mean_out:.0f} tokens")
     path = B.result_path("throughput", args)
     baselines = B.run_baselines(args, model_dir, requests)  # before XLA takes the device
     if baselines:  # kept if the jaxserve run below dies or is timed out
@@ -228,8 +229,6 @@ def main(argv=None) -> dict:
 
     res = run_jaxserve(args, model_dir, requests)
     steps = res.pop("_step_records")
-    mean_in = sum(r.prompt_len for r in requests) / len(requests)
-    mean_out = sum(r.output_len for r in requests) / len(requests)
     roofline = None
     if bandwidth:
         batch = min(res["max_num_seqs"], len(requests))

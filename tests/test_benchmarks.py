@@ -3,7 +3,6 @@ a tiny model on CPU (JSON fields consistent with each other, a PNG written)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import subprocess
