@@ -260,3 +260,16 @@ def test_metrics_collector_and_request_histograms():
     assert val["jaxserve:request_generation_tokens_sum"] == 3
     assert all(s.labels["model_name"] == "a" for f in fams.values() for s in f.samples)
     assert b'model_name="b"' in m2.render()
+
+
+# ---- --chat-template -------------------------------------------------------------------------
+def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
+    from jaxserve.entrypoints.openai.server import load_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert load_chat_template(str(f)) == f.read_text()
+    assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="neither a readable file nor a template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
