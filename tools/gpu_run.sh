@@ -95,26 +95,26 @@ run_stage() {
   else STATUS+=("$name: ok (${dt}s)"); fi
 }
 
-run_stage pytest 60 $PY -m pytest -m gpu -q -x -p no:cacheprovider --timeout 60 tests
+run_stage pytest 55 $PY -m pytest -m gpu -q -x -p no:cacheprovider --timeout 60 tests
 
 if [ -f benchmarks/kernels.py ]; then
-  run_stage kernels 40 $PY benchmarks/kernels.py --ctx 2048 --iters 20 --disable-tqdm \
+  run_stage kernels 35 $PY benchmarks/kernels.py --ctx 2048 --iters 20 --disable-tqdm \
     --output-json "$RES/kernels.json"
 fi
 
-run_stage tp11 210 $PY benchmarks/throughput.py --preset tinyllama-1.1b --dtype bfloat16 \
+run_stage tp11 240 $PY benchmarks/throughput.py --preset tinyllama-1.1b --dtype bfloat16 \
   --num-prompts "$N11" --input-len 512 --output-len 128 --disable-detokenize \
   --hf-baseline --hf-batch-sizes "$HF_BS" --hf-cb-baseline --hf-cb-num-prompts "$HF_CB_N" \
-  --hf-cb-attn-impls "$HF_CB_IMPLS" --hf-timeout 80 --roofline \
+  --hf-cb-attn-impls "$HF_CB_IMPLS" --hf-timeout 70 --roofline \
   --disable-tqdm --output-json "$RES/throughput-tinyllama-1.1b.json"
 
-run_stage tp8b 120 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloat16 \
+run_stage tp8b 110 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloat16 \
   --num-prompts "$N8B" --input-len 512 --output-len 128 --disable-detokenize --roofline \
   --disable-tqdm --output-json "$RES/throughput-llama3-8b.json"
 
-run_stage serving 90 $PY benchmarks/serving.py --launch --preset tinyllama-1.1b \
+run_stage serving 75 $PY benchmarks/serving.py --launch --preset tinyllama-1.1b \
   --dtype bfloat16 --num-prompts "$SERVE_N" --input-len 512 --output-len 128 \
-  --request-rates "$SERVE_RATES" --goodput ttft:30 tpot:8 --launch-timeout 75 \
+  --request-rates "$SERVE_RATES" --goodput ttft:30 tpot:8 --launch-timeout 60 \
   --disable-tqdm --output-json "$RES/serving-tinyllama-1.1b.json"
 
 echo
