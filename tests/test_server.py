@@ -227,6 +227,12 @@ def test_completion_echo(client):
                                   echo=True)
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
     assert r.choices[0].text == prompt + plain.choices[0].text
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                  echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == r.usage.prompt_tokens + 3
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[-3:])
+    assert lp.text_offset == sorted(lp.text_offset)
 
 
 def test_completion_stop_string(client):

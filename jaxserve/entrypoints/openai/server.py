@@ -424,12 +424,15 @@ class OpenAIServing:
 
     def _completion_choice_logprobs(self, req, out: RequestOutput, c: CompletionOutput,
                                     echo_text: str) -> P.CompletionLogProbs:
-        gen = _legacy_logprobs(self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids),
-                               len(echo_text))
+        positions = c.logprobs or [{}] * len(c.token_ids)
         if not req.echo:
-            return gen
+            return _legacy_logprobs(self.tokens, c.token_ids, positions, 0)
+        # Echo: the prompt's tokens first (the first has no logprob), offsets run on through
+        # both, counted over the token strings as vLLM does.
         prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         head = _legacy_logprobs(self.tokens, out.prompt_token_ids, prompt_lps, 0)
+        end = head.text_offset[-1] + len(head.tokens[-1]) if head.tokens else 0
+        gen = _legacy_logprobs(self.tokens, c.token_ids, positions, end)
         return P.CompletionLogProbs(
             text_offset=head.text_offset + gen.text_offset,
             token_logprobs=head.token_logprobs + gen.token_logprobs,
