@@ -449,7 +449,7 @@ json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
 json_value = st.recursive(json_leaf, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=12)
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stream",
+FIELDS = ["model", "prompt", "messages", "tokens", "max_tokens", "max_completion_tokens", "n", "stream",
           "temperature", "top_p", "top_k", "min_p", "logprobs", "top_logprobs", "echo", "stop",
           "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "min_tokens", "ignore_eos", "priority", "stop_token_ids", "stream_options", "best_of",
@@ -462,6 +462,7 @@ field_values = {
     "messages": st.one_of(st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "assistant", "system", "", "robot"]),
          "content": st.one_of(st.text(max_size=20), json_value)}), max_size=3), json_value),
+    "tokens": st.one_of(st.lists(st.integers(-5, 10**6), max_size=6), json_value),
     "max_tokens": st.one_of(small_ints, json_value), "n": st.one_of(small_ints, json_value),
     "stream": st.one_of(st.booleans(), json_value),
     "logprobs": st.one_of(small_ints, st.booleans(), json_value),
@@ -481,7 +482,7 @@ def request_bodies(draw):
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=request_bodies(), path=st.sampled_from(["/v1/completions", "/v1/chat/completions",
-                                                    "/tokenize"]))
+                                                    "/tokenize", "/detokenize"]))
 def test_fuzzed_bodies_never_500(http, body, path):
     r = http.post(path, json=body)
     assert r.status_code < 500, (body, r.text)

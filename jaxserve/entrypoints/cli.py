@@ -220,8 +220,20 @@ def _bench(args) -> int:
     return 0
 
 
+def _persistent_compilation_cache() -> None:
+    """Keep XLA executables across runs (like vLLM's compile cache): the second start of the
+    same model and flags skips most of the warm-up. $JAX_COMPILATION_CACHE_DIR wins; only set
+    before jax is imported (jax reads it at import)."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or "jax" in sys.modules:
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, "jaxserve", "xla")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "generate"):
+        _persistent_compilation_cache()
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = {"serve": _serve, "generate": _generate, "bench": _bench}[args.command]

@@ -501,12 +501,12 @@ class OpenAIServing:
         self._check_prompt_len(ids, "messages")
         sp = req.to_sampling_params(self.engine.max_model_len, len(ids))
         self._check_vocab(sp)
+        echo = ""
+        if req.echo and req.messages[-1].role == "assistant":
+            echo = req.messages[-1].text(f"messages.{len(req.messages) - 1}")
         request_id = req.request_id or P.random_id("chatcmpl")
         fanin = self._fanin([ids], sp, request_id, req.priority)
         await fanin.prime()
-        echo = ""
-        if req.echo and req.messages[-1].role == "assistant":
-            echo = req.messages[-1].text("messages.-1")
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         if req.stream:
             return _SSEResponse(self._chat_stream(req, fanin, model, echo, top_k))
