@@ -22,6 +22,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.loader import load_model, load_tokenizer, resolve_dtype
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.parallel import engine_mesh
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner import ModelRunner, default_attention_backend, enable_compilation_cache
 from jaxserve.sampling_params import SamplingParams
@@ -59,7 +60,8 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, devices=None):
+        """``devices``: the devices of this replica (data parallel); default all visible."""
         self.config = config
         enable_compilation_cache()
         try:
@@ -74,9 +76,10 @@ class LLMEngine:
             backend = default_attention_backend()
         self.attention_backend = backend
         t0 = time.perf_counter()
+        self.mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
         self.model, self.model_config, self.model_dir = load_model(
             config.model, dtype=config.dtype, load_format=config.load_format,
-            attention_backend=backend)
+            attention_backend=backend, mesh=self.mesh)
         self.tokenizer = _load_tokenizer(self.model_dir, config.tokenizer)
         param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
                           if hasattr(x, "nbytes"))
@@ -93,7 +96,7 @@ class LLMEngine:
         self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
         self._eos_list = sorted(self.eos_token_ids)
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
-                                  param_bytes=param_bytes)
+                                  param_bytes=param_bytes, mesh=self.mesh)
         self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         from jaxserve.kv_cache import page_bytes

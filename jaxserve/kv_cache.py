@@ -13,18 +13,21 @@ import numpy as np
 from jaxserve.config import ModelConfig
 
 
-def kv_page_shape(model_config: ModelConfig, num_pages: int, block_size: int) -> tuple[int, ...]:
-    return (model_config.num_kv_heads, num_pages, block_size, model_config.head_dim)
+def kv_page_shape(model_config: ModelConfig, num_pages: int, block_size: int, tp: int = 1
+                  ) -> tuple[int, ...]:
+    """``tp`` > KV heads repeats each KV head so every device holds one (``parallel``)."""
+    heads = max(model_config.num_kv_heads, tp)
+    return (heads, num_pages, block_size, model_config.head_dim)
 
 
-def page_bytes(model_config: ModelConfig, block_size: int, dtype) -> int:
-    """Bytes of one page across all layers, K and V."""
-    per_layer = model_config.num_kv_heads * block_size * model_config.head_dim
+def page_bytes(model_config: ModelConfig, block_size: int, dtype, tp: int = 1) -> int:
+    """Bytes of one page across all layers, K and V (all devices together)."""
+    per_layer = max(model_config.num_kv_heads, tp) * block_size * model_config.head_dim
     return 2 * model_config.num_layers * per_layer * np.dtype(jnp.dtype(dtype)).itemsize
 
 
 def allocate_kv_pages(model_config: ModelConfig, num_pages: int, block_size: int, dtype,
-                      sharding=None) -> list[tuple[jax.Array, jax.Array]]:
+                      sharding=None, tp: int = 1) -> list[tuple[jax.Array, jax.Array]]:
     """Zeroed pages for every layer, created on device.
 
     ``sharding`` defaults to replication on the parameters' default 1-device mesh: a jitted step
@@ -39,6 +42,6 @@ def allocate_kv_pages(model_config: ModelConfig, num_pages: int, block_size: int
         sharding = NamedSharding(default_mesh(), PartitionSpec())
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
-    shape = kv_page_shape(model_config, num_pages, block_size)
+    shape = kv_page_shape(model_config, num_pages, block_size, tp)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(model_config.num_layers)]

@@ -20,8 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.registry import get_model_class
-
-TP_AXIS = "tp"
+from jaxserve.parallel import TP_AXIS, default_mesh  # noqa: F401  (re-exported)
 # Checkpoint tensors that carry no parameter (HF buffers saved by old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -38,11 +37,6 @@ def resolve_dtype(dtype) -> jnp.dtype:
             raise ValueError(f"dtype {dtype!r} not one of auto, {', '.join(sorted(names))}")
         return jnp.dtype(names[dtype])
     return jnp.dtype(dtype)
-
-
-def default_mesh() -> Mesh:
-    """A 1-device mesh with the tensor-parallel axis (size 1)."""
-    return Mesh(np.array(jax.devices()[:1]), (TP_AXIS,))
 
 
 def param_partition_spec(name: str, mesh: Mesh | None = None) -> PartitionSpec:
@@ -67,14 +61,33 @@ def param_partition_spec(name: str, mesh: Mesh | None = None) -> PartitionSpec:
     return PartitionSpec()
 
 
-def _param_sharding(name: str, shape, mesh: Mesh) -> NamedSharding:
+def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | None = None
+                    ) -> NamedSharding:
+    from jaxserve import parallel
+
     spec = param_partition_spec(name, mesh)
-    # A dimension the mesh axis does not divide stays replicated (e.g. 2 KV heads on 4 GPUs).
+    if (model_config is not None and name.endswith(("k_proj.weight", "k_proj.bias",
+                                                    "v_proj.weight", "v_proj.bias"))
+            and not parallel.shard_kv_projections(model_config.num_kv_heads,
+                                                  parallel.tp_size(mesh))):
+        spec = PartitionSpec()  # fewer KV heads than devices: replicated, repeated per device
+    # A dimension the mesh axis does not divide stays replicated (e.g. a vocab of 50257).
     size = dict(zip(mesh.axis_names, mesh.devices.shape))
     spec = PartitionSpec(*[
         ax if ax is None or shape[i] % size[ax] == 0 else None for i, ax in enumerate(spec)
     ])
     return NamedSharding(mesh, spec)
+
+
+def _attach_mesh(model, model_config: ModelConfig, mesh: Mesh | None):
+    """A model given an explicit mesh runs attention per shard (``parallel.sharded_attention``);
+    without one it takes the plain single-device path."""
+    if mesh is not None:
+        from jaxserve import parallel
+
+        parallel.check_model(model_config, parallel.tp_size(mesh))
+    model.mesh = mesh
+    return model
 
 
 def _abstract_model(model_config: ModelConfig, dtype, attention_backend: str):
@@ -104,8 +117,9 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
     """The model with every parameter loaded from ``tensors`` (HF name -> loader of a numpy
     array), cast to ``dtype`` and placed on ``mesh``. Errors name the offending tensor."""
     dtype = resolve_dtype(dtype)
+    model = _attach_mesh(_abstract_model(model_config, dtype, attention_backend), model_config,
+                         mesh)
     mesh = mesh or default_mesh()
-    model = _abstract_model(model_config, dtype, attention_backend)
     expected = _param_names(model)
     _check_names(model_config, expected, tensors)
     for name, var in expected.items():
@@ -114,7 +128,7 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
         if arr.shape != want:
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
         arr = arr.astype(dtype, copy=False)  # no host copy when the checkpoint has the dtype
-        placed = jax.device_put(arr, _param_sharding(name, want, mesh))
+        placed = jax.device_put(arr, _param_sharding(name, want, mesh, model_config))
         _resolve(model, name).set_value(placed)
     return model
 
@@ -138,12 +152,14 @@ def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mes
                       attention_backend: str = "reference", seed: int = 0):
     """Random weights (normal, std 0.02; norms 1) created on device by one jitted init."""
     dtype = resolve_dtype(dtype)
+    explicit_mesh = mesh
     mesh = mesh or default_mesh()
     cls = get_model_class(model_config.architecture)
     abstract = _abstract_model(model_config, dtype, attention_backend)
     graphdef, abs_state = nnx.split(abstract)
     shardings = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _param_sharding(_path_name(path), leaf.shape, mesh), abs_state)
+        lambda path, leaf: _param_sharding(_path_name(path), leaf.shape, mesh, model_config),
+        abs_state)
 
     def init():
         m = cls(model_config, dtype=dtype, rngs=nnx.Rngs(seed),
@@ -151,7 +167,7 @@ def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mes
         return nnx.split(m)[1]
 
     state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    return _attach_mesh(nnx.merge(graphdef, state), model_config, explicit_mesh)
 
 
 def _path_name(path) -> str:
@@ -251,8 +267,9 @@ def _load_orbax(path: Path, model_config: ModelConfig, *, dtype, mesh, attention
     import orbax.checkpoint as ocp
 
     dtype = resolve_dtype(dtype)
+    model = _attach_mesh(_abstract_model(model_config, dtype, attention_backend), model_config,
+                         mesh)
     mesh = mesh or default_mesh()
-    model = _abstract_model(model_config, dtype, attention_backend)
     expected = _param_names(model)
     ckpt = ocp.StandardCheckpointer()
     saved = ckpt.metadata(path.resolve() / ORBAX_PARAMS)
@@ -265,7 +282,8 @@ def _load_orbax(path: Path, model_config: ModelConfig, *, dtype, mesh, attention
             raise ValueError(f"tensor {name!r} has shape {tuple(saved[name].shape)}, "
                              f"expected {shape}")
         target[name] = jax.ShapeDtypeStruct(shape, dtype,
-                                            sharding=_param_sharding(name, shape, mesh))
+                                            sharding=_param_sharding(name, shape, mesh,
+                                                                     model_config))
     restored = ckpt.restore(path.resolve() / ORBAX_PARAMS, target)
     for name, arr in restored.items():
         _resolve(model, name).set_value(arr)

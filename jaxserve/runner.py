@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxserve import parallel
 from jaxserve import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import allocate_kv_pages, page_bytes
@@ -35,7 +36,7 @@ _TRACES = [0]  # traces of the step's jitted functions in this process; a trace 
 
 
 @lru_cache(maxsize=None)
-def _forward_fn(graphdef, state_treedef):
+def _forward_fn(graphdef, state_treedef, mesh=None):
     """The model half of the step (write K/V, attend, logits of each row's last token), jitted
     for one model graph.
 
@@ -57,7 +58,12 @@ def _forward_fn(graphdef, state_treedef):
         hidden, kv_pages = model(arrays["token_ids"], arrays["positions"], kv_pages, md)
         return model.compute_logits(hidden[arrays["logits_indices"]]), kv_pages
 
-    return jax.jit(forward, donate_argnums=(1,))
+    if mesh is None:
+        return jax.jit(forward, donate_argnums=(1,))
+    # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
+    # shards) and the donated pool keeps its head sharding, so every step reuses one program.
+    return jax.jit(forward, donate_argnums=(1,), out_shardings=(
+        parallel.replicated(mesh), parallel.kv_pool_sharding(mesh)))
 
 
 @jax.jit
@@ -98,11 +104,11 @@ def default_attention_backend() -> str:
 
 
 def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
-                  param_bytes: int) -> int:
+                  param_bytes: int, tp: int = 1) -> int:
     """Size the page pool from free device memory (or the override), after the weights."""
     cache = engine_config.cache
     block = cache.block_size
-    per_page = page_bytes(model_config, block, dtype)
+    per_page = page_bytes(model_config, block, dtype, tp) // tp  # bytes on one device
     if cache.num_gpu_blocks_override is not None:
         return int(cache.num_gpu_blocks_override)
     stats = jax.devices()[0].memory_stats() or {}
@@ -130,7 +136,7 @@ def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype,
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
-                 max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None):
+                 max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None):
         self.model_config = model_config
         self.config = engine_config
         self.max_model_len = max_model_len
@@ -139,14 +145,18 @@ class ModelRunner:
         sched = engine_config.scheduler
         self.max_num_seqs = sched.max_num_seqs
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket)
+        self.mesh = mesh  # tensor parallel (jaxserve.parallel); None: single device
+        tp = parallel.tp_size(mesh)
+        if mesh is not None:
+            kv_sharding = parallel.kv_pool_sharding(mesh)
         self.num_pages = num_pages_for(model_config, engine_config, dtype, max_model_len,
-                                       param_bytes)
+                                       param_bytes // tp, tp)
         self.kv_dtype = dtype
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size, dtype,
-                                          sharding=kv_sharding)
+                                          sharding=kv_sharding, tp=tp)
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
-        self._forward = _forward_fn(self.graphdef, treedef)
+        self._forward = _forward_fn(self.graphdef, treedef, mesh)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows

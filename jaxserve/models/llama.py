@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve import parallel
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
@@ -44,7 +45,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None):
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
@@ -52,9 +53,20 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pages, v_pages = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
-        out = paged_attention(q, k_pages, v_pages, md, backend=backend,
-                              sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window)
+
+        def attend(q, k, v, k_pages, v_pages, md):
+            k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+            out = paged_attention(q, k_pages, v_pages, md, backend=backend,
+                                  sm_scale=self.head_dim ** -0.5,
+                                  sliding_window=self.sliding_window)
+            return out, k_pages, v_pages
+
+        if mesh is not None:  # tensor parallel: one kernel call per shard of heads
+            rep = kv[0].shape[0] // self.num_kv_heads  # the pool repeats KV heads when tp > Hkv
+            if rep > 1:
+                k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+            attend = parallel.sharded_attention(attend, mesh)
+        out, k_pages, v_pages = attend(q, k, v, kv[0], kv[1], md)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_pages, v_pages)
 
 
@@ -66,8 +78,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype,
                        rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv, md, backend):
-        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, backend)
+    def __call__(self, x, cos, sin, kv, md, backend, mesh=None):
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, backend, mesh)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv
@@ -95,6 +107,7 @@ class LlamaForCausalLM(nnx.Module):
         self.rope = (cfg.head_dim, cfg.rope_theta, _freeze(cfg.rope_scaling),
                      cfg.max_position_embeddings)
         self.attention_backend = attention_backend
+        self.mesh = None  # the loader sets the tensor-parallel mesh (static: part of the graph)
         self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
@@ -113,7 +126,7 @@ class LlamaForCausalLM(nnx.Module):
         x = self.model.embed_tokens(token_ids)
         new_pages = []
         for layer, kv in zip(self.model.layers, kv_pages):
-            x, kv = layer(x, cos, sin, kv, md, self.attention_backend)
+            x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
             new_pages.append(kv)
         return self.model.norm(x), new_pages
 
