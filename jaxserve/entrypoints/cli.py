@@ -1,4 +1,4 @@
-"""The ``jaxserve`` command: ``serve``, ``generate``, ``bench``.
+"""The ``jaxserve`` command: ``serve``, ``generate``, ``bench``, ``convert``.
 
 Flag names and defaults are vLLM's. ``engine_config_from_args`` is the one place that maps flags
 to ``EngineConfig`` fields; server-only flags (host, port, API key, chat template, log level) go
@@ -144,6 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
                                        "arguments.")
     bench.add_argument("name", metavar="NAME", help="throughput | latency | serving | kernels")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    conv = sub.add_parser("convert", help="save a model as an orbax checkpoint",
+                          description="Save MODEL's params (in the serving dtype, HF names) as an "
+                                      "orbax checkpoint in OUT, with config.json and the "
+                                      "tokenizer; `serve OUT` restores it straight into the "
+                                      "mesh's shardings.")
+    conv.add_argument("model", metavar="MODEL", help="HF directory, .gguf file or demo-random")
+    conv.add_argument("out", metavar="OUT", help="output directory")
+    conv.add_argument("--dtype", default="auto", choices=DTYPES,
+                      help="dtype of the saved params (default: %(default)s)")
+    conv.add_argument("--load-format", default="auto",
+                      choices=("auto", "safetensors", "gguf", "dummy"),
+                      help="format of MODEL (default: %(default)s)")
     return parser
 
 
@@ -220,6 +233,18 @@ def _bench(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    import time
+
+    from jaxserve.loader import convert_to_orbax
+
+    t0 = time.perf_counter()
+    dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
+    out = convert_to_orbax(args.model, args.out, dtype=dtype, load_format=args.load_format)
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
 def _persistent_compilation_cache() -> None:
     """Keep XLA executables across runs (like vLLM's compile cache): the second start of the
     same model and flags skips most of the warm-up. $JAX_COMPILATION_CACHE_DIR wins; only set
@@ -236,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         _persistent_compilation_cache()
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = {"serve": _serve, "generate": _generate, "bench": _bench}[args.command]
+    handler = {"serve": _serve, "generate": _generate, "bench": _bench,
+               "convert": _convert}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:  # bad flags or model path: no traceback
