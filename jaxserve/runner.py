@@ -144,7 +144,8 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         sched = engine_config.scheduler
         self.max_num_seqs = sched.max_num_seqs
-        self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket)
+        self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
+                                   sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.parallel); None: single device
         tp = parallel.tp_size(mesh)
         if mesh is not None:
@@ -247,12 +248,12 @@ def _write_pages(kv_pages, idx, saved):
     return _scatter_pages(kv_pages, idx, saved)
 
 
-def default_scheduler_limits() -> tuple[int, int, int]:
-    """(max_num_seqs, max_num_batched_tokens, min_token_bucket) for the current backend.
+def default_scheduler_limits() -> tuple[int, int, int, int]:
+    """(max_num_seqs, max_num_batched_tokens, min_token_bucket, bucket growth) for the backend.
 
     vLLM's defaults on a GPU; on CPU a smaller batch so single-request decode stays fast (the
-    token bucket ladder starts at 1 there).
+    token bucket ladder starts at 1 there) and a coarser ladder (compiles are slow on CPU).
     """
     if jax.default_backend() == "gpu":
-        return 256, 2048, 16
-    return 16, 512, 1
+        return 256, 2048, 16, 2
+    return 16, 256, 1, 4

@@ -21,8 +21,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               data_parallel_size=1, load_format="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
-                              min_token_bucket=None) -> EngineConfig:
-    seqs, toks, min_bucket = default_scheduler_limits()
+                              min_token_bucket=None, token_bucket_growth=None) -> EngineConfig:
+    seqs, toks, min_bucket, growth = default_scheduler_limits()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
         attention_backend=attention_backend, served_model_name=served_model_name,
@@ -33,7 +33,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
             max_num_seqs=max_num_seqs or seqs,
             max_num_batched_tokens=max_num_batched_tokens or toks,
             max_model_len=max_model_len, preemption_mode=preemption_mode,
-            min_token_bucket=min_token_bucket or min_bucket),
+            min_token_bucket=min_token_bucket or min_bucket,
+            token_bucket_growth=token_bucket_growth or growth),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 data_parallel_size=data_parallel_size),
     )
