@@ -98,14 +98,17 @@ run_stage() {
 run_stage pytest 55 $PY -m pytest -m gpu -q -x -p no:cacheprovider --timeout 60 tests
 
 if [ -f benchmarks/kernels.py ]; then
-  run_stage kernels 35 $PY benchmarks/kernels.py --ctx 2048 --iters 20 --disable-tqdm \
+  run_stage kernels 35 $PY benchmarks/kernels.py ${KERNEL_ARGS:---ctx 2048} --iters 20 --disable-tqdm \
     --output-json "$RES/kernels.json"
 fi
 
+# HF=0 skips the HF baselines (e.g. when this session already measured them)
+HF_ARGS=(--hf-baseline --hf-batch-sizes "$HF_BS" --hf-cb-baseline --hf-cb-num-prompts "$HF_CB_N"
+         --hf-cb-attn-impls "$HF_CB_IMPLS" --hf-timeout 70)
+[[ "${HF:-1}" == 0 ]] && HF_ARGS=()
 run_stage tp11 240 $PY benchmarks/throughput.py --preset tinyllama-1.1b --dtype bfloat16 \
   --num-prompts "$N11" --input-len 512 --output-len 128 --disable-detokenize \
-  --hf-baseline --hf-batch-sizes "$HF_BS" --hf-cb-baseline --hf-cb-num-prompts "$HF_CB_N" \
-  --hf-cb-attn-impls "$HF_CB_IMPLS" --hf-timeout 70 --roofline \
+  "${HF_ARGS[@]}" --roofline \
   --disable-tqdm --output-json "$RES/throughput-tinyllama-1.1b.json"
 
 run_stage tp8b 110 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloat16 \
