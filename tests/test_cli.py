@@ -103,6 +103,20 @@ def test_bench_unknown_name(capsys):
     assert "no benchmark named 'no-such-benchmark'" in capsys.readouterr().err
 
 
+def test_bench_forwards_to_the_script(capsys):
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if not os.path.isfile(os.path.join(root, "serving.py")):
+        pytest.skip("no benchmarks/serving.py in this checkout")
+    argv = sys.argv[:]
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "serving", "--help"])
+    finally:
+        sys.argv = argv
+    assert e.value.code == 0
+    assert "usage: serving.py" in capsys.readouterr().out
+
+
 # ---- the real commands -----------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:

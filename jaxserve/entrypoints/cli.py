@@ -3,7 +3,9 @@
 Flag names and defaults are vLLM's. ``engine_config_from_args`` is the one place that maps flags
 to ``EngineConfig`` fields; server-only flags (host, port, API key, chat template, log level) go
 to ``run_server``. Unlike vLLM, ``--host`` defaults to 127.0.0.1: serving to the network is a
-choice (``--host 0.0.0.0``), not an accident.
+choice (``--host 0.0.0.0``), not an accident. ``serve`` and ``generate`` keep compiled XLA
+executables in ``~/.cache/jaxserve/xla`` (or ``$JAX_COMPILATION_CACHE_DIR``), so a second start
+with the same model and flags skips most of the warm-up.
 """
 from __future__ import annotations
 
