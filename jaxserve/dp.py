@@ -1,0 +1,115 @@
+"""Data parallelism: independent engine replicas behind one ``AsyncLLM``-shaped front.
+
+``data_parallel_size`` replicas each own ``tensor_parallel_size`` devices (disjoint subsets, in
+``jax.devices()`` order), their own KV pool, scheduler and engine thread. Nothing is shared
+between them on the device, so a replica is exactly a single-replica engine. Each new request
+goes to the replica with the fewest unfinished requests (ties: the lowest index), which keeps
+batch sizes even under mixed lengths without any cross-replica traffic.
+"""
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from jaxserve.async_engine import AsyncLLM
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.errors import InvalidRequestError
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# stats() fields that add up over replicas; the rest are averaged (kv_cache_usage)
+_SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
+           "num_preemptions", "num_compiles", "prompt_tokens_total", "generation_tokens_total",
+           "num_free_pages", "num_pages")
+
+
+def replica_devices(data_parallel_size: int, tensor_parallel_size: int, devices=None) -> list:
+    """The device subset of each replica: ``tp`` consecutive devices per replica."""
+    import jax
+
+    devices = list(jax.devices() if devices is None else devices)
+    need = data_parallel_size * tensor_parallel_size
+    if need > len(devices):
+        raise InvalidRequestError(
+            f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
+            f"{tensor_parallel_size} needs {need} devices; {len(devices)} available",
+            param="data_parallel_size")
+    t = tensor_parallel_size
+    return [devices[i * t:(i + 1) * t] for i in range(data_parallel_size)]
+
+
+class DataParallelAsyncLLM:
+    """The ``AsyncLLM`` interface over ``data_parallel_size`` replicas."""
+
+    def __init__(self, config: EngineConfig, devices=None):
+        self.config = config
+        p = config.parallel
+        self.replicas = [AsyncLLM(config, engine=LLMEngine(config, devices=d))
+                         for d in replica_devices(p.data_parallel_size,
+                                                  p.tensor_parallel_size, devices)]
+        first = self.replicas[0]
+        self.engine = first.engine  # dtype, tokenizer, ... are the same in every replica
+        self.tokenizer = first.tokenizer
+        self.model_config = first.model_config
+        self.max_model_len = first.max_model_len
+        self.served_model_name = first.served_model_name
+        self.chat_template = None
+        self._inflight = [0] * len(self.replicas)  # unfinished requests routed to each
+        self.requests_per_replica = [0] * len(self.replicas)  # all routed so far
+        self._replica_of: dict[str, int] = {}
+        logger.info("data parallel: %d replicas on devices %s", len(self.replicas),
+                    [[str(d) for d in r.engine.mesh.devices.flat] for r in self.replicas])
+
+    def _pick(self) -> int:
+        return min(range(len(self.replicas)), key=lambda i: (self._inflight[i], i))
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        self.check_health()
+        if request_id in self._replica_of:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running",
+                                      param="request_id")
+        i = self._pick()
+        self._inflight[i] += 1
+        self.requests_per_replica[i] += 1
+        self._replica_of[request_id] = i
+        try:
+            async for out in self.replicas[i].generate(prompt, sampling_params, request_id,
+                                                       priority=priority):
+                yield out
+        finally:
+            self._inflight[i] -= 1
+            self._replica_of.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        i = self._replica_of.get(request_id)
+        if i is not None:
+            await self.replicas[i].abort(request_id)
+
+    def check_health(self) -> None:
+        for r in self.replicas:
+            r.check_health()
+
+    @property
+    def is_running(self) -> bool:
+        return all(r.is_running for r in self.replicas)
+
+    def stats(self) -> dict:
+        per = [r.stats() for r in self.replicas]
+        out = {k: sum(s.get(k, 0) for s in per) for k in _SUMMED if k in per[0]}
+        out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per) / len(per)
+        return out
+
+    async def shutdown(self) -> None:
+        for r in self.replicas:
+            await r.shutdown()
+
+
+def make_async_llm(config: EngineConfig):
+    """``AsyncLLM`` for one replica, ``DataParallelAsyncLLM`` for ``data_parallel_size > 1``."""
+    if config.parallel.data_parallel_size > 1:
+        return DataParallelAsyncLLM(config)
+    return AsyncLLM(config)
