@@ -317,9 +317,11 @@ class OpenAIServing:
         if not raw.strip():
             raise InvalidRequestError("the request body is empty; expected a JSON object")
         try:
-            return json.loads(raw, parse_constant=_reject_constant)
+            body = json.loads(raw, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:
             raise InvalidRequestError(f"malformed JSON body: {e}") from None
+        _check_strings(body, "")
+        return body
 
     def _model_name(self, requested: str | None) -> str:
         if requested is None:
@@ -330,7 +332,11 @@ class OpenAIServing:
         return requested
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, ValueError) as e:  # text the tokenizer cannot take is bad input
+            raise InvalidRequestError(f"could not tokenize the prompt: {e}",
+                                      param="prompt") from None
 
     def _chat_ids(self, req) -> list[int]:
         from jaxserve.tokenizer import apply_chat_template
@@ -635,6 +641,23 @@ class OpenAIServing:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _check_strings(value, path: str) -> None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("a string holds an unpaired UTF-16 surrogate",
+                                      param=path or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, path)
+            _check_strings(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{path}.{i}" if path else str(i))
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -714,11 +737,11 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     """Load the engine, serve until SIGINT/SIGTERM, then stop uvicorn and the engine cleanly."""
     import uvicorn
 
-    from jaxserve.async_engine import AsyncLLM
+    from jaxserve.dp import make_async_llm
 
     template = load_chat_template(chat_template)  # fail before the slow model load
     t0 = time.perf_counter()
-    engine = AsyncLLM(engine_config)
+    engine = make_async_llm(engine_config)  # DataParallelAsyncLLM when data_parallel_size > 1
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
                     chat_template=template)
