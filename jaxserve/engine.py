@@ -16,6 +16,7 @@ from typing import Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.block_manager import BlockManager
 from jaxserve.config import EngineConfig
@@ -53,6 +54,7 @@ class _Parent:
     metrics: RequestMetrics
     children: list[_Child] = field(default_factory=list)
     final_only: bool = False  # offline use: no output until the request finishes
+    prompt_logprobs: list | None = None  # [None, {tok: Logprob}, ...] when asked for
 
     @property
     def finished(self) -> bool:
@@ -128,7 +130,8 @@ class LLMEngine:
             raise InvalidRequestError("logprobs must be <= 20", param="logprobs")
         now = arrival_time if arrival_time is not None else time.time()
         parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now),
-                         final_only=final_only)
+                         final_only=final_only,
+                         prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.prompt_tokens_total += len(ids)
         self._parents[request_id] = parent
         for i in range(params.n):
@@ -221,7 +224,16 @@ class LLMEngine:
                 if parent.metrics.first_scheduled_time is None:
                     parent.metrics.first_scheduled_time = now
             plan = self.runner.build_plan(sched.to_rows(), inputs)
-            out = self.runner.execute(plan)
+            prompt_rows = self._prompt_logprob_rows(sched)
+            next_ids = None
+            if prompt_rows:
+                next_ids = np.zeros(plan.token_bucket, np.int32)
+                for i, parent, lo, hi in prompt_rows:
+                    t0 = int(plan.query_start[i])
+                    next_ids[t0:t0 + hi - lo] = parent.prompt_token_ids[lo + 1:hi + 1]
+            out = self.runner.execute(plan, next_ids)
+            for i, parent, lo, hi in prompt_rows:
+                self._record_prompt_logprobs(parent, out, int(plan.query_start[i]), lo, hi)
             sampled = {}
             for i, s in enumerate(sched.scheduled):
                 if s.sample:
@@ -244,6 +256,34 @@ class LLMEngine:
                 for c in parent.children:
                     self._child_of.pop(c.request.request_id, None)
         return outputs
+
+    def _prompt_logprob_rows(self, sched) -> list:
+        """(row, parent, lo, hi): prompt positions lo..hi-1 of this step whose next prompt token
+        still needs its logprob (child 0 only; a recomputed prefix is not recorded twice)."""
+        rows = []
+        for i, s in enumerate(sched.scheduled):
+            hit = self._child_of.get(s.request.request_id)
+            if hit is None or hit[1].index != 0 or hit[0].prompt_logprobs is None:
+                continue
+            parent = hit[0]
+            lo = max(s.start_pos, len(parent.prompt_logprobs) - 1)
+            hi = min(s.start_pos + s.num_new_tokens, len(parent.prompt_token_ids) - 1)
+            if hi > lo:
+                rows.append((i, parent, lo, hi))
+        return rows
+
+    def _record_prompt_logprobs(self, parent: _Parent, out, t0: int, lo: int, hi: int) -> None:
+        tok_lp, top_ids, top_lp, ranks = out.prompt_logprobs
+        k = parent.params.prompt_logprobs
+        for j in range(lo, hi):
+            t = t0 + (j - lo)
+            tok = parent.prompt_token_ids[j + 1]
+            d = {tok: Logprob(float(tok_lp[t]), int(ranks[t]), decode_token(self.tokenizer, tok))}
+            for r in range(k):
+                tid = int(top_ids[t, r])
+                if tid not in d:
+                    d[tid] = Logprob(float(top_lp[t, r]), r + 1, decode_token(self.tokenizer, tid))
+            parent.prompt_logprobs.append(d)
 
     def _on_token(self, parent: _Parent, child: _Child, tok: int, out, row: int, now: float):
         req, params = child.request, child.request.sampling_params
@@ -309,6 +349,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=comps, finished=parent.finished,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs else None,
             metrics=parent.metrics, num_cached_tokens=getattr(first, "num_cached_tokens", 0))
 
     # ---- stats -------------------------------------------------------------------------

@@ -56,14 +56,42 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
             num_seqs=arrays["num_seqs"],
         )
         hidden, kv_pages = model(arrays["token_ids"], arrays["positions"], kv_pages, md)
-        return model.compute_logits(hidden[arrays["logits_indices"]]), kv_pages
+        # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn)
+        return model.compute_logits(hidden[arrays["logits_indices"]]), kv_pages, hidden
 
     if mesh is None:
         return jax.jit(forward, donate_argnums=(1,))
     # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
     # shards) and the donated pool keeps its head sharding, so every step reuses one program.
     return jax.jit(forward, donate_argnums=(1,), out_shardings=(
-        parallel.replicated(mesh), parallel.kv_pool_sharding(mesh)))
+        parallel.replicated(mesh), parallel.kv_pool_sharding(mesh), parallel.replicated(mesh)))
+
+
+PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in memory
+
+
+@lru_cache(maxsize=None)
+def _prompt_logprobs_fn(graphdef, state_treedef):
+    """Logprobs of each prompt token under the step's hidden states (``prompt_logprobs``).
+
+    A separate jit per token bucket, run only in steps that carry such a request; logits are
+    made ``PROMPT_LOGPROBS_CHUNK`` tokens at a time so a long bucket never holds ``[T, V]``.
+    """
+
+    def prompt_logprobs(state_leaves, hidden, next_ids):
+        _TRACES[0] += 1
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        t = hidden.shape[0]
+        c = max(d for d in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % d == 0)
+
+        def chunk(args):
+            h, ids = args
+            return sampler_lib.compute_prompt_logprobs(model.compute_logits(h), ids)
+
+        outs = jax.lax.map(chunk, (hidden.reshape(t // c, c, -1), next_ids.reshape(t // c, c)))
+        return jax.tree_util.tree_map(lambda x: x.reshape((t,) + x.shape[2:]), outs)
+
+    return jax.jit(prompt_logprobs)
 
 
 @jax.jit
@@ -84,6 +112,8 @@ class StepOutput:
     topk_ids: np.ndarray | None = None  # [S, K]
     topk_logprobs: np.ndarray | None = None
     ranks: np.ndarray | None = None
+    # (logprob [T], top-k ids [T, K], top-k logprobs [T, K], rank [T]) of each next prompt token
+    prompt_logprobs: tuple | None = None
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -158,6 +188,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh)
+        self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
@@ -165,11 +196,13 @@ class ModelRunner:
                     self.num_pages * page_bytes(model_config, self.block_size, dtype) / 2**20)
 
     # ---- host side ---------------------------------------------------------------------
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
         before = _TRACES[0]
-        logits, self.kv_pages = self._forward(self._state_leaves, self.kv_pages,
-                                              plan.device_arrays())
+        logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
+                                                      plan.device_arrays())
         out = _sample(logits, plan.sampling)
+        if prompt_next_ids is not None:
+            out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
         if _TRACES[0] != before:
             self.num_compiles += _TRACES[0] - before
             if self.warmed_up:
@@ -185,22 +218,29 @@ class ModelRunner:
                                               history_len=self.max_model_len, rng=self._np_rng)
         return plan
 
-    def execute(self, plan: StepPlan) -> StepOutput:
-        out = self._run(plan)
+    def execute(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepOutput:
+        """Run the step. ``prompt_next_ids[T]`` (the prompt token after each position, only in
+        steps with a ``prompt_logprobs`` request) also returns the prompt logprobs."""
+        out = self._run(plan, prompt_next_ids)
+        prompt_lp = None
+        if prompt_next_ids is not None:
+            out, prompt_lp = out
         want_topk = bool(np.any(plan.sampling["num_logprobs"] >= 0))
         token_ids, logprobs = jax.device_get((out.token_ids, out.logprobs))
         res = StepOutput(token_ids=np.asarray(token_ids), logprobs=np.asarray(logprobs))
         if want_topk:
             ti, tl, rk = jax.device_get((out.topk_ids, out.topk_logprobs, out.ranks))
             res.topk_ids, res.topk_logprobs, res.ranks = map(np.asarray, (ti, tl, rk))
+        if prompt_lp is not None:
+            res.prompt_logprobs = tuple(map(np.asarray, jax.device_get(prompt_lp)))
         return res
 
     @property
     def num_graphs(self) -> int:
-        """One model graph per token bucket, two sampler layouts (compact, and full for
-        penalties) per sequence bucket."""
+        """One model graph and one prompt-logprobs graph per token bucket, two sampler layouts
+        (compact, and full for penalties) per sequence bucket."""
         seqs = {seq_bucket(t, self.max_num_seqs) for t in self.ladder}
-        return len(self.ladder) + 2 * len(seqs)
+        return 2 * len(self.ladder) + 2 * len(seqs)
 
     def warmup(self) -> float:
         """Compile every token bucket with all-padding plans (writes go to the trash page)."""
@@ -209,8 +249,8 @@ class ModelRunner:
             s = seq_bucket(t, self.max_num_seqs)
             for full in (False, True):
                 plan = self._padding_plan(t, s, full)
-                out = self._run(plan)
-                jax.block_until_ready(out.token_ids)
+                out = self._run(plan, np.zeros(t, np.int32) if full else None)
+                jax.block_until_ready(out)
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,

@@ -198,3 +198,23 @@ def test_logprobs_match_log_softmax(llama_dir):
         assert np.isclose(pos[tok].logprob, lps[0])
     assert np.isclose(c.cumulative_logprob, sum(pos[t].logprob for t, pos in
                                                 zip(c.token_ids, c.logprobs)), atol=1e-4)
+
+
+def test_prompt_logprobs_match_hf(llama_dir):
+    prompt = _prompts(1, 500, seed=11, lo=45, hi=45)[0]  # longer than a 32-token step: chunked
+    llm = _llm(llama_dir)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    plp = out.prompt_logprobs
+    assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+    for j in range(1, len(prompt)):
+        d = plp[j]
+        assert prompt[j] in d and len(d) >= 2
+        np.testing.assert_allclose(d[prompt[j]].logprob, ref[j - 1, prompt[j]], atol=1e-4)
+        assert d[prompt[j]].rank == 1 + int((ref[j - 1] > ref[j - 1, prompt[j]]).sum())
+        top = int(np.argmax(ref[j - 1]))
+        assert top in d and np.isclose(d[top].logprob, ref[j - 1, top], atol=1e-4)
+    _assert_pool_full(llm)
