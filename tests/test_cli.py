@@ -37,7 +37,7 @@ def test_flags_map_to_engine_config():
               "--no-enable-prefix-caching", "--swap-space", "1.5", "--seed", "42",
               "--tensor-parallel-size", "2", "--load-format", "gguf", "--tokenizer", "tok",
               "--attention-backend", "reference", "--num-gpu-blocks-override", "77",
-              "--preemption-mode", "swap", "--min-token-bucket", "8")
+              "--preemption-mode", "swap", "--min-token-bucket", "8", "-dp", "3")
     c = engine_config_from_args(a)
     assert c.model == "some/model" and c.tokenizer == "tok" and c.dtype == "float16"
     assert c.served_model_name == "alias" and c.seed == 42 and c.load_format == "gguf"
@@ -48,6 +48,7 @@ def test_flags_map_to_engine_config():
     assert c.cache.enable_prefix_caching is False and c.cache.swap_space == 1.5
     assert c.cache.num_gpu_blocks_override == 77
     assert c.parallel.tensor_parallel_size == 2 and c.scheduler.min_token_bucket == 8
+    assert c.parallel.data_parallel_size == 3
 
 
 def test_model_flag_and_positional_agree():
