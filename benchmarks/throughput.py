@@ -67,9 +67,9 @@ class StepTimer:
         self._cur = None
         return out
 
-    def _execute(self, plan):
+    def _execute(self, plan, *args, **kwargs):
         t0 = time.perf_counter()
-        out = self._orig[1](plan)
+        out = self._orig[1](plan, *args, **kwargs)
         if self._cur is not None:
             self._cur["execute_s"] += time.perf_counter() - t0
         return out
