@@ -95,7 +95,7 @@ run_stage() {
   else STATUS+=("$name: ok (${dt}s)"); fi
 }
 
-run_stage pytest 55 $PY -m pytest -m gpu -q -x -p no:cacheprovider --timeout 60 tests
+run_stage pytest 55 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 120 ${PYTEST_TARGETS:-tests}
 
 if [ -f benchmarks/kernels.py ]; then
   run_stage kernels 35 $PY benchmarks/kernels.py ${KERNEL_ARGS:---ctx 2048} --iters 20 --disable-tqdm \
