@@ -109,7 +109,12 @@ class DataParallelAsyncLLM:
 
 
 def make_async_llm(config: EngineConfig):
-    """``AsyncLLM`` for one replica, ``DataParallelAsyncLLM`` for ``data_parallel_size > 1``."""
+    """``AsyncLLM`` for one replica, ``DataParallelAsyncLLM`` for ``data_parallel_size > 1``,
+    the multi-host leader's engine for ``num_hosts > 1`` (``jaxserve.multihost``)."""
+    if config.parallel.num_hosts > 1:
+        from jaxserve.multihost import make_leader_async_llm
+
+        return make_leader_async_llm(config)
     if config.parallel.data_parallel_size > 1:
         return DataParallelAsyncLLM(config)
     return AsyncLLM(config)

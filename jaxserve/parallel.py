@@ -82,6 +82,15 @@ def shard_kv_projections(num_kv_heads: int, tp: int) -> bool:
     return num_kv_heads % tp == 0
 
 
+def agree_across_hosts(num_pages: int) -> int:
+    """Multi-host: every process must allocate the same global pool; take the smallest fit."""
+    if jax.process_count() == 1:
+        return num_pages
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int64(num_pages))))
+
+
 def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(TP_AXIS))
 

@@ -141,7 +141,7 @@ def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype,
     per_page = page_bytes(model_config, block, dtype, tp) // tp  # bytes on one device
     if cache.num_gpu_blocks_override is not None:
         return int(cache.num_gpu_blocks_override)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     sched = engine_config.scheduler
     if not limit:
@@ -180,8 +180,8 @@ class ModelRunner:
         tp = parallel.tp_size(mesh)
         if mesh is not None:
             kv_sharding = parallel.kv_pool_sharding(mesh)
-        self.num_pages = num_pages_for(model_config, engine_config, dtype, max_model_len,
-                                       param_bytes // tp, tp)
+        self.num_pages = parallel.agree_across_hosts(num_pages_for(
+            model_config, engine_config, dtype, max_model_len, param_bytes // tp, tp))
         self.kv_dtype = dtype
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size, dtype,
                                           sharding=kv_sharding, tp=tp)

@@ -96,6 +96,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                    help="independent engine replicas, each on its own tensor-parallel-size "
                         "devices; requests go to the least loaded (default: %(default)s)")
+    d.add_argument("--num-hosts", type=_positive_int, default=1,
+                   help="processes (hosts) of one multi-host deployment (default: %(default)s)")
+    d.add_argument("--host-index", type=int, default=0,
+                   help="this host's index; 0 is the leader that serves HTTP (default: "
+                        "%(default)s)")
+    d.add_argument("--coordinator", default=None, metavar="ADDR:PORT",
+                   help="jax.distributed coordinator, host 0's address (multi-host only)")
     d.add_argument("--attention-backend", default=EngineConfig.attention_backend,
                    help="auto | reference | pallas (default: %(default)s; auto: Pallas on GPU, "
                         "the XLA reference on CPU)")
@@ -197,7 +204,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _serve(args) -> int:
     from jaxserve.entrypoints.openai.server import run_server
 
+    if args.num_hosts > 1:  # before anything else touches JAX
+        from jaxserve import multihost
+
+        multihost.initialize(args.num_hosts, args.host_index, args.coordinator)
     config = engine_config_from_args(args)
+    config.parallel.num_hosts, config.parallel.host_index = args.num_hosts, args.host_index
+    config.parallel.coordinator = args.coordinator
+    if args.num_hosts > 1 and args.host_index != 0:
+        return multihost.run_follower(config)  # the leader serves HTTP; followers replay
     run_server(config, host=args.host, port=args.port, api_key=args.api_key,
                uvicorn_log_level=args.uvicorn_log_level,
                served_model_names=args.served_model_name, chat_template=args.chat_template)
