@@ -32,6 +32,8 @@ from jaxserve.tokenizer import IncrementalDetokenizer, check_stop_strings, decod
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `jaxserve serve` / `LLM()` serve by default
+
 
 @dataclass
 class _Child:
@@ -73,6 +75,7 @@ class LLMEngine:
         if config.model is None:
             from jaxserve.gguf_loader import default_model_path
             config.model = default_model_path()
+            config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
         backend = config.attention_backend
         if backend in (None, "auto"):
             backend = default_attention_backend()
