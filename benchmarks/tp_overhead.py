@@ -71,13 +71,14 @@ def main(argv=None) -> dict:
     best = {k: max(v, key=lambda r: r["output_throughput"]) for k, v in runs.items()}
     overhead = 1.0 - best["mesh_tp1"]["output_throughput"] / best["unsharded"]["output_throughput"]
     result = dict(benchmark="tp_overhead", **C.run_metadata(),
-                  config=dict(preset=None if args.model else args.preset, model=args.model, num_prompts=args.num_prompts,
+                  config=dict(preset=None if args.model else args.preset, model=args.model,
+                              num_prompts=args.num_prompts,
                               input_len=args.input_len, output_len=args.output_len,
                               repeats=args.repeats, extra=args.extra),
                   runs=runs, best=best, output_throughput_overhead=overhead,
                   target=TARGET, within_target=overhead < TARGET)
-    path = C.write_json(C.result_path("tp_overhead", args,
-                                            f"-{os.path.basename(args.model or args.preset)}"), result)
+    tag = f"-{os.path.basename(args.model or args.preset)}"
+    path = C.write_json(C.result_path("tp_overhead", args, tag), result)
     print(f"tp=1 mesh path vs unsharded: {100 * overhead:+.2f} % output throughput cost "
           f"(target < {100 * TARGET:.0f} %) -> {path}")
     return result

@@ -1,4 +1,4 @@
-"""Multi-host serving: one leader runs the scheduler and the HTTP server, followers replay its steps.
+"""Multi-host serving: a leader runs the scheduler and the HTTP server, followers replay its steps.
 
 JAX is multi-controller: every process must issue the same jitted computations, in the same
 order, on the global mesh. So every host builds the same ``LLMEngine`` (weights, KV pool shard,

@@ -1,9 +1,10 @@
 """Tensor parallelism on 8 fake CPU devices: greedy outputs equal tp=1, and the params and the KV
 pool are really sharded.
 
-The checks run in a child process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-(it must be set before jax is imported), so the rest of the suite keeps its single device. The
-child prints one JSON document; the assertions are made here.
+The checks run in a child process started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before jax is imported), so the rest
+of the suite keeps its single device. The child prints one JSON document; the assertions are
+made here.
 """
 from __future__ import annotations
 
