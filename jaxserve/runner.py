@@ -9,6 +9,7 @@ trace of the step is a compile: the counter counts traces, and anything after wa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -32,7 +33,15 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's CPU KV space: a fixed budget when memory is unknown
 
 
-_TRACES = [0]  # traces of the step's jitted functions in this process; a trace is a compile
+class _TraceCount(threading.local):
+    """Traces of the step's jitted functions (a trace is a compile), per thread: a runner
+    traces in the thread that drives it, so another engine in another thread (an ``LLM`` next
+    to a serving ``AsyncLLM``) never shows up in this runner's count."""
+
+    n = 0
+
+
+_TRACES = _TraceCount()
 
 
 @lru_cache(maxsize=None)
@@ -46,7 +55,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
     """
 
     def forward(state_leaves, kv_pages, arrays):
-        _TRACES[0] += 1
+        _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         md = AttentionMetadata(
             slot_mapping=arrays["slot_mapping"],
@@ -79,7 +88,7 @@ def _prompt_logprobs_fn(graphdef, state_treedef):
     """
 
     def prompt_logprobs(state_leaves, hidden, next_ids):
-        _TRACES[0] += 1
+        _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         t = hidden.shape[0]
         c = max(d for d in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % d == 0)
@@ -98,7 +107,7 @@ def _prompt_logprobs_fn(graphdef, state_treedef):
 def _sample(logits, sampling):
     """The sampler half: its own jit, so the model graph compiles once per token bucket while
     the (cheap) sampler compiles once per sequence bucket and sampling-array layout."""
-    _TRACES[0] += 1
+    _TRACES.n += 1
     md_s = sampler_lib.SamplingMetadata(**{k: sampling[k] for k in SAMPLING_FIELDS})
     return sampler_lib.sample(logits, md_s)
 
@@ -197,14 +206,14 @@ class ModelRunner:
 
     # ---- host side ---------------------------------------------------------------------
     def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
-        before = _TRACES[0]
+        before = _TRACES.n
         logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
                                                       plan.device_arrays())
         out = _sample(logits, plan.sampling)
         if prompt_next_ids is not None:
             out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
-        if _TRACES[0] != before:
-            self.num_compiles += _TRACES[0] - before
+        if _TRACES.n != before:
+            self.num_compiles += _TRACES.n - before
             if self.warmed_up:
                 logger.warning("compile after warm-up (token bucket %d): this is a bug",
                                plan.token_bucket)
@@ -275,6 +284,8 @@ class ModelRunner:
     def swap_in(self, page_ids: list[int], saved) -> None:
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
         self.kv_pages = _write_pages(self.kv_pages, idx, saved)
+        if self.mesh is not None:  # keep the step's input sharding (no recompile under tp)
+            self.kv_pages = jax.device_put(self.kv_pages, parallel.kv_pool_sharding(self.mesh))
 
 
 @jax.jit
