@@ -37,7 +37,11 @@ def _child(model: str) -> dict:
 
     async def main():
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-        stats = llm.stats()
+        for _ in range(100):  # replicas refresh their stats snapshot right after a step
+            stats = llm.stats()
+            if stats["generation_tokens_total"] == 8 * len(PROMPTS):
+                break
+            await asyncio.sleep(0.05)
         await llm.shutdown()
         return results, stats
 
