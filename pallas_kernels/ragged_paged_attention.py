@@ -15,12 +15,15 @@ How the work is cut (all grid sizes come from static shapes; per-sequence work i
 * **KV rows gathered by slot.** The pool is viewed as ``[Hkv, num_pages * page_size, D]`` (a
   free reshape) and each KV step gathers its ``block_kv`` rows through the block table, so the
   step size is independent of the page size and no 3-D page tile has to be reshaped.
+* **Nothing around the kernels.** Each program reads the step metadata itself: a decode program
+  its row by index, a prefill program its (row, query block) by a prefix sum over the rows in
+  registers. Queries are gathered from the flat ``[T * Hq, D]`` array and results scattered into
+  the flat output (masked stores, the output aliased through the calls in place), so a call is
+  free reshapes + one zero fill + 2-3 kernels: no XLA metadata ops, while loops, layout copies
+  or output gathers, which at short contexts cost more than the attention (issue 11).
 * **Padding costs nothing.** Query blocks that belong to no sequence, empty splits and padding
   rows exit before touching memory; the KV loop's trip count is bounded by each sequence's
-  ``seq_lens`` (and sliding window).
-
-Outputs are written per query block and gathered back to ``[T, Hq, D]`` with one small gather,
-so no program ever writes rows that belong to another sequence.
+  ``seq_lens`` (and sliding window). Padded tokens keep the output's zeros.
 """
 from __future__ import annotations
 
@@ -121,51 +124,117 @@ class _CallShape:
     num_stages: int
 
 
-# Per-block metadata columns (int32 [num_blocks, _NMETA]).
-_SEQ, _Q0, _QN, _POS0, _KV_LO, _NKV, _BPS, _NSPLIT = range(8)
-_NMETA = 8
+def _decode_row(b, qs_ref, sl_ref, nseq_ref, *, bq):
+    """(seq, q0, qn, pos0) of decode block ``b`` (block index == sequence index), read straight
+    from the step metadata: no per-call metadata arrays are built by XLA ops around the call."""
+    q0 = qs_ref[b]
+    q_len = qs_ref[b + 1] - q0
+    sl = sl_ref[b]
+    ok = (b < nseq_ref[0]) & (sl > 0) & (q_len > 0) & (q_len <= bq)
+    return b, q0, jnp.where(ok, q_len, 0), sl - q_len
+
+
+def _prefill_row(b, qs_ref, sl_ref, nseq_ref, *, bq, bq_dec, s_len):
+    """(seq, q0, qn, pos0) of prefill block ``b``. The long rows' query blocks are numbered
+    consecutively; a program finds its row with a prefix sum over all rows (``S`` ints in
+    registers), so nothing is computed per call outside the kernel."""
+    sp = max(16, _next_pow2(s_len))
+    i = lax.broadcasted_iota(jnp.int32, (sp,), 0)
+    ic = jnp.minimum(i, s_len - 1)
+    lo = qs_ref[ic]
+    q_len = qs_ref[ic + 1] - lo
+    sl = sl_ref[ic]
+    ok = (i < s_len) & (i < nseq_ref[0]) & (sl > 0) & (q_len > bq_dec)
+    nblk = jnp.where(ok, lax.div(q_len + (bq - 1), jnp.int32(bq)), 0)
+    end = jnp.cumsum(nblk)  # exclusive end block of every row
+    seq = jnp.minimum(jnp.sum((end <= b).astype(jnp.int32)), s_len - 1)
+    first = jnp.sum(jnp.where(i == seq, end - nblk, 0))
+    active = b < jnp.sum(nblk)
+    q0_seq = qs_ref[seq]
+    q_len_s = qs_ref[seq + 1] - q0_seq
+    j = (b - first) * bq
+    qn = jnp.where(active, jnp.clip(q_len_s - j, 0, bq), 0)
+    return seq, q0_seq + j, qn, sl_ref[seq] - q_len_s + j
+
+
+def _kv_range(pos0, qn, sp, nseq_ref, *, page_size, block_kv, sliding_window, num_splits,
+              split_target, hkv, min_iters):
+    """KV steps ``[it_lo, it_hi)`` of split ``sp``, the first KV token and the split count."""
+    hi_tok = pos0 + qn
+    if sliding_window is None:
+        lo_tok = jnp.int32(0)
+    else:
+        lo_tok = jnp.maximum(pos0 - sliding_window + 1, 0)
+    kv_lo = lax.div(lo_tok, jnp.int32(page_size)) * page_size  # page-aligned start
+    nkv = jnp.where(qn > 0, lax.div(hi_tok - kv_lo + (block_kv - 1), jnp.int32(block_kv)), 0)
+    if num_splits > 1 and split_target:
+        # Run-time split count: about `split_target` programs over the real rows' (row, KV
+        # head) pairs, never more than the grid's `num_splits`.
+        work = jnp.maximum(nseq_ref[0] * hkv, 1)
+        splits = jnp.clip(lax.div(split_target + work - 1, work), 1, num_splits)
+    else:
+        splits = jnp.int32(num_splits)
+    bps = jnp.maximum(lax.div(nkv + splits - 1, splits), min_iters)
+    it_lo = sp * bps
+    it_hi = jnp.minimum(it_lo + bps, nkv)
+    nsplit = lax.div(nkv + bps - 1, bps)
+    return it_lo, it_hi, kv_lo, nsplit
+
+
+def _col_iota(n):
+    # Stores index both dimensions with arrays (interpret mode cannot mix arrays and slices).
+    return lax.broadcasted_iota(jnp.int32, (1, n), 1)
+
+
+def _row_index(q0, qn, h, *, block_m, gp, group, hq, num_rows):
+    """Row of every (token, query head) of a block in the flat ``[T * Hq, D]`` q and output,
+    whether it is real, and its token offset in the block."""
+    rows = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    tok = lax.div(rows, jnp.int32(gp))
+    head = lax.rem(rows, jnp.int32(gp))
+    ok = (tok < qn) & (head < group)
+    idx = jnp.clip((q0 + tok) * hq + h * group + head, 0, num_rows - 1)
+    # Rows that are not real get distinct indices past the end: masked off on the GPU, and
+    # dropped (never duplicating a real row) by interpret mode's scatter.
+    return jnp.where(ok, idx, num_rows + rows), ok, tok
 
 
 def _attn_kernel(
-    meta_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs,
-    sm_scale, soft_cap, sliding_window, group, gp, page_size, block_kv, bt_stride, direct,
+    qs_ref, sl_ref, nseq_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
+    row_fn, kv_kw, block_m, sm_scale, soft_cap, sliding_window, group, gp, hq, page_size,
+    block_kv, max_pages, direct,
 ):
     """One (query block, KV head, split): online softmax over this split's KV pages."""
     b = pl.program_id(0)
+    h = pl.program_id(1)
     sp = pl.program_id(2)
-    seq = meta_ref[b, _SEQ]
-    q0 = meta_ref[b, _Q0]
-    qn = meta_ref[b, _QN]
-    pos0 = meta_ref[b, _POS0]
-    kv_lo = meta_ref[b, _KV_LO]
-    nkv = meta_ref[b, _NKV]
-    bps = meta_ref[b, _BPS]
-    it_lo = sp * bps
-    it_hi = jnp.minimum(it_lo + bps, nkv)
+    seq, q0, qn, pos0 = row_fn(b, qs_ref, sl_ref, nseq_ref)
+    it_lo, it_hi, kv_lo, _ = _kv_range(pos0, qn, sp, nseq_ref, **kv_kw)
 
     @pl.when(it_hi > it_lo)
     def _():
-        o_ref = out_refs[0]
-        block_m, head_dim = o_ref.shape[-2], o_ref.shape[-1]
+        head_dim = q_ref.shape[-1]
         num_pages = k_ref.shape[0] // page_size
-        q = q_ref[pl.ds(q0 * gp, block_m), :]
-        rows = lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
-        tok = lax.div(rows, jnp.int32(gp))
-        head = lax.rem(rows, jnp.int32(gp))
-        q_pos = pos0 + tok
-        row_ok = (tok < qn) & (head < group)
+        idx, row_ok, tok = _row_index(q0, qn, h, block_m=block_m, gp=gp, group=group, hq=hq,
+                                      num_rows=q_ref.shape[0])
+        # [block_m, D] gathered from the flat [T * Hq, D] queries (rows not real read row 0).
+        q = q_ref[jnp.where(row_ok, idx, 0)]
+        q_pos = (pos0 + tok)[:, None]
+        row_ok2 = row_ok[:, None]
         cols = lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         kv_rows = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
-        bt_row = seq * bt_stride
+        bt_row = seq * max_pages
 
         def step(it, carry, masked):
             acc, m_i, l_i = carry
             kv0 = kv_lo + it * block_kv
-            tok = kv0 + kv_rows  # [block_kv] positions in the sequence
+            kv_tok = kv0 + kv_rows  # [block_kv] positions in the sequence
             ps = jnp.int32(page_size)
-            pages = bt_ref[bt_row + lax.div(tok, ps)]  # page of every row (cached, tiny)
+            # Columns past the table's end only feed masked positions: clamp, don't pad.
+            col = jnp.minimum(lax.div(kv_tok, ps), max_pages - 1)
+            pages = bt_ref[bt_row + col]  # page of every row (cached, tiny)
             pages = jnp.clip(pages, 0, num_pages - 1)  # a bad table must not fault the GPU
-            slots = pages * ps + lax.rem(tok, ps)
+            slots = pages * ps + lax.rem(kv_tok, ps)
             k = k_ref[slots]  # [block_kv, D] rows gathered straight from the pool
             v = v_ref[slots]
             s = lax.dot_general(
@@ -177,7 +246,7 @@ def _attn_kernel(
             s = s * _LOG2E  # base-2 units from here on
             if masked:
                 kv_pos = kv0 + cols
-                mask = row_ok & (kv_pos <= q_pos)
+                mask = row_ok2 & (kv_pos <= q_pos)
                 if sliding_window is not None:
                     mask = mask & (kv_pos > q_pos - sliding_window)
                 s = jnp.where(mask, s, _MASK)
@@ -199,7 +268,7 @@ def _attn_kernel(
         carry = (acc0, m0, l0)
         if sliding_window is None:
             # KV steps wholly at or before the block's first query position need no mask (rows
-            # past the block's tokens compute garbage that is never read); the rest are masked.
+            # past the block's tokens compute garbage that is never stored); the rest are masked.
             n_full = lax.div(pos0 + 1 - kv_lo, jnp.int32(block_kv))
             mid = jnp.clip(n_full, it_lo, it_hi)
             carry = lax.fori_loop(it_lo, mid, functools.partial(step, masked=False), carry)
@@ -209,19 +278,25 @@ def _attn_kernel(
         has = l_i > 0.0
         out = acc / jnp.where(has, l_i, 1.0)
         if direct:
-            o_ref[...] = out.astype(o_ref.dtype)
+            # Masked scatter of the real rows into the flat output; refs[0] is its aliased input.
+            o_ref = refs[1]
+            plgpu.store(o_ref.at[idx[:, None], _col_iota(head_dim)], out.astype(o_ref.dtype),
+                        mask=row_ok2)
         else:
-            lse_ref = out_refs[1]
+            o_ref, lse_ref = refs
             o_ref[...] = out
             lse = jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), _MASK)
             lse_ref[...] = lse.reshape(block_m)
 
 
-def _combine_kernel(meta_ref, o_ref, lse_ref, out_ref):
-    """Merge the splits of one (query block, KV head); reads only the splits that ran."""
+def _combine_kernel(qs_ref, sl_ref, nseq_ref, o_ref, lse_ref, _alias_ref, out_ref, *,
+                    row_fn, kv_kw, block_m, gp, group, hq):
+    """Merge the splits of one (row, KV head) into the flat output; reads only splits that ran."""
     b = pl.program_id(0)
-    nsplit = meta_ref[b, _NSPLIT]
-    block_m, head_dim = out_ref.shape
+    h = pl.program_id(1)
+    _, q0, qn, pos0 = row_fn(b, qs_ref, sl_ref, nseq_ref)
+    _, _, _, nsplit = _kv_range(pos0, qn, 0, nseq_ref, **kv_kw)
+    head_dim = o_ref.shape[-1]
 
     @pl.when(nsplit > 0)
     def _():
@@ -238,96 +313,74 @@ def _combine_kernel(meta_ref, o_ref, lse_ref, out_ref):
         m0 = jnp.full((block_m, 1), _MASK, jnp.float32)
         l0 = jnp.zeros((block_m, 1), jnp.float32)
         acc, _, l_i = lax.fori_loop(0, nsplit, body, (acc0, m0, l0))
-        out_ref[...] = (acc / jnp.where(l_i > 0, l_i, 1.0)).astype(out_ref.dtype)
+        out = (acc / jnp.where(l_i > 0, l_i, 1.0)).astype(out_ref.dtype)
+        idx, row_ok, _ = _row_index(q0, qn, h, block_m=block_m, gp=gp, group=group, hq=hq,
+                                    num_rows=out_ref.shape[0])
+        plgpu.store(out_ref.at[idx[:, None], _col_iota(head_dim)], out, mask=row_ok[:, None])
 
 
-def _block_metadata(sel, q_len, qs, ctx_start, nblk_seq, first_blk, shape: _CallShape, *,
-                    page_size, sliding_window, min_iters_per_split, num_splits=None):
-    """int32 [num_blocks, _NMETA]: which sequence/tokens/pages each query block covers."""
-    nb = shape.num_blocks
-    b = jnp.arange(nb, dtype=jnp.int32)
-    if nblk_seq is None:  # one block per sequence, block index == sequence index
-        seq = b
-        active = sel
-    else:  # first_blk is the exclusive prefix sum of nblk_seq
-        seq = jnp.searchsorted(first_blk + nblk_seq, b, side="right").astype(jnp.int32)
-        seq = jnp.minimum(seq, q_len.shape[0] - 1)
-        active = (b < jnp.sum(nblk_seq)) & sel[seq]
-    j = (b - first_blk[seq]) * shape.block_q  # token offset inside the sequence's new tokens
-    qn = jnp.where(active, jnp.clip(q_len[seq] - j, 0, shape.block_q), 0)
-    q0 = qs[seq] + j
-    pos0 = ctx_start[seq] + j
-    hi_tok = pos0 + qn  # exclusive
-    if sliding_window is None:
-        lo_tok = jnp.zeros_like(pos0)
-    else:
-        lo_tok = jnp.maximum(pos0 - sliding_window + 1, 0)
-    kv_lo = (lo_tok // page_size) * page_size  # page-aligned start
-    nkv = jnp.where(qn > 0, _cdiv(hi_tok - kv_lo, shape.block_kv), 0)
-    splits = shape.num_splits if num_splits is None else num_splits  # <= shape.num_splits
-    bps = jnp.maximum(_cdiv(nkv, splits), min_iters_per_split)
-    nsplit = _cdiv(nkv, bps)
-    meta = jnp.stack([seq, q0, qn, pos0, kv_lo, nkv, bps, nsplit], axis=1)
-    return jnp.where(active[:, None], meta, 0).astype(jnp.int32)
-
-
-def _run_call(meta, bt_flat, q_rows, k_flat, v_flat, shape: _CallShape, *, out_dtype, page_size,
-              sm_scale, soft_cap, sliding_window, group, gp, bt_stride, interpret, name):
+def _run_call(out, step_refs, bt_flat, q_flat, k_flat, v_flat, shape: _CallShape, row_fn,
+              kv_kw, *,
+              page_size, sm_scale, soft_cap, sliding_window, group, gp, hq, max_pages,
+              interpret, name):
+    """One pallas_call (+ combine when split); writes its rows into ``out`` (aliased, in place)."""
     hkv, num_slots, d = k_flat.shape
     nb, bm, ns = shape.num_blocks, shape.block_m, shape.num_splits
     direct = ns == 1
     kernel = functools.partial(
-        _attn_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        group=group, gp=gp, page_size=page_size, block_kv=shape.block_kv,
-        bt_stride=bt_stride, direct=direct,
+        _attn_kernel, row_fn=row_fn, kv_kw=kv_kw, block_m=bm, sm_scale=sm_scale,
+        soft_cap=soft_cap, sliding_window=sliding_window, group=group, gp=gp, hq=hq,
+        page_size=page_size, block_kv=shape.block_kv, max_pages=max_pages, direct=direct,
     )
-    whole = lambda arr: pl.BlockSpec(arr.shape, lambda b, h, s: (0,) * arr.ndim)
-    in_specs = [
-        whole(meta),
+    whole = lambda arr: pl.BlockSpec(arr.shape, lambda *_: (0,) * arr.ndim)
+    in_specs = [whole(a) for a in step_refs] + [
         whole(bt_flat),
-        pl.BlockSpec((None, q_rows.shape[1], d), lambda b, h, s: (h, 0, 0)),
+        whole(q_flat),
         pl.BlockSpec((None, num_slots, d), lambda b, h, s: (h, 0, 0)),
         pl.BlockSpec((None, num_slots, d), lambda b, h, s: (h, 0, 0)),
     ]
+    params = _TritonParams(num_warps=shape.num_warps, num_stages=shape.num_stages)
+    args = (*step_refs, bt_flat, q_flat, k_flat, v_flat)
     if direct:
-        out_shape = [jax.ShapeDtypeStruct((nb, hkv, bm, d), out_dtype)]
-        out_specs = [pl.BlockSpec((None, None, bm, d), lambda b, h, s: (b, h, 0, 0))]
-    else:
-        out_shape = [
-            jax.ShapeDtypeStruct((ns, nb, hkv, bm, d), jnp.float32),
-            jax.ShapeDtypeStruct((ns, nb, hkv, bm), jnp.float32),
-        ]
-        out_specs = [
-            pl.BlockSpec((None, None, None, bm, d), lambda b, h, s: (s, b, h, 0, 0)),
-            pl.BlockSpec((None, None, None, bm), lambda b, h, s: (s, b, h, 0)),
-        ]
-    outs = pl.pallas_call(
+        return pl.pallas_call(
+            kernel, grid=(nb, hkv, 1), in_specs=in_specs + [whole(out)], out_specs=whole(out),
+            out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+            input_output_aliases={len(args): 0}, compiler_params=params, interpret=interpret,
+            name=f"{name}_bm{bm}_kv{shape.block_kv}_s1",
+        )(*args, out)
+    o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(nb, hkv, ns),
         in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_TritonParams(num_warps=shape.num_warps, num_stages=shape.num_stages),
-        interpret=interpret,
+        out_specs=[
+            pl.BlockSpec((None, None, None, bm, d), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda b, h, s: (s, b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((ns, nb, hkv, bm, d), jnp.float32),
+            jax.ShapeDtypeStruct((ns, nb, hkv, bm), jnp.float32),
+        ],
+        compiler_params=params, interpret=interpret,
         name=f"{name}_bm{bm}_kv{shape.block_kv}_s{ns}",
-    )(meta, bt_flat, q_rows, k_flat, v_flat)
-    if direct:
-        return outs[0]
-    o_part, lse_part = outs
+    )(*args)
+    combine = functools.partial(_combine_kernel, row_fn=row_fn, kv_kw=kv_kw, block_m=bm, gp=gp,
+                                group=group, hq=hq)
+    step_specs = [pl.BlockSpec(a.shape, lambda b, h, nd=a.ndim: (0,) * nd) for a in step_refs]
     return pl.pallas_call(
-        _combine_kernel,
+        combine,
         grid=(nb, hkv),
-        in_specs=[
-            pl.BlockSpec(meta.shape, lambda b, h: (0, 0)),
+        in_specs=step_specs + [
             pl.BlockSpec((ns, None, None, bm, d), lambda b, h: (0, b, h, 0, 0)),
             pl.BlockSpec((ns, None, None, bm), lambda b, h: (0, b, h, 0)),
+            pl.BlockSpec(out.shape, lambda b, h: (0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, bm, d), lambda b, h: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((nb, hkv, bm, d), out_dtype),
+        out_specs=pl.BlockSpec(out.shape, lambda b, h: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        input_output_aliases={len(step_refs) + 2: 0},
         compiler_params=_TritonParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name=f"{name}_combine",
-    )(meta, o_part, lse_part)
+    )(*step_refs, o_part, lse_part, out)
 
 
 def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileConfig):
@@ -361,20 +414,16 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
 )
 def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
                             *, sm_scale, sliding_window, soft_cap, interpret, cfg: TileConfig):
+    # Everything per call is free reshapes plus one zero fill and the pallas_calls: each kernel
+    # reads the step metadata itself (decode rows by index, prefill blocks by a prefix sum), so
+    # no metadata, gathers or layout copies run as separate XLA ops. Each call writes its real
+    # rows straight into the flat [T * Hq, D] output (masked scatter, aliased in place); rows
+    # nobody writes (padding tokens) keep the zeros.
     t, hq, d = q.shape
     hkv, _, page_size, _ = k_pages.shape
     group = hq // hkv
     gp = _next_pow2(group)
     s_len, max_pages = block_tables.shape
-    qs = query_start.astype(jnp.int32)
-    seq_lens = seq_lens.astype(jnp.int32)
-
-    valid = seq_lens > 0
-    if num_seqs is not None:
-        valid = valid & (jnp.arange(s_len, dtype=jnp.int32) < num_seqs)
-    q_len = jnp.where(valid, qs[1:] - qs[:-1], 0)
-    valid = valid & (q_len > 0)
-    ctx_start = seq_lens - q_len
 
     # Static call shapes.
     bm_dec = max(cfg.decode_block_m, gp)
@@ -383,76 +432,54 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     bq_pre = bm_pre // gp
     max_ctx = max_pages * page_size
     if cfg.decode_num_splits is None:
-        # Static upper bound (grid size): no more splits than the longest context allows, and
-        # partial results of at most ~64 MB. The split count actually used is picked at run time
-        # from the number of real decode rows (below), so a half-empty bucket still fills the SMs.
+        # Grid bound: no more splits than the longest context allows, partial results of at most
+        # ~64 MB, and ~8 programs per SM when every row of the bucket is a decode (so a full
+        # bucket launches few programs that exit at once). The count used is picked at run time
+        # from the real rows (`_kv_range`), aiming at ~4 programs per SM.
         by_len = _cdiv(max_ctx, cfg.decode_min_kv_per_split)
         by_mem = (64 << 20) // max(1, s_len * hkv * bm_dec * d * 4)
-        ns_dec = max(1, min(16, by_len, by_mem))
+        by_grid = _cdiv(8 * cfg.num_sms, s_len * hkv)
+        ns_dec = max(1, min(16, by_len, by_mem, by_grid))
+        split_target = 4 * cfg.num_sms
     else:
         ns_dec = max(1, cfg.decode_num_splits)
+        split_target = 0
     n_long_max = min(s_len, t // (bq_dec + 1))
-    nb_pre = t // bq_pre + n_long_max
-    dec = _CallShape(bm_dec, bq_dec, cfg.decode_block_kv, s_len, ns_dec, cfg.decode_num_warps, cfg.decode_num_stages)
-    pre = _CallShape(bm_pre, bq_pre, cfg.prefill_block_kv, nb_pre, max(1, cfg.prefill_num_splits),
-                     cfg.prefill_num_warps, cfg.prefill_num_stages)
+    nb_pre = t // bq_pre + n_long_max if n_long_max else 0
+    dec = _CallShape(bm_dec, bq_dec, cfg.decode_block_kv, s_len, ns_dec, cfg.decode_num_warps,
+                     cfg.decode_num_stages)
+    pre = _CallShape(bm_pre, bq_pre, cfg.prefill_block_kv, nb_pre, 1, cfg.prefill_num_warps,
+                     cfg.prefill_num_stages)
 
-    # Query rows: [Hkv, (T + pad) * Gp, D], token-major, the group's heads adjacent.
-    qg = q.reshape(t, hkv, group, d)
-    pad_t = max(bq_dec, bq_pre)
-    qg = jnp.pad(qg, ((0, pad_t), (0, 0), (0, gp - group), (0, 0)))
-    q_rows = qg.transpose(1, 0, 2, 3).reshape(hkv, (t + pad_t) * gp, d)
-
-    # Block tables, flattened, padded so a KV step may read past the last page (masked).
-    pad_p = _cdiv(max(cfg.decode_block_kv, cfg.prefill_block_kv), page_size) + 1
-    bt_stride = max_pages + pad_p
-    bt_flat = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad_p))).reshape(-1)
-
+    meta = (
+        query_start.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        (jnp.int32(s_len) if num_seqs is None else num_seqs).astype(jnp.int32).reshape(1),
+    )
+    bt_flat = block_tables.astype(jnp.int32).reshape(-1)
+    q_flat = q.reshape(t * hq, d)
     # The pool as rows of slots (a free reshape): a KV step gathers its rows by slot.
     k_flat = k_pages.reshape(hkv, -1, d)
     v_flat = v_pages.reshape(hkv, -1, d)
-    common = dict(out_dtype=q.dtype, page_size=page_size, sm_scale=sm_scale, soft_cap=soft_cap,
-                  sliding_window=sliding_window, group=group, gp=gp, bt_stride=bt_stride,
+    common = dict(page_size=page_size, sm_scale=sm_scale, soft_cap=soft_cap,
+                  sliding_window=sliding_window, group=group, gp=gp, hq=hq, max_pages=max_pages,
                   interpret=interpret)
-    meta_kw = dict(page_size=page_size, sliding_window=sliding_window)
 
-    # Decode call: one block per short row (block index == sequence index).
-    is_dec = valid & (q_len <= bq_dec)
-    seq_idx = jnp.arange(s_len, dtype=jnp.int32)
-    min_iters = max(1, _cdiv(cfg.decode_min_kv_per_split, cfg.decode_block_kv))
-    if cfg.decode_num_splits is None and ns_dec > 1:  # aim at ~4 programs per SM
-        n_dec = jnp.maximum(jnp.sum(is_dec.astype(jnp.int32)) * hkv, 1)
-        splits = jnp.clip(_cdiv(4 * cfg.num_sms, n_dec), 1, ns_dec)
-    else:
-        splits = ns_dec
-    meta_dec = _block_metadata(is_dec, q_len, qs, ctx_start, None, seq_idx, dec,
-                               num_splits=splits, min_iters_per_split=min_iters, **meta_kw)
-    out_dec = _run_call(meta_dec, bt_flat, q_rows, k_flat, v_flat, dec, name="rpa_decode", **common)
-    out_dec = out_dec.reshape(s_len, hkv, bq_dec, gp, d)
+    def kv_kw(shape, split_target, min_iters):
+        return dict(page_size=page_size, block_kv=shape.block_kv, sliding_window=sliding_window,
+                    num_splits=shape.num_splits, split_target=split_target, hkv=hkv,
+                    min_iters=min_iters)
 
-    # Token -> (sequence, offset) for the final gather.
-    tok = jnp.arange(t, dtype=jnp.int32)
-    seq_of = jnp.minimum(jnp.searchsorted(qs[1:], tok, side="right").astype(jnp.int32), s_len - 1)
-    j = tok - qs[seq_of]
-    tok_ok = (tok < qs[s_len]) & valid[seq_of]
-    heads = jnp.arange(hkv, dtype=jnp.int32)
-    res = out_dec[seq_of[:, None], heads[None, :], jnp.minimum(j, bq_dec - 1)[:, None]]
-
+    out = jnp.zeros((t * hq, d), q.dtype)
     if nb_pre > 0:
-        is_pre = valid & (q_len > bq_dec)
-        nblk = jnp.where(is_pre, _cdiv(q_len, bq_pre), 0).astype(jnp.int32)
-        first = (jnp.cumsum(nblk) - nblk).astype(jnp.int32)
-        meta_pre = _block_metadata(is_pre, q_len, qs, ctx_start, nblk, first, pre,
-                                   min_iters_per_split=1, **meta_kw)
-        out_pre = _run_call(meta_pre, bt_flat, q_rows, k_flat, v_flat, pre, name="rpa_prefill", **common)
-        out_pre = out_pre.reshape(nb_pre, hkv, bq_pre, gp, d)
-        blk = jnp.clip(first[seq_of] + j // bq_pre, 0, nb_pre - 1)
-        res_pre = out_pre[blk[:, None], heads[None, :], (j % bq_pre)[:, None]]
-        res = jnp.where(is_pre[seq_of][:, None, None, None], res_pre, res)
-
-    res = res[:, :, :group, :]
-    res = jnp.where(tok_ok[:, None, None, None], res, jnp.zeros((), res.dtype))
-    return res.reshape(t, hq, d)
+        row_fn = functools.partial(_prefill_row, bq=bq_pre, bq_dec=bq_dec, s_len=s_len)
+        out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, pre, row_fn,
+                        kv_kw(pre, 0, 1), name="rpa_prefill", **common)
+    min_iters = max(1, _cdiv(cfg.decode_min_kv_per_split, cfg.decode_block_kv))
+    row_fn = functools.partial(_decode_row, bq=bq_dec)
+    out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, dec, row_fn,
+                    kv_kw(dec, split_target, min_iters), name="rpa_decode", **common)
+    return out.reshape(t, hq, d)
 
 
 def ragged_paged_attention(
