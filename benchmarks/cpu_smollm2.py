@@ -28,22 +28,51 @@ def random_prompts(n, length, vocab, seed=0, first_id=100):
     return [rng.integers(first_id, vocab, length).tolist() for _ in range(n)]
 
 
-def bench_jaxserve(path, prompts, output_len):
+class _DeviceTimer:
+    """Times ``runner.execute`` (dispatch + device + sampled ids back) per step, by bucket."""
+
+    def __init__(self, runner):
+        self.runner, self.orig, self.rows = runner, runner.execute, []
+        runner.execute = self
+
+    def __call__(self, plan, *a, **kw):
+        t0 = time.perf_counter()
+        out = self.orig(plan, *a, **kw)
+        self.rows.append((plan.token_bucket, plan.num_seqs, plan.num_tokens,
+                          time.perf_counter() - t0))
+        return out
+
+    def summary(self):
+        by = {}
+        for tb, ns, nt, dt in self.rows:
+            kind = "decode" if nt == ns else "prefill_or_mixed"
+            b = by.setdefault(f"{kind}_T{tb}", dict(steps=0, device_s=0.0, tokens=0))
+            b["steps"] += 1
+            b["device_s"] = round(b["device_s"] + dt, 3)
+            b["tokens"] += nt
+        return dict(steps=len(self.rows), device_s=round(sum(r[3] for r in self.rows), 3),
+                    by_bucket=by)
+
+
+def bench_jaxserve(path, prompts, output_len, llm_kwargs=None):
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(path)
+    llm = LLM(path, **(llm_kwargs or {}))
     init_s = time.perf_counter() - t0
     greedy = dict(temperature=0.0, ignore_eos=True)
     # Warm-up (compiles are done at start-up; this touches the sampler and host paths).
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
                  SamplingParams(max_tokens=4, **greedy), use_tqdm=False)
 
+    timer = _DeviceTimer(llm.llm_engine.runner)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=output_len, **greedy), use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    llm.llm_engine.runner.execute = timer.orig
+    steps = timer.summary()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
 
     # Single request: decode rate = extra tokens / extra time over a 1-token request.
@@ -63,6 +92,9 @@ def bench_jaxserve(path, prompts, output_len):
         single_request_ttft_s=round(t1, 3),
         single_request_decode_tok_s=round(output_len / max(tn - t1, 1e-9), 2),
         attention_backend=llm.llm_engine.attention_backend,
+        max_num_seqs=llm.config.scheduler.max_num_seqs,
+        max_num_batched_tokens=llm.config.scheduler.max_num_batched_tokens,
+        steps=steps,
         tokens=[list(o.outputs[0].token_ids) for o in outs],
     )
 
@@ -105,6 +137,8 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "cpu_smollm2.json"))
     args = ap.parse_args(argv)
@@ -115,7 +149,10 @@ def main(argv=None):
     vocab = load_gguf(path)[0]["vocab_size"]
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
 
-    ours = bench_jaxserve(path, prompts, args.output_len)
+    llm_kwargs = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs,
+                                        max_num_batched_tokens=args.max_num_batched_tokens
+                                        ).items() if v is not None}
+    ours = bench_jaxserve(path, prompts, args.output_len, llm_kwargs)
     print(f"jaxserve: {ours['output_tok_s']} out tok/s, single-request decode "
           f"{ours['single_request_decode_tok_s']} tok/s", flush=True)
     result = dict(
