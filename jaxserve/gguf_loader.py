@@ -69,10 +69,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return default if f is None else f.contents()
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -158,7 +155,8 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
         sliding_window=None,
         torch_dtype="float32",
     )
-    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "padding")):
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
+                      ("pad_token_id", "padding")):
         v = _field(reader, f"tokenizer.ggml.{name}_token_id")
         if v is not None:
             cfg[key] = int(v)
