@@ -50,10 +50,10 @@ class TileConfig:
     """Tile sizes of both calls. Defaults target Hopper (H100: 132 SMs, 50 MB L2, ~3 TB/s).
 
     ``*_block_m`` is the number of (token x query head) rows per program; ``*_block_kv`` the KV
-    tokens per inner step (a whole number of pages). ``decode_num_splits=None`` bounds the split
-    count from the static shapes and picks it at run time from the real decode rows, so the
-    grid fills ``num_sms`` about four times over; a split never covers less than
-    ``decode_min_kv_per_split`` KV tokens.
+    tokens per inner step (a power of two; pages may straddle it). ``decode_num_splits=None``
+    bounds the split count from the static shapes (context, bucket: ~8 programs per SM when the
+    bucket is full) and picks it at run time from the real rows, aiming at ~4 programs per SM;
+    a split never covers less than ``decode_min_kv_per_split`` KV tokens.
     """
 
     decode_block_m: int = 16
@@ -448,8 +448,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     nb_pre = t // bq_pre + n_long_max if n_long_max else 0
     dec = _CallShape(bm_dec, bq_dec, cfg.decode_block_kv, s_len, ns_dec, cfg.decode_num_warps,
                      cfg.decode_num_stages)
-    pre = _CallShape(bm_pre, bq_pre, cfg.prefill_block_kv, nb_pre, 1, cfg.prefill_num_warps,
-                     cfg.prefill_num_stages)
+    pre = _CallShape(bm_pre, bq_pre, cfg.prefill_block_kv, nb_pre, max(1, cfg.prefill_num_splits),
+                     cfg.prefill_num_warps, cfg.prefill_num_stages)
 
     meta = (
         query_start.astype(jnp.int32),

@@ -282,3 +282,10 @@ def test_decode_only_bucket_launches_no_prefill_call():
     assert "rpa_decode" in jaxpr and "rpa_prefill" not in jaxpr
     ref = _ref_fn(0.125, None, None)(*args)
     assert _rel_err(fn(*args, jnp.int32(3)), ref) <= 1e-5
+
+
+def test_split_prefill_combines_into_the_output():
+    """prefill_num_splits > 1 sends prefill blocks through the combine kernel too."""
+    cfg = ("f32_gqa3_split_prefill", jnp.float32, 6, 2, 64, 8, dict(sliding_window=19),
+           dict(SMALL_TILES, prefill_num_splits=2))
+    _check_config(cfg, ([1, 17, 2, 9], [40, 48, 2, 30]), seed=3, interpret=True)
