@@ -67,7 +67,7 @@ def _step(path, backend, pool_seed=1):
     plan = _plan(_mixed_rows(np.random.default_rng(0), cfg.vocab_size))
     assert plan.token_bucket == 32 and plan.num_seqs == 6 < plan.seq_bucket  # padding rows too
     pool = _random_pool(cfg, np.random.default_rng(pool_seed))
-    logits, pool = forward(leaves, pool, plan.device_arrays())
+    logits, pool, _ = forward(leaves, pool, plan.device_arrays())
     return np.asarray(logits)[: plan.num_seqs], [np.asarray(a) for kv in pool for a in kv]
 
 
