@@ -353,7 +353,7 @@ CHAT_PROMPTS = [
     "List three prime numbers.",
 ]
 BLOCK = 16
-NEW_TOKENS = 16
+NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")

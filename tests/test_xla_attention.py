@@ -58,7 +58,7 @@ def ragged_batches(draw):
     return t_bucket, s_bucket, q_lens, ctx_lens
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batch=ragged_batches(),
     groups=st.sampled_from([1, 3]),
