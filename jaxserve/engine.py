@@ -129,13 +129,11 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                 f"{self.max_model_len} tokens (prompt plus at least one generated token)",
                 param="prompt", status_code=400)
-        if params.logprobs is not None and params.logprobs > 20:
-            raise InvalidRequestError("logprobs must be <= 20", param="logprobs")
+        params.verify_vocab(self.model_config.vocab_size)
         now = arrival_time if arrival_time is not None else time.time()
         parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now),
                          final_only=final_only,
                          prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        self.prompt_tokens_total += len(ids)
         self._parents[request_id] = parent
         for i in range(params.n):
             child_params = params
@@ -146,7 +144,9 @@ class LLMEngine:
                     child_params.seed = params.seed + i
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             # siblings wait for child 0's prompt pages to be cached, then share them
-            share = parent.children[0].request if (i > 0 and self.config.cache.enable_prefix_caching) else None
+            share = None
+            if i > 0 and self.config.cache.enable_prefix_caching:
+                share = parent.children[0].request
             req = Request(rid, list(ids), child_params, arrival_time=now, priority=priority,
                           eos_token_id=self.eos_token_id, prefix_parent=share)
             detok = None
@@ -162,6 +162,7 @@ class LLMEngine:
             except Exception:
                 self.abort_request(request_id)
                 raise
+        self.prompt_tokens_total += len(ids)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -180,7 +181,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is out of range [0, {vocab})",
+            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})",
                                       param="prompt")
         return text, ids
 

@@ -218,3 +218,14 @@ def test_prompt_logprobs_match_hf(llama_dir):
         top = int(np.argmax(ref[j - 1]))
         assert top in d and np.isclose(d[top].logprob, ref[j - 1, top], atol=1e-4)
     _assert_pool_full(llm)
+
+
+def test_token_ids_outside_vocab_name_the_field(llama_dir):
+    llm = _llm(llama_dir)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["hi"], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["hi"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[10**6]], GREEDY, use_tqdm=False)
+    _assert_pool_full(llm)
