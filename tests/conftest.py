@@ -65,3 +65,15 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+# CI runs the same hypothesis examples every time (a failure is a real bug, not a new draw);
+# HYPOTHESIS_RANDOM=1 explores fresh examples locally.
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("jaxserve-ci", derandomize=True, deadline=None)
+    if not os.environ.get("HYPOTHESIS_RANDOM"):
+        _hyp_settings.load_profile("jaxserve-ci")
+except ImportError:  # hypothesis is a test extra
+    pass

@@ -484,7 +484,7 @@ def request_bodies(draw):
     return body
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=request_bodies(), path=st.sampled_from(["/v1/completions", "/v1/chat/completions",
                                                     "/tokenize", "/detokenize"]))
@@ -495,7 +495,7 @@ def test_fuzzed_bodies_never_500(http, body, path):
     if r.status_code >= 400:
         err = r.json()["error"]
         assert err["code"] == r.status_code and isinstance(err["message"], str)
-    elif body.get("stream") is True:
+    elif body.get("stream") is True and path.startswith("/v1/"):  # tokenize has no stream
         assert r.text.rstrip().endswith("data: [DONE]")
 
 
