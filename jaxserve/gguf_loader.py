@@ -256,11 +256,51 @@ def gguf_chat_template(path: str | os.PathLike) -> str | None:
     return _field(gguf.GGUFReader(os.fspath(path)), "tokenizer.chat_template")
 
 
+def _byte_level_bpe_tokenizer(path: str):
+    """A GPT-2 style (byte-level BPE) GGUF tokenizer built with ``tokenizers`` alone.
+
+    transformers' own GGUF reader imports torch, which a serving install does not have.
+    """
+    import gguf  # noqa: PLC0415
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    reader = gguf.GGUFReader(path)
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"the GGUF tokenizer type {kind!r} needs torch to convert "
+                         "(pip install torch); 'gpt2' (byte-level BPE) works without it")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    special = [t for t, ty in zip(tokens, types) if ty == 3]  # llama.cpp CONTROL tokens
+
+    def token(key):
+        i = _field(reader, key)
+        return tokens[int(i)] if i is not None else None
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=token("tokenizer.ggml.bos_token_id"),
+                                  eos_token=token("tokenizer.ggml.eos_token_id"),
+                                  unk_token=token("tokenizer.ggml.unknown_token_id"),
+                                  pad_token=token("tokenizer.ggml.padding_token_id"))
+    tok.add_special_tokens({"additional_special_tokens": special})
+    tok.chat_template = _field(reader, "tokenizer.chat_template")
+    return tok
+
+
 def gguf_tokenizer(path: str | os.PathLike):
     """The transformers tokenizer stored in the GGUF, with its chat template."""
+    import importlib.util  # noqa: PLC0415
+
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     path = os.path.abspath(os.fspath(path))
+    if importlib.util.find_spec("torch") is None:  # serving installs: no torch
+        return _byte_level_bpe_tokenizer(path)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     if not getattr(tok, "chat_template", None):
         template = gguf_chat_template(path)
