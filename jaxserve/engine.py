@@ -220,15 +220,15 @@ class LLMEngine:
         if sched.scheduled:
             now = time.time()
             inputs = []
-            for s in sched.scheduled:
+            hits = [self._child_of[s.request.request_id] for s in sched.scheduled]
+            for s, (parent, _) in zip(sched.scheduled, hits):
                 r = s.request
                 inputs.append((r.sampling_params, r.output_token_ids, r.prompt_token_ids,
                                self._eos_list, r.num_output_tokens) if s.sample else None)
-                parent = self._child_of[r.request_id][0]
                 if parent.metrics.first_scheduled_time is None:
                     parent.metrics.first_scheduled_time = now
             plan = self.runner.build_plan(sched.to_rows(), inputs)
-            prompt_rows = self._prompt_logprob_rows(sched)
+            prompt_rows = self._prompt_logprob_rows(sched, hits)
             next_ids = None
             if prompt_rows:
                 next_ids = np.zeros(plan.token_bucket, np.int32)
@@ -244,10 +244,9 @@ class LLMEngine:
                     sampled[s.request.request_id] = int(out.token_ids[i])
             self.scheduler.update_from_output(sched, sampled)
             now = time.time()
-            for i, s in enumerate(sched.scheduled):
+            for i, (s, (parent, child)) in enumerate(zip(sched.scheduled, hits)):
                 if not s.sample:
                     continue
-                parent, child = self._child_of[s.request.request_id]
                 self._on_token(parent, child, int(out.token_ids[i]), out, i, now)
                 touched[parent.request_id] = parent
         outputs = []
@@ -261,15 +260,14 @@ class LLMEngine:
                     self._child_of.pop(c.request.request_id, None)
         return outputs
 
-    def _prompt_logprob_rows(self, sched) -> list:
+    def _prompt_logprob_rows(self, sched, hits: list) -> list:
         """(row, parent, lo, hi): prompt positions lo..hi-1 of this step whose next prompt token
-        still needs its logprob (child 0 only; a recomputed prefix is not recorded twice)."""
+        still needs its logprob (child 0 only; a recomputed prefix is not recorded twice).
+        ``hits`` is the (parent, child) of each scheduled row."""
         rows = []
-        for i, s in enumerate(sched.scheduled):
-            hit = self._child_of.get(s.request.request_id)
-            if hit is None or hit[1].index != 0 or hit[0].prompt_logprobs is None:
+        for i, (s, (parent, child)) in enumerate(zip(sched.scheduled, hits)):
+            if child.index != 0 or parent.prompt_logprobs is None:
                 continue
-            parent = hit[0]
             lo = max(s.start_pos, len(parent.prompt_logprobs) - 1)
             hi = min(s.start_pos + s.num_new_tokens, len(parent.prompt_token_ids) - 1)
             if hi > lo:
@@ -358,20 +356,21 @@ class LLMEngine:
 
     # ---- stats -------------------------------------------------------------------------
     def stats(self) -> dict:
-        bm = self.block_manager
-        return dict(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=bm.usage,
-            prefix_cache_queries=getattr(bm, "prefix_cache_queries", 0),
-            prefix_cache_hits=getattr(bm, "prefix_cache_hits", 0),
-            num_preemptions=self.scheduler.num_preemptions_total,
+        """The scheduler's stats plus what only the engine knows (compiles, token counters, pool
+        size). The short names (``num_running`` ...) are what metrics, the server and dp read."""
+        s = self.scheduler.stats()
+        s.update(
+            num_running=s["num_requests_running"],
+            num_waiting=s["num_requests_waiting"],
+            kv_cache_usage=s["kv_cache_usage_perc"],
+            num_preemptions=s["num_preemptions_total"],
             num_compiles=self.runner.num_compiles,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            num_free_pages=bm.num_free_pages,
+            num_free_pages=self.block_manager.num_free_pages,
             num_pages=self.runner.num_pages,
         )
+        return s
 
 
 def _eos_ids(eos, tokenizer) -> frozenset[int]:
