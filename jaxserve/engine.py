@@ -123,12 +123,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
                                       param="request_id")
-        prompt_text, ids = self._tokenize(prompt)
-        if len(ids) + 1 > self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens (prompt plus at least one generated token)",
-                param="prompt", status_code=400)
+        prompt_text, ids = self._tokenize(prompt)  # its length is checked by the scheduler
         params.verify_vocab(self.model_config.vocab_size)
         now = arrival_time if arrival_time is not None else time.time()
         parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now),
