@@ -444,58 +444,72 @@ class OpenAIServing:
             token_logprobs=head.token_logprobs + gen.token_logprobs,
             tokens=head.tokens + gen.tokens, top_logprobs=head.top_logprobs + gen.top_logprobs)
 
-    async def _completion_stream(self, req: P.CompletionRequest, fanin: _FanIn, model: str,
-                                 echo_texts: list[str]) -> AsyncIterator[str]:
+    def _completion_stream(self, req: P.CompletionRequest, fanin: _FanIn, model: str,
+                           echo_texts: list[str]) -> AsyncIterator[str]:
         created = int(time.time())
+        chunks = self._completion_chunks(req, fanin, model, created, echo_texts)
+        return self._stream_tail(chunks, fanin, req.include_usage, P.CompletionStreamResponse,
+                                 created, model)
+
+    async def _completion_chunks(self, req: P.CompletionRequest, fanin: _FanIn, model: str,
+                                 created: int, echo_texts: list[str]) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
-        try:
-            async for ev in fanin.events():
-                if ev.output is None:
+        async for ev in fanin.events():
+            if ev.output is None:
+                continue
+            for c in ev.output.outputs:
+                idx = ev.prompt_index * req.n + c.index
+                prefix = ""
+                if idx not in sent_text:
+                    sent_text[idx] = 0
+                    sent_tokens[idx] = 0
+                    prefix = echo_texts[ev.prompt_index]
+                delta = c.text[sent_text[idx]:]
+                new_ids = c.token_ids[sent_tokens[idx]:]
+                done = c.finish_reason is not None and idx not in finished
+                if not (prefix or delta or done or (new_ids and req.logprobs is not None)):
                     continue
-                for c in ev.output.outputs:
-                    idx = ev.prompt_index * req.n + c.index
-                    prefix = ""
-                    if idx not in sent_text:
-                        sent_text[idx] = 0
-                        sent_tokens[idx] = 0
-                        prefix = echo_texts[ev.prompt_index]
-                    delta = c.text[sent_text[idx]:]
-                    new_ids = c.token_ids[sent_tokens[idx]:]
-                    done = c.finish_reason is not None and idx not in finished
-                    if not (prefix or delta or done or (new_ids and req.logprobs is not None)):
-                        continue
-                    logprobs = None
-                    if req.logprobs is not None:
-                        start = sent_tokens[idx]
-                        logprobs = _legacy_logprobs(
-                            self.tokens, new_ids, (c.logprobs or [])[start:] or [{}] * len(new_ids),
-                            len(prefix) + sent_text[idx])
-                    sent_text[idx] = len(c.text)
-                    sent_tokens[idx] = len(c.token_ids)
-                    if done:
-                        finished.add(idx)
-                    yield _sse(P.CompletionStreamResponse(
-                        id=fanin.request_id, created=created, model=model,
-                        choices=[P.CompletionResponseChoice(
-                            index=idx, text=prefix + delta, logprobs=logprobs,
-                            finish_reason=c.finish_reason if done else None,
-                            stop_reason=c.stop_reason if done else None)]))
-            if req.include_usage:
-                prompt_tokens = sum(len(o.prompt_token_ids) for o in fanin.last.values())
-                completion_tokens = sum(len(c.token_ids) for o in fanin.last.values()
-                                        for c in o.outputs)
+                logprobs = None
+                if req.logprobs is not None:
+                    start = sent_tokens[idx]
+                    logprobs = _legacy_logprobs(
+                        self.tokens, new_ids, (c.logprobs or [])[start:] or [{}] * len(new_ids),
+                        len(prefix) + sent_text[idx])
+                sent_text[idx] = len(c.text)
+                sent_tokens[idx] = len(c.token_ids)
+                if done:
+                    finished.add(idx)
                 yield _sse(P.CompletionStreamResponse(
+                    id=fanin.request_id, created=created, model=model,
+                    choices=[P.CompletionResponseChoice(
+                        index=idx, text=prefix + delta, logprobs=logprobs,
+                        finish_reason=c.finish_reason if done else None,
+                        stop_reason=c.stop_reason if done else None)]))
+
+    async def _stream_tail(self, chunks: AsyncIterator[str], fanin: _FanIn, include_usage: bool,
+                           response: type, created: int, model: str) -> AsyncIterator[str]:
+        """What every stream ends with: the usage chunk (``stream_options.include_usage``), an
+        error in-band (the headers are already sent), then ``[DONE]``; the fan-in is closed
+        whether the stream ends, fails or the client goes away."""
+        try:
+            async for text in chunks:
+                yield text
+            if include_usage:
+                outs = fanin.last.values()
+                prompt = sum(len(o.prompt_token_ids) for o in outs)
+                completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                yield _sse(response(
                     id=fanin.request_id, created=created, model=model, choices=[],
-                    usage=P.UsageInfo(prompt_tokens=prompt_tokens,
-                                      completion_tokens=completion_tokens,
-                                      total_tokens=prompt_tokens + completion_tokens)))
+                    usage=P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                                      total_tokens=prompt + completion)))
         except Exception as e:  # noqa: BLE001 - headers are sent; report in-band
             body, _ = _error_from_exception(e, self.engine)
             yield _sse(body)
         finally:
             fanin.close()
+            await chunks.aclose()
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions ------------------------------------------------------------------
@@ -538,10 +552,15 @@ class OpenAIServing:
         return _JSON(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                               usage=usage))
 
-    async def _chat_stream(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
-                           echo: str, top_k: int | None) -> AsyncIterator[str]:
+    def _chat_stream(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
+                     echo: str, top_k: int | None) -> AsyncIterator[str]:
         created = int(time.time())
+        chunks = self._chat_chunks(req, fanin, model, created, echo, top_k)
+        return self._stream_tail(chunks, fanin, req.include_usage,
+                                 P.ChatCompletionStreamResponse, created, model)
 
+    async def _chat_chunks(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
+                           created: int, echo: str, top_k: int | None) -> AsyncIterator[str]:
         def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None):
             return _sse(P.ChatCompletionStreamResponse(
                 id=fanin.request_id, created=created, model=model,
@@ -552,48 +571,33 @@ class OpenAIServing:
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         finished: set[int] = set()
-        try:
-            for i in range(req.n):
-                yield chunk(i, P.DeltaMessage(role="assistant", content=echo))
-            async for ev in fanin.events():
-                if ev.output is None:
+        for i in range(req.n):
+            yield chunk(i, P.DeltaMessage(role="assistant", content=echo))
+        async for ev in fanin.events():
+            if ev.output is None:
+                continue
+            for c in ev.output.outputs:
+                i = c.index
+                delta = c.text[sent_text[i]:]
+                new_ids = c.token_ids[sent_tokens[i]:]
+                done = c.finish_reason is not None and i not in finished
+                if not (delta or done or (new_ids and top_k is not None)):
                     continue
-                for c in ev.output.outputs:
-                    i = c.index
-                    delta = c.text[sent_text[i]:]
-                    new_ids = c.token_ids[sent_tokens[i]:]
-                    done = c.finish_reason is not None and i not in finished
-                    if not (delta or done or (new_ids and top_k is not None)):
-                        continue
-                    logprobs = None
-                    if top_k is not None:
-                        positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
-                        logprobs = P.ChatCompletionLogProbs(
-                            content=_chat_logprobs(self.tokens, new_ids, positions, top_k))
-                    sent_text[i] = len(c.text)
-                    sent_tokens[i] = len(c.token_ids)
-                    if done:
-                        finished.add(i)
-                    yield chunk(i, P.DeltaMessage(content=delta), logprobs,
-                                c.finish_reason if done else None,
-                                c.stop_reason if done else None)
-            for i in range(req.n):  # streams that ended without a finish (aborted elsewhere)
-                if i not in finished:
-                    yield chunk(i, P.DeltaMessage(), finish_reason="abort")
-            if req.include_usage:
-                out = fanin.last.get(0)
-                prompt = len(out.prompt_token_ids) if out else 0
-                completion = sum(len(c.token_ids) for c in out.outputs) if out else 0
-                yield _sse(P.ChatCompletionStreamResponse(
-                    id=fanin.request_id, created=created, model=model, choices=[],
-                    usage=P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                                      total_tokens=prompt + completion)))
-        except Exception as e:  # noqa: BLE001 - headers are sent; report in-band
-            body, _ = _error_from_exception(e, self.engine)
-            yield _sse(body)
-        finally:
-            fanin.close()
-        yield "data: [DONE]\n\n"
+                logprobs = None
+                if top_k is not None:
+                    positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
+                    logprobs = P.ChatCompletionLogProbs(
+                        content=_chat_logprobs(self.tokens, new_ids, positions, top_k))
+                sent_text[i] = len(c.text)
+                sent_tokens[i] = len(c.token_ids)
+                if done:
+                    finished.add(i)
+                yield chunk(i, P.DeltaMessage(content=delta), logprobs,
+                            c.finish_reason if done else None,
+                            c.stop_reason if done else None)
+        for i in range(req.n):  # streams that ended without a finish (aborted elsewhere)
+            if i not in finished:
+                yield chunk(i, P.DeltaMessage(), finish_reason="abort")
 
     # -- small routes --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
