@@ -10,7 +10,7 @@
 #   BENCH_ARGS="--cases decode --ctx 2048" OUT=/tmp/out tools/gpu_kernels.sh
 #
 # Expects jax (0.10.2 or 0.11.x) with its CUDA plugin, pytest, hypothesis, numpy, matplotlib,
-# tqdm; wheels in .whl/ (if any) are installed into /tmp/site first, as tools/gpu_run.sh does.
+# tqdm; wheels in .whl/ (if any) are installed into /tmp/site first (tools/gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -19,30 +19,7 @@ RES=$OUT/results
 mkdir -p "$RES"
 LOG=$OUT/gpu_kernels.log
 exec > >(tee -a "$LOG") 2>&1
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-unset JAX_PLATFORMS  # the GPU, not the CPU default of the dev machines
-
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || echo "WARNING: wheel install failed"
-  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-$PY - <<'EOF' 2>&1 | grep -v "^WARNING: All log"
-import importlib
-for m in ("jax", "jaxlib", "numpy", "pytest", "hypothesis", "matplotlib", "tqdm"):
-    try:
-        print(f"  {m} {importlib.import_module(m).__version__}")
-    except Exception as e:
-        print(f"  {m} MISSING ({type(e).__name__})")
-import jax
-print("  jax devices:", jax.devices())
-EOF
+. "$ROOT/tools/gpu_env.sh" jax jaxlib numpy pytest hypothesis matplotlib tqdm
 
 STATUS=()
 stage() {  # stage NAME CAP_SECONDS CMD...

@@ -20,7 +20,8 @@
 # reuses the executables the 1.1B throughput stage compiled (same shapes).
 #
 # Wheels: a machine without network gets what it lacks from .whl/ (pip download them where
-# pip works; see README "GPU run"): installed into /tmp/site, put first on PYTHONPATH.
+# pip works; see README "GPU run"): installed into /tmp/site, put first on PYTHONPATH
+# (tools/gpu_env.sh, shared with tools/gpu_kernels.sh).
 # Results come back as three files: $OUT/summary.txt, $OUT/gpu_run.log, $OUT/results.tgz
 # (JSON + PNG + logs; unpack into benchmarks/results/ to commit them).
 set -uo pipefail
@@ -44,34 +45,12 @@ HF_CB_IMPLS=${HF_CB_IMPLS:-sdpa,paged|eager,flash_attention_2}
 HF_BS=${HF_BS:-64,128,256}
 SERVE_N=${SERVE_N:-256}
 SERVE_RATES=${SERVE_RATES:-inf,0.8x,0.5x}
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-unset JAX_PLATFORMS  # the GPU, not the CPU default of the dev machines
+export TOKENIZERS_PARALLELISM=false
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  echo "== installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into /tmp/site"
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || echo "WARNING: wheel install failed"
-  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) stages: $STAGES"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-$PY - <<'EOF' 2>&1 | grep -v "^WARNING: All log"
-import importlib
-for m in ("jax", "jaxlib", "flax", "torch", "transformers", "starlette", "uvicorn", "pydantic",
-          "httpx", "matplotlib"):
-    try:
-        print(f"  {m} {importlib.import_module(m).__version__}")
-    except Exception as e:
-        print(f"  {m} MISSING ({type(e).__name__})")
-import jax
-print("  jax devices:", jax.devices())
-EOF
+GPU_ENV_TITLE="stages: $STAGES" . "$ROOT/tools/gpu_env.sh" jax jaxlib flax torch transformers \
+  starlette uvicorn pydantic httpx matplotlib
 
 STATUS=()
 # run_stage NAME CAP_SECONDS CMD...: time-capped, never past the overall deadline
