@@ -37,7 +37,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
     min_token_bucket: int = 16
-    token_bucket_growth: int = 2  # ladder ratio; 4 on CPU (fewer compiles)
+    token_bucket_growth: int = 2  # ladder ratio between token buckets
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

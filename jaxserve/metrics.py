@@ -8,6 +8,7 @@ several servers can live in one process (tests).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -15,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 PREFIX = "jaxserve:"
 
@@ -83,6 +86,7 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], dict], model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
+        self.first_request_logged = False  # the start-up log reports the first request's speed
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(stats, model_name))
         labels = ["model_name"]
@@ -174,3 +178,8 @@ class RequestObserver:
         per_seq = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
         if per_seq > 1:
             self.m.tpot.observe(max(0.0, decode) / (per_seq - 1))
+            if not self.m.first_request_logged:
+                self.m.first_request_logged = True
+                logger.info("first request: %d prompt tokens, time to first token %.2f s, "
+                            "decode %.1f tokens/s", len(out.prompt_token_ids), ttft,
+                            (per_seq - 1) / max(decode, 1e-9))

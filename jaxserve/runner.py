@@ -26,7 +26,15 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import allocate_kv_pages, page_bytes
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
-from jaxserve.step_plan import ScheduledSeq, StepPlan, build_step_plan, seq_bucket, token_ladder
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_plan import (
+    TRASH_PAGE,
+    ScheduledSeq,
+    StepPlan,
+    build_step_plan,
+    seq_bucket,
+    token_ladder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,19 +260,77 @@ class ModelRunner:
         return 2 * len(self.ladder) + 2 * len(seqs)
 
     def warmup(self) -> float:
-        """Compile every token bucket with all-padding plans (writes go to the trash page)."""
+        """Compile and run every token bucket on rows that live in the trash page.
+
+        Two plans per bucket: many short rows next to one long row, and long rows only, so both
+        the decode and the prefill paths of the attention run (and the compact and full sampler
+        layouts). Running real rows matters: XLA:CPU finishes a loop body's code on its first
+        trip, and a padding-only plan never enters the loops, which left ~0.1-0.3 s of that
+        work to the first real step of each bucket."""
         t0 = time.perf_counter()
+        sampled = set()
         for t in tqdm(self.ladder, desc="Compiling token buckets", disable=None, leave=False):
             s = seq_bucket(t, self.max_num_seqs)
             for full in (False, True):
-                plan = self._padding_plan(t, s, full)
+                plan = self._warmup_plan(t, s, full)
                 out = self._run(plan, np.zeros(t, np.int32) if full else None)
                 jax.block_until_ready(out)
+            if s not in sampled:  # the other side of each sampler ``lax.cond``, both layouts
+                sampled.add(s)
+                logits = jnp.zeros((s, self.model_config.vocab_size), jnp.float32)
+                for arrays in self._warmup_sampling(s):
+                    jax.block_until_ready(_sample(logits, arrays))
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,
                     list(self.ladder), dt)
         return dt
+
+    def _warmup_sampling(self, s: int) -> list[dict]:
+        """Sampler inputs that take the branches the warm-up plans' greedy (compact) and
+        all-features (full) rows leave out: random sampling with top-k/p, min-p, bias, stop
+        masking and logprobs in the compact layout; greedy with a wide logit_bias (the full
+        layout, no penalty) in the full one."""
+        compact = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
+                                 logit_bias={0: 0.5}, min_tokens=2, stop_token_ids=[0])
+        wide_bias = SamplingParams(temperature=0.0, logit_bias={i: 0.1 for i in range(9)})
+        return [build_sampling_arrays([(p, [], [0], None, 0)] * s, s,
+                                      history_len=self.max_model_len,
+                                      rng=np.random.default_rng(0))
+                for p in (compact, wide_bias)]
+
+    def _warmup_plan(self, t: int, s: int, long_rows: bool) -> StepPlan:
+        """Bucket ``t`` filled with rows whose pages are all the trash page: ``s`` rows (one
+        long, the rest single tokens), or as few long rows as fit; padding if neither fits."""
+        cap = self.max_pages_per_seq * self.block_size - 1  # tokens one row may hold
+        n_rows = min(s, -(-t // cap)) if long_rows else s
+        if n_rows * cap < t:
+            return self._padding_plan(t, s, long_rows)
+        lens = [1] * n_rows
+        extra = t - n_rows
+        for i in range(n_rows):
+            add = min(extra, cap - 1)
+            lens[i] += add
+            extra -= add
+        rows = [ScheduledSeq(new_token_ids=np.zeros(q, np.int32), start_pos=0,
+                             block_ids=[TRASH_PAGE] * -(-q // self.block_size)) for q in lens]
+        plan = build_step_plan(rows, block_size=self.block_size,
+                               max_pages_per_seq=self.max_pages_per_seq, ladder=self.ladder,
+                               max_num_seqs=self.max_num_seqs)
+        if plan.token_bucket != t:
+            return self._padding_plan(t, s, long_rows)
+        if long_rows:  # the full layout with every feature on
+            p = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
+                               presence_penalty=0.1, frequency_penalty=0.1,
+                               repetition_penalty=1.1, logit_bias={0: 0.5})
+            plan.sampling = build_sampling_arrays([(p, [0], [0], None, 1)] * plan.seq_bucket,
+                                                  plan.seq_bucket,
+                                                  history_len=self.max_model_len,
+                                                  rng=np.random.default_rng(0))
+        else:
+            plan.sampling = dummy_sampling_arrays(plan.seq_bucket,
+                                                  history_len=self.max_model_len)
+        return plan
 
     def _padding_plan(self, t: int, s: int, full: bool) -> StepPlan:
         z = lambda *shape: np.zeros(shape, dtype=np.int32)  # noqa: E731
@@ -302,9 +368,11 @@ def _write_pages(kv_pages, idx, saved):
 def default_scheduler_limits() -> tuple[int, int, int, int]:
     """(max_num_seqs, max_num_batched_tokens, min_token_bucket, bucket growth) for the backend.
 
-    vLLM's defaults on a GPU; on CPU a smaller batch so single-request decode stays fast (the
-    token bucket ladder starts at 1 there) and a coarser ladder (compiles are slow on CPU).
+    vLLM's defaults on a GPU. On CPU the ladder starts at 1 so single-request decode pays for
+    one row, and doubles so a decode batch of up to 32 rows is padded by less than 2x (a small-M
+    matmul costs nearly in proportion to M there); 256 tokens per step already reach the
+    matmul's peak on a CPU.
     """
     if jax.default_backend() == "gpu":
         return 256, 2048, 16, 2
-    return 16, 256, 1, 4
+    return 32, 256, 1, 2

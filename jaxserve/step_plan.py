@@ -19,7 +19,7 @@ def token_ladder(max_num_batched_tokens: int, min_bucket: int = 16, growth: int 
                  ) -> tuple[int, ...]:
     """Buckets ``min_bucket * growth**i`` up to (and always including) the token budget.
 
-    Growth 2 pads at most 2x; a CPU uses 4 (half the compiles, at most 4x padding).
+    Growth 2 pads at most 2x; a larger growth compiles fewer buckets and pads more.
     """
     if growth < 2:
         raise ValueError(f"bucket growth must be >= 2, got {growth}")

@@ -18,6 +18,8 @@ trip counts low. Page layout as in the reference: ``[num_kv_heads, num_pages, pa
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -25,9 +27,14 @@ _HI = lax.Precision.HIGHEST
 _NEG = -1e30  # finite "minus infinity": fully masked chunks then contribute exactly zero
 
 SHORT_QUERY = 4  # rows with at most this many new tokens take the per-token loop
-TOKEN_BLOCK = 4  # tokens per block in the per-token loop
-Q_BLOCK = 64  # query rows per block in the per-sequence loop
-CHUNK_TOKENS = 256  # KV positions per chunk (rounded to whole pages)
+# Measured on a 2-core x86 CPU with SmolLM2's shapes (benchmarks/xla_attention_timing.py): each
+# loop trip costs far more than its arithmetic, and gathered pages past a row's context are
+# wasted, so decode takes a batch of tokens in one block reading two pages per trip, and
+# prefill uses small query blocks so the causal limit skips most chunks.
+TOKEN_BLOCK = 32  # tokens per block in the per-token loop
+SHORT_CHUNK_TOKENS = 32  # KV positions per trip of the per-token loop (whole pages)
+Q_BLOCK = 32  # query rows per block in the per-sequence loop
+CHUNK_TOKENS = 64  # KV positions per trip of the per-sequence loop (whole pages)
 
 
 def _online_update(carry, s, pv):
@@ -176,7 +183,8 @@ def ragged_paged_attention(
 
 def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs=None, *,
               sm_scale, sliding_window=None, soft_cap=None, short_query=SHORT_QUERY,
-              token_block=TOKEN_BLOCK, q_block=Q_BLOCK, chunk_tokens=CHUNK_TOKENS):
+              token_block=TOKEN_BLOCK, q_block=Q_BLOCK, chunk_tokens=CHUNK_TOKENS,
+              short_chunk_tokens=SHORT_CHUNK_TOKENS):
     """``ragged_paged_attention`` with its tuning knobs exposed for tests and timing.
 
     ``short_query``: rows with at most this many new tokens use the per-token loop (0: every
@@ -186,7 +194,8 @@ def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs
     s_len, max_pages = block_tables.shape
     g = hq // hkv
     chunk = max(1, min(max_pages, chunk_tokens // page_size))
-    pad = (-max_pages) % chunk
+    short_chunk = max(1, min(max_pages, short_chunk_tokens // page_size))
+    pad = (-max_pages) % math.lcm(chunk, short_chunk)
     if pad:  # whole chunks only; the extra columns point at the trash page and are masked
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
     tb, qb_rows = min(t_len, token_block), min(t_len, q_block)
@@ -219,10 +228,10 @@ def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs
     qg = q.reshape(t_len, hkv, g, d).astype(jnp.float32) * sm_scale
     qg = jnp.pad(qg, ((0, max(qb_rows, 1)), (0, 0), (0, 0), (0, 0)))
     out = jnp.zeros((t_len + max(qb_rows, 1), hkv, g, d), jnp.float32)
-    kw = dict(sliding_window=sliding_window, soft_cap=soft_cap, chunk=chunk)
+    kw = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     out_short = _short_rows(out[: t_len + 1], qg, k_pages, v_pages, short_idx, n_short, seq_of,
-                            pos, seq_lens, block_tables, tb=tb, **kw)
+                            pos, seq_lens, block_tables, tb=tb, chunk=short_chunk, **kw)
     out = out.at[: t_len + 1].set(out_short)
     out = _long_rows(out, qg, k_pages, v_pages, long_idx, n_long, query_start, seq_lens,
-                     block_tables, qb_rows=qb_rows, **kw)
+                     block_tables, qb_rows=qb_rows, chunk=chunk, **kw)
     return out[:t_len].reshape(t_len, hq, d).astype(q.dtype)

@@ -93,11 +93,16 @@ def test_greedy_tokens_equal_hf_on_chat_prompts(llm, hf_model):
 
 
 @pytest.mark.slow
-def test_server_chat_answers_paris_with_openai_client():
+def test_server_chat_answers_paris_with_openai_client(caplog):
     """``jaxserve serve`` with no model (the default GGUF) on a real uvicorn, asked through the
-    official client; the engine's default name is what ``/v1/models`` lists."""
+    official client; the engine's default name is what ``/v1/models`` lists, and the log
+    reports the first request's decode speed."""
     _path()
     import asyncio
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="jaxserve.metrics")
 
     openai = pytest.importorskip("openai")
     from test_server import ServerThread
@@ -119,5 +124,8 @@ def test_server_chat_answers_paris_with_openai_client():
                 messages=[{"role": "user", "content": "What is the capital of France?"}])
             assert "Paris" in resp.choices[0].message.content
             assert 0 < resp.usage.completion_tokens <= 32
+        [line] = [r.getMessage() for r in caplog.records if "first request" in r.getMessage()]
+        rate = float(re.search(r"decode ([0-9.]+) tokens/s", line).group(1))
+        assert rate > 0
     finally:
         asyncio.run(engine.shutdown())

@@ -116,6 +116,18 @@ def test_seeded_sampling_alone_equals_in_batch(llama_dir):
     _assert_pool_full(llm)
 
 
+def test_unseeded_sampling_draws_fresh_randomness(llama_dir):
+    """Unseeded rows get fresh seeds from the engine's generator: two identical requests (and
+    the steps of one request) do not repeat each other's draws."""
+    llm = _llm(llama_dir)
+    p = _prompts(1, 500, seed=8)[0]
+    sp = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True)
+    a, b = (o.outputs[0].token_ids for o in llm.generate([p, p], sp, use_tqdm=False))
+    c = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert len({tuple(a), tuple(b), tuple(c)}) == 3
+    _assert_pool_full(llm)
+
+
 def test_no_compiles_after_warmup_mixed_workload(llama_dir):
     llm = _llm(llama_dir, max_num_seqs=8)
     runner = llm.llm_engine.runner
