@@ -233,16 +233,15 @@ class LLMEngine:
             out = self.runner.execute(plan, next_ids)
             for i, parent, lo, hi in prompt_rows:
                 self._record_prompt_logprobs(parent, out, int(plan.query_start[i]), lo, hi)
-            sampled = {}
-            for i, s in enumerate(sched.scheduled):
-                if s.sample:
-                    sampled[s.request.request_id] = int(out.token_ids[i])
+            token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()  # Python scalars
+            sampled = {s.request.request_id: token_ids[i]
+                       for i, s in enumerate(sched.scheduled) if s.sample}
             self.scheduler.update_from_output(sched, sampled)
             now = time.time()
             for i, (s, (parent, child)) in enumerate(zip(sched.scheduled, hits)):
                 if not s.sample:
                     continue
-                self._on_token(parent, child, int(out.token_ids[i]), out, i, now)
+                self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
                 touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
@@ -282,14 +281,15 @@ class LLMEngine:
                     d[tid] = Logprob(float(top_lp[t, r]), r + 1, decode_token(self.tokenizer, tid))
             parent.prompt_logprobs.append(d)
 
-    def _on_token(self, parent: _Parent, child: _Child, tok: int, out, row: int, now: float):
+    def _on_token(self, parent: _Parent, child: _Child, tok: int, logprob: float, out, row: int,
+                  now: float):
         req, params = child.request, child.request.sampling_params
         self.generation_tokens_total += 1
         m = parent.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
-        child.cumulative_logprob += float(out.logprobs[row])
+        child.cumulative_logprob += logprob
         if child.logprobs is not None:
             child.logprobs.append(self._position_logprobs(tok, out, row, params.logprobs))
         n_out = req.num_output_tokens

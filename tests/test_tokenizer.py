@@ -229,3 +229,30 @@ def test_decode_token(bl):
     assert decode_token(bl, eos) == "</s>"
     for i in bl.encode("café 日本"):
         assert decode_token(bl, i) == bl.decode([i])
+
+
+def test_backend_decoder_taken_for_plain_fast_tokenizers_only(bl, spl):
+    """The detokenizer decodes through the ``tokenizers`` backend when that is what
+    ``tokenizer.decode`` does (so the stream tests above compare the two), and through the
+    wrapper when a subclass overrides decoding."""
+    from jaxserve.tokenizer import backend_decoder
+
+    rng = np.random.default_rng(1)
+    for tok in (bl, spl):
+        dec = backend_decoder(tok)
+        assert dec is not None
+        for _ in range(50):
+            ids = [int(t) for t in rng.integers(0, len(tok), size=int(rng.integers(1, 20)))]
+            for skip in (True, False):
+                assert dec(ids, skip_special_tokens=skip) == _dec(tok, ids, skip)
+
+    class Shouting(type(bl)):
+        def _decode(self, *a, **kw):
+            return super()._decode(*a, **kw).upper()
+
+    loud = Shouting(tokenizer_object=bl.backend_tokenizer, bos_token="<s>", eos_token="</s>")
+    assert backend_decoder(loud) is None
+    det = IncrementalDetokenizer(loud, [], True, True)
+    ids = bl.encode("the quick brown fox")
+    det.add_tokens(ids)
+    assert det.text == "THE QUICK BROWN FOX"
