@@ -29,10 +29,13 @@ _NEG = -1e30  # finite "minus infinity": fully masked chunks then contribute exa
 SHORT_QUERY = 4  # rows with at most this many new tokens take the per-token loop
 # Measured on a 2-core x86 CPU with SmolLM2's shapes (benchmarks/xla_attention_timing.py): each
 # loop trip costs far more than its arithmetic, and gathered pages past a row's context are
-# wasted, so decode takes a batch of tokens in one block reading two pages per trip, and
-# prefill uses small query blocks so the causal limit skips most chunks.
+# wasted, so decode takes a batch of tokens in one block and reads about SHORT_TRIP_POSITIONS
+# (tokens x KV positions) per trip: two pages each for 16-32 tokens, 32 pages for one token
+# (a long chat history then takes a few trips, not hundreds), and prefill uses small query
+# blocks so the causal limit skips most chunks.
 TOKEN_BLOCK = 32  # tokens per block in the per-token loop
-SHORT_CHUNK_TOKENS = 32  # KV positions per trip of the per-token loop (whole pages)
+SHORT_TRIP_POSITIONS = 512  # tokens x KV positions per trip of the per-token loop
+SHORT_CHUNK_TOKENS = 32  # at least this many KV positions per trip (whole pages)
 Q_BLOCK = 32  # query rows per block in the per-sequence loop
 CHUNK_TOKENS = 64  # KV positions per trip of the per-sequence loop (whole pages)
 
@@ -184,21 +187,25 @@ def ragged_paged_attention(
 def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs=None, *,
               sm_scale, sliding_window=None, soft_cap=None, short_query=SHORT_QUERY,
               token_block=TOKEN_BLOCK, q_block=Q_BLOCK, chunk_tokens=CHUNK_TOKENS,
-              short_chunk_tokens=SHORT_CHUNK_TOKENS):
+              short_chunk_tokens=None):
     """``ragged_paged_attention`` with its tuning knobs exposed for tests and timing.
 
     ``short_query``: rows with at most this many new tokens use the per-token loop (0: every
-    row takes the per-sequence loop; a huge value: every row the per-token loop)."""
+    row takes the per-sequence loop; a huge value: every row the per-token loop).
+    ``short_chunk_tokens``: KV positions per trip of the per-token loop (default: from
+    ``SHORT_TRIP_POSITIONS`` and the token block)."""
     t_len, hq, d = q.shape
     hkv, _, page_size, _ = k_pages.shape
     s_len, max_pages = block_tables.shape
     g = hq // hkv
+    tb, qb_rows = min(t_len, token_block), min(t_len, q_block)
+    if short_chunk_tokens is None:
+        short_chunk_tokens = max(SHORT_CHUNK_TOKENS, SHORT_TRIP_POSITIONS // tb)
     chunk = max(1, min(max_pages, chunk_tokens // page_size))
     short_chunk = max(1, min(max_pages, short_chunk_tokens // page_size))
     pad = (-max_pages) % math.lcm(chunk, short_chunk)
     if pad:  # whole chunks only; the extra columns point at the trash page and are masked
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
-    tb, qb_rows = min(t_len, token_block), min(t_len, q_block)
     seq_lens = seq_lens.astype(jnp.int32)
     query_start = query_start.astype(jnp.int32)
     if num_seqs is None:
