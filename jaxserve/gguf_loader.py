@@ -306,8 +306,6 @@ def _byte_level_bpe_tokenizer(path: str):
 
 def gguf_tokenizer(path: str | os.PathLike):
     """The transformers tokenizer stored in the GGUF, with its chat template."""
-    import importlib.util  # noqa: PLC0415
-
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     path = os.path.abspath(os.fspath(path))

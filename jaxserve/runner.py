@@ -278,26 +278,18 @@ class ModelRunner:
             if s not in sampled:  # the other side of each sampler ``lax.cond``, both layouts
                 sampled.add(s)
                 logits = jnp.zeros((s, self.model_config.vocab_size), jnp.float32)
-                for arrays in self._warmup_sampling(s):
-                    jax.block_until_ready(_sample(logits, arrays))
+                for params in _WARMUP_OTHER_BRANCHES:
+                    jax.block_until_ready(_sample(logits, self._warmup_sampling(params, s)))
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,
                     list(self.ladder), dt)
         return dt
 
-    def _warmup_sampling(self, s: int) -> list[dict]:
-        """Sampler inputs that take the branches the warm-up plans' greedy (compact) and
-        all-features (full) rows leave out: random sampling with top-k/p, min-p, bias, stop
-        masking and logprobs in the compact layout; greedy with a wide logit_bias (the full
-        layout, no penalty) in the full one."""
-        compact = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
-                                 logit_bias={0: 0.5}, min_tokens=2, stop_token_ids=[0])
-        wide_bias = SamplingParams(temperature=0.0, logit_bias={i: 0.1 for i in range(9)})
-        return [build_sampling_arrays([(p, [], [0], None, 0)] * s, s,
-                                      history_len=self.max_model_len,
-                                      rng=np.random.default_rng(0))
-                for p in (compact, wide_bias)]
+    def _warmup_sampling(self, params: SamplingParams, s: int) -> dict:
+        """Sampler arrays for ``s`` rows of ``params`` (one token generated so far)."""
+        return build_sampling_arrays([(params, [0], [0], None, 1)] * s, s,
+                                     history_len=self.max_model_len, rng=np.random.default_rng(0))
 
     def _warmup_plan(self, t: int, s: int, long_rows: bool) -> StepPlan:
         """Bucket ``t`` filled with rows whose pages are all the trash page: ``s`` rows (one
@@ -319,17 +311,9 @@ class ModelRunner:
                                max_num_seqs=self.max_num_seqs)
         if plan.token_bucket != t:
             return self._padding_plan(t, s, long_rows)
-        if long_rows:  # the full layout with every feature on
-            p = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
-                               presence_penalty=0.1, frequency_penalty=0.1,
-                               repetition_penalty=1.1, logit_bias={0: 0.5})
-            plan.sampling = build_sampling_arrays([(p, [0], [0], None, 1)] * plan.seq_bucket,
-                                                  plan.seq_bucket,
-                                                  history_len=self.max_model_len,
-                                                  rng=np.random.default_rng(0))
-        else:
-            plan.sampling = dummy_sampling_arrays(plan.seq_bucket,
-                                                  history_len=self.max_model_len)
+        plan.sampling = (self._warmup_sampling(_WARMUP_ALL_FEATURES, plan.seq_bucket) if long_rows
+                         else dummy_sampling_arrays(plan.seq_bucket,
+                                                    history_len=self.max_model_len))
         return plan
 
     def _padding_plan(self, t: int, s: int, full: bool) -> StepPlan:
@@ -363,6 +347,20 @@ def _scatter_pages(kv_pages, idx, saved):
 def _write_pages(kv_pages, idx, saved):
     saved = [(jnp.asarray(k), jnp.asarray(v)) for k, v in saved]
     return _scatter_pages(kv_pages, idx, saved)
+
+
+# Warm-up sampling: the long-rows plan samples with every feature on (the full layout); then the
+# sampler alone runs the branches the plans leave out: random sampling with top-k/p, min-p, bias,
+# stop masking and logprobs in the compact layout, and greedy with a wide logit_bias (the full
+# layout without a penalty).
+_WARMUP_ALL_FEATURES = SamplingParams(
+    temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, presence_penalty=0.1,
+    frequency_penalty=0.1, repetition_penalty=1.1, logit_bias={0: 0.5})
+_WARMUP_OTHER_BRANCHES = (
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
+                   logit_bias={0: 0.5}, min_tokens=2, stop_token_ids=[0]),
+    SamplingParams(temperature=0.0, logit_bias={i: 0.1 for i in range(9)}),
+)
 
 
 def default_scheduler_limits() -> tuple[int, int, int, int]:

@@ -46,22 +46,6 @@ def backend_decoder(tokenizer):
     return backend.decode
 
 
-_BACKEND_DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _backend_decoder_of(tokenizer):
-    """``backend_decoder`` memoised per tokenizer (one lookup per request, not per class walk)."""
-    try:
-        return _BACKEND_DECODERS[tokenizer]
-    except (KeyError, TypeError):
-        dec = backend_decoder(tokenizer)
-        try:
-            _BACKEND_DECODERS[tokenizer] = dec
-        except TypeError:  # not weak-referenceable
-            pass
-        return dec
-
-
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas that never split a UTF-8 character.
 
@@ -85,7 +69,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(tail)
         self.output_token_ids: list[int] = []
         self.text = ""
-        self._backend_decode = _backend_decoder_of(tokenizer)
+        self._backend_decode = backend_decoder(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:  # spaces_between_special_tokens: slow-only option
