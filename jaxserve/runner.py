@@ -363,21 +363,18 @@ _WARMUP_OTHER_BRANCHES = (
 )
 
 
-def default_scheduler_limits(usage_context: str = "llm_class") -> tuple[int, int, int, int]:
+def default_scheduler_limits() -> tuple[int, int, int, int]:
     """(max_num_seqs, max_num_batched_tokens, min_token_bucket, bucket growth) for the backend.
 
     vLLM's defaults on a GPU. On CPU the ladder starts at 1 so single-request decode pays for
     one row, and doubles so a decode batch of up to 32 rows is padded by less than 2x (a small-M
-    matmul costs nearly in proportion to M there). The token budget is vLLM's for CPU: 4096 for
-    the offline ``LLM`` (``usage_context="llm_class"``), 2048 for the server
-    (``"openai_api_server"``); a whole batch of prompts then prefills in one or two steps, which
-    measured 7.4 s against 8.3 s in 256-token steps for 32 x 128 prompt tokens of SmolLM2.
+    matmul costs nearly in proportion to M there); 256 tokens per step already reach the
+    matmul's peak on a CPU. vLLM's CPU budget (4096 offline, 2048 served) is not taken: each
+    bucket above 256 is compiled and run at warm-up, and a cached start of SmolLM2 on 2 cores
+    took 56 / 75 / 95 / 144 s at 256 / 1024 / 2048 / 4096, to gain ~1 s of prefill on 32 x 128
+    prompt tokens (7.4-8.0 s in one step against 8.3 s in sixteen); pass
+    ``max_num_batched_tokens`` for long offline batches.
     """
-    if usage_context not in USAGE_CONTEXTS:
-        raise ValueError(f"usage_context {usage_context!r} is not one of {USAGE_CONTEXTS}")
     if jax.default_backend() == "gpu":
         return 256, 2048, 16, 2
-    return 32, 4096 if usage_context == "llm_class" else 2048, 1, 2
-
-
-USAGE_CONTEXTS = ("llm_class", "openai_api_server")
+    return 32, 256, 1, 2

@@ -202,19 +202,3 @@ def test_generate_one_shot(capsys, caplog, tiny_llama_dir):
     assert len(done) == 2
     assert all(re.match(r"\d+ prompt tokens, [1-5] generated, finish_reason=(length|stop)", m)
                for m in done), done
-
-
-def test_cpu_token_budget_follows_the_usage_context_like_vllm():
-    """vLLM's CPU defaults: 4096 tokens per step for the offline ``LLM``, 2048 for the server;
-    ``jaxserve serve`` takes the server's, ``generate`` and ``LLM(...)`` the offline one."""
-    from jaxserve.entrypoints.llm import engine_config_from_kwargs
-    from jaxserve.runner import default_scheduler_limits
-
-    budget = lambda c: c.scheduler.max_num_batched_tokens  # noqa: E731
-    assert budget(engine_config_from_args(parse("serve"))) == 2048
-    assert budget(engine_config_from_args(parse("generate", "m", "--prompt", "x"))) == 4096
-    assert budget(engine_config_from_kwargs()) == 4096
-    assert budget(engine_config_from_kwargs(max_num_batched_tokens=300)) == 300  # flag wins
-    assert default_scheduler_limits("openai_api_server")[0] == 32
-    with pytest.raises(ValueError, match="usage_context"):
-        default_scheduler_limits("batch")

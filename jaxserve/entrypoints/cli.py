@@ -190,8 +190,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         load_format=args.load_format, attention_backend=args.attention_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
-        min_token_bucket=args.min_token_bucket,
-        usage_context="openai_api_server" if args.command == "serve" else "llm_class")
+        min_token_bucket=args.min_token_bucket)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

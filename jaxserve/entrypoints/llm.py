@@ -21,12 +21,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               data_parallel_size=1, load_format="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
-                              min_token_bucket=None, token_bucket_growth=None,
-                              usage_context="llm_class") -> EngineConfig:
-    """``LLM(...)``'s keyword arguments -> ``EngineConfig``. ``usage_context`` picks the
-    device defaults left unset, as in vLLM: ``"llm_class"`` (offline) or
-    ``"openai_api_server"`` (``jaxserve serve``)."""
-    seqs, toks, min_bucket, growth = default_scheduler_limits(usage_context)
+                              min_token_bucket=None, token_bucket_growth=None) -> EngineConfig:
+    seqs, toks, min_bucket, growth = default_scheduler_limits()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
         attention_backend=attention_backend, served_model_name=served_model_name,
