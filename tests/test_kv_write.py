@@ -174,3 +174,25 @@ def test_gpu_kernel_step_writes_pool_in_place():
     step = functools.partial(_step, attention=ragged_paged_attention)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*_specs()).compile()
     assert pool_copies(compiled) == []
+
+
+@pytest.mark.parametrize("max_model_len", [64, 1024])  # block tables of 4 and 64 pages
+def test_engine_step_of_every_bucket_writes_pool_in_place(tiny_llama_dir, max_model_len):
+    """The runner's own compiled forward (tiny Llama, CPU XLA attention), bucket by bucket:
+    no layer's pool is copied, for a short and a long block table."""
+    from jaxserve.engine import LLMEngine
+    from jaxserve.entrypoints.llm import engine_config_from_kwargs
+
+    engine = LLMEngine(engine_config_from_kwargs(
+        str(tiny_llama_dir), max_model_len=max_model_len, max_num_seqs=4,
+        max_num_batched_tokens=16, min_token_bucket=1, num_gpu_blocks_override=2048))
+    runner = engine.runner
+    pool = runner.kv_pages[0][0]
+    pool_bytes = pool.size * pool.dtype.itemsize
+    for t in runner.ladder:
+        plan = runner._padding_plan(t, min(t, runner.max_num_seqs), False)
+        compiled = runner._forward.lower(runner._state_leaves, runner.kv_pages,
+                                         plan.device_arrays()).compile()
+        problems = [p for p in pool_copies(compiled, pool.shape, pool_bytes)
+                    if "not aliased" not in p]  # aliases: checked by the tests above
+        assert problems == [], (t, problems)
