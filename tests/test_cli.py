@@ -6,13 +6,13 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from server_process import free_port, wait_healthy
 
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args, main, parse_size
 
@@ -119,12 +119,6 @@ def test_bench_forwards_to_the_script(capsys):
 
 
 # ---- the real commands -----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -157,16 +151,7 @@ def test_serve_starts_answers_and_stops_cleanly(sig, tmp_path, tiny_llama_dir, j
                              "--uvicorn-log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT, env={**_env(), **jax_cache})
     try:
-        deadline = time.time() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "log.txt").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.25)
+        wait_healthy(port, [proc], [tmp_path / "log.txt"], timeout=240)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        headers={"Authorization": "Bearer k"},
                        json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})

@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from server_process import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_FLAGS = ["--max-num-batched-tokens", "32", "--min-token-bucket", "32",
                 "--max-num-seqs", "4", "--max-model-len", "128", "--dtype", "float32"]
 PROMPT, MAX_TOKENS = "The capital of France is", 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -40,7 +34,7 @@ def test_two_process_job_serves_a_request(tiny_model_factory, tmp_path):
     from jaxserve.sampling_params import SamplingParams
 
     model = str(tiny_model_factory("llama"))
-    port, coord = _free_port(), _free_port()
+    port, coord = free_port(), free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     procs, logs = [], []
@@ -54,18 +48,8 @@ def test_two_process_job_serves_a_request(tiny_model_factory, tmp_path):
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT)))
     follower, leader = procs
     try:
-        deadline = time.time() + 300
-        while True:
-            assert leader.poll() is None and follower.poll() is None, \
-                (tmp_path / "host0.log").read_text()[-3000:] + \
-                (tmp_path / "host1.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "the leader never became healthy"
-            time.sleep(1)
+        wait_healthy(port, [leader, follower], [tmp_path / "host0.log", tmp_path / "host1.log"],
+                     timeout=300, poll=1)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json=dict(
             model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0))
         assert r.status_code == 200, r.text
