@@ -206,9 +206,9 @@ def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs
     whole = math.lcm(chunk, short_chunk)
     pad = (-max_pages) % whole
     if max_pages + pad == max(chunk, short_chunk):
-        # One chunk would span the whole table: its slice then folds away, and with one token
-        # per step XLA copied every layer's pool (test_kv_write). A second chunk of trash-page
-        # columns keeps the slice; the loops still stop at each row's context.
+        # One chunk would span the whole table: compiled that way, a one-token step made XLA
+        # copy every layer's pool (test_kv_write; 3x slower single-request decode). A second
+        # chunk of trash-page columns avoids it; the loops still stop at each row's context.
         pad += whole
     if pad:  # whole chunks only; the extra columns point at the trash page and are masked
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))

@@ -88,8 +88,8 @@ def test_donated_step_writes_pool_in_place():
 def test_donated_step_with_xla_attention_writes_pool_in_place(t):
     """The CPU serving path (XLA attention: loops that carry the pool), per token bucket, on a
     block table of 4 pages (one attention chunk spans it). One token is its own case: XLA turns
-    a one-row scatter into an in-place update, and when a chunk's slice covered the whole table
-    it copied every layer's pool at T=1 only (single-request decode with --max-model-len 512:
+    a one-row scatter into an in-place update, and when one chunk covered the whole table it
+    copied every layer's pool at T=1 only (single-request decode with --max-model-len 512:
     9.6 tokens/s, 30.6 once the table is padded to two chunks)."""
     from pallas_kernels import xla_attention
 
