@@ -347,6 +347,7 @@ def static_scrape_config(targets: str, interval: str = "15s") -> dict:
         job.pop("kubernetes_sd_configs")
         job.pop("relabel_configs")
         job.pop("scrape_interval", None)
+        job.pop("scrape_timeout", None)
         job["static_configs"] = [{"targets": [targets]}]
     return cfg
 
