@@ -58,7 +58,7 @@ class _DeviceTimer:
 
 def bench_jaxserve(path, prompts, output_len, llm_kwargs=None):
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(path, **(llm_kwargs or {}))
@@ -145,7 +145,7 @@ def main(argv=None):
                                                   "results", "cpu_smollm2.json"))
     args = ap.parse_args(argv)
 
-    from jaxserve.gguf_loader import default_model_path, load_gguf
+    from jaxserve.loaders.gguf import default_model_path, load_gguf
 
     path = args.model or default_model_path()
     vocab = load_gguf(path)[0]["vocab_size"]

@@ -117,7 +117,7 @@ class StepTimer:
 
 def run_jaxserve(args, model_dir: str, requests: list[B.BenchRequest], log=print) -> dict:
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     kwargs = B.llm_kwargs(args, requests)
     t0 = time.perf_counter()

@@ -56,8 +56,8 @@ def test_preset_byte_counts_match_hf_and_jaxserve(preset):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxserve.config import ModelConfig
-    from jaxserve.kv_cache import page_bytes
-    from jaxserve.presets import param_count, preset_config
+    from jaxserve.worker.kv_cache import page_bytes
+    from jaxserve.testing.presets import param_count, preset_config
 
     cfg = preset_config(preset)
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
@@ -159,7 +159,7 @@ def test_presets_write_config_and_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     from jaxserve.config import ModelConfig
-    from jaxserve.presets import PRESETS, write_preset
+    from jaxserve.testing.presets import PRESETS, write_preset
 
     for name in PRESETS:
         out = write_preset(name, str(tmp_path / name))
@@ -298,7 +298,7 @@ def test_serving_against_launched_server(tmp_path, tiny_llama_dir):
 
 
 def test_make_tiny_model_preset_flag(tmp_path):
-    from jaxserve.presets import PRESETS
+    from jaxserve.testing.presets import PRESETS
 
     out = tmp_path / "tl"
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--preset",

@@ -205,14 +205,16 @@ def _serve(args) -> int:
     from jaxserve.entrypoints.openai.server import run_server
 
     if args.num_hosts > 1:  # before anything else touches JAX
-        from jaxserve import multihost
+        from jaxserve.worker import multihost
 
         multihost.initialize(args.num_hosts, args.host_index, args.coordinator)
     config = engine_config_from_args(args)
     config.parallel.num_hosts, config.parallel.host_index = args.num_hosts, args.host_index
     config.parallel.coordinator = args.coordinator
     if args.num_hosts > 1 and args.host_index != 0:
-        return multihost.run_follower(config)  # the leader serves HTTP; followers replay
+        from jaxserve.engine.multihost_engine import run_follower
+
+        return run_follower(config)  # the leader serves HTTP; followers replay
     run_server(config, host=args.host, port=args.port, api_key=args.api_key,
                uvicorn_log_level=args.uvicorn_log_level,
                served_model_names=args.served_model_name, chat_template=args.chat_template)
@@ -221,7 +223,7 @@ def _serve(args) -> int:
 
 def _generate(args) -> int:
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     engine_config_from_args(args)  # validate the flags before the slow model load
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -257,7 +259,7 @@ def _bench(args) -> int:
 def _convert(args) -> int:
     import time
 
-    from jaxserve.loader import convert_to_orbax
+    from jaxserve.loaders.model_loader import convert_to_orbax
 
     t0 = time.perf_counter()
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)

@@ -7,11 +7,11 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
-from jaxserve.outputs import RequestOutput
-from jaxserve.runner import default_scheduler_limits
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.worker.runner import default_scheduler_limits
+from jaxserve.core.sampling_params import SamplingParams
 
 
 def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_model_len=None,
@@ -66,7 +66,7 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True
              ) -> list[RequestOutput]:
-        from jaxserve.tokenizer import apply_chat_template
+        from jaxserve.engine.tokenizer import apply_chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [apply_chat_template(self.llm_engine.tokenizer, c, add_generation_prompt,
                                        chat_template) for c in convs]

@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from jaxserve.block_manager import BlockManager, cdiv
+from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.request import Request, RequestStatus
-from jaxserve.step_plan import ScheduledSeq
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.step_plan import ScheduledSeq
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
 

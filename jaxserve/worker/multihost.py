@@ -164,31 +164,3 @@ def follow(engine) -> int:
             args, kwargs = pickle.loads(payload)
             execute(*args, **kwargs)
             channel.num_steps += 1
-
-
-def make_leader_async_llm(config):
-    """The leader's ``AsyncLLM``, whose shutdown also stops the followers."""
-    from jaxserve.async_engine import AsyncLLM
-    from jaxserve.engine import LLMEngine
-
-    check_config(config)
-    engine = LLMEngine(config)
-    leader = Leader(engine)
-
-    class LeaderAsyncLLM(AsyncLLM):
-        async def shutdown(self) -> None:
-            await super().shutdown()
-            leader.stop()
-
-    llm = LeaderAsyncLLM(config, engine=engine)
-    llm.leader = leader
-    return llm
-
-
-def run_follower(config) -> int:
-    from jaxserve.engine import LLMEngine
-
-    check_config(config)
-    engine = LLMEngine(config)
-    logger.info("follower %d ready; replaying the leader's steps", config.parallel.host_index)
-    return follow(engine)

@@ -18,8 +18,8 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from jaxserve.request import Request
-from jaxserve.step_plan import TRASH_PAGE
+from jaxserve.core.request import Request
+from jaxserve.core.step_plan import TRASH_PAGE
 
 
 def hash_page_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys=None) -> int:

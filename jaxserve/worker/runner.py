@@ -20,14 +20,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import parallel
-from jaxserve import sampler as sampler_lib
+from jaxserve.worker import parallel
+from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kv_cache import allocate_kv_pages, page_bytes
+from jaxserve.worker.kv_cache import allocate_kv_pages, page_bytes
 from jaxserve.models.layers import AttentionMetadata
-from jaxserve.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.step_plan import (
+from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_plan import (
     TRASH_PAGE,
     ScheduledSeq,
     StepPlan,
@@ -193,7 +193,7 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
-        self.mesh = mesh  # tensor parallel (jaxserve.parallel); None: single device
+        self.mesh = mesh  # tensor parallel (jaxserve.worker.parallel); None: single device
         tp = parallel.tp_size(mesh)
         if mesh is not None:
             kv_sharding = parallel.kv_pool_sharding(mesh)

@@ -18,17 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.block_manager import BlockManager
+from jaxserve.core.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.loader import load_model, load_tokenizer, resolve_dtype
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.parallel import engine_mesh
-from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner, default_attention_backend, enable_compilation_cache
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
+from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
+from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.worker.parallel import engine_mesh
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.worker.runner import ModelRunner, default_attention_backend, enable_compilation_cache
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidRequestError(str(e), param="dtype") from None
         if config.model is None:
-            from jaxserve.gguf_loader import default_model_path
+            from jaxserve.loaders.gguf import default_model_path
             config.model = default_model_path()
             config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
         backend = config.attention_backend
@@ -104,7 +104,7 @@ class LLMEngine:
                                   param_bytes=param_bytes, mesh=self.mesh)
         self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
-        from jaxserve.kv_cache import page_bytes
+        from jaxserve.worker.kv_cache import page_bytes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
                                    self.max_model_len,
                                    page_bytes=page_bytes(mc, config.cache.block_size, self.dtype))
@@ -381,6 +381,6 @@ def _eos_ids(eos, tokenizer) -> frozenset[int]:
 def _load_tokenizer(model_path, tokenizer):
     """A GGUF file carries its own tokenizer and chat template; a HF dir has tokenizer files."""
     if tokenizer is None and str(model_path).endswith(".gguf"):
-        from jaxserve.gguf_loader import gguf_tokenizer
+        from jaxserve.loaders.gguf import gguf_tokenizer
         return gguf_tokenizer(model_path)
     return load_tokenizer(model_path, tokenizer)
