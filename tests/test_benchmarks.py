@@ -197,7 +197,7 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
         "--output-len", str(out_len), *ENGINE_FLAGS, "--num-warmup-prompts", "1",
         "--hf-baseline", "--hf-batch-sizes", "2,4", "--hf-cb-baseline",
         "--hf-cb-attn-impls", "sdpa,no_such_attention", "--roofline",
-        "--result-dir", str(tmp_path)])
+        "--compare-async-scheduling", "--result-dir", str(tmp_path)])
     files = list(tmp_path.glob("throughput-*.json"))
     assert len(files) == 1
     d = json.loads(files[0].read_text())
@@ -213,8 +213,13 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
     assert r["num_prompt_tokens"] == n * 12
     assert r["num_steps"] >= out_len and r["device_ms_per_step"] > 0
     assert r["host_ms_per_step"] > 0
-    assert r["host_time_fraction"] == pytest.approx(r["host_ms_per_step"] /
-                                                    r["device_ms_per_step"])
+    wall = r["step_ms_per_step"] * r["num_steps"]
+    dev = r["device_ms_per_step"] * r["num_steps"]
+    assert r["host_overhead_fraction"] == pytest.approx((wall - dev) / dev, rel=0.05)
+    sync = d["jaxserve_sync"]
+    assert r["async_scheduling"] is True and sync["async_scheduling"] is False
+    assert sync["num_output_tokens"] == r["num_output_tokens"]
+    assert d["host_overhead_fraction_sync"] == sync["host_overhead_fraction"]
     assert r["decode_batch"] == 4 and r["decode_step_throughput"] > 0
     assert isinstance(r["compiles_after_warmup"], int) and r["compiles_after_warmup"] >= 0
     # baselines measured the same requests

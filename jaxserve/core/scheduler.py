@@ -24,7 +24,7 @@ from typing import Iterable
 from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.core.step_plan import ScheduledSeq
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
@@ -69,14 +69,17 @@ class SchedulerOutput:
     def num_scheduled(self) -> int:
         return len(self.scheduled)
 
-    def to_rows(self) -> list[ScheduledSeq]:
-        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order."""
+    def to_rows(self, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
+        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order. ``prev_rows``:
+        request id -> its row in the previous (still running) step, for pending tokens."""
+        prev_rows = prev_rows or {}
         return [
             ScheduledSeq(
                 new_token_ids=s.new_token_ids,
                 start_pos=s.start_pos,
                 block_ids=s.request.block_ids,
                 sample=s.sample,
+                prev_row=prev_rows.get(s.request.request_id, -1),
             )
             for s in self.scheduled
         ]
@@ -300,6 +303,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and req.max_tokens is not None and \
+                    req.num_output_tokens >= req.max_tokens:
+                i += 1  # its last token is still on the device; the engine finishes it then
+                continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
@@ -364,10 +371,11 @@ class Scheduler:
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests after the device step; append the sampled token of
-        every row that samples; register newly full pages in the prefix cache. Returns the
-        requests that got a new token (the engine checks them for stopping)."""
+                           sampled: dict[str, int] | None = None) -> list[Request]:
+        """Advance the scheduled requests after the step was dispatched; append the sampled token
+        of every row that samples (``PLACEHOLDER`` when ``sampled`` is None: the engine resolves
+        it once the ids reach the host); register newly full pages in the prefix cache. Returns
+        the requests that got a new token (the engine checks them for stopping)."""
         got_token = []
         for s in scheduler_output.scheduled:
             req = s.request
@@ -375,7 +383,7 @@ class Scheduler:
                 continue  # finished/aborted while the step ran
             req.num_computed_tokens += s.num_new_tokens
             if s.sample:
-                tok = sampled.get(req.request_id)
+                tok = PLACEHOLDER if sampled is None else sampled.get(req.request_id)
                 if tok is None:
                     raise ValueError(f"no sampled token for request {req.request_id!r}")
                 req.append_output_token(tok)

@@ -106,6 +106,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--attention-backend", default=EngineConfig.attention_backend,
                    help="auto | reference | pallas (default: %(default)s; auto: Pallas on GPU, "
                         "the XLA reference on CPU)")
+    d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.async_scheduling,
+                   help="schedule and dispatch the next step while the current one runs "
+                        "(exact; default: %(default)s)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -190,7 +194,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         load_format=args.load_format, attention_backend=args.attention_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
-        min_token_bucket=args.min_token_bucket)
+        min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -21,11 +21,13 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               data_parallel_size=1, load_format="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
-                              min_token_bucket=None, token_bucket_growth=None) -> EngineConfig:
+                              min_token_bucket=None, token_bucket_growth=None,
+                              async_scheduling=True) -> EngineConfig:
     seqs, toks, min_bucket, growth = default_scheduler_limits()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
         attention_backend=attention_backend, served_model_name=served_model_name,
+        async_scheduling=bool(async_scheduling),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
