@@ -150,9 +150,6 @@ class BlockManager:
         return True
 
     # -- allocation -------------------------------------------------------------------------
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
-
     def allocate_slots(
         self,
         request: Request,

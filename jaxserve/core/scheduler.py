@@ -53,9 +53,6 @@ class SchedulerOutput:
     # (request_id, page ids): copy the host copy back into these pages BEFORE running the step.
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
     finished_aborted: list[str] = field(default_factory=list)  # aborted by the scheduler now
-    # finished by the scheduler at max_model_len (safety net; empty if the engine stops at
-    # request.max_tokens as it should)
-    finished_length: list[str] = field(default_factory=list)
     # every request finished since the previous schedule() (engine stops, aborts, and the
     # above): the runner drops per-request state (host swap copies, sampler state).
     finished_req_ids: list[str] = field(default_factory=list)
@@ -310,7 +307,6 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
-                out.finished_length.append(req.request_id)
                 continue
             scheduled = True
             while not bm.allocate_slots(req, n):
