@@ -92,7 +92,8 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: Mosaic
 
 def _block_metadata(query_start, seq_lens, num_seqs, group, nb):
     """``[nb, 32]`` int32 per 64-row block: seq, first row in ``[T * G]``, row offset in its
-    sequence, real rows, position of the sequence's first new token, and 0 padding."""
+    sequence, real rows, position of the sequence's first new token (0 padding); and the first
+    block of every sequence ``[S]``."""
     s_len = seq_lens.shape[0]
     qs = query_start.astype(jnp.int32)
     q_len = qs[1:] - qs[:-1]
@@ -102,14 +103,15 @@ def _block_metadata(query_start, seq_lens, num_seqs, group, nb):
     end = jnp.cumsum(nblk)
     b = jnp.arange(nb, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(end, b, side="right"), s_len - 1).astype(jnp.int32)
-    first = (end - nblk)[seq]
+    seq_first = end - nblk  # first block of every sequence
+    first = seq_first[seq]
     active = b < end[-1]
     r_rel = (b - first) * _ROWS
     rows = jnp.where(active, jnp.clip(nrow[seq] - r_rel, 0, _ROWS), 0)
     row0 = qs[seq] * group + r_rel
     pos0 = seq_lens[seq] - q_len[seq]
     fields = jnp.stack([seq, row0, r_rel, rows, pos0], axis=1)
-    return jnp.pad(fields, ((0, 0), (0, _META - 5))), first
+    return jnp.pad(fields, ((0, 0), (0, _META - 5))), seq_first
 
 
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, soft_cap,
@@ -234,6 +236,18 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
     )
 
 
+def fit_stages(cfg: MosaicTileConfig, head_dim, itemsize, bt_entries, budget=220 * 1024):
+    """The configured stage count, lowered until the kernel's shared memory fits Hopper's
+    227 KB per block (q tile, f32 output tile, block-table row, K and V stages)."""
+    fixed = _META * 4 + bt_entries * 4 + _ROWS * head_dim * (itemsize + 4) + _ROWS * 4 + 1024
+    per_stage = 2 * cfg.block_kv * head_dim * itemsize
+    stages = min(cfg.num_stages, (budget - fixed) // per_stage)
+    if stages < 1:
+        raise ValueError(f"block_kv {cfg.block_kv} x head_dim {head_dim} does not fit shared "
+                         "memory; use a smaller block_kv")
+    return stages
+
+
 def call_grid(t, hq, hkv, s_len, max_pages, page_size, cfg: MosaicTileConfig):
     """Static ``(num_blocks, num_splits, min_iters)`` of a step bucket."""
     group = hq // hkv
@@ -266,6 +280,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, mp - max_pages)))
     if mp > 256:
         bt = bt.reshape(s_len, mp // 256, 256)
+    cfg = cfg.replace(num_stages=fit_stages(cfg, d, q.dtype.itemsize, mp))
     q_rows = q.reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, t * group, d)
 
     kernel = functools.partial(
