@@ -31,15 +31,19 @@ def random_prompts(n, length, vocab, seed=0, first_id=100):
 
 
 class _DeviceTimer:
-    """Times ``runner.execute`` (dispatch + device + sampled ids back) per step, by bucket."""
+    """Times ``runner.dispatch`` until the step's sampled ids are ready, per step, by bucket
+    (it waits for each step, so the run it times does not overlap host and device work)."""
 
     def __init__(self, runner):
-        self.runner, self.orig, self.rows = runner, runner.execute, []
-        runner.execute = self
+        self.runner, self.orig, self.rows = runner, runner.dispatch, []
+        runner.dispatch = self
 
     def __call__(self, plan, *a, **kw):
+        import jax
+
         t0 = time.perf_counter()
         out = self.orig(plan, *a, **kw)
+        jax.block_until_ready(out.sampled.token_ids)
         self.rows.append((plan.token_bucket, plan.num_seqs, plan.num_tokens,
                           time.perf_counter() - t0))
         return out
@@ -58,7 +62,7 @@ class _DeviceTimer:
 
 def bench_jaxserve(path, prompts, output_len, llm_kwargs=None):
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(path, **(llm_kwargs or {}))
@@ -73,7 +77,7 @@ def bench_jaxserve(path, prompts, output_len, llm_kwargs=None):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=output_len, **greedy), use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    llm.llm_engine.runner.execute = timer.orig
+    llm.llm_engine.runner.dispatch = timer.orig
     steps = timer.summary()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -145,7 +149,7 @@ def main(argv=None):
                                                   "results", "cpu_smollm2.json"))
     args = ap.parse_args(argv)
 
-    from jaxserve.gguf_loader import default_model_path, load_gguf
+    from jaxserve.loaders.gguf import default_model_path, load_gguf
 
     path = args.model or default_model_path()
     vocab = load_gguf(path)[0]["vocab_size"]

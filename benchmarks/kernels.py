@@ -64,6 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the reference check")
     p.add_argument("--tiles", default=None,
                    help='JSON dict of TileConfig overrides, e.g. \'{"decode_block_kv": 128}\'')
+    p.add_argument("--backends", default=None,
+                   help="comma list of pallas, mosaic, triton, timed side by side (default: all "
+                        "three on a GPU, pallas on CPU); the fastest checked one is reported as "
+                        "the default")
     p.add_argument("--sweep", action="store_true", help="time a grid of tile parameters per case")
     p.add_argument("--sweep-budget-s", type=float, default=300.0,
                    help="wall-clock budget of the whole sweep")
@@ -139,18 +143,31 @@ def attention_flops(q_lens, ctx_lens, args):
 # ------------------------------------------------------------------------------------------
 # implementations
 # ------------------------------------------------------------------------------------------
-def ours_fn(args, tiles):
+def ours_fn(args, tiles, backend="pallas"):
+    """One of jaxserve's attention backends: "pallas" (Pallas-Triton), "mosaic" (Pallas Mosaic
+    GPU) or "triton" (Triton language via jax_triton). ``tiles`` apply to pallas and triton."""
     import jax
 
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
     sm_scale = args.head_dim ** -0.5
+    if backend == "pallas":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+        kw = dict(tiles, interpret=args.interpret)
+    elif backend == "mosaic":
+        from pallas_kernels.mosaic_gpu_attention import ragged_paged_attention
+
+        kw = {}
+    elif backend == "triton":
+        from pallas_kernels.triton_attention import ragged_paged_attention
+
+        kw = dict(tiles)
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
 
     @jax.jit
     def run(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs):
         return ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
-                                      num_seqs, sm_scale=sm_scale, interpret=args.interpret,
-                                      **tiles)
+                                      num_seqs, sm_scale=sm_scale, **kw)
 
     return run
 
@@ -211,7 +228,7 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def check_vs_reference(case, args, tiles, budget_bytes=1 << 28):
+def check_vs_reference(case, args, tiles, budget_bytes=1 << 28, backend="pallas"):
     """Kernel == reference on the case, or on a sub-batch when the reference would be too big."""
     import jax
 
@@ -227,7 +244,7 @@ def check_vs_reference(case, args, tiles, budget_bytes=1 << 28):
         keep = [0] + ([q_lens.index(1)] if 1 in q_lens and q_lens[0] != 1 else [])
         sub = dict(case, q_lens=[q_lens[i] for i in keep], ctx_lens=[ctx[i] for i in keep])
     _, dev = build(sub, args, seed=1)
-    out = ours_fn(args, tiles)(*dev.values())
+    out = ours_fn(args, tiles, backend)(*dev.values())
     ref = jax.jit(functools.partial(reference.ragged_paged_attention,
                                     sm_scale=args.head_dim ** -0.5))(
         dev["q"], dev["k_pages"], dev["v_pages"], dev["query_start"], dev["seq_lens"],
@@ -260,6 +277,21 @@ def run_case(case, args, tiles, copy_bw):
     res["ours"] = dict(t, bytes_per_s=(kvb + iob) / t["median_s"],
                        frac_copy_bw=(kvb + iob) / t["median_s"] / copy_bw,
                        tflops=flops / t["median_s"] / 1e12)
+    res["backends"] = {"pallas": dict(res["ours"], check=res.get("check"))}
+    for backend in args.backend_list:
+        if backend == "pallas":
+            continue
+        try:
+            entry = {}
+            if not args.no_check:
+                entry["check"] = check_vs_reference(case, args, tiles, backend=backend)
+            t = timed(ours_fn(args, tiles, backend), *dev.values(), args=args)
+            entry.update(t, bytes_per_s=(kvb + iob) / t["median_s"],
+                         frac_copy_bw=(kvb + iob) / t["median_s"] / copy_bw,
+                         tflops=flops / t["median_s"] / 1e12)
+        except Exception as e:  # one backend failing must not lose the others' numbers
+            entry = dict(error=f"{type(e).__name__}: {e}"[:500])
+        res["backends"][backend] = entry
     if args.no_baseline:
         return res
     out_ours = np.asarray(ours(*dev.values()), np.float32)
@@ -296,7 +328,9 @@ def run_case(case, args, tiles, copy_bw):
     else:
         res["bound"] = mixed_bound(case, args, copy_bw)
         if res["bound"].get("bound_s"):
-            res["ours"]["x_of_bound"] = res["ours"]["median_s"] / res["bound"]["bound_s"]
+            for entry in [res["ours"], *res["backends"].values()]:
+                if entry.get("median_s"):
+                    entry["x_of_bound"] = entry["median_s"] / res["bound"]["bound_s"]
     return res
 
 
@@ -433,6 +467,38 @@ def plot(results, path, copy_bw):
     return path
 
 
+def choose_backend(cases):
+    """The backend with the least total time over the cases, among those that ran every case
+    and matched the reference on each (None when no backend qualifies)."""
+    totals = {}
+    for name in {n for c in cases for n in c.get("backends", {})}:
+        entries = [c.get("backends", {}).get(name, {}) for c in cases]
+        if all(e.get("median_s") and (e.get("check") or {}).get("ok", True) for e in entries):
+            totals[name] = sum(e["median_s"] for e in entries)
+    best = min(totals, key=totals.get) if totals else None
+    return dict(backend=best, total_s=totals, rule="least total median time over all cases, "
+                "reference check passed")
+
+
+def backend_table(results):
+    names = sorted({n for c in results["cases"] for n in c.get("backends", {})})
+    lines = [f"{'case':<28}" + "".join(f"{n + ' ms':>14}{'%bw/xb':>8}" for n in names)]
+    for r in results["cases"]:
+        row = f"{r['case']:<28}"
+        for n in names:
+            e = r.get("backends", {}).get(n, {})
+            if not e.get("median_s"):
+                row += f"{'error' if e.get('error') else '-':>14}{'':>8}"
+                continue
+            ok = (e.get("check") or {}).get("ok", True)
+            extra = (f"x{e['x_of_bound']:.2f}" if r["kind"] == "mixed" and e.get("x_of_bound")
+                     else f"{100 * e['frac_copy_bw']:.0f}%")
+            row += f"{e['median_s'] * 1e3:>13.3f}{'' if ok else '!'}{extra:>8}"
+        lines.append(row)
+    lines.append(f"default backend: {results.get('default_backend', {}).get('backend')}")
+    return "\n".join(lines)
+
+
 def summary_table(results):
     lines = [f"{'case':<28}{'ours ms':>10}{'%bw':>7}{'jax paged ms':>14}{'%bw':>7}"
              f"{'dense ms':>10}{'check':>10}"]
@@ -476,6 +542,8 @@ def main(argv=None) -> int:
     if args.tiny:
         apply_tiny(args)
     tiles = json.loads(args.tiles) if args.tiles else {}
+    args.backend_list = [b.strip() for b in (args.backends or (
+        "pallas,mosaic,triton" if accel else "pallas")).split(",") if b.strip()]
     meta = common.run_metadata()
     bw = common.measure_copy_bandwidth()
     copy_bw = bw["bandwidth_bytes_per_s"]
@@ -498,6 +566,7 @@ def main(argv=None) -> int:
         for i, c in enumerate(cases):  # an equal share of what is left for each case
             share = (args.sweep_budget_s - (time.time() - t_sweep)) / (len(cases) - i)
             results["sweep"].append(run_sweep(c, args, tiles, time.time() + share))
+    results["default_backend"] = choose_backend(results["cases"])
     path = common.result_path("kernels", args, tag="-tiny" if args.tiny else "")
     common.write_json(path, results)
     print(f"wrote {path}")
@@ -505,7 +574,10 @@ def main(argv=None) -> int:
         print(f"wrote {plot(results, path[:-5] + '.png', copy_bw)}")
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s on {meta['device']}")
     print(summary_table(results))
-    bad = [r["case"] for r in results["cases"] if r.get("check") and not r["check"]["ok"]]
+    print(backend_table(results))
+    bad = [f"{r['case']}:{name}" for r in results["cases"]
+           for name, e in r.get("backends", {"pallas": r}).items()
+           if e.get("check") and not e["check"]["ok"]]
     if bad:
         print(f"REFERENCE CHECK FAILED: {bad}")
         return 1

@@ -62,7 +62,7 @@ def main(argv=None) -> dict:
     bandwidth = B.measure_copy_bandwidth() if args.roofline else None
 
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model_dir, **B.llm_kwargs(args, requests))

@@ -45,8 +45,8 @@ def _write_preset_safetensors(preset: str, out: str, dtype) -> str:
     from flax import nnx
     from safetensors.numpy import save_file
 
-    from jaxserve.loader import load_model
-    from jaxserve.presets import write_preset
+    from jaxserve.loaders.model_loader import load_model
+    from jaxserve.testing.presets import write_preset
 
     write_preset(preset, out)
     model = load_model(out, dtype=dtype, load_format="dummy")[0]
@@ -59,7 +59,7 @@ def _write_preset_safetensors(preset: str, out: str, dtype) -> str:
 def _timed_load(path: str, load_format: str, dtype, mesh) -> tuple[float, int]:
     import jax
 
-    from jaxserve.loader import load_model
+    from jaxserve.loaders.model_loader import load_model
 
     t0 = time.perf_counter()
     model = load_model(path, dtype=dtype, load_format=load_format, mesh=mesh)[0]
@@ -71,8 +71,8 @@ def _timed_load(path: str, load_format: str, dtype, mesh) -> tuple[float, int]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from jaxserve.loader import _resolve_model_path, convert_to_orbax
-    from jaxserve.parallel import make_mesh
+    from jaxserve.loaders.model_loader import _resolve_model_path, convert_to_orbax
+    from jaxserve.worker.parallel import make_mesh
 
     mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

@@ -32,6 +32,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip detokenization (vLLM's flag); HF baselines never detokenize")
     p.add_argument("--num-warmup-prompts", type=int, default=8,
                    help="requests run (4 output tokens each) before the timed run")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's async scheduling (vLLM's flag)")
+    p.add_argument("--compare-async-scheduling", action="store_true",
+                   help="also run the engine with async scheduling off, same requests, and "
+                        "report both (jaxserve_sync)")
     B.add_baseline_args(p)
     B.add_output_args(p)
     args = p.parse_args(argv)
@@ -41,25 +46,29 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class StepTimer:
-    """Wraps the engine's step, the runner's execute and build_plan to time each step.
+    """Times every engine step and keeps each dispatched plan, so the device time of the same
+    steps can be measured afterwards with nothing else running (``replay_device_time``).
 
-    device = ``runner.execute`` (dispatch, device compute, sampled ids back on the host);
-    host = the rest of ``engine.step`` (scheduling, plan building, stop checks, outputs).
+    ``host_overhead_fraction`` = (wall time of the steps - device busy time) / device busy
+    time: 0 when the host never keeps the device waiting. ``host_ms_per_step`` is the host's own
+    work per step (the step's wall time minus the time it waited for the device's ids).
     """
 
     def __init__(self, engine):
         self.engine, self.runner = engine, engine.runner
         self.records: list[dict] = []
+        self.plans: list[tuple] = []
         self._cur: dict | None = None
-        self._orig = (engine.step, self.runner.execute, self.runner.build_plan)
-        engine.step, self.runner.execute = self._step, self._execute
+        self._orig = (engine.step, self.runner.dispatch, self.runner.fetch,
+                      self.runner.build_plan)
+        engine.step, self.runner.dispatch, self.runner.fetch = self._step, self._dispatch, self._fetch
         self.runner.build_plan = self._build_plan
         self.enabled = False
 
     def _step(self):
         if not self.enabled:
             return self._orig[0]()
-        self._cur = {"execute_s": 0.0, "plan_s": 0.0, "rows": 0, "tokens": 0}
+        self._cur = {"fetch_s": 0.0, "plan_s": 0.0, "rows": 0, "tokens": 0}
         t0 = time.perf_counter()
         out = self._orig[0]()
         self._cur["step_s"] = time.perf_counter() - t0
@@ -67,16 +76,21 @@ class StepTimer:
         self._cur = None
         return out
 
-    def _execute(self, plan, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self._orig[1](plan, *args, **kwargs)
+    def _dispatch(self, plan, *args, **kwargs):
         if self._cur is not None:
-            self._cur["execute_s"] += time.perf_counter() - t0
+            self.plans.append((plan, args, kwargs))
+        return self._orig[1](plan, *args, **kwargs)
+
+    def _fetch(self, handle):
+        t0 = time.perf_counter()
+        out = self._orig[2](handle)
+        if self._cur is not None:
+            self._cur["fetch_s"] += time.perf_counter() - t0
         return out
 
     def _build_plan(self, rows, inputs):
         t0 = time.perf_counter()
-        plan = self._orig[2](rows, inputs)
+        plan = self._orig[3](rows, inputs)
         if self._cur is not None:
             self._cur["plan_s"] += time.perf_counter() - t0
             self._cur["rows"] = len(rows)
@@ -84,42 +98,63 @@ class StepTimer:
                 getattr(r, "num_new_tokens", 1) for r in rows))
         return plan
 
+    def restore(self) -> None:
+        self.engine.step, self.runner.dispatch, self.runner.fetch, self.runner.build_plan = \
+            self._orig
+
+    def replay_device_time(self) -> list[float]:
+        """Each recorded plan run again, alone, waiting for its ids: the device busy time of
+        that step (dispatch included). The pages it writes are garbage afterwards, so the prefix
+        cache is reset."""
+        import jax
+
+        times = []
+        for plan, args, kwargs in self.plans:
+            t0 = time.perf_counter()
+            h = self._orig[1](plan, *args, **kwargs)
+            jax.block_until_ready(h.sampled.token_ids)
+            times.append(time.perf_counter() - t0)
+        self.engine.block_manager.reset_prefix_cache()
+        return times
+
     def summary(self, max_num_seqs: int) -> dict:
         recs = [r for r in self.records if r["rows"] > 0]
         if not recs:
             return {"num_steps": 0}
-        host = [r["step_s"] - r["execute_s"] for r in recs]
-        dev = [r["execute_s"] for r in recs]
+        dev = self.replay_device_time()
+        wall = sum(r["step_s"] for r in self.records)
+        host = [r["step_s"] - r["fetch_s"] for r in recs]
         out = dict(num_steps=len(recs),
+                   step_ms_per_step=1e3 * wall / len(recs),
                    host_ms_per_step=1e3 * sum(host) / len(recs),
-                   device_ms_per_step=1e3 * sum(dev) / len(recs),
+                   device_ms_per_step=1e3 * sum(dev) / len(dev),
                    plan_ms_per_step=1e3 * sum(r["plan_s"] for r in recs) / len(recs),
-                   host_time_fraction=sum(host) / max(sum(dev), 1e-12),
+                   host_overhead_fraction=(wall - sum(dev)) / max(sum(dev), 1e-12),
                    mean_rows_per_step=sum(r["rows"] for r in recs) / len(recs),
                    mean_tokens_per_step=sum(r["tokens"] for r in recs) / len(recs))
         # Pure decode steps at the largest batch seen (256 running on a GPU by default).
-        decode = [r for r in recs if r["tokens"] == r["rows"]]
+        decode = [(r, d) for r, d in zip(recs, dev) if r["tokens"] == r["rows"]]
         if decode:
-            top = max(r["rows"] for r in decode)
-            full = [r for r in decode if r["rows"] == top]
-            h = sorted(r["step_s"] - r["execute_s"] for r in full)
-            d = sorted(r["execute_s"] for r in full)
+            top = max(r["rows"] for r, _ in decode)
+            full = [(r, d) for r, d in decode if r["rows"] == top]
+            s = B.percentile([r["step_s"] for r, _ in full], 50)
+            d = B.percentile([d for _, d in full], 50)
             out.update(decode_batch=top, decode_batch_is_max_num_seqs=top == max_num_seqs,
                        num_decode_steps_at_batch=len(full),
-                       decode_host_ms_per_step=1e3 * B.percentile(h, 50),
-                       decode_device_ms_per_step=1e3 * B.percentile(d, 50),
-                       decode_host_time_fraction=B.percentile(h, 50) / max(B.percentile(d, 50),
-                                                                           1e-12),
-                       decode_step_throughput=top / max(B.percentile(
-                           [r["step_s"] for r in full], 50), 1e-12))
+                       decode_step_ms=1e3 * s, decode_device_ms_per_step=1e3 * d,
+                       decode_host_overhead_fraction=(s - d) / max(d, 1e-12),
+                       decode_step_throughput=top / max(s, 1e-12))
         return out
 
 
-def run_jaxserve(args, model_dir: str, requests: list[B.BenchRequest], log=print) -> dict:
+def run_jaxserve(args, model_dir: str, requests: list[B.BenchRequest], log=print,
+                 async_scheduling: bool | None = None) -> dict:
+    from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
 
     kwargs = B.llm_kwargs(args, requests)
+    if async_scheduling is not None:
+        kwargs["async_scheduling"] = async_scheduling
     t0 = time.perf_counter()
     llm = LLM(model_dir, **kwargs)
     init_s = time.perf_counter() - t0
@@ -145,6 +180,7 @@ def run_jaxserve(args, model_dir: str, requests: list[B.BenchRequest], log=print
     outs = llm.generate(prompts, sps, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - t0
     timer.enabled = False
+    timer.restore()
 
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_prompt = sum(len(o.prompt_token_ids) for o in outs)
@@ -165,6 +201,7 @@ def run_jaxserve(args, model_dir: str, requests: list[B.BenchRequest], log=print
         num_preemptions=stats.get("num_preemptions"), num_kv_pages=stats.get("num_pages"),
         max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=engine.max_model_len, attention_backend=engine.attention_backend,
+        async_scheduling=engine.async_scheduling,
         dtype=B.resolved_dtype_name(args.dtype),
         token_buckets=[int(t) for t in getattr(engine.runner, "ladder", [])],
     )
@@ -199,9 +236,9 @@ def plot(path: str, result: dict, baselines: dict, roofline: dict | None, steps:
                   f"{result['_output_len']}")
     if steps:
         xs = range(len(steps))
-        ax2.plot(xs, [1e3 * s["execute_s"] for s in steps], label="device (execute)", lw=0.8)
-        ax2.plot(xs, [1e3 * (s["step_s"] - s["execute_s"]) for s in steps], label="host",
-                 lw=0.8)
+        ax2.plot(xs, [1e3 * s["step_s"] for s in steps], label="engine step (wall)", lw=0.8)
+        ax2.plot(xs, [1e3 * (s["step_s"] - s["fetch_s"]) for s in steps],
+                 label="host work (not waiting for ids)", lw=0.8)
         ax2.set_xlabel("engine step")
         ax2.set_ylabel("ms")
         ax2.set_title("time per step")
@@ -227,6 +264,12 @@ def main(argv=None) -> dict:
                                   baselines=baselines))
     bandwidth = B.measure_copy_bandwidth() if args.roofline else None
 
+    res_sync = None
+    if args.compare_async_scheduling:
+        res_sync = run_jaxserve(args, model_dir, requests, async_scheduling=False)
+        res_sync.pop("_step_records")
+        print(f"  async scheduling off: {res_sync['output_throughput']:.1f} output tok/s, "
+              f"host_overhead_fraction {res_sync['host_overhead_fraction']:.3f}")
     res = run_jaxserve(args, model_dir, requests)
     steps = res.pop("_step_records")
     roofline = None
@@ -252,10 +295,16 @@ def main(argv=None) -> dict:
                       "num_attention_heads", "num_key_value_heads", "vocab_size")})
     out = dict(benchmark="throughput", **B.run_metadata(), config=config, jaxserve=res,
                baselines=baselines, roofline=roofline)
+    if res_sync is not None:
+        out["jaxserve_sync"] = res_sync
+        out["host_overhead_fraction_sync"] = res_sync["host_overhead_fraction"]
+        out["output_throughput_sync"] = res_sync["output_throughput"]
+        out["output_throughput_async_vs_sync"] = (res["output_throughput"]
+                                                  / res_sync["output_throughput"])
     # headline fields at the top level too, for tables
     for k in ("request_throughput", "output_throughput", "total_token_throughput",
               "compiles_after_warmup", "host_ms_per_step", "device_ms_per_step",
-              "decode_host_time_fraction"):
+              "host_overhead_fraction", "decode_host_overhead_fraction"):
         if k in res:
             out[k] = res[k]
     for k, v in res.items():

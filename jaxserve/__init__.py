@@ -9,15 +9,15 @@ def __getattr__(name):  # lazy, so host-side modules never pull in jax
         from jaxserve.entrypoints.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from jaxserve.sampling_params import SamplingParams
+        from jaxserve.core.sampling_params import SamplingParams
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):
-        from jaxserve import outputs
+        from jaxserve.core import outputs
         return getattr(outputs, name)
     if name == "AsyncLLM":
-        from jaxserve.async_engine import AsyncLLM
+        from jaxserve.engine.async_llm import AsyncLLM
         return AsyncLLM
     if name == "LLMEngine":
-        from jaxserve.engine import LLMEngine
+        from jaxserve.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(name)

@@ -76,6 +76,8 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | orbax | dummy
     attention_backend: str = "auto"  # auto | reference | pallas
     served_model_name: str | None = None
+    # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
+    async_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -124,6 +124,38 @@ class _CallShape:
     num_stages: int
 
 
+def call_shapes(t, hq, hkv, page_size, s_len, max_pages, head_dim, cfg: TileConfig):
+    """Static shapes of the decode and prefill calls of a step bucket (shared by every backend
+    that cuts the work this way): ``(decode, prefill, split_target, min_iters)``."""
+    gp = _next_pow2(hq // hkv)
+    bm_dec = max(cfg.decode_block_m, gp)
+    bq_dec = bm_dec // gp
+    bm_pre = max(cfg.prefill_block_m, gp)
+    bq_pre = bm_pre // gp
+    max_ctx = max_pages * page_size
+    if cfg.decode_num_splits is None:
+        # Grid bound: no more splits than the longest context allows, partial results of at most
+        # ~64 MB, and ~8 programs per SM when every row of the bucket is a decode (so a full
+        # bucket launches few programs that exit at once). The count used is picked at run time
+        # from the real rows (`_kv_range`), aiming at ~4 programs per SM.
+        by_len = _cdiv(max_ctx, cfg.decode_min_kv_per_split)
+        by_mem = (64 << 20) // max(1, s_len * hkv * bm_dec * head_dim * 4)
+        by_grid = _cdiv(8 * cfg.num_sms, s_len * hkv)
+        ns_dec = max(1, min(16, by_len, by_mem, by_grid))
+        split_target = 4 * cfg.num_sms
+    else:
+        ns_dec = max(1, cfg.decode_num_splits)
+        split_target = 0
+    n_long_max = min(s_len, t // (bq_dec + 1))
+    nb_pre = t // bq_pre + n_long_max if n_long_max else 0
+    dec = _CallShape(bm_dec, bq_dec, cfg.decode_block_kv, s_len, ns_dec, cfg.decode_num_warps,
+                     cfg.decode_num_stages)
+    pre = _CallShape(bm_pre, bq_pre, cfg.prefill_block_kv, nb_pre, max(1, cfg.prefill_num_splits),
+                     cfg.prefill_num_warps, cfg.prefill_num_stages)
+    min_iters = max(1, _cdiv(cfg.decode_min_kv_per_split, cfg.decode_block_kv))
+    return dec, pre, split_target, min_iters
+
+
 def _decode_row(b, qs_ref, sl_ref, nseq_ref, *, bq):
     """(seq, q0, qn, pos0) of decode block ``b`` (block index == sequence index), read straight
     from the step metadata: no per-call metadata arrays are built by XLA ops around the call."""
@@ -425,32 +457,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     gp = _next_pow2(group)
     s_len, max_pages = block_tables.shape
 
-    # Static call shapes.
-    bm_dec = max(cfg.decode_block_m, gp)
-    bq_dec = bm_dec // gp
-    bm_pre = max(cfg.prefill_block_m, gp)
-    bq_pre = bm_pre // gp
-    max_ctx = max_pages * page_size
-    if cfg.decode_num_splits is None:
-        # Grid bound: no more splits than the longest context allows, partial results of at most
-        # ~64 MB, and ~8 programs per SM when every row of the bucket is a decode (so a full
-        # bucket launches few programs that exit at once). The count used is picked at run time
-        # from the real rows (`_kv_range`), aiming at ~4 programs per SM.
-        by_len = _cdiv(max_ctx, cfg.decode_min_kv_per_split)
-        by_mem = (64 << 20) // max(1, s_len * hkv * bm_dec * d * 4)
-        by_grid = _cdiv(8 * cfg.num_sms, s_len * hkv)
-        ns_dec = max(1, min(16, by_len, by_mem, by_grid))
-        split_target = 4 * cfg.num_sms
-    else:
-        ns_dec = max(1, cfg.decode_num_splits)
-        split_target = 0
-    n_long_max = min(s_len, t // (bq_dec + 1))
-    nb_pre = t // bq_pre + n_long_max if n_long_max else 0
-    dec = _CallShape(bm_dec, bq_dec, cfg.decode_block_kv, s_len, ns_dec, cfg.decode_num_warps,
-                     cfg.decode_num_stages)
-    pre = _CallShape(bm_pre, bq_pre, cfg.prefill_block_kv, nb_pre, max(1, cfg.prefill_num_splits),
-                     cfg.prefill_num_warps, cfg.prefill_num_stages)
-
+    dec, pre, split_target, min_iters = call_shapes(t, hq, hkv, page_size, s_len, max_pages, d,
+                                                    cfg)
     meta = (
         query_start.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
@@ -471,12 +479,12 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
                     min_iters=min_iters)
 
     out = jnp.zeros((t * hq, d), q.dtype)
-    if nb_pre > 0:
-        row_fn = functools.partial(_prefill_row, bq=bq_pre, bq_dec=bq_dec, s_len=s_len)
+    if pre.num_blocks > 0:
+        row_fn = functools.partial(_prefill_row, bq=pre.block_q, bq_dec=dec.block_q,
+                                   s_len=s_len)
         out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, pre, row_fn,
                         kv_kw(pre, 0, 1), name="rpa_prefill", **common)
-    min_iters = max(1, _cdiv(cfg.decode_min_kv_per_split, cfg.decode_block_kv))
-    row_fn = functools.partial(_decode_row, bq=bq_dec)
+    row_fn = functools.partial(_decode_row, bq=dec.block_q)
     out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, dec, row_fn,
                     kv_kw(dec, split_target, min_iters), name="rpa_decode", **common)
     return out.reshape(t, hq, d)

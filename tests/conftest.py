@@ -45,10 +45,10 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_factory(tmp_path_factory):
     """``(arch="llama", **overrides) -> Path``: a tiny random HF checkpoint, built once per session.
 
-    Defaults (jaxserve.tiny_model.DEFAULTS): 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 512,
+    Defaults (jaxserve.testing.tiny_model.DEFAULTS): 2 layers, hidden 64, 4 heads / 2 KV heads, vocab 512,
     float32; mistral gets sliding_window 16, qwen3 head_dim 32.
     """
-    from jaxserve.tiny_model import make_tiny_model
+    from jaxserve.testing.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     cache: dict[str, Path] = {}

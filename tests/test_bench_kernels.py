@@ -29,6 +29,10 @@ def test_kernel_benchmark_tiny(tmp_path, capsys):
     assert dec["jax_paged_attention"]["rel_err_vs_ours"] <= 2e-2
     assert dec["jax_decode_attention_dense"]["rel_err_vs_ours"] <= 2e-2
     assert kinds["mixed"]["bound"]["bound_s"] > 0
+    # Backends side by side (only pallas runs on CPU) and the measured choice is recorded.
+    assert set(dec["backends"]) == {"pallas"}
+    assert dec["backends"]["pallas"]["median_s"] == dec["ours"]["median_s"]
+    assert res["default_backend"]["backend"] == "pallas"
     assert "decode_ctx64" in capsys.readouterr().out
 
 

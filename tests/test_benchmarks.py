@@ -56,8 +56,8 @@ def test_preset_byte_counts_match_hf_and_jaxserve(preset):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from jaxserve.config import ModelConfig
-    from jaxserve.kv_cache import page_bytes
-    from jaxserve.presets import param_count, preset_config
+    from jaxserve.worker.kv_cache import page_bytes
+    from jaxserve.testing.presets import param_count, preset_config
 
     cfg = preset_config(preset)
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
@@ -159,7 +159,7 @@ def test_presets_write_config_and_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     from jaxserve.config import ModelConfig
-    from jaxserve.presets import PRESETS, write_preset
+    from jaxserve.testing.presets import PRESETS, write_preset
 
     for name in PRESETS:
         out = write_preset(name, str(tmp_path / name))
@@ -197,7 +197,7 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
         "--output-len", str(out_len), *ENGINE_FLAGS, "--num-warmup-prompts", "1",
         "--hf-baseline", "--hf-batch-sizes", "2,4", "--hf-cb-baseline",
         "--hf-cb-attn-impls", "sdpa,no_such_attention", "--roofline",
-        "--result-dir", str(tmp_path)])
+        "--compare-async-scheduling", "--result-dir", str(tmp_path)])
     files = list(tmp_path.glob("throughput-*.json"))
     assert len(files) == 1
     d = json.loads(files[0].read_text())
@@ -213,8 +213,13 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
     assert r["num_prompt_tokens"] == n * 12
     assert r["num_steps"] >= out_len and r["device_ms_per_step"] > 0
     assert r["host_ms_per_step"] > 0
-    assert r["host_time_fraction"] == pytest.approx(r["host_ms_per_step"] /
-                                                    r["device_ms_per_step"])
+    wall = r["step_ms_per_step"] * r["num_steps"]
+    dev = r["device_ms_per_step"] * r["num_steps"]
+    assert r["host_overhead_fraction"] == pytest.approx((wall - dev) / dev, rel=0.05)
+    sync = d["jaxserve_sync"]
+    assert r["async_scheduling"] is True and sync["async_scheduling"] is False
+    assert sync["num_output_tokens"] == r["num_output_tokens"]
+    assert d["host_overhead_fraction_sync"] == sync["host_overhead_fraction"]
     assert r["decode_batch"] == 4 and r["decode_step_throughput"] > 0
     assert isinstance(r["compiles_after_warmup"], int) and r["compiles_after_warmup"] >= 0
     # baselines measured the same requests
@@ -298,7 +303,7 @@ def test_serving_against_launched_server(tmp_path, tiny_llama_dir):
 
 
 def test_make_tiny_model_preset_flag(tmp_path):
-    from jaxserve.presets import PRESETS
+    from jaxserve.testing.presets import PRESETS
 
     out = tmp_path / "tl"
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--preset",

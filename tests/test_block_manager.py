@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from jaxserve.block_manager import BlockManager, hash_page_tokens
-from jaxserve.request import Request
+from jaxserve.core.block_manager import BlockManager, hash_page_tokens
+from jaxserve.core.request import Request
 
 BS = 4
 

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from jaxserve.gguf_loader import default_model_path  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.loaders.gguf import default_model_path  # noqa: E402
+from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",
@@ -102,12 +102,12 @@ def test_server_chat_answers_paris_with_openai_client(caplog):
     import logging
     import re
 
-    caplog.set_level(logging.INFO, logger="jaxserve.metrics")
+    caplog.set_level(logging.INFO, logger="jaxserve.entrypoints.openai.metrics")
 
     openai = pytest.importorskip("openai")
     from test_server import ServerThread
 
-    from jaxserve.async_engine import AsyncLLM
+    from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
     from jaxserve.entrypoints.openai.server import build_app
 

@@ -19,10 +19,10 @@ PROMPTS = ["The capital of France is", "Hello world, my name", "one two three fo
 def _child(model: str) -> dict:
     import asyncio
 
-    from jaxserve.dp import DataParallelAsyncLLM
+    from jaxserve.engine.data_parallel import DataParallelAsyncLLM
     from jaxserve.entrypoints.llm import engine_config_from_kwargs
     from jaxserve.errors import InvalidRequestError
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     cfg = engine_config_from_kwargs(model, data_parallel_size=2, max_num_batched_tokens=32,
                                     min_token_bucket=32, max_num_seqs=4, max_model_len=128)
@@ -48,7 +48,7 @@ def _child(model: str) -> dict:
     results, stats = asyncio.run(main())
     try:
         engine_config_from_kwargs(model, data_parallel_size=3)
-        from jaxserve.dp import replica_devices
+        from jaxserve.engine.data_parallel import replica_devices
         replica_devices(3, 1)
         err = None
     except InvalidRequestError as e:

@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxserve.gguf_loader import (  # noqa: E402
+from jaxserve.loaders.gguf import (  # noqa: E402
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_QUANT_TYPES,
     default_model_path,
@@ -178,7 +178,7 @@ def write_tiny_gguf(path, arch="llama", qtype=Q.F32, tied=False, seed=0):
         hf[p + "mlp.down_proj.weight"] = 0.05 * rng.standard_normal((HIDDEN, INTER),
                                                                     dtype=np.float32)
 
-    from jaxserve.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+    from jaxserve.loaders.gguf import _GLOBAL_NAMES, _LAYER_NAMES
 
     to_gguf = {v: k for k, v in _GLOBAL_NAMES.items()}
     w = gguf.GGUFWriter(str(path), arch)
@@ -279,7 +279,7 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
         else:
             s = (old / wl - low) / (high - low)
             out.append(1 / ((1 - s) / factor + s))
-    from jaxserve.gguf_loader import _llama3_rope_scaling
+    from jaxserve.loaders.gguf import _llama3_rope_scaling
 
     rs = _llama3_rope_scaling(np.array(out, np.float32), theta, HEAD_DIM, None)
     assert rs["rope_type"] == "llama3" and rs["factor"] == pytest.approx(factor)
@@ -366,7 +366,7 @@ def smollm2_jax():
     """Our model on the XLA attention path (the CPU serving path), float32."""
     from flax import nnx
 
-    from jaxserve.loader import load_model
+    from jaxserve.loaders.model_loader import load_model
 
     model, cfg, _ = load_model(_smollm2_path(), dtype="float32", attention_backend="xla")
     graphdef, state = nnx.split(model)
@@ -382,9 +382,9 @@ def _paged_generate(smollm2_jax, prompts, new_tokens):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.kv_cache import allocate_kv_pages
+    from jaxserve.worker.kv_cache import allocate_kv_pages
     from jaxserve.models.layers import AttentionMetadata
-    from jaxserve.step_plan import ScheduledSeq, build_step_plan, token_ladder
+    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, token_ladder
 
     graphdef, state, cfg = smollm2_jax
 

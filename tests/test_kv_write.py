@@ -180,7 +180,7 @@ def test_gpu_kernel_step_writes_pool_in_place():
 def test_engine_step_of_every_bucket_writes_pool_in_place(tiny_llama_dir, max_model_len):
     """The runner's own compiled forward (tiny Llama, CPU XLA attention), bucket by bucket:
     no layer's pool is copied, for a short and a long block table."""
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.entrypoints.llm import engine_config_from_kwargs
 
     engine = LLMEngine(engine_config_from_kwargs(

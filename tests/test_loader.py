@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader import (
+from jaxserve.loaders.model_loader import (
     build_model,
     load_model,
     load_tokenizer,
@@ -215,9 +215,9 @@ def test_multi_device_mesh_changes_only_the_mesh(tiny_model_factory):
 
     from flax import nnx
 
-    from jaxserve.kv_cache import allocate_kv_pages
+    from jaxserve.worker.kv_cache import allocate_kv_pages
     from jaxserve.models.layers import AttentionMetadata
-    from jaxserve.step_plan import ScheduledSeq, build_step_plan
+    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
 
     path = str(tiny_model_factory("llama"))
     mesh = Mesh(np.array(devices[:2]), ("tp",))
@@ -245,7 +245,7 @@ def test_multi_device_mesh_changes_only_the_mesh(tiny_model_factory):
 
 
 def test_orbax_convert_and_restore(tiny_model_factory, tmp_path):
-    from jaxserve.loader import convert_to_orbax
+    from jaxserve.loaders.model_loader import convert_to_orbax
 
     src = tiny_model_factory("qwen3", tie_embeddings=True)
     out = convert_to_orbax(str(src), tmp_path / "orbax", dtype="float32")

@@ -1,7 +1,7 @@
 """The Pallas kernel inside the model's jitted step: same logits as the other backends on CPU,
 and the whole step lowers for CUDA with the pool donated.
 
-The forward is the runner's own (``jaxserve.runner._forward_fn``): params as a flat list of
+The forward is the runner's own (``jaxserve.worker.runner._forward_fn``): params as a flat list of
 leaves, the KV pool donated, logits of each row's last token.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 from flax import nnx
 from jax import export
 
-from jaxserve.kv_cache import allocate_kv_pages
-from jaxserve.loader import load_model
-from jaxserve.runner import _forward_fn
-from jaxserve.step_plan import ScheduledSeq, build_step_plan
+from jaxserve.worker.kv_cache import allocate_kv_pages
+from jaxserve.loaders.model_loader import load_model
+from jaxserve.worker.runner import _forward_fn
+from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
 
 BLOCK = 16
 NUM_PAGES = 48

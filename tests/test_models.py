@@ -12,10 +12,10 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from jaxserve.kv_cache import allocate_kv_pages, page_bytes  # noqa: E402
-from jaxserve.loader import load_model  # noqa: E402
+from jaxserve.worker.kv_cache import allocate_kv_pages, page_bytes  # noqa: E402
+from jaxserve.loaders.model_loader import load_model  # noqa: E402
 from jaxserve.models.layers import AttentionMetadata  # noqa: E402
-from jaxserve.step_plan import ScheduledSeq, build_step_plan, token_ladder  # noqa: E402
+from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, token_ladder  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 BLOCK = 8

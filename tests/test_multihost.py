@@ -31,7 +31,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_two_process_job_serves_a_request(tiny_model_factory, tmp_path):
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     model = str(tiny_model_factory("llama"))
     port, coord = free_port(), free_port()

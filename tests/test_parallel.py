@@ -47,8 +47,8 @@ def _orbax_vs_safetensors(src: str, orbax_dir: str) -> dict:
     import numpy as np
     from flax import nnx
 
-    from jaxserve.loader import load_model
-    from jaxserve.parallel import make_mesh
+    from jaxserve.loaders.model_loader import load_model
+    from jaxserve.worker.parallel import make_mesh
 
     mesh = make_mesh(2)
     flat = lambda m: {".".join(map(str, k)): v.get_value()  # noqa: E731
@@ -70,7 +70,7 @@ def _child(cases: dict, orbax_dir: str | None = None) -> dict:
 
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.errors import InvalidRequestError
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = {"num_devices": len(jax.devices()), "runs": []}

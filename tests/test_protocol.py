@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.entrypoints.openai import protocol as P
 from jaxserve.entrypoints.openai.server import _chat_logprobs, _legacy_logprobs, _Tokens
 from jaxserve.errors import InvalidRequestError
-from jaxserve.metrics import ServerMetrics
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.entrypoints.openai.metrics import ServerMetrics
+from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 def parse_err(cls, body) -> InvalidRequestError:
@@ -198,7 +198,7 @@ def test_responses_match_openai_types():
 # ---- logprob formats -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokens():
-    from jaxserve.tiny_model import train_tokenizer
+    from jaxserve.testing.tiny_model import train_tokenizer
 
     return _Tokens(train_tokenizer(300))
 

@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampler import (SamplingMetadata, apply_logit_bias_and_min_tokens, apply_penalties,
+from jaxserve.worker.sampler import (SamplingMetadata, apply_logit_bias_and_min_tokens, apply_penalties,
                               compute_prompt_logprobs, sample)
-from jaxserve.sampling_metadata import (COMPACT_BIAS_WIDTH, SAMPLING_FIELDS, build_sampling_arrays,
+from jaxserve.core.sampling_metadata import (COMPACT_BIAS_WIDTH, SAMPLING_FIELDS, build_sampling_arrays,
                                         dummy_sampling_arrays)
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 HIST = 64  # history_len (max_model_len) used by these tests
 S_SMALL, S_BIG, V = 16, 1024, 32  # few shapes: every new shape is a multi-second XLA compile

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():
@@ -105,7 +105,7 @@ def test_clone_is_deep():
 
 def test_host_module_imports_no_jax():
     import subprocess
-    code = ("import sys, jaxserve.sampling_params, jaxserve.sampling_metadata, jaxserve.tokenizer;"
+    code = ("import sys, jaxserve.core.sampling_params, jaxserve.core.sampling_metadata, jaxserve.engine.tokenizer;"
             "bad=[m for m in sys.modules if m.split('.')[0] in ('jax','flax')];"
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

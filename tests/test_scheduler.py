@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.block_manager import BlockManager
+from jaxserve.core.block_manager import BlockManager
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.request import Request, RequestStatus
-from jaxserve.scheduler import ABORT_KV_CACHE_EXHAUSTED, Scheduler
-from jaxserve.step_plan import build_step_plan, token_ladder
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import ABORT_KV_CACHE_EXHAUSTED, Scheduler
+from jaxserve.core.step_plan import build_step_plan, token_ladder
 
 VOCAB = 1000
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
 from jaxserve.entrypoints.openai.server import build_app
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
@@ -70,7 +70,7 @@ def model_dir(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from jaxserve.async_engine import AsyncLLM
+    from jaxserve.engine.async_llm import AsyncLLM
 
     eng = AsyncLLM(engine_config_from_args(build_parser().parse_args(engine_flags(model_dir))))
     yield eng

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve import tiny_model
+from jaxserve.testing import tiny_model
 from jaxserve.config import ModelConfig
-from jaxserve.loader import load_model, load_tokenizer
+from jaxserve.loaders.model_loader import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 

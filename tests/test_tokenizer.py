@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.tokenizer import (IncrementalDetokenizer, apply_chat_template, check_stop_strings,
+from jaxserve.engine.tokenizer import (IncrementalDetokenizer, apply_chat_template, check_stop_strings,
                                 decode_token, stop_buffer_length)
 
 CORPUS = [
@@ -235,7 +235,7 @@ def test_backend_decoder_taken_for_plain_fast_tokenizers_only(bl, spl):
     """The detokenizer decodes through the ``tokenizers`` backend when that is what
     ``tokenizer.decode`` does (so the stream tests above compare the two), and through the
     wrapper when a subclass overrides decoding."""
-    from jaxserve.tokenizer import backend_decoder
+    from jaxserve.engine.tokenizer import backend_decoder
 
     rng = np.random.default_rng(1)
     for tok in (bl, spl):

@@ -10,7 +10,10 @@
 #   BENCH_ARGS="--cases decode --ctx 2048" OUT=/tmp/out tools/gpu_kernels.sh
 #
 # Expects jax (0.10.2 or 0.11.x) with its CUDA plugin, pytest, hypothesis, numpy, matplotlib,
-# tqdm; wheels in .whl/ (if any) are installed into /tmp/site first (tools/gpu_env.sh).
+# tqdm; wheels in .whl/ (if any) are installed into /tmp/site first (tools/gpu_env.sh). The
+# "triton" backend also needs `triton` and `jax_triton` (pure-python jax-triton wheel + the
+# triton wheel matching the machine's Python in .whl/); without them its tests skip and the
+# benchmark records the backend's error next to the others' numbers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -19,7 +22,7 @@ RES=$OUT/results
 mkdir -p "$RES"
 LOG=$OUT/gpu_kernels.log
 exec > >(tee -a "$LOG") 2>&1
-. "$ROOT/tools/gpu_env.sh" jax jaxlib numpy pytest hypothesis matplotlib tqdm
+. "$ROOT/tools/gpu_env.sh" jax jaxlib numpy pytest hypothesis matplotlib tqdm triton jax_triton
 
 STATUS=()
 stage() {  # stage NAME CAP_SECONDS CMD...
@@ -36,7 +39,8 @@ stage() {  # stage NAME CAP_SECONDS CMD...
 
 stage pytest_gpu "${T_PYTEST:-240}" $PY -m pytest -m gpu -q -p no:cacheprovider \
   --junitxml="$OUT/pytest_gpu.xml" \
-  tests/test_ragged_paged_attention.py tests/test_kv_write.py
+  tests/test_ragged_paged_attention.py tests/test_kv_write.py \
+  tests/test_mosaic_gpu_attention.py tests/test_triton_attention.py
 
 # shellcheck disable=SC2086
 stage bench "${T_BENCH:-300}" $PY benchmarks/kernels.py --result-dir "$RES" --disable-tqdm \
@@ -55,5 +59,6 @@ echo
 echo "== summary"
 grep -E "passed|failed|error|skipped" "$OUT/pytest_gpu.log" | tail -n 1
 sed -n '/^copy bandwidth/,$p' "$OUT/bench.log"
+sed -n '/^case .*pallas ms/,/^default backend/p' "$OUT/bench.log"
 [[ -f "$OUT/sweep.log" ]] && grep -E "^sweep " "$OUT/sweep.log"
 printf '  %s\n' "${STATUS[@]}"

@@ -4,7 +4,7 @@
     python tools/make_tiny_model.py --arch qwen3 --out /tmp/tiny-qwen3 --layers 2 --hidden 64
     python tools/make_tiny_model.py --preset tinyllama-1.1b --out /tmp/tinyllama   # no weights
 
-The logic lives in ``jaxserve.tiny_model`` so tests and the ``demo-random`` model share it.
+The logic lives in ``jaxserve.testing.tiny_model`` so tests and the ``demo-random`` model share it.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.presets import PRESETS, write_preset  # noqa: E402
-from jaxserve.tiny_model import ARCHS, ROPE_PRESETS, make_tiny_model  # noqa: E402
+from jaxserve.testing.presets import PRESETS, write_preset  # noqa: E402
+from jaxserve.testing.tiny_model import ARCHS, ROPE_PRESETS, make_tiny_model  # noqa: E402
 
 
 def main(argv=None) -> int:

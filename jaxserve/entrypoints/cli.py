@@ -106,6 +106,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--attention-backend", default=EngineConfig.attention_backend,
                    help="auto | reference | pallas (default: %(default)s; auto: Pallas on GPU, "
                         "the XLA reference on CPU)")
+    d.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.async_scheduling,
+                   help="schedule and dispatch the next step while the current one runs "
+                        "(exact; default: %(default)s)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -190,7 +194,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         load_format=args.load_format, attention_backend=args.attention_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
-        min_token_bucket=args.min_token_bucket)
+        min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -205,14 +209,16 @@ def _serve(args) -> int:
     from jaxserve.entrypoints.openai.server import run_server
 
     if args.num_hosts > 1:  # before anything else touches JAX
-        from jaxserve import multihost
+        from jaxserve.worker import multihost
 
         multihost.initialize(args.num_hosts, args.host_index, args.coordinator)
     config = engine_config_from_args(args)
     config.parallel.num_hosts, config.parallel.host_index = args.num_hosts, args.host_index
     config.parallel.coordinator = args.coordinator
     if args.num_hosts > 1 and args.host_index != 0:
-        return multihost.run_follower(config)  # the leader serves HTTP; followers replay
+        from jaxserve.engine.multihost_engine import run_follower
+
+        return run_follower(config)  # the leader serves HTTP; followers replay
     run_server(config, host=args.host, port=args.port, api_key=args.api_key,
                uvicorn_log_level=args.uvicorn_log_level,
                served_model_names=args.served_model_name, chat_template=args.chat_template)
@@ -221,7 +227,7 @@ def _serve(args) -> int:
 
 def _generate(args) -> int:
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     engine_config_from_args(args)  # validate the flags before the slow model load
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -257,7 +263,7 @@ def _bench(args) -> int:
 def _convert(args) -> int:
     import time
 
-    from jaxserve.loader import convert_to_orbax
+    from jaxserve.loaders.model_loader import convert_to_orbax
 
     t0 = time.perf_counter()
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)

@@ -7,11 +7,11 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
-from jaxserve.outputs import RequestOutput
-from jaxserve.runner import default_scheduler_limits
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.worker.runner import default_scheduler_limits
+from jaxserve.core.sampling_params import SamplingParams
 
 
 def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_model_len=None,
@@ -21,11 +21,13 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               data_parallel_size=1, load_format="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
-                              min_token_bucket=None, token_bucket_growth=None) -> EngineConfig:
+                              min_token_bucket=None, token_bucket_growth=None,
+                              async_scheduling=True) -> EngineConfig:
     seqs, toks, min_bucket, growth = default_scheduler_limits()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
         attention_backend=attention_backend, served_model_name=served_model_name,
+        async_scheduling=bool(async_scheduling),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
@@ -66,7 +68,7 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True
              ) -> list[RequestOutput]:
-        from jaxserve.tokenizer import apply_chat_template
+        from jaxserve.engine.tokenizer import apply_chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [apply_chat_template(self.llm_engine.tokenizer, c, add_generation_prompt,
                                        chat_template) for c in convs]

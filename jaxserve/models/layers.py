@@ -177,7 +177,9 @@ class AttentionMetadata(NamedTuple):
     num_seqs: jax.Array  # scalar: real rows
 
 
-ATTENTION_BACKENDS = ("reference", "pallas", "xla")
+# "pallas": Pallas-Triton; "mosaic": Pallas Mosaic GPU (Hopper, bf16/f16); "triton": Triton's
+# language through jax_triton (GPU only).
+ATTENTION_BACKENDS = ("reference", "pallas", "xla", "mosaic", "triton")
 
 
 def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str, sm_scale: float,
@@ -196,4 +198,12 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
         from pallas_kernels import xla_attention
 
         return xla_attention.ragged_paged_attention(*args, **kwargs)
+    if backend == "mosaic":
+        from pallas_kernels import mosaic_gpu_attention
+
+        return mosaic_gpu_attention.ragged_paged_attention(*args, **kwargs)
+    if backend == "triton":
+        from pallas_kernels import triton_attention
+
+        return triton_attention.ragged_paged_attention(*args, **kwargs)
     raise ValueError(f"attention_backend {backend!r} is not one of {ATTENTION_BACKENDS}")

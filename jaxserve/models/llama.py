@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve import parallel
+from jaxserve.worker import parallel
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,

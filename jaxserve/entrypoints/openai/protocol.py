@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 # OpenAI caps n at 128 for chat; the same bound keeps one request from filling the batch.
 MAX_N = 128

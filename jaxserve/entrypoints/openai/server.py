@@ -26,8 +26,8 @@ from starlette.routing import Route
 import jaxserve
 from jaxserve.entrypoints.openai import protocol as P
 from jaxserve.errors import EngineDeadError, InvalidRequestError
-from jaxserve.metrics import RequestObserver, ServerMetrics
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.entrypoints.openai.metrics import RequestObserver, ServerMetrics
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class OpenAIServing:
                                       param="prompt") from None
 
     def _chat_ids(self, req) -> list[int]:
-        from jaxserve.tokenizer import apply_chat_template
+        from jaxserve.engine.tokenizer import apply_chat_template
 
         messages = req.message_dicts()
         template = self.chat_template or getattr(self.engine, "chat_template", None)
@@ -741,7 +741,7 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     """Load the engine, serve until SIGINT/SIGTERM, then stop uvicorn and the engine cleanly."""
     import uvicorn
 
-    from jaxserve.dp import make_async_llm
+    from jaxserve.engine.data_parallel import make_async_llm
 
     template = load_chat_template(chat_template)  # fail before the slow model load
     t0 = time.perf_counter()

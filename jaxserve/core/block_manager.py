@@ -18,8 +18,8 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from jaxserve.request import Request
-from jaxserve.step_plan import TRASH_PAGE
+from jaxserve.core.request import Request
+from jaxserve.core.step_plan import TRASH_PAGE
 
 
 def hash_page_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys=None) -> int:
@@ -121,10 +121,12 @@ class BlockManager:
         return pages, len(pages) * self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's pages that became full of computed tokens since the last call."""
+        """Register the request's pages that became full of computed tokens since the last call
+        (only tokens the host knows: a page holding a pending id waits for it)."""
         if not self.enable_prefix_caching:
             return
-        n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
+        n_full = min(known // self.block_size, len(request.block_ids))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if n_full <= start:
             return
@@ -148,9 +150,6 @@ class BlockManager:
         return True
 
     # -- allocation -------------------------------------------------------------------------
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
-
     def allocate_slots(
         self,
         request: Request,

@@ -15,10 +15,10 @@ import threading
 from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import EngineDeadError
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,11 @@ Host side only (numpy, no jax). The shapes come from one ladder of token buckets
 sequence dimension S is tied to T (``S = min(T, max_num_seqs)``), so a step has exactly one
 compiled graph per token bucket and the compile count is ``len(ladder)``. Padded tokens write
 their K/V to the trash page 0 and padded sequence rows have ``seq_lens == 0``.
+
+Async scheduling: a token the previous step sampled is still on the device when the next plan
+is built. The host writes a placeholder (``PLACEHOLDER``) for it and points ``prev_ref`` at the
+previous step's row; the step reads the real id from the device (``history_ref`` does the same
+for the one pending token in a penalty row's history).
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+
+from jaxserve.core.request import PLACEHOLDER
 
 TRASH_PAGE = 0
 
@@ -54,6 +61,7 @@ class ScheduledSeq:
     start_pos: int
     block_ids: Sequence[int]
     sample: bool = True  # False for a prefill chunk that does not finish its prompt
+    prev_row: int = -1  # the request's row in the previous step, if that step sampled for it
 
 
 @dataclass
@@ -69,6 +77,16 @@ class StepPlan:
     num_tokens: int  # real tokens
     sample_mask: np.ndarray  # [S] bool: rows whose sampled token is used
     sampling: dict = field(default_factory=dict)  # [S] arrays for the sampler
+    # [T] row of the previous step whose sampled id replaces this token (-1: token_ids holds it)
+    prev_ref: np.ndarray | None = None
+    # [S, 2] (previous-step row, history index) of a pending token in a penalty row; -1: none
+    history_ref: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.prev_ref is None:
+            self.prev_ref = np.full(self.token_bucket, -1, dtype=np.int32)
+        if self.history_ref is None:
+            self.history_ref = np.full((self.seq_bucket, 2), -1, dtype=np.int32)
 
     @property
     def token_bucket(self) -> int:
@@ -89,6 +107,7 @@ class StepPlan:
             block_tables=self.block_tables,
             logits_indices=self.logits_indices,
             num_seqs=np.int32(self.num_seqs),
+            prev_ref=self.prev_ref,
         )
 
 
@@ -123,6 +142,14 @@ def build_step_plan(
 
     token_ids = np.zeros(t_bucket, dtype=np.int32)
     token_ids[:n_tok] = np.concatenate([np.asarray(r.new_token_ids, dtype=np.int32) for r in rows])
+    prev_ref = np.full(t_bucket, -1, dtype=np.int32)
+    pending = np.flatnonzero(token_ids[:n_tok] == PLACEHOLDER)
+    if pending.size:
+        rows_of = np.repeat(np.fromiter((r.prev_row for r in rows), np.int32, n_rows), q_lens)
+        if np.any(rows_of[pending] < 0):
+            raise ValueError("a placeholder token without a previous-step row")
+        prev_ref[pending] = rows_of[pending]
+        token_ids[pending] = 0
     row_of_tok = np.repeat(np.arange(n_rows, dtype=np.int32), q_lens)
     offs = np.arange(n_tok, dtype=np.int32) - query_start[row_of_tok]
     positions = np.zeros(t_bucket, dtype=np.int32)
@@ -161,4 +188,6 @@ def build_step_plan(
         num_seqs=n_rows,
         num_tokens=n_tok,
         sample_mask=sample_mask,
+        prev_ref=prev_ref,
+        history_ref=np.full((s_bucket, 2), -1, dtype=np.int32),
     )

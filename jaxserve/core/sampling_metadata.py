@@ -1,6 +1,6 @@
 """Host side of the sampler: SamplingParams of the rows in a step -> padded numpy arrays.
 
-Numpy only (no jax). The arrays are exactly the fields of ``jaxserve.sampler.SamplingMetadata``
+Numpy only (no jax). The arrays are exactly the fields of ``jaxserve.worker.sampler.SamplingMetadata``
 (``SAMPLING_FIELDS``). Padding rows (and ``None`` rows, e.g. a prefill chunk that samples
 nothing) are greedy and inert.
 
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxserve.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS,
+from jaxserve.core.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS,
                                       SamplingParams)
 
 SAMPLING_FIELDS = (

@@ -2,7 +2,7 @@
 ``shard_map`` that runs the attention kernel once per shard.
 
 One mesh axis, ``tp`` (tensor parallel), spans the devices of one engine replica; data-parallel
-replicas are separate engines on disjoint device subsets (``jaxserve.dp``), so no replica needs a
+replicas are separate engines on disjoint device subsets (``jaxserve.engine.data_parallel``), so no replica needs a
 ``data`` axis. Parameters follow Megatron (``loader.param_partition_spec``): q/k/v and gate/up
 split their output rows, o/down their input columns (XLA inserts the all-reduce), embedding and
 LM head split the vocabulary, norms are replicated. Logits leave the step replicated (one

@@ -12,6 +12,9 @@ import time
 from typing import Any, Sequence
 
 
+PLACEHOLDER = -1  # an output id sampled on the device, not yet copied to the host
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -68,6 +71,8 @@ class Request:
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # trailing output ids still on the device (async scheduling): PLACEHOLDER on the host
+        self.num_pending = 0
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []  # KV pages owned, in position order
@@ -104,10 +109,35 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
 
+    @property
+    def num_known_output_tokens(self) -> int:
+        """Output ids the host has (the pending ones excluded)."""
+        return len(self.output_token_ids) - self.num_pending
+
     def append_output_token(self, token_id: int) -> None:
         token_id = int(token_id)
+        if token_id == PLACEHOLDER:
+            self.num_pending += 1
+        elif self.num_pending:
+            raise ValueError("a known token cannot follow a pending one")
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The oldest pending id arrived from the device."""
+        if not self.num_pending:
+            raise ValueError(f"request {self.request_id!r} has no pending token")
+        k = len(self.output_token_ids) - self.num_pending
+        self.output_token_ids[k] = int(token_id)
+        self.all_token_ids[self.num_prompt_tokens + k] = int(token_id)
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """Forget ids sampled after the request stopped (never shown, never counted)."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending:]
+            del self.all_token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def __repr__(self) -> str:
         return (

@@ -5,6 +5,12 @@
 The model is split into a static graph and a state pytree once (``nnx.split``); the step merges
 them inside ``jit``, so params are ordinary jit arguments and the graph is a closure. Every new
 trace of the step is a compile: the counter counts traces, and anything after warm-up is a bug.
+
+One entry, two halves: ``dispatch(plan)`` enqueues the step on the device and returns at once
+(JAX dispatches asynchronously) with the host copy of its results under way; ``fetch(handle)``
+waits for that copy. The sampled ids also stay on the device in a fixed ``[max_num_seqs]``
+buffer, which the next step reads for its placeholder tokens (``plan.prev_ref``), so an engine
+can build and dispatch step N+1 before it has seen step N's ids.
 """
 from __future__ import annotations
 
@@ -20,14 +26,14 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve import parallel
-from jaxserve import sampler as sampler_lib
+from jaxserve.worker import parallel
+from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kv_cache import allocate_kv_pages, page_bytes
+from jaxserve.worker.kv_cache import allocate_kv_pages, page_bytes
 from jaxserve.models.layers import AttentionMetadata
-from jaxserve.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.step_plan import (
+from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_plan import (
     TRASH_PAGE,
     ScheduledSeq,
     StepPlan,
@@ -62,9 +68,11 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
     which cost milliseconds per step), and params travel as a flat list of leaves.
     """
 
-    def forward(state_leaves, kv_pages, arrays):
+    def forward(state_leaves, kv_pages, arrays, prev_tokens):
         _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        ref = arrays["prev_ref"]
+        token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
         md = AttentionMetadata(
             slot_mapping=arrays["slot_mapping"],
             query_start=arrays["query_start"],
@@ -72,7 +80,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
             block_tables=arrays["block_tables"],
             num_seqs=arrays["num_seqs"],
         )
-        hidden, kv_pages = model(arrays["token_ids"], arrays["positions"], kv_pages, md)
+        hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn)
         return model.compute_logits(hidden[arrays["logits_indices"]]), kv_pages, hidden
 
@@ -111,13 +119,40 @@ def _prompt_logprobs_fn(graphdef, state_treedef):
     return jax.jit(prompt_logprobs)
 
 
-@jax.jit
-def _sample(logits, sampling):
+@lru_cache(maxsize=None)
+def _sample_fn(mesh=None):
     """The sampler half: its own jit, so the model graph compiles once per token bucket while
-    the (cheap) sampler compiles once per sequence bucket and sampling-array layout."""
-    _TRACES.n += 1
-    md_s = sampler_lib.SamplingMetadata(**{k: sampling[k] for k in SAMPLING_FIELDS})
-    return sampler_lib.sample(logits, md_s)
+    the (cheap) sampler compiles once per sequence bucket and sampling-array layout.
+
+    ``history_ref[S, 2]`` (previous-step row, history index) fills a penalty row's pending
+    token from ``prev_tokens``. Returns the sampler output and the new ``[max_num_seqs]`` buffer
+    of sampled ids (this step's rows first) that the next step reads; under a mesh everything
+    leaves replicated (on the parameters' 1-device mesh without tensor parallelism), so the
+    buffer keeps one sharding from step to step."""
+
+    def sample(logits, sampling, history_ref, prev_tokens):
+        _TRACES.n += 1
+        fields = {k: sampling[k] for k in SAMPLING_FIELDS}
+        hist = fields["history"]
+        rows = jnp.arange(hist.shape[0])
+        src, pos = history_ref[:, 0], jnp.clip(history_ref[:, 1], 0, hist.shape[1] - 1)
+        pending = prev_tokens[jnp.maximum(src, 0)]
+        fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
+        out = sampler_lib.sample(logits, sampler_lib.SamplingMetadata(**fields))
+        s = out.token_ids.shape[0]
+        return out, jnp.zeros_like(prev_tokens).at[:s].set(out.token_ids)
+
+    return jax.jit(sample, out_shardings=parallel.replicated(mesh or parallel.default_mesh()))
+
+
+@dataclass
+class StepHandle:
+    """A dispatched step: device arrays whose host copies are under way."""
+
+    plan: StepPlan
+    sampled: object  # SamplerOutput on device
+    prompt_logprobs: tuple | None = None
+    want_topk: bool = False
 
 
 @dataclass
@@ -193,7 +228,7 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
-        self.mesh = mesh  # tensor parallel (jaxserve.parallel); None: single device
+        self.mesh = mesh  # tensor parallel (jaxserve.worker.parallel); None: single device
         tp = parallel.tp_size(mesh)
         if mesh is not None:
             kv_sharding = parallel.kv_pool_sharding(mesh)
@@ -206,18 +241,28 @@ class ModelRunner:
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh)
         self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef)
+        self._sample = _sample_fn(mesh)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
+        # the last step's sampled ids, on device: the next step's placeholder tokens read them
+        self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages, self.block_size,
                     self.num_pages * page_bytes(model_config, self.block_size, dtype) / 2**20)
+
+    def _device_zeros(self, shape: tuple, dtype):
+        """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
+        the steps that take them see the same input type as later and do not recompile."""
+        mesh = self.mesh or parallel.default_mesh()
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=parallel.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
     def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
         before = _TRACES.n
         logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
-                                                      plan.device_arrays())
-        out = _sample(logits, plan.sampling)
+                                                      plan.device_arrays(), self._last_tokens)
+        out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
+                                         self._last_tokens)
         if prompt_next_ids is not None:
             out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
         if _TRACES.n != before:
@@ -235,22 +280,43 @@ class ModelRunner:
                                               history_len=self.max_model_len, rng=self._np_rng)
         return plan
 
-    def execute(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepOutput:
-        """Run the step. ``prompt_next_ids[T]`` (the prompt token after each position, only in
-        steps with a ``prompt_logprobs`` request) also returns the prompt logprobs."""
+    def dispatch(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepHandle:
+        """Enqueue the step and start copying its results to the host; returns at once.
+        ``prompt_next_ids[T]`` (the prompt token after each position, only in steps with a
+        ``prompt_logprobs`` request) also computes the prompt logprobs."""
         out = self._run(plan, prompt_next_ids)
         prompt_lp = None
         if prompt_next_ids is not None:
             out, prompt_lp = out
-        want_topk = bool(np.any(plan.sampling["num_logprobs"] >= 0))
+        h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)))
+        for x in self._handle_arrays(h):
+            x.copy_to_host_async()
+        return h
+
+    @staticmethod
+    def _handle_arrays(h: StepHandle) -> list:
+        xs = [h.sampled.token_ids, h.sampled.logprobs]
+        if h.want_topk:
+            xs += [h.sampled.topk_ids, h.sampled.topk_logprobs, h.sampled.ranks]
+        if h.prompt_logprobs is not None:
+            xs += list(h.prompt_logprobs)
+        return xs
+
+    def fetch(self, h: StepHandle) -> StepOutput:
+        """Wait for a dispatched step's results on the host."""
+        out = h.sampled
         token_ids, logprobs = jax.device_get((out.token_ids, out.logprobs))
         res = StepOutput(token_ids=np.asarray(token_ids), logprobs=np.asarray(logprobs))
-        if want_topk:
+        if h.want_topk:
             ti, tl, rk = jax.device_get((out.topk_ids, out.topk_logprobs, out.ranks))
             res.topk_ids, res.topk_logprobs, res.ranks = map(np.asarray, (ti, tl, rk))
-        if prompt_lp is not None:
-            res.prompt_logprobs = tuple(map(np.asarray, jax.device_get(prompt_lp)))
+        if h.prompt_logprobs is not None:
+            res.prompt_logprobs = tuple(map(np.asarray, jax.device_get(h.prompt_logprobs)))
         return res
+
+    def execute(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepOutput:
+        """Run the step and wait for it (``dispatch`` then ``fetch``)."""
+        return self.fetch(self.dispatch(plan, prompt_next_ids))
 
     @property
     def num_graphs(self) -> int:
@@ -277,9 +343,11 @@ class ModelRunner:
                 jax.block_until_ready(out)
             if s not in sampled:  # the other side of each sampler ``lax.cond``, both layouts
                 sampled.add(s)
-                logits = jnp.zeros((s, self.model_config.vocab_size), jnp.float32)
+                logits = self._device_zeros((s, self.model_config.vocab_size), jnp.float32)
                 for params in _WARMUP_OTHER_BRANCHES:
-                    jax.block_until_ready(_sample(logits, self._warmup_sampling(params, s)))
+                    jax.block_until_ready(self._sample(logits, self._warmup_sampling(params, s),
+                                                  np.full((s, 2), -1, np.int32),
+                                                  self._last_tokens))
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,

@@ -15,7 +15,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.core.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ def allocate_kv_pages(model_config: ModelConfig, num_pages: int, block_size: int
     if sharding is None:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from jaxserve.loader import default_mesh
+        from jaxserve.loaders.model_loader import default_mesh
 
         sharding = NamedSharding(default_mesh(), PartitionSpec())
     if num_pages < 2:

@@ -105,7 +105,7 @@ def write_preset(name: str, out_dir: str) -> str:
 
 def _write_tokenizer(out_dir: str) -> None:
     try:  # the tiny models' trained BPE (small vocab; fine, benchmarks feed token ids)
-        from jaxserve.tiny_model import train_tokenizer
+        from jaxserve.testing.tiny_model import train_tokenizer
     except ImportError:
         tok = _byte_level_tokenizer()
     else:

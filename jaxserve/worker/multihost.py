@@ -4,9 +4,9 @@ JAX is multi-controller: every process must issue the same jitted computations, 
 order, on the global mesh. So every host builds the same ``LLMEngine`` (weights, KV pool shard,
 warm-up), then:
 
-* the **leader** (host 0) serves as usual; its ``runner.execute`` first broadcasts the step's
+* the **leader** (host 0) serves as usual; its ``runner.dispatch`` first broadcasts the step's
   arguments (the StepPlan's numpy arrays, pickled) to all hosts, then runs the step;
-* each **follower** loops: receive a step, run ``runner.execute`` with it, discard the
+* each **follower** loops: receive a step, run ``runner.dispatch`` with it, discard the
   (replicated) result.
 
 The broadcast is ``jax.experimental.multihost_utils.broadcast_one_to_all``, in two calls: a fixed
@@ -111,20 +111,21 @@ class StepChannel:
 
 
 class Leader:
-    """Wraps the leader engine's ``runner.execute`` so each step is broadcast before it runs."""
+    """Wraps the leader engine's ``runner.dispatch`` so each step is broadcast before it runs
+    (followers replay every dispatch, so their on-device last-sampled buffer stays the same)."""
 
     def __init__(self, engine):
         self.channel = StepChannel()
         runner = engine.runner
-        run = runner.execute
+        run = runner.dispatch
 
-        def execute(*args, **kwargs):
+        def dispatch(*args, **kwargs):
             with self.channel.lock:
                 self.channel.send(CMD_STEP, pickle.dumps((args, kwargs), protocol=5))
                 self.channel.num_steps += 1
                 return run(*args, **kwargs)
 
-        runner.execute = execute
+        runner.dispatch = dispatch
         self._stop = threading.Event()
         self._stopped = False
         self._beat = threading.Thread(target=self._heartbeat, name="jaxserve-heartbeat",
@@ -154,7 +155,7 @@ class Leader:
 def follow(engine) -> int:
     """A follower's life after its engine is built: replay the leader's steps until STOP."""
     channel = StepChannel()
-    execute = engine.runner.execute
+    dispatch = engine.runner.dispatch
     while True:
         cmd, payload = channel.recv()
         if cmd == CMD_STOP:
@@ -162,33 +163,5 @@ def follow(engine) -> int:
             return 0
         if cmd == CMD_STEP:
             args, kwargs = pickle.loads(payload)
-            execute(*args, **kwargs)
+            dispatch(*args, **kwargs)
             channel.num_steps += 1
-
-
-def make_leader_async_llm(config):
-    """The leader's ``AsyncLLM``, whose shutdown also stops the followers."""
-    from jaxserve.async_engine import AsyncLLM
-    from jaxserve.engine import LLMEngine
-
-    check_config(config)
-    engine = LLMEngine(config)
-    leader = Leader(engine)
-
-    class LeaderAsyncLLM(AsyncLLM):
-        async def shutdown(self) -> None:
-            await super().shutdown()
-            leader.stop()
-
-    llm = LeaderAsyncLLM(config, engine=engine)
-    llm.leader = leader
-    return llm
-
-
-def run_follower(config) -> int:
-    from jaxserve.engine import LLMEngine
-
-    check_config(config)
-    engine = LLMEngine(config)
-    logger.info("follower %d ready; replaying the leader's steps", config.parallel.host_index)
-    return follow(engine)

@@ -1,9 +1,14 @@
 """LLMEngine: requests in, one scheduled device step at a time, RequestOutputs out.
 
-    add_request -> Scheduler.schedule -> StepPlan -> ModelRunner.execute -> update -> stop checks
+    add_request -> Scheduler.schedule -> StepPlan -> ModelRunner.dispatch -> update
+                -> (one step later with async scheduling) fetch -> stop checks -> outputs
 
-Stopping (EOS, stop token ids, stop strings on the detokenized text, max_tokens, max_model_len)
-is decided here, on the host, after each step. ``n > 1`` fans out into child requests; with
+Async scheduling (on by default): ``step()`` schedules and dispatches step N+1, then reads step
+N's sampled ids, so the host work of one step runs while the device computes the next. The
+scheduler appends a placeholder for each token in flight; the step that consumes it reads the
+real id on the device. Stopping (EOS, stop token ids, stop strings on the detokenized text,
+max_tokens, max_model_len) is decided on the host when the ids arrive, one step behind; a token
+sampled after a stop is dropped. Without async scheduling the same step is fetched at once. ``n > 1`` fans out into child requests; with
 prefix caching on, the scheduler admits siblings once the first child's prompt pages are cached
 (``prefix_parent``), so they share those pages instead of recomputing them.
 """
@@ -18,17 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.block_manager import BlockManager
+from jaxserve.core.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.loader import load_model, load_tokenizer, resolve_dtype
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.parallel import engine_mesh
-from jaxserve.request import Request, RequestStatus
-from jaxserve.runner import ModelRunner, default_attention_backend, enable_compilation_cache
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
+from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
+from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.worker.parallel import engine_mesh
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.worker.runner import ModelRunner, default_attention_backend, enable_compilation_cache
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,21 @@ class _Child:
     text: str = ""
     cumulative_logprob: float = 0.0
     logprobs: list | None = None
+
+
+@dataclass
+class _InFlight:
+    """A dispatched step whose ids have not been read yet."""
+
+    sched: object  # SchedulerOutput
+    hits: list  # (parent, child) of each scheduled row
+    handle: object  # runner.StepHandle
+    prompt_rows: list
+    query_start: np.ndarray
+
+    @property
+    def sampled_rows(self) -> dict[str, int]:
+        return {s.request.request_id: i for i, s in enumerate(self.sched.scheduled) if s.sample}
 
 
 @dataclass
@@ -73,7 +93,7 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidRequestError(str(e), param="dtype") from None
         if config.model is None:
-            from jaxserve.gguf_loader import default_model_path
+            from jaxserve.loaders.gguf import default_model_path
             config.model = default_model_path()
             config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
         backend = config.attention_backend
@@ -104,13 +124,15 @@ class LLMEngine:
                                   param_bytes=param_bytes, mesh=self.mesh)
         self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
-        from jaxserve.kv_cache import page_bytes
+        from jaxserve.worker.kv_cache import page_bytes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
                                    self.max_model_len,
                                    page_bytes=page_bytes(mc, config.cache.block_size, self.dtype))
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._swapped: dict[str, object] = {}
+        self.async_scheduling = config.async_scheduling
+        self._inflight: _InFlight | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.runner.warmup()
@@ -192,6 +214,8 @@ class LLMEngine:
                 self._swapped.pop(child.request.request_id, None)
                 if not child.request.status.is_finished:
                     self.scheduler.abort_request(child.request.request_id)
+        if not self._parents:
+            self._inflight = None  # only tokens nobody waits for are in flight
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -212,37 +236,13 @@ class LLMEngine:
             hit = self._child_of.get(rid)
             if hit:
                 touched[hit[0].request_id] = hit[0]
-        if sched.scheduled:
-            now = time.time()
-            inputs = []
-            hits = [self._child_of[s.request.request_id] for s in sched.scheduled]
-            for s, (parent, _) in zip(sched.scheduled, hits):
-                r = s.request
-                inputs.append((r.sampling_params, r.output_token_ids, r.prompt_token_ids,
-                               self._eos_list, r.num_output_tokens) if s.sample else None)
-                if parent.metrics.first_scheduled_time is None:
-                    parent.metrics.first_scheduled_time = now
-            plan = self.runner.build_plan(sched.to_rows(), inputs)
-            prompt_rows = self._prompt_logprob_rows(sched, hits)
-            next_ids = None
-            if prompt_rows:
-                next_ids = np.zeros(plan.token_bucket, np.int32)
-                for i, parent, lo, hi in prompt_rows:
-                    t0 = int(plan.query_start[i])
-                    next_ids[t0:t0 + hi - lo] = parent.prompt_token_ids[lo + 1:hi + 1]
-            out = self.runner.execute(plan, next_ids)
-            for i, parent, lo, hi in prompt_rows:
-                self._record_prompt_logprobs(parent, out, int(plan.query_start[i]), lo, hi)
-            token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()  # Python scalars
-            sampled = {s.request.request_id: token_ids[i]
-                       for i, s in enumerate(sched.scheduled) if s.sample}
-            self.scheduler.update_from_output(sched, sampled)
-            now = time.time()
-            for i, (s, (parent, child)) in enumerate(zip(sched.scheduled, hits)):
-                if not s.sample:
-                    continue
-                self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
-                touched[parent.request_id] = parent
+        new = self._dispatch(sched) if sched.scheduled else None
+        if self.async_scheduling:
+            done, self._inflight = self._inflight, new
+        else:
+            done = new
+        if done is not None:
+            self._process(done, touched)
         outputs = []
         for parent in touched.values():
             if parent.final_only and not parent.finished:
@@ -252,7 +252,55 @@ class LLMEngine:
                 self._parents.pop(parent.request_id, None)
                 for c in parent.children:
                     self._child_of.pop(c.request.request_id, None)
+        if not self._parents:
+            self._inflight = None  # only tokens nobody waits for are in flight
         return outputs
+
+    def _dispatch(self, sched) -> _InFlight:
+        """Build the plan (pending tokens point at the step in flight) and enqueue it."""
+        now = time.time()
+        prev_rows = self._inflight.sampled_rows if self._inflight is not None else {}
+        inputs = []
+        hits = [self._child_of[s.request.request_id] for s in sched.scheduled]
+        for s, (parent, _) in zip(sched.scheduled, hits):
+            r = s.request
+            inputs.append((r.sampling_params, r.output_token_ids, r.prompt_token_ids,
+                           self._eos_list, r.num_output_tokens) if s.sample else None)
+            if parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+        plan = self.runner.build_plan(sched.to_rows(prev_rows), inputs)
+        for i, s in enumerate(sched.scheduled):
+            r = s.request
+            if s.sample and r.num_pending and r.sampling_params.uses_penalties:
+                # the pending id is the last output id in the penalty history
+                plan.history_ref[i] = (prev_rows[r.request_id], r.num_tokens - 1)
+        prompt_rows = self._prompt_logprob_rows(sched, hits)
+        next_ids = None
+        if prompt_rows:
+            next_ids = np.zeros(plan.token_bucket, np.int32)
+            for i, parent, lo, hi in prompt_rows:
+                t0 = int(plan.query_start[i])
+                next_ids[t0:t0 + hi - lo] = parent.prompt_token_ids[lo + 1:hi + 1]
+        handle = self.runner.dispatch(plan, next_ids)
+        self.scheduler.update_from_output(sched)  # placeholders until _process
+        return _InFlight(sched, hits, handle, prompt_rows, plan.query_start)
+
+    def _process(self, done: _InFlight, touched: dict) -> None:
+        """Read a dispatched step's ids: resolve the placeholders, record logprobs, stop."""
+        out = self.runner.fetch(done.handle)
+        for i, parent, lo, hi in done.prompt_rows:
+            self._record_prompt_logprobs(parent, out, int(done.query_start[i]), lo, hi)
+        token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()  # Python scalars
+        now = time.time()
+        for i, (s, hit) in enumerate(zip(done.sched.scheduled, done.hits)):
+            req = s.request
+            if not s.sample or req.is_finished or self._child_of.get(req.request_id) is not hit:
+                continue  # no token, or stopped / aborted since: its token is dropped
+            parent, child = hit
+            req.resolve_pending(token_ids[i])
+            self.block_manager.cache_full_blocks(req)
+            self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
+            touched[parent.request_id] = parent
 
     def _prompt_logprob_rows(self, sched, hits: list) -> list:
         """(row, parent, lo, hi): prompt positions lo..hi-1 of this step whose next prompt token
@@ -292,7 +340,7 @@ class LLMEngine:
         child.cumulative_logprob += logprob
         if child.logprobs is not None:
             child.logprobs.append(self._position_logprobs(tok, out, row, params.logprobs))
-        n_out = req.num_output_tokens
+        n_out = req.num_known_output_tokens
         status, stop_reason = None, None
         if child.detok is not None:
             delta = child.detok.add_tokens([tok])
@@ -313,10 +361,11 @@ class LLMEngine:
             elif params.stop_token_ids and tok in params.stop_token_ids:
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, tok
         if status is None:
-            if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            if n_out >= req.max_tokens or req.num_tokens - req.num_pending >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             req.stop_reason = stop_reason
+            req.drop_pending()
             self.scheduler.finish_request(req.request_id, status)
             if parent.finished:
                 m.finished_time = now
@@ -338,7 +387,8 @@ class LLMEngine:
         for c in parent.children:
             r = c.request
             comps.append(CompletionOutput(
-                index=c.index, text=c.text, token_ids=list(r.output_token_ids),
+                index=c.index, text=c.text,
+                token_ids=r.output_token_ids[:r.num_known_output_tokens],
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason))
@@ -381,6 +431,6 @@ def _eos_ids(eos, tokenizer) -> frozenset[int]:
 def _load_tokenizer(model_path, tokenizer):
     """A GGUF file carries its own tokenizer and chat template; a HF dir has tokenizer files."""
     if tokenizer is None and str(model_path).endswith(".gguf"):
-        from jaxserve.gguf_loader import gguf_tokenizer
+        from jaxserve.loaders.gguf import gguf_tokenizer
         return gguf_tokenizer(model_path)
     return load_tokenizer(model_path, tokenizer)

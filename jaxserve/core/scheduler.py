@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from jaxserve.block_manager import BlockManager, cdiv
+from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.request import Request, RequestStatus
-from jaxserve.step_plan import ScheduledSeq
+from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.core.step_plan import ScheduledSeq
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
 
@@ -53,9 +53,6 @@ class SchedulerOutput:
     # (request_id, page ids): copy the host copy back into these pages BEFORE running the step.
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
     finished_aborted: list[str] = field(default_factory=list)  # aborted by the scheduler now
-    # finished by the scheduler at max_model_len (safety net; empty if the engine stops at
-    # request.max_tokens as it should)
-    finished_length: list[str] = field(default_factory=list)
     # every request finished since the previous schedule() (engine stops, aborts, and the
     # above): the runner drops per-request state (host swap copies, sampler state).
     finished_req_ids: list[str] = field(default_factory=list)
@@ -69,14 +66,17 @@ class SchedulerOutput:
     def num_scheduled(self) -> int:
         return len(self.scheduled)
 
-    def to_rows(self) -> list[ScheduledSeq]:
-        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order."""
+    def to_rows(self, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
+        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order. ``prev_rows``:
+        request id -> its row in the previous (still running) step, for pending tokens."""
+        prev_rows = prev_rows or {}
         return [
             ScheduledSeq(
                 new_token_ids=s.new_token_ids,
                 start_pos=s.start_pos,
                 block_ids=s.request.block_ids,
                 sample=s.sample,
+                prev_row=prev_rows.get(s.request.request_id, -1),
             )
             for s in self.scheduled
         ]
@@ -300,10 +300,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and req.max_tokens is not None and \
+                    req.num_output_tokens >= req.max_tokens:
+                i += 1  # its last token is still on the device; the engine finishes it then
+                continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
-                out.finished_length.append(req.request_id)
                 continue
             scheduled = True
             while not bm.allocate_slots(req, n):
@@ -364,10 +367,11 @@ class Scheduler:
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests after the device step; append the sampled token of
-        every row that samples; register newly full pages in the prefix cache. Returns the
-        requests that got a new token (the engine checks them for stopping)."""
+                           sampled: dict[str, int] | None = None) -> list[Request]:
+        """Advance the scheduled requests after the step was dispatched; append the sampled token
+        of every row that samples (``PLACEHOLDER`` when ``sampled`` is None: the engine resolves
+        it once the ids reach the host); register newly full pages in the prefix cache. Returns
+        the requests that got a new token (the engine checks them for stopping)."""
         got_token = []
         for s in scheduler_output.scheduled:
             req = s.request
@@ -375,7 +379,7 @@ class Scheduler:
                 continue  # finished/aborted while the step ran
             req.num_computed_tokens += s.num_new_tokens
             if s.sample:
-                tok = sampled.get(req.request_id)
+                tok = PLACEHOLDER if sampled is None else sampled.get(req.request_id)
                 if tok is None:
                     raise ValueError(f"no sampled token for request {req.request_id!r}")
                 req.append_output_token(tok)

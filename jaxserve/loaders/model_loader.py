@@ -1,7 +1,7 @@
 """Checkpoints -> placed model parameters, and the tokenizer.
 
 Sources: an HF directory (config.json + one or many ``*.safetensors``, read lazily with
-``safe_open``), a GGUF file (through ``jaxserve.gguf_loader``), ``dummy`` random weights from
+``safe_open``), a GGUF file (through ``jaxserve.loaders.gguf``), ``dummy`` random weights from
 config.json alone, and the name ``demo-random``. Every parameter is placed with a
 ``NamedSharding`` whose ``PartitionSpec`` comes from :func:`param_partition_spec`; tensor
 parallelism only changes the mesh and that one function.
@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.registry import get_model_class
-from jaxserve.parallel import TP_AXIS, default_mesh  # noqa: F401  (re-exported)
+from jaxserve.worker.parallel import TP_AXIS, default_mesh  # noqa: F401  (re-exported)
 # Checkpoint tensors that carry no parameter (HF buffers saved by old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -63,7 +63,7 @@ def param_partition_spec(name: str, mesh: Mesh | None = None) -> PartitionSpec:
 
 def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | None = None
                     ) -> NamedSharding:
-    from jaxserve import parallel
+    from jaxserve.worker import parallel
 
     spec = param_partition_spec(name, mesh)
     if (model_config is not None and name.endswith(("k_proj.weight", "k_proj.bias",
@@ -83,7 +83,7 @@ def _attach_mesh(model, model_config: ModelConfig, mesh: Mesh | None):
     """A model given an explicit mesh runs attention per shard (``parallel.sharded_attention``);
     without one it takes the plain single-device path."""
     if mesh is not None:
-        from jaxserve import parallel
+        from jaxserve.worker import parallel
 
         parallel.check_model(model_config, parallel.tp_size(mesh))
     model.mesh = mesh
@@ -229,7 +229,7 @@ def _lazy_tensor(path: Path, name: str) -> Callable[[], np.ndarray]:
 
 
 def _resolve_model_path(model: str) -> Path:
-    from jaxserve.tiny_model import DEMO_NAME, ensure_demo_random
+    from jaxserve.testing.tiny_model import DEMO_NAME, ensure_demo_random
 
     if model == DEMO_NAME:
         return ensure_demo_random()
@@ -299,7 +299,7 @@ def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "a
     m, _, src = load_model(model, dtype=dtype, load_format=load_format)
     gen = None
     if src.suffix == ".gguf":
-        from jaxserve import gguf_loader
+        from jaxserve.loaders import gguf as gguf_loader
 
         hf_config = gguf_loader.load_gguf(src)[0]
     else:
@@ -326,7 +326,7 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
         raise ValueError(f"load_format {load_format!r} not one of {formats}")
     path = _resolve_model_path(model)
     if load_format == "gguf" or (load_format == "auto" and path.suffix == ".gguf"):
-        from jaxserve import gguf_loader
+        from jaxserve.loaders import gguf as gguf_loader
 
         hf_config, tensors = gguf_loader.load_gguf(path)
         cfg = ModelConfig.from_hf_config(hf_config)
@@ -353,7 +353,7 @@ def load_tokenizer(model_dir_or_name, tokenizer=None):
     if str(src) == "demo-random":
         src = _resolve_model_path("demo-random")
     if str(src).endswith(".gguf"):
-        from jaxserve.gguf_loader import gguf_tokenizer
+        from jaxserve.loaders.gguf import gguf_tokenizer
 
         return gguf_tokenizer(src)
     return AutoTokenizer.from_pretrained(str(src))

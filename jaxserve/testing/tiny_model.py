@@ -50,8 +50,8 @@ CHAT_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-RANDOM_NOTE = "random weights: built by jaxserve.tiny_model for tests and demos; outputs are noise"
-CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
+RANDOM_NOTE = "random weights: built by jaxserve.testing.tiny_model for tests and demos; outputs are noise"
+CORPUS = Path(__file__).parents[1] / "data" / "tiny_corpus.txt"
 
 
 def _hf_config(arch: str, o: dict):

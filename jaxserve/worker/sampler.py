@@ -25,14 +25,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
 
 _NEG_INF = float("-inf")
 
 
 class SamplingMetadata(NamedTuple):
     """Per-row sampling controls, S = sequence bucket. Built on the host by
-    ``jaxserve.sampling_metadata.build_sampling_arrays`` (same field names, numpy arrays)."""
+    ``jaxserve.core.sampling_metadata.build_sampling_arrays`` (same field names, numpy arrays)."""
 
     temperature: jax.Array  # [S] f32; < 1e-5 = greedy (padding rows are greedy)
     top_p: jax.Array  # [S] f32 in (0, 1]; 1 = off

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator
 
-from jaxserve.async_engine import AsyncLLM
+from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +110,9 @@ class DataParallelAsyncLLM:
 
 def make_async_llm(config: EngineConfig):
     """``AsyncLLM`` for one replica, ``DataParallelAsyncLLM`` for ``data_parallel_size > 1``,
-    the multi-host leader's engine for ``num_hosts > 1`` (``jaxserve.multihost``)."""
+    the multi-host leader's engine for ``num_hosts > 1`` (``jaxserve.engine.multihost_engine``)."""
     if config.parallel.num_hosts > 1:
-        from jaxserve.multihost import make_leader_async_llm
+        from jaxserve.engine.multihost_engine import make_leader_async_llm
 
         return make_leader_async_llm(config)
     if config.parallel.data_parallel_size > 1:

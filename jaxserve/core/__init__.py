@@ -1,0 +1,1 @@
+"""Host side only (no jax): requests, sampling params, pages, scheduler, step plans."""

@@ -1,0 +1,1 @@
+"""Checkpoints (safetensors, GGUF, orbax) to params placed with their shardings."""

@@ -1,0 +1,1 @@
+"""Tiny models and presets for tests and benchmarks."""

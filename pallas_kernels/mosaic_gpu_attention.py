@@ -1,0 +1,333 @@
+"""Ragged paged attention as a Pallas Mosaic GPU kernel (Hopper: TMA + WGMMA).
+
+Same arguments and result as :func:`pallas_kernels.reference.ragged_paged_attention` for
+bfloat16 / float16 inputs (the tensor cores' WGMMA types) with ``head_dim`` a multiple of 64.
+
+How the work is cut:
+
+* **Rows = (token, query head) of one KV head, flattened.** The backend's query layout is
+  ``[Hkv, T * G, D]`` (row ``t * G + g``), so the ``G`` heads of a KV head and consecutive
+  tokens of a sequence are consecutive rows. A program owns 64 rows (one WGMMA M tile) of one
+  sequence: a decode token of GQA-8 fills 8 of them, a prefill chunk ``ceil(len * G / 64)``
+  blocks; any group size works, no head padding.
+* **Pages by TMA, multi-stage.** A KV step of ``block_kv`` tokens is ``block_kv / page_size``
+  page copies (TMA, one per page of the pool ``[Hkv, num_pages, page_size, D]``) into one
+  swizzled shared-memory stage; ``num_stages`` steps are in flight while the warpgroup computes.
+  The sequence's block-table row is brought into shared memory once per program.
+* **QK and PV on the tensor cores** (``plgpu.wgmma``), online softmax in base 2 in registers.
+* **Split KV** over the grid's third axis for long contexts; every program writes its rows'
+  normalised partial output and log-sum-exp, and one XLA epilogue merges the splits and puts
+  the rows back in ``[T, Hq, D]`` order.
+
+KV layout: ``[Hkv, num_pages, page_size, D]`` (the Pallas backend's pool), ``page_size`` a
+multiple of 8 dividing ``block_kv``. fp8 KV: the K/V stages would hold fp8 pages and the
+scales enter the scores and ``p``; not implemented.
+
+Known costs outside the kernel (a next step, measured on the GPU first): the query transpose,
+the per-block metadata (a few tiny XLA ops) and the split merge / row gather epilogue.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = math.log2(math.e)
+_ROWS = 64  # WGMMA M tile of one warpgroup
+_META = 32  # int32 fields per block (a TMA copy moves a multiple of 128 bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTileConfig:
+    """``block_kv``: KV tokens per pipeline stage (a multiple of 64 and of the page size);
+    ``num_stages``: stages in flight; ``num_splits=None`` bounds splits from the static shapes
+    (``min_kv_per_split`` tokens at least, ~``8 * num_sms`` programs when the bucket is full)."""
+
+    block_kv: int = 64
+    num_stages: int = 4
+    num_splits: int | None = None
+    min_kv_per_split: int = 512
+    num_sms: int = 132
+
+    def replace(self, **kw) -> "MosaicTileConfig":
+        names = {f.name for f in dataclasses.fields(self)}
+        bad = sorted(set(kw) - names)
+        if bad:
+            raise ValueError(f"unknown tile parameter(s) {bad}; known: {sorted(names)}")
+        return dataclasses.replace(self, **kw)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: MosaicTileConfig):
+    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"q must be [T, Hq, D], k/v_pages [Hkv, P, page, D]; got {q.shape}, "
+                         f"{k_pages.shape}, {v_pages.shape}")
+    t, hq, d = q.shape
+    hkv, _, page_size, dk = k_pages.shape
+    if dk != d or hq % hkv:
+        raise ValueError(f"head_dim {d} vs {dk} / heads {hq} vs {hkv} do not match")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or \
+            k_pages.dtype != q.dtype:
+        raise ValueError(f"the Mosaic GPU kernel takes bfloat16/float16 q and KV, got {q.dtype}")
+    if d % 64:
+        raise ValueError(f"head_dim must be a multiple of 64, got {d}")
+    if page_size % 8 or cfg.block_kv % 64 or cfg.block_kv % page_size:
+        raise ValueError(f"block_kv {cfg.block_kv} must be a multiple of 64 and of page_size "
+                         f"{page_size} (a multiple of 8)")
+    if cfg.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {cfg.num_stages}")
+    s = seq_lens.shape[0]
+    if query_start.shape != (s + 1,) or block_tables.ndim != 2 or block_tables.shape[0] != s:
+        raise ValueError("query_start, seq_lens and block_tables disagree on the sequences")
+
+
+def _block_metadata(query_start, seq_lens, num_seqs, group, nb):
+    """``[nb, 32]`` int32 per 64-row block: seq, first row in ``[T * G]``, row offset in its
+    sequence, real rows, position of the sequence's first new token (0 padding); and the first
+    block of every sequence ``[S]``."""
+    s_len = seq_lens.shape[0]
+    qs = query_start.astype(jnp.int32)
+    q_len = qs[1:] - qs[:-1]
+    real = (jnp.arange(s_len) < num_seqs) & (seq_lens > 0) & (q_len > 0)
+    nrow = jnp.where(real, q_len * group, 0)
+    nblk = _cdiv(nrow, _ROWS)
+    end = jnp.cumsum(nblk)
+    b = jnp.arange(nb, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(end, b, side="right"), s_len - 1).astype(jnp.int32)
+    seq_first = end - nblk  # first block of every sequence
+    first = seq_first[seq]
+    active = b < end[-1]
+    r_rel = (b - first) * _ROWS
+    rows = jnp.where(active, jnp.clip(nrow[seq] - r_rel, 0, _ROWS), 0)
+    row0 = qs[seq] * group + r_rel
+    pos0 = seq_lens[seq] - q_len[seq]
+    fields = jnp.stack([seq, row0, r_rel, rows, pos0], axis=1)
+    return jnp.pad(fields, ((0, 0), (0, _META - 5))), seq_first
+
+
+def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, soft_cap,
+            sliding_window, group, page_size, block_kv, num_stages, num_splits, min_iters,
+            max_pages, num_pages, dtype):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    head_dim = q_ref.shape[-1]
+    pps = block_kv // page_size
+    b = lax.axis_index("block")
+    h = lax.axis_index("kv_head")
+    sp = lax.axis_index("split")
+    bt_w = bt_ref.shape[-1]
+
+    def body(meta_smem, bt_smem, q_smem, k_smem, v_smem, o_smem, lse_smem, bars):
+        meta_bar, q_bar, k_bars, v_bars = bars
+        plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_smem, meta_bar)
+        plgpu.barrier_wait(meta_bar)
+        seq, row0, r_rel, nrows, pos0 = (meta_smem[i] for i in range(5))
+        plgpu.copy_gmem_to_smem(bt_ref.at[seq], bt_smem, meta_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(row0, _ROWS)], q_smem, q_bar)
+
+        # KV tokens this block needs: up to its last row's position; from the window start.
+        hi_tok = pos0 + lax.div(r_rel + nrows - 1, group) + 1
+        if sliding_window is None:
+            lo_tok = jnp.int32(0)
+        else:
+            lo_tok = jnp.maximum(pos0 + lax.div(r_rel, group) - sliding_window + 1, 0)
+        kv_lo = lax.div(lo_tok, jnp.int32(page_size)) * page_size
+        nkv = jnp.where(nrows > 0, lax.div(hi_tok - kv_lo + block_kv - 1, block_kv), 0)
+        bps = jnp.maximum(lax.div(nkv + num_splits - 1, num_splits), min_iters)
+        it_lo = jnp.minimum(sp * bps, nkv)
+        it_hi = jnp.minimum(it_lo + bps, nkv)
+        plgpu.barrier_wait(meta_bar)  # the block-table row
+
+        def issue(it, slot):
+            first_col = lax.div(kv_lo, jnp.int32(page_size)) + it * pps
+            for j in range(pps):
+                # Columns past the table only feed masked positions: clamp, don't pad.
+                col = jnp.minimum(first_col + j, max_pages - 1)
+                page = jnp.clip(bt_smem[lax.div(col, bt_w), lax.rem(col, bt_w)]
+                                if bt_smem.ndim == 2 else bt_smem[col], 0, num_pages - 1)
+                dst = pl.ds(j * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, dst],
+                                        k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, dst],
+                                        v_bars.at[slot])
+
+        for s in range(num_stages):
+            pl.when(it_lo + s < it_hi)(functools.partial(issue, it_lo + s, s))
+        plgpu.barrier_wait(q_bar)
+
+        wg = plgpu.Layout.WGMMA
+        row_pos = pos0 + lax.div(
+            r_rel + plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=wg), group)
+        row_ok = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=wg) < nrows
+        col_iota = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 1, layout=wg)
+
+        def step(it, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(it - it_lo, jnp.int32(num_stages))
+            plgpu.barrier_wait(k_bars.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32)) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = s * _LOG2E
+            kv_pos = kv_lo + it * block_kv + col_iota
+            mask = row_ok & (kv_pos <= row_pos)
+            if sliding_window is not None:
+                mask = mask & (kv_pos > row_pos - sliding_window)
+            s = jnp.where(mask, s, _MASK)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.where(mask, p, 0.0)
+            l_new = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bars.at[slot])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            # The stage is free again (both WGMMAs done): refill it.
+            nxt = it + num_stages
+            pl.when(nxt < it_hi)(functools.partial(issue, nxt, slot))
+            return acc, m_new, l_new
+
+        acc = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), wg)
+        m_i = plgpu.layout_cast(jnp.full((_ROWS,), _MASK, jnp.float32), wg.reduce(1))
+        l_i = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), wg.reduce(1))
+        acc, m_i, l_i = lax.fori_loop(it_lo, it_hi, step, (acc, m_i, l_i))
+        has = l_i > 0.0
+        l_safe = jnp.where(has, l_i, 1.0)
+        o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse_smem[...] = jnp.where(has, m_i + jnp.log2(l_safe), _MASK)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b, h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    swz = 128 if head_dim * jnp.dtype(dtype).itemsize >= 128 else 64
+    transforms = (plgpu.TilingTransform((8, swz // jnp.dtype(dtype).itemsize)),
+                  plgpu.SwizzleTransform(swz))
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((_META,), jnp.int32),
+        plgpu.SMEM(bt_ref.shape[1:], jnp.int32),
+        plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((_ROWS, head_dim), jnp.float32),
+        plgpu.SMEM((_ROWS,), jnp.float32),
+        (plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
+         plgpu.Barrier(num_arrivals=pps, num_barriers=num_stages),
+         plgpu.Barrier(num_arrivals=pps, num_barriers=num_stages)),
+    )
+
+
+def fit_stages(cfg: MosaicTileConfig, head_dim, itemsize, bt_entries, budget=220 * 1024):
+    """The configured stage count, lowered until the kernel's shared memory fits Hopper's
+    227 KB per block (q tile, f32 output tile, block-table row, K and V stages)."""
+    fixed = _META * 4 + bt_entries * 4 + _ROWS * head_dim * (itemsize + 4) + _ROWS * 4 + 1024
+    per_stage = 2 * cfg.block_kv * head_dim * itemsize
+    stages = min(cfg.num_stages, (budget - fixed) // per_stage)
+    if stages < 1:
+        raise ValueError(f"block_kv {cfg.block_kv} x head_dim {head_dim} does not fit shared "
+                         "memory; use a smaller block_kv")
+    return stages
+
+
+def call_grid(t, hq, hkv, s_len, max_pages, page_size, cfg: MosaicTileConfig):
+    """Static ``(num_blocks, num_splits, min_iters)`` of a step bucket."""
+    group = hq // hkv
+    nb = _cdiv(t * group, _ROWS) + s_len  # every row's blocks, each row's last one partial
+    if cfg.num_splits is None:
+        by_len = _cdiv(max_pages * page_size, cfg.min_kv_per_split)
+        by_grid = _cdiv(8 * cfg.num_sms, nb * hkv)
+        ns = max(1, min(16, by_len, by_grid))
+    else:
+        ns = max(1, cfg.num_splits)
+    return nb, ns, max(1, cfg.min_kv_per_split // cfg.block_kv)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "cfg"))
+def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
+                            *, sm_scale, sliding_window, soft_cap, cfg: MosaicTileConfig):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    t, hq, d = q.shape
+    hkv, num_pages, page_size, _ = k_pages.shape
+    group = hq // hkv
+    s_len, max_pages = block_tables.shape
+    nb, ns, min_iters = call_grid(t, hq, hkv, s_len, max_pages, page_size, cfg)
+    nseq = jnp.int32(s_len) if num_seqs is None else jnp.asarray(num_seqs, jnp.int32)
+    meta, first_blk = _block_metadata(query_start, seq_lens.astype(jnp.int32), nseq, group, nb)
+    # Block-table rows padded to 128 bytes (TMA) and cut into <= 256-entry TMA boxes.
+    mp = _cdiv(max_pages, 32) * 32
+    if mp > 256:
+        mp = _cdiv(mp, 256) * 256
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, mp - max_pages)))
+    if mp > 256:
+        bt = bt.reshape(s_len, mp // 256, 256)
+    cfg = cfg.replace(num_stages=fit_stages(cfg, d, q.dtype.itemsize, mp))
+    q_rows = q.reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, t * group, d)
+
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        group=group, page_size=page_size, block_kv=cfg.block_kv, num_stages=cfg.num_stages,
+        num_splits=ns, min_iters=min_iters, max_pages=max_pages, num_pages=num_pages,
+        dtype=q.dtype)
+    # The kernel's name in profiles and HLO (plgpu.kernel names it after the body).
+    kernel.__name__ = f"rpa_mosaic_kv{cfg.block_kv}_st{cfg.num_stages}_s{ns}"
+    o_part, lse = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((ns, nb, hkv, _ROWS, d), jnp.float32),
+                  jax.ShapeDtypeStruct((ns, nb, hkv, _ROWS), jnp.float32)),
+        grid=(nb, hkv, ns),
+        grid_names=("block", "kv_head", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(meta, bt, q_rows, k_pages, v_pages)
+
+    # Merge the splits (base-2 log-sum-exp weights), then rows back to [T, Hq, D].
+    m = jnp.max(lse, axis=0, keepdims=True)
+    w = jnp.exp2(lse - m)
+    out_blk = jnp.sum(o_part * w[..., None], axis=0) / jnp.maximum(jnp.sum(w, 0), 1e-30)[..., None]
+    qs = query_start.astype(jnp.int32)
+    tok = jnp.arange(t, dtype=jnp.int32)
+    seq_of = jnp.minimum(jnp.searchsorted(qs[1:], tok, side="right"), s_len - 1)
+    rel = (tok - qs[seq_of])[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
+    blk = jnp.clip(first_blk[seq_of][:, None] + rel // _ROWS, 0, nb - 1)  # [T, G]
+    heads = jnp.arange(hkv, dtype=jnp.int32)[None, :, None]
+    rows = out_blk[blk[:, None, :], heads, (rel % _ROWS)[:, None, :]]  # [T, Hkv, G, D]
+    tok_ok = (tok < qs[-1]) & (seq_of < nseq) & (seq_lens[seq_of] > 0)
+    out = jnp.where(tok_ok[:, None, None, None], rows, 0.0)
+    return out.reshape(t, hq, d).astype(q.dtype)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
+                           num_seqs=None, *, sm_scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, **tile_params):
+    """Causal attention of every new token against its sequence's pages (see reference.py),
+    on Hopper's TMA and tensor cores. ``tile_params`` override :class:`MosaicTileConfig`."""
+    cfg = MosaicTileConfig().replace(**tile_params)
+    _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg)
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if soft_cap is not None and float(soft_cap) <= 0:
+        raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
+    return _ragged_paged_attention(
+        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
+        sm_scale=float(sm_scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap), cfg=cfg)

@@ -1,0 +1,176 @@
+"""The Pallas Mosaic GPU ragged paged attention: CUDA lowering on CPU, numerics on a GPU.
+
+`jax.export(..., platforms=["cuda"])` runs the whole Pallas -> Mosaic GPU lowering (WGMMA
+operand shapes and layouts, TMA transfer sizes, the shared-memory budget) and emits one
+``mosaic_gpu_v2`` custom call; it needs the CUDA plugin of the installed jaxlib and skips
+without it. What it cannot check: PTX compilation and the numbers, which only a Hopper GPU
+gives — ``test_mosaic_matches_reference_gpu`` (``-m gpu``) compares against the reference.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import reference
+from pallas_kernels.mosaic_gpu_attention import (
+    MosaicTileConfig,
+    _block_metadata,
+    call_grid,
+    ragged_paged_attention,
+)
+from pallas_kernels.ragged_batch import make_ragged_batch
+
+_HAS_PLUGIN = any(
+    importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+needs_plugin = pytest.mark.skipif(not _HAS_PLUGIN, reason="jax CUDA plugin not installed")
+MOSAIC = "mosaic_gpu_v2"
+
+
+def _specs(*, tokens, seqs, ctx, hq=32, hkv=8, d=128, page_size=16, dtype=jnp.bfloat16):
+    sds = jax.ShapeDtypeStruct
+    mp = -(-ctx // page_size)
+    pool = (hkv, 1 + seqs * mp, page_size, d)
+    return (sds((tokens, hq, d), dtype), sds(pool, dtype), sds(pool, dtype),
+            sds((seqs + 1,), jnp.int32), sds((seqs,), jnp.int32), sds((seqs, mp), jnp.int32),
+            sds((), jnp.int32))
+
+
+def _lower(opts=None, **shape):
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, **(opts or {}))
+    return export.export(jax.jit(fn), platforms=["cuda"])(*_specs(**shape)).mlir_module()
+
+
+# benchmarks/kernels.py's shapes: B 64 decodes, 32/8 heads, D 128, page 16, bf16; the mixed
+# case (4 chunks of 512 at ctx 2048 + 32 decodes) in one call.
+BENCH = {
+    "decode_ctx512": dict(tokens=64, seqs=64, ctx=512),
+    "decode_ctx2048": dict(tokens=64, seqs=64, ctx=2048),
+    "decode_ctx8192": dict(tokens=64, seqs=64, ctx=8192),
+    "mixed_4x512_32dec": dict(tokens=4 * 512 + 32, seqs=36, ctx=2048),
+}
+
+
+@needs_plugin
+@pytest.mark.parametrize("name", list(BENCH))
+def test_mosaic_lowers_at_benchmark_shapes(name):
+    text = _lower(**BENCH[name])
+    assert text.count(MOSAIC) == 1
+    assert "rpa_mosaic" in text
+
+
+@needs_plugin
+@pytest.mark.parametrize("shape,opts", [
+    (dict(tokens=64, seqs=16, ctx=512, dtype=jnp.float16), dict(sliding_window=128,
+                                                                soft_cap=30.0)),
+    (dict(tokens=48, seqs=12, ctx=320, hq=14, hkv=2, d=64), {}),  # group 7, odd page count
+    (dict(tokens=64, seqs=16, ctx=1024, d=256, page_size=32), {}),  # stages cut to fit smem
+    (dict(tokens=64, seqs=16, ctx=1024, hkv=1, page_size=64), dict(block_kv=128, num_splits=4)),
+    (dict(tokens=16, seqs=4, ctx=64, hq=8, hkv=8, page_size=8), dict(num_stages=1)),  # MHA
+], ids=["f16_window_softcap", "gqa7_d64", "d256_page32", "mqa_kv128_page64", "mha_page8"])
+def test_mosaic_lowers_options(shape, opts):
+    assert _lower(opts, **shape).count(MOSAIC) == 1
+
+
+@needs_plugin
+def test_mosaic_lowering_rejects_what_a_gpu_rejects():
+    """The harness is live: a KV stage that overflows shared memory fails to lower."""
+    from pallas_kernels import mosaic_gpu_attention as mga
+
+    with pytest.raises(ValueError, match="shared memory"):
+        mga.fit_stages(mga.MosaicTileConfig(block_kv=1024), 256, 2, 32)
+    with pytest.raises(ValueError, match="block_kv"):
+        _lower(dict(block_kv=96), tokens=16, seqs=4, ctx=64)
+
+
+def test_mosaic_rejects_bad_arguments():
+    q = jnp.zeros((8, 4, 64), jnp.float32)
+    kp = jnp.zeros((2, 8, 8, 64), jnp.float32)
+    meta = (jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="bfloat16/float16"):
+        ragged_paged_attention(q, kp, kp, *meta, sm_scale=1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        ragged_paged_attention(jnp.zeros((8, 4, 32), jnp.bfloat16),
+                               jnp.zeros((2, 8, 8, 32), jnp.bfloat16),
+                               jnp.zeros((2, 8, 8, 32), jnp.bfloat16), *meta, sm_scale=1.0)
+    with pytest.raises(ValueError, match="tile parameter"):
+        ragged_paged_attention(q.astype(jnp.bfloat16), kp.astype(jnp.bfloat16),
+                               kp.astype(jnp.bfloat16), *meta, sm_scale=1.0, blok_kv=64)
+
+
+def test_mosaic_block_metadata_covers_every_row_once():
+    """The 64-row blocks the kernel runs cover each real (token, head) row of a KV head exactly
+    once, with the right sequence and positions (brute force over a ragged batch, group 7)."""
+    group, q_lens, ctx = 7, [1, 20, 3, 1, 10], [5, 40, 3, 9, 10]
+    batch = make_ragged_batch(np.random.default_rng(0), q_lens, ctx, num_tokens=40, num_seqs=7,
+                              max_pages=8, num_pages=40, num_q_heads=14, num_kv_heads=2,
+                              head_dim=64, page_size=8, fill=False)
+    nb, _, _ = call_grid(40, 14, 2, 7, 8, 8, MosaicTileConfig())
+    meta, first = _block_metadata(jnp.asarray(batch.query_start), jnp.asarray(batch.seq_lens),
+                                  jnp.int32(batch.num_seqs), group, nb)
+    meta = np.asarray(meta)
+    seen = {}
+    for b in range(nb):
+        seq, row0, r_rel, rows, pos0 = meta[b, :5]
+        for i in range(rows):
+            tok = (row0 + i) // group
+            assert (row0 + i) not in seen
+            seen[row0 + i] = (seq, pos0 + (r_rel + i) // group)
+            assert batch.query_start[seq] <= tok < batch.query_start[seq + 1]
+    want = {}
+    for s, (ql, c) in enumerate(zip(q_lens, ctx)):
+        for j in range(ql):
+            tok = batch.query_start[s] + j
+            for g in range(group):
+                want[tok * group + g] = (s, c - ql + j)
+    assert seen == want
+    assert list(np.asarray(first)[:5]) == list(np.cumsum([0] + [-(-q * group // 64)
+                                                               for q in q_lens])[:5])
+
+
+# ---- numerics on a Hopper GPU (run with `-m gpu`) ----
+
+def _hopper():
+    try:
+        return any(d.platform == "gpu" and ("H100" in d.device_kind or "H200" in d.device_kind)
+                   for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (H100/H200)")
+@pytest.mark.parametrize("case", [
+    dict(q_lens=[1, 17, 2, 9, 1, 64], ctx=[40, 48, 2, 30, 1, 300], hq=8, hkv=2, d=128, ps=16),
+    dict(q_lens=[1] * 6 + [100], ctx=[700, 1, 5000, 16, 17, 2048, 4096], hq=32, hkv=8, d=128,
+         ps=16),
+    dict(q_lens=[3, 1, 40], ctx=[90, 33, 200], hq=14, hkv=2, d=64, ps=8,
+         opts=dict(sliding_window=37, soft_cap=20.0)),
+    dict(q_lens=[1, 1, 30], ctx=[1000, 64, 500], hq=16, hkv=2, d=256, ps=32,
+         opts=dict(num_splits=4, min_kv_per_split=64)),
+], ids=["mixed_gqa4", "long_ctx_splits", "gqa7_window_cap", "d256_forced_splits"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda v: v.__name__)
+def test_mosaic_matches_reference_gpu(case, dtype):
+    q_lens, ctx = case["q_lens"], case["ctx"]
+    ps = case["ps"]
+    mp = -(-max(ctx) // ps)
+    batch = make_ragged_batch(np.random.default_rng(0), q_lens, ctx,
+                              num_tokens=sum(q_lens) + 5, num_seqs=len(q_lens) + 2,
+                              max_pages=mp, num_pages=(len(q_lens) + 2) * mp + 1,
+                              num_q_heads=case["hq"], num_kv_heads=case["hkv"],
+                              head_dim=case["d"], page_size=ps, dtype=dtype)
+    args = [jnp.asarray(a) for a in batch.args()]
+    opts = case.get("opts", {})
+    ref_opts = {k: v for k, v in opts.items() if k in ("sliding_window", "soft_cap")}
+    out = ragged_paged_attention(*args, jnp.int32(batch.num_seqs), sm_scale=case["d"] ** -0.5,
+                                 **opts)
+    ref = reference.ragged_paged_attention(*args, sm_scale=case["d"] ** -0.5, **ref_opts)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out))
+    assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) <= 2e-2
+    assert np.all(out[batch.num_tokens:] == 0)
