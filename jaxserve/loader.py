@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
 from jaxserve.parallel import TP_AXIS, default_mesh  # noqa: F401  (re-exported)
 # Checkpoint tensors that carry no parameter (HF buffers saved by old exports).
@@ -48,17 +49,7 @@ def param_partition_spec(name: str, mesh: Mesh | None = None) -> PartitionSpec:
     """
     if mesh is not None and TP_AXIS not in mesh.axis_names:
         return PartitionSpec()
-    tp = TP_AXIS
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                      "gate_proj.weight", "up_proj.weight")):
-        return PartitionSpec(tp, None)
-    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-        return PartitionSpec(tp)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return PartitionSpec(None, tp)
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return PartitionSpec(tp, None)
-    return PartitionSpec()
+    return megatron_partition_spec(name)
 
 
 def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | None = None
@@ -66,6 +57,8 @@ def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | No
     from jaxserve import parallel
 
     spec = param_partition_spec(name, mesh)
+    if model_config is not None and TP_AXIS in mesh.axis_names:  # the family's own rules
+        spec = get_model_class(model_config.architecture).param_partition_spec(name, model_config)
     if (model_config is not None and name.endswith(("k_proj.weight", "k_proj.bias",
                                                     "v_proj.weight", "v_proj.bias"))
             and not parallel.shard_kv_projections(model_config.num_kv_heads,
@@ -121,6 +114,7 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
                          mesh)
     mesh = mesh or default_mesh()
     expected = _param_names(model)
+    tensors = get_model_class(model_config.architecture).checkpoint_tensors(model_config, tensors)
     _check_names(model_config, expected, tensors)
     for name, var in expected.items():
         arr = np.asarray(tensors[name]())

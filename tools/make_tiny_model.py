@@ -26,6 +26,7 @@ def main(argv=None) -> int:
                          "(serve or benchmark it with --load-format dummy)")
     ap.add_argument("--out", required=True, type=Path)
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "vocab", "intermediate",
+                 "experts", "experts-per-tok",
                  "sliding-window", "max-position", "seed"):
         ap.add_argument(f"--{flag}", type=int)
     ap.add_argument("--rope-theta", type=float)

@@ -1,6 +1,7 @@
 """HF ``architectures`` name -> model class."""
 from __future__ import annotations
 
+from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY = {
@@ -8,6 +9,8 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
