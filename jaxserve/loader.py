@@ -8,6 +8,7 @@ parallelism only changes the mesh and that one function.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable, Mapping
@@ -312,9 +313,11 @@ def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "a
 
 
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
-               attention_backend: str = "reference"):
+               attention_backend: str = "reference", enable_expert_parallel: bool = False):
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
-    hub id or ``demo-random``) -> (model, ModelConfig, dir)."""
+    hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
+    experts split whole over the mesh instead of each expert split by tensor parallelism."""
+    serving = dict(enable_expert_parallel=enable_expert_parallel)
     formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
     if load_format not in formats:
         raise ValueError(f"load_format {load_format!r} not one of {formats}")
@@ -323,10 +326,10 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
         from jaxserve import gguf_loader
 
         hf_config, tensors = gguf_loader.load_gguf(path)
-        cfg = ModelConfig.from_hf_config(hf_config)
+        cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
         m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
         return m, cfg, path
-    cfg = ModelConfig.from_hf_config(_read_config(path))
+    cfg = dataclasses.replace(ModelConfig.from_hf_config(_read_config(path)), **serving)
     if load_format == "dummy":
         m = build_dummy_model(cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
     elif load_format == "orbax" or (load_format == "auto" and _is_orbax_dir(path)):

@@ -24,12 +24,13 @@ ARCHS = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 # The transformers config class where it is not the architecture's name with "Config".
 _CONFIG_CLASS = {"gemma3": "Gemma3TextConfig"}
 # Families beyond Llama need torch (HF's own initialisation) to build a checkpoint.
-_TORCH_ONLY = ("gemma2", "gemma3", "mixtral", "qwen3_moe", "phi3")
+_TORCH_ONLY = ("gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3")
 _SLIDING_ARCHS = ("mistral", "gemma2", "gemma3")
 
 DEFAULTS = dict(
@@ -48,6 +49,7 @@ ARCH_DEFAULTS = {
     "gemma3": {"layers": 6, "sliding_window": 16, "tie_embeddings": True, "head_dim": 32},
     "mixtral": {"layers": 4, "intermediate": 32},
     "qwen3_moe": {"layers": 4, "intermediate": 32, "head_dim": 32},
+    "qwen2_moe": {"layers": 4, "intermediate": 32},
     "phi3": {"layers": 4},
 }
 # HF config fields each family gets on top of the shared ones: values that make the tests see
@@ -106,10 +108,12 @@ def _hf_config(arch: str, o: dict):
         kw["sliding_window"] = o["sliding_window"]
     if arch == "mixtral":
         kw.update(num_local_experts=o["experts"], num_experts_per_tok=o["experts_per_tok"])
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         kw.update(num_experts=o["experts"], num_experts_per_tok=o["experts_per_tok"],
                   moe_intermediate_size=o["intermediate"],
                   norm_topk_prob=bool(o["norm_topk_prob"]))
+    if arch == "qwen2_moe":  # a shared expert beside the routed ones; layer 1 dense
+        kw.update(shared_expert_intermediate_size=2 * o["intermediate"], mlp_only_layers=[1])
     kw.update(ARCH_CONFIG.get(arch, {}))
     if arch == "gemma3":
         kw["layer_types"] = (kw["layer_types"] * o["layers"])[:o["layers"]]

@@ -34,7 +34,11 @@ TIE = 1e-4  # HF logits closer than this are a tie: either token is a correct gr
 FAMILIES = {
     "gemma2": {},
     "gemma3": {},
+    "mixtral": {},
+    "qwen3_moe": dict(norm_topk_prob=True),
+    "qwen2_moe": {},  # shared expert, a dense layer among sparse ones, norm_topk_prob False
 }
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def _prompt(n, vocab, seed=0):
@@ -193,22 +197,25 @@ def _child(cases: dict) -> dict:
     """In a process with 2 CPU devices: every case's prompt logits and greedy tokens."""
     from jaxserve.parallel import make_mesh
 
+    from flax import nnx
+
     out = {}
     for name, (path, prompt, load_kw) in cases.items():
         drv = Driver(path, mesh=make_mesh(2), seed=4, **load_kw)
         logits, tokens = drv.prefill_then_greedy(np.asarray(prompt, np.int32), NEW_TOKENS)
-        leaves = {".".join(map(str, k)): v.get_value() for k, v in
-                  __import__("flax").nnx.to_flat_state(drv.state)}
+        leaves = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(drv.state)}
         out[name] = dict(logits=logits.tolist(), tokens=tokens,
-                         sharded=sorted(k for k, v in leaves.items()
-                                        if len(v.addressable_shards) == 2
-                                        and v.addressable_shards[0].data.shape != v.shape))
+                         shard_shapes={k: [list(v.shape),
+                                           list(v.addressable_shards[0].data.shape)]
+                                       for k, v in leaves.items()})
     return out
 
 
 @pytest.fixture(scope="module")
 def tp2(refs):
     cases = {f: (str(refs[f][0]), refs[f][1].tolist(), {}) for f in FAMILIES}
+    cases.update({f"{f}-ep": (str(refs[f][0]), refs[f][1].tolist(),
+                              dict(enable_expert_parallel=True)) for f in MOE})
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, __file__, json.dumps(cases)], env=env,
@@ -221,9 +228,59 @@ def tp2(refs):
 def test_tp2_forward_and_greedy_match_hf(refs, tp2, family):
     _, _, ref_logits, ref_tokens, ref_step_logits = refs[family]
     got = tp2[family]
-    assert any(n.endswith("q_proj.weight") for n in got["sharded"])  # really split over 2
+    q_full, q_shard = got["shard_shapes"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q_shard == [q_full[0] // 2, q_full[1]]  # really split over the 2 devices
     np.testing.assert_allclose(np.asarray(got["logits"]), ref_logits, atol=ATOL, rtol=0)
     assert assert_greedy_matches(got["tokens"], ref_tokens, ref_step_logits) >= NEW_TOKENS // 2
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_expert_parallel_equals_tensor_parallel(refs, tp2, family):
+    """Experts split whole over devices (EP) vs each expert split (TP): same outputs."""
+    tp, ep = tp2[family], tp2[f"{family}-ep"]
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    for kind, (full, shard) in [(k[len(f"model.layers.0.{block}.experts."):], v)
+                                for k, v in tp["shard_shapes"].items()
+                                if k.startswith(f"model.layers.0.{block}.experts.")]:
+        e, a, b = full
+        assert shard == ([e, a, b // 2] if kind != "down_proj" else [e, a // 2, b]), kind
+        ep_shard = ep["shard_shapes"][f"model.layers.0.{block}.experts.{kind}"][1]
+        assert ep_shard == [e // 2, a, b], kind
+    np.testing.assert_allclose(np.asarray(ep["logits"]), np.asarray(tp["logits"]), atol=1e-5,
+                               rtol=0)
+    assert ep["tokens"] == tp["tokens"]
+    _, _, ref_logits, ref_tokens, ref_step_logits = refs[family]
+    np.testing.assert_allclose(np.asarray(ep["logits"]), ref_logits, atol=ATOL, rtol=0)
+
+
+def test_grouped_experts_equal_a_dense_loop():
+    """The sorted ragged_dot path against every token through its k experts one by one, and
+    the expert-parallel split (two halves of the experts) summing to the same output."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models.moe import grouped_experts, route
+
+    rng = np.random.default_rng(0)
+    t, h, i, e, k = 13, 8, 6, 4, 2
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((e, h, i)), jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((e, i, h)), jnp.float32)
+    weights, ids = route(jnp.asarray(rng.standard_normal((t, e)), jnp.float32), k, True)
+    got = grouped_experts(x, weights, ids, wg, wu, wd, act="silu", first_expert=0,
+                          num_experts_total=e)
+    want = np.zeros((t, h), np.float32)
+    for r in range(t):
+        for j in range(k):
+            ex = int(ids[r, j])
+            hid = jax.nn.silu(x[r] @ wg[ex]) * (x[r] @ wu[ex])
+            want[r] += float(weights[r, j]) * np.asarray(hid @ wd[ex])
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    halves = sum(grouped_experts(x, weights, ids, wg[s:s + 2], wu[s:s + 2], wd[s:s + 2],
+                                 act="silu", first_expert=s, num_experts_total=e)
+                 for s in (0, 2))
+    np.testing.assert_allclose(halves, want, atol=1e-4, rtol=1e-5)
+    assert np.allclose(np.asarray(weights).sum(-1), 1.0)  # renormalised top-k
 
 
 # ------------------------------------------------------------------------------- family details

@@ -77,16 +77,18 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, layer_cls=DecoderLayer):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
-            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+            [layer_cls(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
 class LlamaForCausalLM(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3; ``attention_backend`` (static): reference|pallas|xla."""
+
+    decoder_layer = DecoderLayer  # a family that differs only in its layers swaps this
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference"):
@@ -99,7 +101,7 @@ class LlamaForCausalLM(nnx.Module):
                      cfg.max_position_embeddings)
         self.attention_backend = attention_backend
         self.mesh = None  # the loader sets the tensor-parallel mesh (static: part of the graph)
-        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs)
+        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, layer_cls=self.decoder_layer)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
