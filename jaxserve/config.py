@@ -56,6 +56,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: experts split whole over the tp devices
     num_hosts: int = 1
     host_index: int = 0
     coordinator: str | None = None

@@ -208,6 +208,22 @@ def _child(cases: dict) -> dict:
                          shard_shapes={k: [list(v.shape),
                                            list(v.addressable_shards[0].data.shape)]
                                        for k, v in leaves.items()})
+        del drv
+    if "mixtral" in cases:  # the serving path: LLM(..., enable_expert_parallel=True) at tp=2
+        from jaxserve.entrypoints.llm import LLM
+        from jaxserve.sampling_params import SamplingParams
+
+        path, prompt, _ = cases["mixtral"]
+        llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, dtype="float32",
+                  max_num_batched_tokens=64, min_token_bucket=64, max_num_seqs=2,
+                  max_model_len=128)
+        layer = llm.llm_engine.model.model.layers[0].block_sparse_moe
+        res = llm.generate([{"prompt_token_ids": list(prompt)}],
+                           SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                          ignore_eos=True), use_tqdm=False)
+        out["llm-mixtral-ep"] = dict(
+            tokens=list(res[0].outputs[0].token_ids), expert_parallel=layer.expert_parallel,
+            shard=list(layer.experts.gate_proj.get_value().addressable_shards[0].data.shape))
     return out
 
 
@@ -231,6 +247,15 @@ def test_tp2_forward_and_greedy_match_hf(refs, tp2, family):
     q_full, q_shard = got["shard_shapes"]["model.layers.0.self_attn.q_proj.weight"]
     assert q_shard == [q_full[0] // 2, q_full[1]]  # really split over the 2 devices
     np.testing.assert_allclose(np.asarray(got["logits"]), ref_logits, atol=ATOL, rtol=0)
+    assert assert_greedy_matches(got["tokens"], ref_tokens, ref_step_logits) >= NEW_TOKENS // 2
+
+
+def test_llm_serves_mixtral_with_expert_parallelism(refs, tp2):
+    """``LLM(tensor_parallel_size=2, enable_expert_parallel=True)``: experts split whole, greedy
+    tokens equal HF's."""
+    got = tp2["llm-mixtral-ep"]
+    _, _, _, ref_tokens, ref_step_logits = refs["mixtral"]
+    assert got["expert_parallel"] and got["shard"][0] == 4  # 8 experts, 4 per device
     assert assert_greedy_matches(got["tokens"], ref_tokens, ref_step_logits) >= NEW_TOKENS // 2
 
 
