@@ -56,6 +56,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: experts split whole over the tp devices
     num_hosts: int = 1
     host_index: int = 0
     coordinator: str | None = None
@@ -83,8 +84,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-_QKV_BIAS_MODEL_TYPES = ("qwen2",)  # qkv bias without an `attention_bias` field in config.json
-_QK_NORM_MODEL_TYPES = ("qwen3",)
+_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")  # qkv bias without an `attention_bias` field in config.json
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+# transformers 4.x configs without `layer_types`: every n-th layer is global (Gemma 2: 1 in 2).
+_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
 @dataclass
@@ -112,6 +115,10 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     bos_token_id: int | None = None
     hidden_act: str = "silu"
+    enable_expert_parallel: bool = False  # serving choice (ParallelConfig), read by MoE families
+    # The whole HF config.json: a family's own fields (soft-capping, experts, ...) are read from
+    # here by its model module, so a new family needs no new ModelConfig field.
+    hf: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -151,9 +158,12 @@ class ModelConfig:
         num_kv = int(d.get("num_key_value_heads") or num_heads)
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
 
-        # transformers 5 folds rope_theta and rope_scaling into `rope_parameters`.
+        # transformers 5 folds rope_theta and rope_scaling into `rope_parameters`, per layer type
+        # when layer types differ (Gemma 3); the global layers' rope is the model's rope here.
         rope = d.get("rope_parameters") or d.get("rope_scaling")
         rope = dict(rope) if rope else {}
+        if isinstance(rope.get("full_attention"), dict):
+            rope = dict(rope["full_attention"])
         rope_theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type in ("default", None) and not {"factor"} & rope.keys():
@@ -171,6 +181,10 @@ class ModelConfig:
                 "max_window_layers" in d:  # transformers 4.x Qwen2/Qwen3 spelling
             layer_types = ["sliding_attention" if i >= d["max_window_layers"] else
                            "full_attention" for i in range(int(d["num_hidden_layers"]))]
+        if layer_types is None and sliding and model_type in _SLIDING_PATTERN:
+            every = int(d.get("sliding_window_pattern") or _SLIDING_PATTERN[model_type])
+            layer_types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                           for i in range(int(d["num_hidden_layers"]))]
         if layer_types is not None:
             layer_types = tuple(layer_types)
             if "sliding_attention" not in layer_types:
@@ -200,6 +214,7 @@ class ModelConfig:
             model_type=model_type,
             eos_token_id=d.get("eos_token_id"),
             bos_token_id=d.get("bos_token_id"),
-            hidden_act=d.get("hidden_act", "silu"),
+            hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "silu",
+            hf=d,
         )
 

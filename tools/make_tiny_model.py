@@ -26,10 +26,13 @@ def main(argv=None) -> int:
                          "(serve or benchmark it with --load-format dummy)")
     ap.add_argument("--out", required=True, type=Path)
     for flag in ("layers", "hidden", "heads", "kv-heads", "head-dim", "vocab", "intermediate",
+                 "experts", "experts-per-tok",
                  "sliding-window", "max-position", "seed"):
         ap.add_argument(f"--{flag}", type=int)
     ap.add_argument("--rope-theta", type=float)
     ap.add_argument("--tie-embeddings", action="store_true", default=None)
+    ap.add_argument("--norm-topk-prob", action="store_true", default=None,
+                    help="qwen3_moe/qwen2_moe: renormalise the top-k router weights")
     ap.add_argument("--rope-scaling", choices=sorted(ROPE_PRESETS))
     ap.add_argument("--max-shard-size", help='e.g. "20KB" to write several safetensors files')
     ap.add_argument("--no-torch", action="store_true", help="write numpy weights (no torch)")

@@ -93,6 +93,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("parallelism and kernels")
     d.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="devices to shard the model over (default: %(default)s)")
+    d.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts whole over the tensor-parallel devices "
+                        "instead of splitting every expert")
     d.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                    help="independent engine replicas, each on its own tensor-parallel-size "
                         "devices; requests go to the least loaded (default: %(default)s)")
@@ -191,6 +194,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space,
         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         load_format=args.load_format, attention_backend=args.attention_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,

@@ -18,7 +18,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               gpu_memory_utilization=0.9, block_size=16, max_num_seqs=None,
                               max_num_batched_tokens=None, enable_prefix_caching=True,
                               swap_space=4.0, seed=0, tensor_parallel_size=1,
-                              data_parallel_size=1, load_format="auto",
+                              data_parallel_size=1, enable_expert_parallel=False,
+                              load_format="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
@@ -38,7 +39,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
             min_token_bucket=min_token_bucket or min_bucket,
             token_bucket_growth=token_bucket_growth or growth),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                data_parallel_size=data_parallel_size),
+                                data_parallel_size=data_parallel_size,
+                                enable_expert_parallel=enable_expert_parallel),
     )
 
 

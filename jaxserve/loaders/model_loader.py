@@ -8,6 +8,7 @@ parallelism only changes the mesh and that one function.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Callable, Mapping
@@ -19,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
 from jaxserve.worker.parallel import TP_AXIS, default_mesh  # noqa: F401  (re-exported)
 # Checkpoint tensors that carry no parameter (HF buffers saved by old exports).
@@ -48,17 +50,7 @@ def param_partition_spec(name: str, mesh: Mesh | None = None) -> PartitionSpec:
     """
     if mesh is not None and TP_AXIS not in mesh.axis_names:
         return PartitionSpec()
-    tp = TP_AXIS
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                      "gate_proj.weight", "up_proj.weight")):
-        return PartitionSpec(tp, None)
-    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-        return PartitionSpec(tp)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return PartitionSpec(None, tp)
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return PartitionSpec(tp, None)
-    return PartitionSpec()
+    return megatron_partition_spec(name)
 
 
 def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | None = None
@@ -66,6 +58,8 @@ def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | No
     from jaxserve.worker import parallel
 
     spec = param_partition_spec(name, mesh)
+    if model_config is not None and TP_AXIS in mesh.axis_names:  # the family's own rules
+        spec = get_model_class(model_config.architecture).param_partition_spec(name, model_config)
     if (model_config is not None and name.endswith(("k_proj.weight", "k_proj.bias",
                                                     "v_proj.weight", "v_proj.bias"))
             and not parallel.shard_kv_projections(model_config.num_kv_heads,
@@ -121,6 +115,7 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
                          mesh)
     mesh = mesh or default_mesh()
     expected = _param_names(model)
+    tensors = get_model_class(model_config.architecture).checkpoint_tensors(model_config, tensors)
     _check_names(model_config, expected, tensors)
     for name, var in expected.items():
         arr = np.asarray(tensors[name]())
@@ -318,9 +313,11 @@ def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "a
 
 
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
-               attention_backend: str = "reference"):
+               attention_backend: str = "reference", enable_expert_parallel: bool = False):
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
-    hub id or ``demo-random``) -> (model, ModelConfig, dir)."""
+    hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
+    experts split whole over the mesh instead of each expert split by tensor parallelism."""
+    serving = dict(enable_expert_parallel=enable_expert_parallel)
     formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
     if load_format not in formats:
         raise ValueError(f"load_format {load_format!r} not one of {formats}")
@@ -329,10 +326,10 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
         from jaxserve.loaders import gguf as gguf_loader
 
         hf_config, tensors = gguf_loader.load_gguf(path)
-        cfg = ModelConfig.from_hf_config(hf_config)
+        cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
         m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
         return m, cfg, path
-    cfg = ModelConfig.from_hf_config(_read_config(path))
+    cfg = dataclasses.replace(ModelConfig.from_hf_config(_read_config(path)), **serving)
     if load_format == "dummy":
         m = build_dummy_model(cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
     elif load_format == "orbax" or (load_format == "auto" and _is_orbax_dir(path)):

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.worker import parallel
 from pallas_kernels import reference
+from pallas_kernels.reference import write_kv
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -56,18 +58,36 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+# HF ``hidden_act`` names -> the gate activation of a gated MLP.
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+def activation(name: str):
+    """The activation named by an HF config; unknown names list the supported ones."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} is not supported "
+                         f"(supported: {', '.join(sorted(ACTIVATIONS))})")
+    return ACTIVATIONS[name]
+
+
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu, GeGLU with gelu-tanh)."""
 
     def __init__(self, hidden: int, intermediate: int, *, act: str, dtype, rngs: nnx.Rngs):
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        activation(act)
+        self.act = act
         self.gate_proj = Linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -207,3 +227,24 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
 
         return triton_attention.ragged_paged_attention(*args, **kwargs)
     raise ValueError(f"attention_backend {backend!r} is not one of {ATTENTION_BACKENDS}")
+
+
+def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: str, mesh,
+                         num_kv_heads: int, sm_scale: float, sliding_window: int | None = None,
+                         soft_cap: float | None = None):
+    """Write this step's ``k, v [T, Hkv, D]`` into one layer's pages ``kv`` and attend with
+    ``q [T, Hq, D]``; under a mesh, one kernel call per shard of heads. -> (out, (k, v pages))."""
+
+    def attend(q, k, v, k_pages, v_pages, md):
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+        out = paged_attention(q, k_pages, v_pages, md, backend=backend, sm_scale=sm_scale,
+                              sliding_window=sliding_window, soft_cap=soft_cap)
+        return out, k_pages, v_pages
+
+    if mesh is not None:
+        rep = kv[0].shape[0] // num_kv_heads  # the pool repeats KV heads when tp > Hkv
+        if rep > 1:
+            k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+        attend = parallel.sharded_attention(attend, mesh)
+    out, k_pages, v_pages = attend(q, k, v, kv[0], kv[1], md)
+    return out, (k_pages, v_pages)

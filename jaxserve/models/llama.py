@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.worker import parallel
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
@@ -23,10 +22,11 @@ from jaxserve.models.layers import (
     MLP,
     RMSNorm,
     apply_rope,
-    paged_attention,
+    paged_self_attention,
     rope_cos_sin,
 )
-from pallas_kernels.reference import token_metadata, write_kv
+from jaxserve.models.contract import megatron_partition_spec
+from pallas_kernels.reference import token_metadata
 
 
 class Attention(nnx.Module):
@@ -54,20 +54,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        def attend(q, k, v, k_pages, v_pages, md):
-            k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
-            out = paged_attention(q, k_pages, v_pages, md, backend=backend,
-                                  sm_scale=self.head_dim ** -0.5,
-                                  sliding_window=self.sliding_window)
-            return out, k_pages, v_pages
-
-        if mesh is not None:  # tensor parallel: one kernel call per shard of heads
-            rep = kv[0].shape[0] // self.num_kv_heads  # the pool repeats KV heads when tp > Hkv
-            if rep > 1:
-                k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-            attend = parallel.sharded_attention(attend, mesh)
-        out, k_pages, v_pages = attend(q, k, v, kv[0], kv[1], md)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_pages, v_pages)
+        out, kv = paged_self_attention(q, k, v, kv, md, backend=backend, mesh=mesh,
+                                       num_kv_heads=self.num_kv_heads,
+                                       sm_scale=self.head_dim ** -0.5,
+                                       sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv
 
 
 class DecoderLayer(nnx.Module):
@@ -86,16 +77,18 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, layer_cls=DecoderLayer):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List(
-            [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
+            [layer_cls(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
 class LlamaForCausalLM(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3; ``attention_backend`` (static): reference|pallas|xla."""
+
+    decoder_layer = DecoderLayer  # a family that differs only in its layers swaps this
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference"):
@@ -108,7 +101,7 @@ class LlamaForCausalLM(nnx.Module):
                      cfg.max_position_embeddings)
         self.attention_backend = attention_backend
         self.mesh = None  # the loader sets the tensor-parallel mesh (static: part of the graph)
-        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs)
+        self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, layer_cls=self.decoder_layer)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
@@ -129,6 +122,14 @@ class LlamaForCausalLM(nnx.Module):
             x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
             new_pages.append(kv)
         return self.model.norm(x), new_pages
+
+    @classmethod
+    def param_partition_spec(cls, name, cfg):
+        return megatron_partition_spec(name)
+
+    @classmethod
+    def checkpoint_tensors(cls, cfg, tensors):
+        return tensors
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits."""

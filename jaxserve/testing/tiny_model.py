@@ -20,12 +20,24 @@ ARCHS = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
+# The transformers config class where it is not the architecture's name with "Config".
+_CONFIG_CLASS = {"gemma3": "Gemma3TextConfig"}
+# Families beyond Llama need torch (HF's own initialisation) to build a checkpoint.
+_TORCH_ONLY = ("gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3")
+_SLIDING_ARCHS = ("mistral", "gemma2", "gemma3")
 
 DEFAULTS = dict(
     layers=2, hidden=64, heads=4, kv_heads=2, head_dim=None, vocab=512, intermediate=128,
     tie_embeddings=False, rope_scaling=None, rope_theta=10000.0, sliding_window=None,
-    max_position=2048, seed=0, init_std=0.02, max_shard_size=None,
+    max_position=2048, seed=0, init_std=0.02, max_shard_size=None, experts=8,
+    experts_per_tok=2, norm_topk_prob=None,
 )
 # What each family looks like when the caller says nothing.
 ARCH_DEFAULTS = {
@@ -33,6 +45,20 @@ ARCH_DEFAULTS = {
     "mistral": {"sliding_window": 16},
     "qwen2": {},
     "qwen3": {"head_dim": 32},  # explicit head_dim != hidden / heads, as in real Qwen3
+    "gemma2": {"layers": 4, "sliding_window": 16, "tie_embeddings": True},
+    "gemma3": {"layers": 6, "sliding_window": 16, "tie_embeddings": True, "head_dim": 32},
+    "mixtral": {"layers": 4, "intermediate": 32},
+    "qwen3_moe": {"layers": 4, "intermediate": 32, "head_dim": 32},
+    "qwen2_moe": {"layers": 4, "intermediate": 32},
+    "phi3": {"layers": 4},
+}
+# HF config fields each family gets on top of the shared ones: values that make the tests see
+# every feature (a soft cap that bites, a query scale that is not head_dim, ...).
+ARCH_CONFIG = {
+    "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3": dict(query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention"] * 5 + ["full_attention"]),
 }
 
 ROPE_PRESETS = {
@@ -59,7 +85,8 @@ def _hf_config(arch: str, o: dict):
     import transformers
 
     architecture, model_type = ARCHS[arch]
-    cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    cls = getattr(transformers, _CONFIG_CLASS.get(arch) or
+                  architecture.replace("ForCausalLM", "Config"))
     rope = o["rope_scaling"]
     if isinstance(rope, str):
         if rope not in ROPE_PRESETS:
@@ -73,17 +100,32 @@ def _hf_config(arch: str, o: dict):
         initializer_range=o["init_std"], bos_token_id=BOS, eos_token_id=IM_END,
         pad_token_id=PAD, architectures=[architecture],
     )
-    if o["head_dim"] is not None or arch == "qwen3":
+    if o["head_dim"] is not None or arch in ("qwen3", "gemma2", "gemma3", "qwen3_moe"):
         kw["head_dim"] = o["head_dim"] or o["hidden"] // o["heads"]
-    if arch == "mistral" or o["sliding_window"] is not None:
-        if arch not in ("mistral",):
-            raise ValueError(f"sliding_window is only supported for mistral here, not {arch}")
+    if arch in _SLIDING_ARCHS or o["sliding_window"] is not None:
+        if arch not in _SLIDING_ARCHS:
+            raise ValueError(f"sliding_window is only supported for {_SLIDING_ARCHS}, not {arch}")
         kw["sliding_window"] = o["sliding_window"]
+    if arch == "mixtral":
+        kw.update(num_local_experts=o["experts"], num_experts_per_tok=o["experts_per_tok"])
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        kw.update(num_experts=o["experts"], num_experts_per_tok=o["experts_per_tok"],
+                  moe_intermediate_size=o["intermediate"],
+                  norm_topk_prob=bool(o["norm_topk_prob"]))
+    if arch == "qwen2_moe":  # a shared expert beside the routed ones; layer 1 dense
+        kw.update(shared_expert_intermediate_size=2 * o["intermediate"], mlp_only_layers=[1])
+    kw.update(ARCH_CONFIG.get(arch, {}))
+    if arch == "gemma3":
+        kw["layer_types"] = (kw["layer_types"] * o["layers"])[:o["layers"]]
     cfg = cls(**kw)
     # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in two fields.
     if hasattr(cfg, "rope_parameters"):
         params = dict(rope or {"rope_type": "default"})
         params["rope_theta"] = float(o["rope_theta"])
+        if arch == "gemma3":  # global and local layers each have their own rope
+            params = {"full_attention": {**params, "rope_theta": 100.0 * o["rope_theta"]},
+                      "sliding_attention": {"rope_type": "default",
+                                            "rope_theta": float(o["rope_theta"])}}
         cfg.rope_parameters = params
     else:
         cfg.rope_theta = float(o["rope_theta"])
@@ -224,6 +266,8 @@ def make_tiny_model(arch: str, out_dir, *, use_torch: bool | None = None, note: 
     hf_cfg = _hf_config(arch, o)
     if use_torch is None:
         use_torch = _torch_available()
+    if not use_torch and arch in _TORCH_ONLY:
+        raise ValueError(f"arch {arch!r} needs torch (transformers' own initialisation)")
     (_save_with_torch if use_torch else _save_with_numpy)(hf_cfg, out, o)
     train_tokenizer(o["vocab"]).save_pretrained(out)
     cfg_path = out / "config.json"

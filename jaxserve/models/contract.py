@@ -1,0 +1,72 @@
+"""What a model class must provide to the loader and the runner (one ``Protocol``).
+
+A family is one module in ``jaxserve/models/`` with a class that satisfies :class:`CausalLM`,
+one line per HF architecture name in ``registry.py``, and, for GGUF, its names in the GGUF
+loader's map. Nothing else in the engine knows a family.
+
+The runner's device step is ``hidden, kv = model(token_ids, positions, kv_pages, md)`` then
+``model.compute_logits(hidden[logits_indices])``; the graph (``nnx.split``) is a jit cache key,
+so everything a model keeps besides parameters must be hashable and static.
+
+KV layout: every layer has one ``(k_pages, v_pages)`` of ``[Hkv, pages, block, head_dim]`` with
+the ``ModelConfig``'s ``num_kv_heads`` and ``head_dim``; a layer's sliding window is
+``ModelConfig.layer_sliding_window(i)`` (the page allocator may free what falls out of every
+layer's window). A family whose layers need different page shapes does not fit this contract.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.worker.parallel import TP_AXIS
+
+TensorLoaders = Mapping[str, Callable[[], np.ndarray]]  # name -> lazy numpy array
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only LM over the paged KV pool.
+
+    Construction: ``cls(cfg, dtype=..., rngs=nnx.Rngs(...), attention_backend=...)`` builds random
+    parameters whose state paths (``model.layers.0.self_attn.q_proj.weight``) are the names the
+    loader fills. ``mesh`` is set by the loader after construction (None: single device).
+    """
+
+    num_layers: int
+    attention_backend: str
+    mesh: object
+
+    def __call__(self, token_ids, positions, kv_pages, md):
+        """``token_ids[T], positions[T]``, one ``(k, v)`` per layer, ``AttentionMetadata`` ->
+        ``(hidden[T, H], kv_pages)`` (the pages written with this step's K/V)."""
+
+    def compute_logits(self, hidden):
+        """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (soft-capped if the
+        family caps them)."""
+
+    @classmethod
+    def param_partition_spec(cls, name: str, cfg: ModelConfig) -> PartitionSpec:
+        """The tensor-parallel ``PartitionSpec`` (axis ``tp``) of one parameter by state path."""
+
+    @classmethod
+    def checkpoint_tensors(cls, cfg: ModelConfig, tensors: TensorLoaders) -> TensorLoaders:
+        """Checkpoint tensors (HF names) -> loaders keyed by this class's state paths: the place
+        to stack per-expert weights or split fused projections. Identity for most families."""
+
+
+def megatron_partition_spec(name: str) -> PartitionSpec:
+    """Megatron-style rules for HF ``[out, in]`` linears: q/k/v/gate/up split their output rows,
+    o/down their input columns, the embedding and LM head the vocabulary; the rest replicated."""
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                      "gate_proj.weight", "up_proj.weight")):
+        return PartitionSpec(TP_AXIS, None)
+    if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return PartitionSpec(TP_AXIS)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return PartitionSpec(None, TP_AXIS)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return PartitionSpec(TP_AXIS, None)
+    return PartitionSpec()
