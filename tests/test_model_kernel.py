@@ -67,7 +67,8 @@ def _step(path, backend, pool_seed=1):
     plan = _plan(_mixed_rows(np.random.default_rng(0), cfg.vocab_size))
     assert plan.token_bucket == 32 and plan.num_seqs == 6 < plan.seq_bucket  # padding rows too
     pool = _random_pool(cfg, np.random.default_rng(pool_seed))
-    logits, pool, _ = forward(leaves, pool, plan.device_arrays())
+    prev_tokens = jnp.zeros((plan.seq_bucket,), jnp.int32)  # no row refers to a pending token
+    logits, pool, _ = forward(leaves, pool, plan.device_arrays(), prev_tokens)
     return np.asarray(logits)[: plan.num_seqs], [np.asarray(a) for kv in pool for a in kv]
 
 
@@ -123,10 +124,10 @@ def _export_step(path, dtype, tokens, seqs):
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
     arrays = dict(token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
                   query_start=i32(seqs + 1), seq_lens=i32(seqs), block_tables=i32(seqs, 16),
-                  logits_indices=i32(seqs), num_seqs=i32())
+                  logits_indices=i32(seqs), num_seqs=i32(), prev_ref=i32(tokens))
     exp = export.export(forward, platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
-        state, pool, arrays)
+        state, pool, arrays, i32(seqs))
     return exp, cfg, len(state)
 
 
@@ -147,7 +148,7 @@ def test_model_step_lowers_for_cuda(tiny_model_factory, lower_as_gpu, dtype, tok
     assert ("rpa_prefill" in text) == (kind == "mixed")
     # The pool (args after the params) is donated and aliased to the returned pool.
     n_pool = 2 * cfg.num_layers
-    assert exp.module_kept_var_idx == tuple(range(n_state + n_pool + 8))
+    assert exp.module_kept_var_idx == tuple(range(n_state + n_pool + 10))  # 9 plan arrays + prev_tokens
     aliases = {int(a): int(o) for a, o in re.findall(
         r"%arg(\d+): tensor<[^>]*> \{[^}]*tf\.aliasing_output = (\d+)", text)}
     assert aliases == {n_state + i: 1 + i for i in range(n_pool)}, aliases
