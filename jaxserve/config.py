@@ -170,7 +170,10 @@ class ModelConfig:
             rope_scaling = None
         else:
             rope.pop("type", None)
-            rope["rope_type"] = rope_type
+            rope["rope_type"] = "longrope" if rope_type == "su" else rope_type
+            if rope["rope_type"] == "longrope":  # 4.x keeps the original length at the top
+                rope.setdefault("original_max_position_embeddings",
+                                d.get("original_max_position_embeddings"))
             rope_scaling = rope
 
         sliding = d.get("sliding_window")

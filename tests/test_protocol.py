@@ -273,3 +273,59 @@ def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
     assert load_chat_template(None) is None
     with pytest.raises(ValueError, match="neither a readable file nor a template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+# ---- nothing silently ignored (issue #20) ------------------------------------------------------
+LIVE_VALUES = {"response_format": {"type": "json_object"}, "tool_choice": "required",
+               "function_call": {"name": "f"}, "parallel_tool_calls": "yes",
+               "modalities": ["text", "audio"], "chat_template_kwargs": {"enable_thinking": False},
+               "tools": [{"type": "function", "function": {"name": "f"}}],
+               "functions": [{"name": "f"}], "bad_words": ["x"], "use_beam_search": True,
+               "early_stopping": True, "include_reasoning": True, "store": True,
+               "return_tokens_as_token_ids": True, "return_token_ids": True,
+               "tool_calls": [{"id": "1"}]}
+ALWAYS_INERT = {"metadata", "service_tier"}
+
+
+@pytest.mark.parametrize("name", sorted(set(P.UNSUPPORTED_FIELDS) - ALWAYS_INERT))
+@pytest.mark.parametrize("cls,base", [
+    (P.CompletionRequest, {"prompt": "x"}),
+    (P.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    (P.TokenizeCompletionRequest, {"prompt": "x"}),
+])
+def test_unsupported_fields_are_refused_by_name(cls, base, name):
+    value = LIVE_VALUES.get(name, {"a": 1})
+    with pytest.raises(InvalidRequestError) as e:
+        P.parse_request(cls, {**base, name: value})
+    assert e.value.param == name and name in e.value.message and e.value.status_code == 400
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": []}, {"tools": None}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+    {"metadata": {"k": "v"}}, {"store": False}, {"guided_json": None},
+    {"parallel_tool_calls": True}, {"modalities": ["text"]}, {"user": "u-1"},
+])
+def test_inert_values_of_unsupported_fields_are_accepted(extra):
+    req = P.parse_request(P.ChatCompletionRequest,
+                          {"messages": [{"role": "user", "content": "x"}], **extra})
+    assert req.messages[0].content == "x"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokenz": 3}, "max_tokenz"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True,
+                                                        "continuous_usage_stats": True}},
+     "continuous_usage_stats"),
+    ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
+])
+def test_unknown_fields_are_refused_by_name(body, param):
+    with pytest.raises(InvalidRequestError) as e:
+        P.parse_request(P.CompletionRequest, body)
+    assert e.value.param == param and param.split(".")[-1] in e.value.message
+
+
+def test_unknown_message_field_names_its_path():
+    with pytest.raises(InvalidRequestError) as e:
+        P.parse_request(P.ChatCompletionRequest, {"messages": [
+            {"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "foo": 1}]})
+    assert e.value.param == "messages.1.foo"

@@ -67,16 +67,19 @@ class AsyncLLM:
             return
         while True:
             kind, args, fut = cmd
-            try:
-                if kind == "add":
-                    self.engine.add_request(*args[:3], priority=args[3])
-                elif kind == "abort":
-                    self.engine.abort_request(args[0])
-                if fut is not None:
-                    fut.set_result(None)
-            except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
-                if fut is not None:
-                    fut.set_exception(e)
+            # A caller cancelled before its command ran is gone: the command is dropped (its
+            # stream's abort follows in the queue and finds nothing).
+            if fut is None or fut.set_running_or_notify_cancel():
+                try:
+                    if kind == "add":
+                        self.engine.add_request(*args[:3], priority=args[3])
+                    elif kind == "abort":
+                        self.engine.abort_request(args[0])
+                    if fut is not None:
+                        fut.set_result(None)
+                except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
+                    if fut is not None:
+                        fut.set_exception(e)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -107,7 +110,11 @@ class AsyncLLM:
         self._commands.put(("add", (request_id, prompt, sampling_params, priority), fut))
         finished = False
         try:
-            await asyncio.wrap_future(fut)
+            try:
+                await asyncio.wrap_future(fut)
+            except Exception:
+                finished = True  # never added: there is nothing of ours to abort
+                raise
             while True:
                 item = await q.get()
                 if item is _FINISHED:

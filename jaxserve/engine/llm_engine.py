@@ -14,6 +14,7 @@ prefix caching on, the scheduler admits siblings once the first child's prompt p
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, Req
 from jaxserve.worker.parallel import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.runner import ModelRunner, default_attention_backend, enable_compilation_cache
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
@@ -132,6 +133,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._swapped: dict[str, object] = {}
+        self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
         self.async_scheduling = config.async_scheduling
         self._inflight: _InFlight | None = None
         self.prompt_tokens_total = 0
@@ -159,8 +161,9 @@ class LLMEngine:
                 child_params = params.clone()
                 child_params.n = 1
                 if params.seed is not None:
-                    child_params.seed = params.seed + i
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+                    child_params.seed = child_seed(params.seed, i)
+            # The scheduler's key is the engine's own: unique whatever ids callers choose.
+            rid = f"{next(self._child_ids)}:{request_id}#{i}"
             # siblings wait for child 0's prompt pages to be cached, then share them
             share = None
             if i > 0 and self.config.cache.enable_prefix_caching:
@@ -417,6 +420,12 @@ class LLMEngine:
             num_pages=self.runner.num_pages,
         )
         return s
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of an ``n > 1`` request (vLLM's ``seed + index``), kept in
+    the sampler's 64-bit range: distinct for distinct indices of one parent."""
+    return (seed + index) % (MAX_SEED + 1)
 
 
 def _eos_ids(eos, tokenizer) -> frozenset[int]:

@@ -42,6 +42,16 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _non_negative_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r}")
+    return x
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags that become ``EngineConfig`` fields (shared by serve and generate)."""
     m = p.add_argument_group("model")
@@ -127,6 +137,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="Jinja chat template, or a file holding one (default: the tokenizer's)")
     g.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS,
                    help="uvicorn's log level (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=_non_negative_float, default=20.0,
+                   help="seconds requests in flight get to finish after SIGTERM/SIGINT (new "
+                        "ones get 503 meanwhile); the rest end with an error (default: "
+                        "%(default)s)")
+    g.add_argument("--max-request-body-bytes", type=_positive_int, default=32 * 2**20,
+                   help="largest request body, else 413; accepts 32M (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,7 +241,9 @@ def _serve(args) -> int:
         return run_follower(config)  # the leader serves HTTP; followers replay
     run_server(config, host=args.host, port=args.port, api_key=args.api_key,
                uvicorn_log_level=args.uvicorn_log_level,
-               served_model_names=args.served_model_name, chat_template=args.chat_template)
+               served_model_names=args.served_model_name, chat_template=args.chat_template,
+               shutdown_timeout=args.shutdown_timeout,
+               max_body_bytes=args.max_request_body_bytes)
     return 0
 
 

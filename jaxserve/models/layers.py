@@ -101,12 +101,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
     """Static inverse frequencies ``[head_dim/2]`` and the cos/sin scale, as HF computes them.
 
     "dynamic" scaling depends on the sequence length; it is handled per token in
-    :func:`rope_cos_sin` and returns the unscaled frequencies here.
+    :func:`rope_cos_sin` and returns the unscaled frequencies here; "longrope" returns its
+    short-context frequencies (the long ones are :func:`longrope_long_inv_freq`).
     """
     inv = _base_inv_freq(theta, head_dim)
     kind = (scaling or {}).get("rope_type", "default")
     if kind in ("default", "dynamic"):
         return inv.astype(np.float32), 1.0
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling, max_position_embeddings, long=False)
     factor = float(scaling["factor"])
     if kind == "linear":
         return (inv / factor).astype(np.float32), 1.0
@@ -147,7 +150,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
         out = (inv / factor) * (1 - extrap) + inv * extrap
         return out.astype(np.float32), float(attn)
     raise ValueError(f"rope_scaling type {kind!r} is not supported "
-                     "(supported: default, linear, dynamic, llama3, yarn)")
+                     "(supported: default, linear, dynamic, llama3, yarn, longrope)")
+
+
+def _longrope(head_dim: int, theta: float, scaling: dict, max_position_embeddings: int, *,
+              long: bool) -> tuple[np.ndarray, float]:
+    """Phi-3's LongRoPE: per-frequency rescale factors, short or long, and an attention factor
+    from the context extension ratio (HF's rule)."""
+    orig = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_position_embeddings / orig
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = np.asarray(scaling["long_factor" if long else "short_factor"], np.float32)
+    exps = (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
+    inv = 1.0 / (ext * np.float32(theta) ** exps)
+    return inv.astype(np.float32), float(attn)
+
+
+def longrope_long_inv_freq(head_dim: int, theta: float, scaling: dict,
+                           max_position_embeddings: int) -> np.ndarray:
+    return _longrope(head_dim, theta, scaling, max_position_embeddings, long=True)[0]
 
 
 def rope_cos_sin(positions, *, head_dim: int, theta: float, scaling: dict | None,
@@ -170,6 +193,13 @@ def rope_cos_sin(positions, *, head_dim: int, theta: float, scaling: dict | None
         exps = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
         inv_t = 1.0 / (base[:, None] ** exps[None, :])
         freqs = pos[:, None] * inv_t
+    elif kind == "longrope":  # a sequence past the original context uses the long factors
+        if token_seq_lens is None:
+            raise ValueError("longrope scaling needs token_seq_lens")
+        long_inv = longrope_long_inv_freq(head_dim, theta, scaling, max_position_embeddings)
+        is_long = token_seq_lens[:, None] > int(scaling["original_max_position_embeddings"])
+        freqs = pos[:, None] * jnp.where(is_long, jnp.asarray(long_inv)[None, :],
+                                         jnp.asarray(inv)[None, :])
     else:
         freqs = pos[:, None] * jnp.asarray(inv)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)

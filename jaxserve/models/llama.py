@@ -111,7 +111,7 @@ class LlamaForCausalLM(nnx.Module):
         head_dim, theta, scaling, max_pos = self.rope
         scaling = dict(scaling) if scaling is not None else None
         token_seq_lens = None
-        if (scaling or {}).get("rope_type") == "dynamic":
+        if (scaling or {}).get("rope_type") in ("dynamic", "longrope"):
             seq_of, _, _ = token_metadata(md.query_start, md.seq_lens, token_ids.shape[0])
             token_seq_lens = md.seq_lens[seq_of]
         cos, sin = rope_cos_sin(positions, head_dim=head_dim, theta=theta, scaling=scaling,

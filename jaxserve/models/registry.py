@@ -4,6 +4,7 @@ from __future__ import annotations
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.moe import MoeForCausalLM
+from jaxserve.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,6 +16,7 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

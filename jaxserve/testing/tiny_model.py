@@ -50,7 +50,7 @@ ARCH_DEFAULTS = {
     "mixtral": {"layers": 4, "intermediate": 32},
     "qwen3_moe": {"layers": 4, "intermediate": 32, "head_dim": 32},
     "qwen2_moe": {"layers": 4, "intermediate": 32},
-    "phi3": {"layers": 4},
+    "phi3": {"layers": 4, "rope_scaling": "longrope", "max_position": 128},
 }
 # HF config fields each family gets on top of the shared ones: values that make the tests see
 # every feature (a soft cap that bites, a query scale that is not head_dim, ...).
@@ -67,6 +67,8 @@ ROPE_PRESETS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    # Phi-3: per-frequency factors (head_dim / 2 of each, filled in by _hf_config)
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 32},
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -92,6 +94,10 @@ def _hf_config(arch: str, o: dict):
         if rope not in ROPE_PRESETS:
             raise ValueError(f"rope_scaling {rope!r} not one of {sorted(ROPE_PRESETS)}")
         rope = dict(ROPE_PRESETS[rope])
+    if rope and rope.get("rope_type") == "longrope" and "short_factor" not in rope:
+        half = (o["head_dim"] or o["hidden"] // o["heads"]) // 2
+        rope["short_factor"] = [1.0 + 0.1 * i for i in range(half)]
+        rope["long_factor"] = [1.0 + 0.5 * i for i in range(half)]
     kw = dict(
         vocab_size=o["vocab"], hidden_size=o["hidden"], intermediate_size=o["intermediate"],
         num_hidden_layers=o["layers"], num_attention_heads=o["heads"],
@@ -115,6 +121,8 @@ def _hf_config(arch: str, o: dict):
     if arch == "qwen2_moe":  # a shared expert beside the routed ones; layer 1 dense
         kw.update(shared_expert_intermediate_size=2 * o["intermediate"], mlp_only_layers=[1])
     kw.update(ARCH_CONFIG.get(arch, {}))
+    if arch == "phi3" and rope:
+        kw["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     if arch == "gemma3":
         kw["layer_types"] = (kw["layer_types"] * o["layers"])[:o["layers"]]
     cfg = cls(**kw)
@@ -122,6 +130,8 @@ def _hf_config(arch: str, o: dict):
     if hasattr(cfg, "rope_parameters"):
         params = dict(rope or {"rope_type": "default"})
         params["rope_theta"] = float(o["rope_theta"])
+        if arch == "phi3":
+            params["partial_rotary_factor"] = 1.0
         if arch == "gemma3":  # global and local layers each have their own rope
             params = {"full_attention": {**params, "rope_theta": 100.0 * o["rope_theta"]},
                       "sliding_attention": {"rope_type": "default",

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API (plus vLLM's extra sampling fields), in pydantic.
 
-Requests are lenient like vLLM's: unknown fields are ignored, so clients that send newer OpenAI
-fields still work. Each request turns into ``SamplingParams`` through ``to_sampling_params``,
-which is where the OpenAI names meet the engine's and where length limits are checked.
+Requests are strict: types as OpenAI's schema, and a field is either implemented or answered
+with a 400 that names it (OpenAI refuses unknown arguments too; vLLM would drop them). Each
+request turns into ``SamplingParams`` through ``to_sampling_params``, which is where the OpenAI
+names meet the engine's and where length limits are checked.
 """
 from __future__ import annotations
 
@@ -29,6 +30,67 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _inert(*values):
+    """A field that is fine when absent or set to one of ``values`` (what asks for nothing)."""
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
+
+
+# OpenAI and vLLM request fields this server does not implement: sent with a value that asks
+# for something (not null / the no-op value), they are a 400 naming the field, never dropped.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    **{name: _inert() for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+        "truncate_prompt_tokens", "allowed_token_ids", "logits_processors", "prompt_embeds",
+        "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
+        "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
+        "length_penalty", "thinking_token_budget")},
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": _inert([]),
+    "functions": _inert([]),
+    "tool_choice": _inert("none", "auto"),
+    "function_call": _inert("none", "auto"),
+    "parallel_tool_calls": _inert(True, False),
+    "chat_template_kwargs": _inert({}),
+    "bad_words": _inert([]),
+    "use_beam_search": _inert(False),
+    "early_stopping": _inert(False),
+    "include_reasoning": _inert(False),
+    "return_tokens_as_token_ids": _inert(False),
+    "return_token_ids": _inert(False),
+    "modalities": _inert(["text"]),
+    "store": _inert(False),
+    "metadata": lambda v: True,  # only kept with store=true, which is refused
+    "service_tier": lambda v: True,  # scheduling hint of OpenAI's fleet: nothing to do here
+    "continuous_usage_stats": _inert(False),
+    "tool_calls": _inert([]),  # of an assistant message
+    "refusal": _inert(),
+}
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: strict types, as OpenAI's schema (``true`` is not 1, ``"1"`` is not 1),
+    and every field either implemented or refused: a known field we lack is a 400 naming it
+    (``UNSUPPORTED_FIELDS``), an unknown one too (OpenAI: "Unrecognized request argument")."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept = {}
+        for name, value in data.items():
+            inert = UNSUPPORTED_FIELDS.get(name)
+            if inert is None or name in cls.model_fields:
+                kept[name] = value
+            elif not inert(value):
+                raise InvalidRequestError(f"{name} is not supported by this server",
+                                          param=name)
+        return kept
+
+
 def parse_request(model_cls: type[BaseModel], body: Any) -> BaseModel:
     """Validate a decoded JSON body; every failure becomes ``InvalidRequestError`` with the field
     that caused it as ``param`` (pydantic wraps the ones raised by our own validators)."""
@@ -49,6 +111,10 @@ def _from_validation_error(e: ValidationError) -> InvalidRequestError:
     if isinstance(cause, InvalidRequestError):
         return InvalidRequestError(cause.message, param=cause.param,
                                    status_code=cause.status_code)
+    if err.get("type") == "extra_forbidden":
+        param = ".".join(str(p) for p in err.get("loc", ()))
+        return InvalidRequestError(f"Unrecognized request argument supplied: {param}",
+                                   param=param)
     path = []
     for part in err.get("loc", ()):
         if isinstance(part, int) or (part.isidentifier() and part not in _TYPE_TAGS):
@@ -73,9 +139,8 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
 
 
 class PromptTokensDetails(OpenAIBaseModel):
@@ -132,7 +197,7 @@ def _resolve_max_tokens(requested: int | None, max_model_len: int, prompt_len: i
     return requested
 
 
-class _SamplingFields(OpenAIBaseModel):
+class _SamplingFields(RequestModel):
     """Fields common to completions and chat: OpenAI's, then vLLM's extras (same defaults)."""
 
     model: str | None = None
@@ -272,12 +337,15 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # ---- chat completions ------------------------------------------------------------------------
-class ContentPart(OpenAIBaseModel):
+class ContentPart(RequestModel):
+    # a part's keys depend on its type; ``ChatMessageParam.text`` refuses every non-text part
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     type: str
     text: str | None = None
 
 
-class ChatMessageParam(OpenAIBaseModel):
+class ChatMessageParam(RequestModel):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -332,6 +400,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
+
+    def content_bytes(self) -> int:
+        """UTF-8 bytes of all message text: the rendered prompt holds at least these."""
+        return sum(len(m.text(f"messages.{i}").encode()) for i, m in enumerate(self.messages))
 
     def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
         kw = self._sampling_kwargs()
@@ -419,14 +491,14 @@ class ModelList(OpenAIBaseModel):
 
 
 # ---- tokenize / detokenize (vLLM's extra routes) ---------------------------------------------
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessageParam]
     add_generation_prompt: bool = True
@@ -452,7 +524,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -4,34 +4,55 @@ Every request is validated (JSON, schema, model name, lengths) before it reaches
 every failure leaves as an OpenAI-style JSON error with a 4xx code; only real bugs are 500s.
 Streams are Server-Sent Events ending in ``data: [DONE]``. A client that goes away cancels its
 engine stream, which aborts the request and frees its KV pages.
+
+No request can hurt another: the engine keys requests by ids generated here (a client's
+``request_id`` / ``X-Request-Id`` is only echoed), tokenization runs off the event loop, and a
+prompt too long by its byte count alone is rejected before it is tokenized. On SIGTERM the
+server drains: 503 for anything new, ``--shutdown-timeout`` seconds for requests in flight, then
+an error (in-band on a stream, followed by ``[DONE]``) for the rest.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import math
 import secrets
 import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import h11
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import jaxserve
 from jaxserve.entrypoints.openai import protocol as P
 from jaxserve.errors import EngineDeadError, InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.engine.tokenizer import stop_buffer_length
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 2**20  # a request body larger than this is answered 413
+MAX_BODY_BYTES = 32 * 2**20  # default --max-request-body-bytes: a larger body is answered 413
+# The byte bound of a prompt is max_model_len x (longest token string + a joining space) x this:
+# normalizers may shrink text before it is tokenized (NFKC maps a 3-byte fullwidth letter to
+# one byte; some drop control characters), so the bound stays above any text that fits.
+PROMPT_BYTES_SLACK = 4
+TOKENIZER_THREADS = 2
+SHUTDOWN_TIMEOUT_S = 20.0  # default --shutdown-timeout: inside Kubernetes' default 30 s grace
+HEADER_TIMEOUT_S = 10  # a connection must send a whole request head within this
+KEEP_ALIVE_S = 5  # uvicorn's default idle keep-alive  # concurrent tokenizations / chat template renders, off the event loop
+MAX_REQUEST_ID_CHARS = 256  # a longer X-Request-Id is replaced, not echoed
 LOGPROB_FLOOR = -9999.0  # -inf (masked tokens) is not JSON; vLLM clamps the same way
 
 
@@ -61,6 +82,8 @@ def _error_from_exception(exc: BaseException, engine) -> tuple[dict, int]:
         return error_body(exc.message, status, exc.param, typ), status
     if isinstance(exc, EngineDeadError):
         return error_body(f"the engine is not running: {exc}", 503), 503
+    if isinstance(exc, ServerShuttingDown):
+        return error_body(str(exc), 503), 503
     if isinstance(exc, ValueError):  # the project's contract: bad input raises ValueError
         return error_body(str(exc), 400), 400
     try:
@@ -69,6 +92,11 @@ def _error_from_exception(exc: BaseException, engine) -> tuple[dict, int]:
         return error_body(f"the engine is not running: {dead}", 503), 503
     logger.exception("internal error", exc_info=exc)
     return error_body(f"internal server error: {type(exc).__name__}", 500), 500
+
+
+class ServerShuttingDown(Exception):
+    """The server is draining: new requests get 503, and requests still running when the grace
+    period ends get this error (in-band on a stream, then ``[DONE]``)."""
 
 
 class _JSON(Response):
@@ -100,6 +128,41 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _RequestIdHeader:
+    """Pure ASGI middleware: every response carries ``X-Request-Id``, the client's own when it
+    sent a usable one (printable ASCII, at most ``MAX_REQUEST_ID_CHARS``), else a fresh one.
+    The id is only echoed and logged; the engine never keys anything by it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = client_request_id(scope) or uuid.uuid4().hex
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def client_request_id(scope) -> str | None:
+    """The client's ``X-Request-Id`` header, when it is one we can echo safely."""
+    raw = dict(scope.get("headers") or []).get(b"x-request-id")
+    if not raw or len(raw) > MAX_REQUEST_ID_CHARS:
+        return None
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() else None
+
+
 # ---- engine streams --------------------------------------------------------------------------
 @dataclass
 class _Event:
@@ -108,7 +171,7 @@ class _Event:
     error: BaseException | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: fan-ins are kept in a set while in flight
 class _FanIn:
     """Runs one engine stream per prompt as tasks and merges their outputs into one queue.
 
@@ -120,17 +183,21 @@ class _FanIn:
     engine: Any
     prompts: list
     params: Any
-    request_id: str
+    request_id: str  # the response's id (the client's request_id when it sent one)
     priority: int
     observers: list[RequestObserver]
+    # The engine's key: generated here, never taken from the client, so no client id can reach
+    # (or collide with) another request's state.
+    internal_id: str = field(default_factory=lambda: P.random_id("req"))
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
     buffered: list[_Event] = field(default_factory=list)
     last: dict[int, RequestOutput] = field(default_factory=dict)
     pending: int = 0
+    on_close: Any = None  # called once when the fan-in is closed
 
     def engine_id(self, i: int) -> str:
-        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{i}"
+        return f"{self.internal_id}-{i}"
 
     async def _produce(self, i: int, prompt) -> None:
         try:
@@ -172,10 +239,17 @@ class _FanIn:
                 self.observers[ev.prompt_index].on_output(ev.output)
             yield ev
 
+    def stop(self, error: BaseException) -> None:
+        """End this request from outside: its consumer gets ``error`` next."""
+        self.queue.put_nowait(_Event(0, error=error))
+
     def close(self) -> None:
         for t in self.tasks:
             if not t.done():
                 t.cancel()
+        if self.on_close is not None:
+            self.on_close(self)
+            self.on_close = None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -222,6 +296,15 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+def _shown_text(c: CompletionOutput, hold: int) -> str:
+    """The part of a choice's text a stream may show: until the choice finishes, the last
+    ``hold`` characters wait, since a later token may complete a stop string that starts there
+    (and the stop string is never shown)."""
+    if c.finish_reason is not None or not hold:
+        return c.text
+    return c.text[:max(0, len(c.text) - hold)]
 
 
 def _sse(model: P.OpenAIBaseModel | dict) -> str:
@@ -295,25 +378,80 @@ class OpenAIServing:
     """Route handlers over one engine. Plain methods; ``build_app`` wires them to paths."""
 
     def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
-                 metrics: ServerMetrics):
+                 metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES):
         self.engine = engine
         self.names = served_model_names
         self.chat_template = chat_template
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.draining = False
+        self._live: set[_FanIn] = set()
         self.tokens = _Tokens(engine.tokenizer)
+        # Tokenizing a long text or rendering a chat template takes seconds of CPU: it runs
+        # here, off the event loop, so other requests and /health keep being answered.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=TOKENIZER_THREADS, thread_name_prefix="jaxserve-tokenize")
+        # A text longer than this cannot fit max_model_len tokens: rejected before tokenizing.
+        width = max_token_bytes(engine.tokenizer)
+        self.max_prompt_bytes = (engine.max_model_len * (width + 1) * PROMPT_BYTES_SLACK
+                                 if width else None)
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        if self.draining:
+            raise ServerShuttingDown("the server is shutting down; retry on another replica")
+
+    @property
+    def num_inflight(self) -> int:
+        """Generation requests admitted to the engine and not yet answered."""
+        return len(self._live)
+
+    def start_draining(self) -> None:
+        """Admit nothing new (503, /health too); requests in flight go on."""
+        self.draining = True
+
+    def end_inflight(self) -> None:
+        """End every request still in flight with a 503 error (a stream gets it in-band,
+        then ``[DONE]``); their engine requests are aborted."""
+        for fanin in list(self._live):
+            fanin.stop(ServerShuttingDown(
+                "the server shut down before this request finished (--shutdown-timeout)"))
+
+    async def _off_loop(self, fn, *args):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def _check_prompt_bytes(self, n_bytes: int, param: str) -> None:
+        if self.max_prompt_bytes is not None and n_bytes > self.max_prompt_bytes:
+            limit = self.engine.max_model_len
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{'messages hold' if param == 'messages' else 'prompt holds'} {n_bytes} bytes "
+                f"of text, more than {limit} tokens can hold. Please reduce the length of the "
+                "input.", param=param)
 
     # -- shared steps --------------------------------------------------------------------------
     async def _body(self, request: Request) -> Any:
+        self._admit()
+        ctype = request.headers.get("content-type")
+        if ctype is not None and not _is_json_media_type(ctype):
+            raise InvalidRequestError(
+                f"the request body must be JSON (Content-Type: application/json), got {ctype!r}")
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise InvalidRequestError(f"request body larger than {MAX_BODY_BYTES} bytes",
-                                      status_code=413)
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise InvalidRequestError(f"request body larger than {MAX_BODY_BYTES} bytes",
-                                          status_code=413)
+        limit = self.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise InvalidRequestError(f"request body larger than {limit} bytes", status_code=413)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise InvalidRequestError(f"request body larger than {limit} bytes",
+                                              status_code=413)
+        except ClientDisconnect:  # the client hung up mid-upload: its doing, nothing to answer
+            raise _ClientGone() from None
+        raw = b"".join(chunks)
         if not raw.strip():
             raise InvalidRequestError("the request body is empty; expected a JSON object")
         try:
@@ -331,14 +469,20 @@ class OpenAIServing:
                                       status_code=404)
         return requested
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._off_loop(self._encode_sync, text, add_special_tokens)
+
+    def _encode_sync(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
             return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except (TypeError, ValueError) as e:  # text the tokenizer cannot take is bad input
             raise InvalidRequestError(f"could not tokenize the prompt: {e}",
                                       param="prompt") from None
 
-    def _chat_ids(self, req) -> list[int]:
+    async def _chat_ids(self, req) -> list[int]:
+        return await self._off_loop(self._chat_ids_sync, req)
+
+    def _chat_ids_sync(self, req) -> list[int]:
         from jaxserve.engine.tokenizer import apply_chat_template
 
         messages = req.message_dicts()
@@ -380,9 +524,14 @@ class OpenAIServing:
                 "the length of the input.", param=param)
 
     def _fanin(self, prompts: list[list[int]], params, request_id: str, priority: int) -> _FanIn:
+        self._admit()
         self.engine.check_health()
         observers = [self.metrics.observer() for _ in prompts]
-        return _FanIn(self.engine, prompts, params, request_id, priority, observers)
+        fanin = _FanIn(self.engine, prompts, params, request_id, priority, observers,
+                       on_close=self._live.discard)
+        self._live.add(fanin)
+        logger.debug("request %s: response id %r", fanin.internal_id, request_id)
+        return fanin
 
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -390,7 +539,11 @@ class OpenAIServing:
         model = self._model_name(req.model)
         prompts, echo_texts = [], []
         for p in req.prompt_list():
-            ids = self._encode(p, req.add_special_tokens) if isinstance(p, str) else list(p)
+            if isinstance(p, str):
+                self._check_prompt_bytes(len(p.encode()), "prompt")
+                ids = await self._encode(p, req.add_special_tokens)
+            else:
+                ids = list(p)
             self._check_prompt_ids(ids, "prompt")
             prompts.append(ids)
             if req.echo:
@@ -401,7 +554,7 @@ class OpenAIServing:
         # One SamplingParams serves all prompts; the tightest max_tokens default applies.
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
         self._check_vocab(sp)
-        request_id = req.request_id or P.random_id("cmpl")
+        request_id = req.request_id or _header_id(request) or P.random_id("cmpl")
         fanin = self._fanin(prompts, sp, request_id, req.priority)
         await fanin.prime()
         if req.stream:
@@ -456,6 +609,7 @@ class OpenAIServing:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
+        hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
         async for ev in fanin.events():
             if ev.output is None:
                 continue
@@ -466,9 +620,10 @@ class OpenAIServing:
                     sent_text[idx] = 0
                     sent_tokens[idx] = 0
                     prefix = echo_texts[ev.prompt_index]
-                delta = c.text[sent_text[idx]:]
-                new_ids = c.token_ids[sent_tokens[idx]:]
                 done = c.finish_reason is not None and idx not in finished
+                shown = _shown_text(c, hold)
+                delta = shown[sent_text[idx]:]
+                new_ids = c.token_ids[sent_tokens[idx]:]
                 if not (prefix or delta or done or (new_ids and req.logprobs is not None)):
                     continue
                 logprobs = None
@@ -477,7 +632,7 @@ class OpenAIServing:
                     logprobs = _legacy_logprobs(
                         self.tokens, new_ids, (c.logprobs or [])[start:] or [{}] * len(new_ids),
                         len(prefix) + sent_text[idx])
-                sent_text[idx] = len(c.text)
+                sent_text[idx] = len(shown)
                 sent_tokens[idx] = len(c.token_ids)
                 if done:
                     finished.add(idx)
@@ -517,14 +672,15 @@ class OpenAIServing:
         req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest,
                                                        await self._body(request))
         model = self._model_name(req.model)
-        ids = self._chat_ids(req)
+        self._check_prompt_bytes(req.content_bytes(), "messages")
+        ids = await self._chat_ids(req)
         self._check_prompt_len(ids, "messages")
         sp = req.to_sampling_params(self.engine.max_model_len, len(ids))
         self._check_vocab(sp)
         echo = ""
         if req.echo and req.messages[-1].role == "assistant":
             echo = req.messages[-1].text(f"messages.{len(req.messages) - 1}")
-        request_id = req.request_id or P.random_id("chatcmpl")
+        request_id = req.request_id or _header_id(request) or P.random_id("chatcmpl")
         fanin = self._fanin([ids], sp, request_id, req.priority)
         await fanin.prime()
         top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -571,6 +727,7 @@ class OpenAIServing:
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         finished: set[int] = set()
+        hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
         for i in range(req.n):
             yield chunk(i, P.DeltaMessage(role="assistant", content=echo))
         async for ev in fanin.events():
@@ -578,9 +735,10 @@ class OpenAIServing:
                 continue
             for c in ev.output.outputs:
                 i = c.index
-                delta = c.text[sent_text[i]:]
-                new_ids = c.token_ids[sent_tokens[i]:]
                 done = c.finish_reason is not None and i not in finished
+                shown = _shown_text(c, hold)
+                delta = shown[sent_text[i]:]
+                new_ids = c.token_ids[sent_tokens[i]:]
                 if not (delta or done or (new_ids and top_k is not None)):
                     continue
                 logprobs = None
@@ -588,7 +746,7 @@ class OpenAIServing:
                     positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
                     logprobs = P.ChatCompletionLogProbs(
                         content=_chat_logprobs(self.tokens, new_ids, positions, top_k))
-                sent_text[i] = len(c.text)
+                sent_text[i] = len(shown)
                 sent_tokens[i] = len(c.token_ids)
                 if done:
                     finished.add(i)
@@ -611,14 +769,15 @@ class OpenAIServing:
         if isinstance(body, dict) and "messages" in body:
             req = P.parse_request(P.TokenizeChatRequest, body)
             self._model_name(req.model)
-            ids = self._chat_ids(req)
+            ids = await self._chat_ids(req)
         else:
             req = P.parse_request(P.TokenizeCompletionRequest, body)
             self._model_name(req.model)
-            ids = self._encode(req.prompt, req.add_special_tokens)
+            ids = await self._encode(req.prompt, req.add_special_tokens)
         strs = None
         if req.return_token_strs:
-            strs = list(self.engine.tokenizer.convert_ids_to_tokens(ids))
+            strs = await self._off_loop(
+                lambda: list(self.engine.tokenizer.convert_ids_to_tokens(ids)))
         return _JSON(P.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len,
                                         tokens=ids, token_strs=strs))
 
@@ -630,11 +789,17 @@ class OpenAIServing:
             if not 0 <= t < vocab:
                 raise InvalidRequestError(f"token id {t} is out of range [0, {vocab})",
                                           param=f"tokens.{j}")
-        return _JSON(P.DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens)))
+        text = await self._off_loop(self.engine.tokenizer.decode, req.tokens)
+        return _JSON(P.DetokenizeResponse(prompt=text))
 
     async def health(self, request: Request) -> Response:
+        self._admit()
         self.engine.check_health()
         return Response(status_code=200)
+
+    async def load(self, request: Request) -> Response:
+        """vLLM's ``/load``: requests in flight on this server (a router's balancing signal)."""
+        return JSONResponse({"server_load": self.num_inflight})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": jaxserve.__version__})
@@ -643,6 +808,27 @@ class OpenAIServing:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """The most UTF-8 bytes one vocabulary entry spells (its token string, which is never
+    shorter than the text it decodes to); None when the vocabulary cannot be listed."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - no bound; prompts are then checked after tokenizing
+        return None
+    return max((len(t.encode("utf-8", "replace")) for t in vocab), default=0) or None
+
+
+def _is_json_media_type(value: str) -> bool:
+    """application/json or a ``+json`` type (parameters such as charset allowed)."""
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                            and media.endswith("+json"))
+
+
+def _header_id(request: Request) -> str | None:
+    return client_request_id(request.scope)
 
 
 def _check_strings(value, path: str) -> None:
@@ -685,14 +871,16 @@ def load_chat_template(value: str | None) -> str | None:
 
 def build_app(engine, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
-              chat_template: str | None = None) -> Starlette:
-    """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine and
-    the metrics registry."""
+              chat_template: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
+    the route handlers (``serving``: draining on shutdown) and the metrics registry."""
     if isinstance(served_model_names, str):
         served_model_names = [served_model_names]
     names = list(served_model_names or [engine.served_model_name])
     metrics = ServerMetrics(engine.stats, names[0])
-    serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics)
+    serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
+                            max_body_bytes=max_body_bytes)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -707,15 +895,23 @@ def build_app(engine, *, api_key: str | None = None,
         Route("/tokenize", serving.tokenize, methods=["POST"]),
         Route("/detokenize", serving.detokenize, methods=["POST"]),
         Route("/health", serving.health, methods=["GET"]),
+        Route("/ping", serving.health, methods=["GET", "POST"]),  # SageMaker's health check
+        Route("/load", serving.load, methods=["GET"]),
         Route("/version", serving.version, methods=["GET"]),
         Route("/metrics", serving.render_metrics, methods=["GET"]),
     ]
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
     handlers = {HTTPException: on_error, InvalidRequestError: on_error,
-                EngineDeadError: on_error, ValueError: on_error, Exception: on_error}
+                EngineDeadError: on_error, ServerShuttingDown: on_error, ValueError: on_error,
+                _ClientGone: client_gone, ClientDisconnect: client_gone, Exception: on_error}
     app = Starlette(routes=routes, exception_handlers=handlers)
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
+    app.add_middleware(_RequestIdHeader)  # outermost: 401s carry the id too
     app.state.engine = engine
+    app.state.serving = serving
     app.state.metrics = metrics
     app.state.served_model_names = names
     return app
@@ -734,13 +930,98 @@ def startup_message(engine, host: str, port: int, names: list[str]) -> str:
             f"OpenAI API at http://{shown}:{port}/v1")
 
 
+class _HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for a request's headers: a connection that has
+    not sent a whole request head within ``header_timeout`` seconds of connecting (or of the
+    first byte of a later request) is closed, so half-open connections cannot pile up.
+    Trickling bytes does not extend the deadline."""
+
+    header_timeout: float = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            if self._head_timer is not None:  # the request head is in
+                self._head_timer.cancel()
+                self._head_timer = None
+        elif self._head_timer is None and not self.transport.is_closing():
+            # part of a later request's head: idle keep-alive time is uvicorn's to limit
+            self._head_timer = self.loop.call_later(self.header_timeout, self._head_timeout)
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that drains on the first SIGTERM/SIGINT: admit nothing new (503), give requests
+    in flight ``shutdown_timeout`` seconds, end the rest with an error (a stream's last chunks
+    are the error and ``[DONE]``), then stop. A second signal stops at once, like uvicorn."""
+
+    def __init__(self, config, serving: OpenAIServing, shutdown_timeout: float):
+        super().__init__(config)
+        self.serving = serving
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining or self._loop is None or self.should_exit:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        self._captured_signals.append(sig)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
+
+    async def drain(self) -> None:
+        serving = self.serving
+        serving.start_draining()
+        logger.info("shutting down: new requests get 503; waiting up to %.0f s for %d in flight",
+                    self.shutdown_timeout, serving.num_inflight)
+        deadline = time.monotonic() + self.shutdown_timeout
+        while serving.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if serving.num_inflight:
+            logger.warning("ending %d requests still running after --shutdown-timeout %.0f s",
+                           serving.num_inflight, self.shutdown_timeout)
+            serving.end_inflight()
+            deadline = time.monotonic() + 5.0
+            while serving.num_inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                   timeout_graceful_shutdown: int = 5,
+                   header_timeout: float = HEADER_TIMEOUT_S) -> uvicorn.Config:
+    """The uvicorn settings of ``jaxserve serve`` (the header deadline, keep-alive)."""
+    protocol = type("H11Protocol", (_HeaderTimeoutH11,), {"header_timeout": header_timeout})
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                          timeout_keep_alive=KEEP_ALIVE_S,
+                          timeout_graceful_shutdown=timeout_graceful_shutdown)
+
+
 def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, uvicorn_log_level: str = "info",
                served_model_names: list[str] | None = None, chat_template: str | None = None,
-               timeout_graceful_shutdown: int = 5) -> None:
-    """Load the engine, serve until SIGINT/SIGTERM, then stop uvicorn and the engine cleanly."""
-    import uvicorn
-
+               timeout_graceful_shutdown: int = 5, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
+               max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
+    uvicorn and the engine cleanly."""
     from jaxserve.engine.data_parallel import make_async_llm
 
     template = load_chat_template(chat_template)  # fail before the slow model load
@@ -748,11 +1029,10 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     engine = make_async_llm(engine_config)  # DataParallelAsyncLLM when data_parallel_size > 1
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
-                    chat_template=template)
+                    chat_template=template, max_body_bytes=max_body_bytes)
     names = app.state.served_model_names
-    config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                            timeout_graceful_shutdown=timeout_graceful_shutdown)
-    server = uvicorn.Server(config)
+    config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown)
+    server = _DrainingServer(config, app.state.serving, shutdown_timeout)
     # uvicorn re-raises the signal that stopped it; with these handlers in place that re-raise
     # is a no-op, so the engine is shut down below and the process exits with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
