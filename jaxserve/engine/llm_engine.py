@@ -31,7 +31,8 @@ from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dt
 from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.worker.parallel import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.worker.runner import ModelRunner, default_attention_backend, enable_compilation_cache
+from jaxserve.worker.runner import (ModelRunner, default_attention_backend, default_scheduler_limits,
+                                    enable_compilation_cache)
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
@@ -88,6 +89,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
         """``devices``: the devices of this replica (data parallel); default all visible."""
         self.config = config
+        if config.scheduler.backend_defaults:
+            config.scheduler.apply_backend_defaults(*default_scheduler_limits())
         enable_compilation_cache()
         try:
             self.dtype = resolve_dtype(config.dtype)

@@ -220,7 +220,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The single mapping from parsed flags to ``EngineConfig`` (through the same keyword
     arguments ``LLM(...)`` takes, so the CLI, the server and the offline API agree)."""
-    from jaxserve.entrypoints.llm import engine_config_from_kwargs
+    from jaxserve.config import engine_config_from_kwargs
 
     return engine_config_from_kwargs(**engine_kwargs_from_args(args))
 
