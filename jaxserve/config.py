@@ -91,6 +91,9 @@ class EngineConfig:
     served_model_name: str | None = None
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
     async_scheduling: bool = True
+    # request defaults from the model's generation_config.json: auto | vllm (none) | a directory
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -243,7 +246,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
-                              async_scheduling=True) -> EngineConfig:
+                              async_scheduling=True, generation_config="auto",
+                              override_generation_config=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and filled by the engine, which knows its backend."""
@@ -255,6 +259,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
         attention_backend=attention_backend, served_model_name=served_model_name,
         async_scheduling=bool(async_scheduling),
+        generation_config=_generation_config_source(generation_config),
+        override_generation_config=_override_generation_config(override_generation_config),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
@@ -266,3 +272,25 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                                 data_parallel_size=data_parallel_size,
                                 enable_expert_parallel=enable_expert_parallel),
     )
+
+
+def _generation_config_source(value) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {value!r}")
+    return value
+
+
+def _override_generation_config(value) -> dict | None:
+    """A dict, or its JSON text (the CLI's form)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
+    return dict(value)

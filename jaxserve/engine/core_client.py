@@ -70,6 +70,7 @@ class EngineCoreClient:
         self.model_config = info["model_config"]
         self.max_model_len = info["max_model_len"]
         self.dtype = info["dtype"]
+        self.default_sampling = info["default_sampling"]
         self.core_pid = info["pid"]
         config.model = info["model"]
         config.served_model_name = info["served_model_name"]

@@ -149,4 +149,5 @@ def _ready_info(engine) -> dict:
         pid=os.getpid(),
         model=engine.config.model,  # the engine resolves the default model
         served_model_name=engine.config.served_model_name,
+        default_sampling=engine.default_sampling,
     )

@@ -123,6 +123,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=EngineConfig.async_scheduling,
                    help="schedule and dispatch the next step while the current one runs "
                         "(exact; default: %(default)s)")
+    d.add_argument("--generation-config", default=EngineConfig.generation_config,
+                   metavar="auto|vllm|DIR",
+                   help="request defaults (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty) and extra EOS ids from generation_config.json: "
+                        "auto reads the model's, vllm uses none, a directory reads its own "
+                        "(default: %(default)s)")
+    d.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -214,7 +222,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         load_format=args.load_format, attention_backend=args.attention_backend,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
-        min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling)
+        min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -24,6 +24,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (``generate``'s default)."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
                  = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
@@ -31,6 +35,8 @@ class LLM:
                 isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         prios = _per_prompt(priority, len(prompts), "priority") if priority is not None else None
         return self._run([(p, sp, prios[i] if prios else 0)
@@ -74,8 +80,6 @@ class LLM:
 
 
 def _per_prompt(value, n: int, name: str) -> list:
-    if value is None:
-        return [SamplingParams() for _ in range(n)] if name == "sampling_params" else [0] * n
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts",

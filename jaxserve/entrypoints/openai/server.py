@@ -387,6 +387,8 @@ class OpenAIServing:
         self.draining = False
         self._live: set[_FanIn] = set()
         self.tokens = _Tokens(engine.tokenizer)
+        # the model's generation-config defaults for sampling fields a request leaves unset
+        self.defaults = dict(getattr(engine, "default_sampling", None) or {})
         # Tokenizing a long text or rendering a chat template takes seconds of CPU: it runs
         # here, off the event loop, so other requests and /health keep being answered.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
@@ -550,7 +552,8 @@ class OpenAIServing:
                 echo_texts.append(p if isinstance(p, str) else self.engine.tokenizer.decode(ids))
             else:
                 echo_texts.append("")
-        params = [req.to_sampling_params(self.engine.max_model_len, len(ids)) for ids in prompts]
+        params = [req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
+                  for ids in prompts]
         # One SamplingParams serves all prompts; the tightest max_tokens default applies.
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
         self._check_vocab(sp)
@@ -675,7 +678,7 @@ class OpenAIServing:
         self._check_prompt_bytes(req.content_bytes(), "messages")
         ids = await self._chat_ids(req)
         self._check_prompt_len(ids, "messages")
-        sp = req.to_sampling_params(self.engine.max_model_len, len(ids))
+        sp = req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
         self._check_vocab(sp)
         echo = ""
         if req.echo and req.messages[-1].role == "assistant":
