@@ -105,6 +105,42 @@ def test_aborted_streams_leave_no_kv_page(server):
     assert r.status_code == 200
 
 
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith(name)).rsplit(" ", 1)[1])
+
+
+def test_reset_prefix_cache(server):
+    """The same prompt hits the prefix cache the second time, not after a reset; a reset while
+    a request holds pages is refused (409) and drops nothing."""
+    _, url, _ = server
+    body = {"prompt": "a shared prefix that spans several pages " * 4, "max_tokens": 2}
+
+    def hits_after_one_request():
+        before = _metric(url, "jaxserve:prefix_cache_hits_total")
+        assert httpx.post(url + "/v1/completions", timeout=60, json=body).status_code == 200
+        return _metric(url, "jaxserve:prefix_cache_hits_total") - before
+
+    hits_after_one_request()
+    assert hits_after_one_request() >= 16  # at least one whole page of 16 tokens reused
+    r = httpx.post(url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert hits_after_one_request() == 0
+    for _ in range(3):  # the stream must still be running when the reset arrives
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": "hold pages", "max_tokens": 240, "ignore_eos": True,
+                                "stream": True}) as s:
+            lines = s.iter_lines()
+            next(lines)
+            busy = httpx.post(url + "/reset_prefix_cache", timeout=30)
+            still_running = any(ln.startswith("data: {") for ln in lines)
+        if still_running:
+            break
+    assert still_running, "every stream ended before the reset request: cannot test the 409"
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == 409
+    assert hits_after_one_request() >= 16  # the refused reset dropped nothing
+
+
 def test_a_dead_core_gives_503_not_a_hang(server):
     """Runs last in this module: it kills the core."""
     proc, url, log_path = server

@@ -12,6 +12,7 @@ This module and everything it imports must stay free of jax: that is the point o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import os
@@ -49,7 +50,8 @@ class EngineCoreClient:
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self.chat_template = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._adds: dict[str, asyncio.Future] = {}
+        self._adds: dict[str, asyncio.Future] = {}  # answers awaited: adds and resets
+        self._tokens = itertools.count()
         self._dead: str | None = None
         self._stopping = False
         self._send_lock = threading.Lock()
@@ -125,6 +127,11 @@ class EngineCoreClient:
             if fut is not None:
                 loop = fut.get_loop()
                 loop.call_soon_threadsafe(_settle, fut, err)
+        elif kind == "reset":
+            _, token, ok = msg
+            fut = self._adds.pop(token, None)
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(_settle_value, fut, ok)
         elif kind == "dead":
             self._die(f"the engine core died: {msg[1]}")
 
@@ -193,6 +200,18 @@ class EngineCoreClient:
         if request_id in self._streams:
             self._deliver(request_id, _FINISHED)
 
+    async def reset_prefix_cache(self) -> bool:
+        """The core drops its cached prefix pages between steps; False while pages are in use."""
+        self.check_health()
+        token = f"reset-{next(self._tokens)}"  # never a request id: those come from the server
+        fut = asyncio.get_running_loop().create_future()
+        self._adds[token] = fut
+        self._send(("reset_prefix_cache", token))
+        try:
+            return await fut
+        finally:
+            self._adds.pop(token, None)
+
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -247,3 +266,8 @@ def _settle(fut: asyncio.Future, err) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(err)
+
+
+def _settle_value(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)

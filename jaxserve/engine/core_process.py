@@ -10,6 +10,7 @@ out on a PUSH socket, msgpack-encoded with msgspec (the hot path). Messages out:
   (tokenizer, model config, max_model_len, stats).
 - ``("added", rid, None)`` / ``("added", rid, error)``: the answer to each ``add``.
 - ``("step", outputs, stats)``: the ``RequestOutput``s of one step.
+- ``("reset", token, ok)``: the answer to ``reset_prefix_cache``.
 - ``("dead", message)``: the loop failed; the process then exits.
 
 The core exits when its parent does (it checks its parent id), so it never outlives the
@@ -133,6 +134,8 @@ def _handle(engine, msg, outbox) -> bool:
         outbox.send(_pickled(("added", rid, err)))
     elif kind == "abort":
         engine.abort_request(msg[1])
+    elif kind == "reset_prefix_cache":
+        outbox.send(_pickled(("reset", msg[1], engine.reset_prefix_cache())))
     elif kind == "shutdown":
         return False
     return True

@@ -104,6 +104,10 @@ class DataParallelAsyncLLM:
         out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per) / len(per)
         return out
 
+    async def reset_prefix_cache(self) -> bool:
+        results = [await r.reset_prefix_cache() for r in self.replicas]
+        return all(results)
+
     async def shutdown(self) -> None:
         for r in self.replicas:
             await r.shutdown()

@@ -418,6 +418,10 @@ class LLMEngine:
             metrics=parent.metrics, num_cached_tokens=getattr(first, "num_cached_tokens", 0))
 
     # ---- stats -------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix page; False (nothing dropped) while pages are in use."""
+        return self.scheduler.reset_prefix_cache()
+
     def stats(self) -> dict:
         """The scheduler's stats plus what only the engine knows (compiles, token counters, pool
         size). The short names (``num_running`` ...) are what metrics, the server and dp read."""

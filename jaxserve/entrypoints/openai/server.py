@@ -109,15 +109,19 @@ class _JSON(Response):
 
 
 # ---- auth ------------------------------------------------------------------------------------
+# routes that need the API key: the OpenAI API, and what changes the server's state
+PROTECTED = ("/v1", "/reset_prefix_cache")
+
+
 class _BearerAuth:
-    """Pure ASGI middleware: every /v1 route needs ``Authorization: Bearer <api_key>``."""
+    """Pure ASGI middleware: every protected route needs ``Authorization: Bearer <api_key>``."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED):
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.expected):
                 resp = error_response("missing or invalid API key (Authorization: Bearer ...)",
@@ -804,6 +808,14 @@ class OpenAIServing:
         """vLLM's ``/load``: requests in flight on this server (a router's balancing signal)."""
         return JSONResponse({"server_load": self.num_inflight})
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's ``POST /reset_prefix_cache``: forget the cached prefix pages (e.g. between
+        benchmark runs). Only possible while no request holds pages: else 409, nothing dropped."""
+        if not await self.engine.reset_prefix_cache():
+            return error_response("the prefix cache cannot be reset while requests hold KV "
+                                  "pages; retry when the server is idle", 409)
+        return JSONResponse({"reset": True})
+
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": jaxserve.__version__})
 
@@ -901,6 +913,7 @@ def build_app(engine, *, api_key: str | None = None,
         Route("/ping", serving.health, methods=["GET", "POST"]),  # SageMaker's health check
         Route("/load", serving.load, methods=["GET"]),
         Route("/version", serving.version, methods=["GET"]),
+        Route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"]),
         Route("/metrics", serving.render_metrics, methods=["GET"]),
     ]
     async def client_gone(request: Request, exc: Exception) -> Response:
