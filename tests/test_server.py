@@ -4,6 +4,7 @@ HTTP details). One server for the whole module keeps it fast."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import socket
 import threading
@@ -579,6 +580,44 @@ def test_greedy_server_equals_offline_llm(client, model_dir):
     assert [c.text for c in served.choices] == [o.outputs[0].text for o in offline]
     assert [c.finish_reason for c in served.choices] == \
         [o.outputs[0].finish_reason for o in offline]
+
+
+# ---- CORS, request logging ---------------------------------------------------------------------
+def test_cors_and_request_logging(engine, caplog):
+    """vLLM's CORS flags: an allowed origin gets the headers (a preflight without a key too),
+    another origin does not; --enable-log-requests logs each request with its params."""
+    from jaxserve.entrypoints.cli import build_parser
+
+    a = build_parser().parse_args(["serve", "--allowed-origins", '["http://ok.example"]',
+                                   "--allowed-methods", '["GET", "POST"]',
+                                   "--enable-log-requests", "--max-log-len", "3"])
+    assert a.allowed_headers == ["*"] and a.allow_credentials is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", "http://not-json"])
+    cors = dict(allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
+                allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
+    app = build_app(engine, api_key=API_KEY, served_model_names=[MODEL], cors=cors,
+                    log_requests=a.enable_log_requests, max_log_len=a.max_log_len)
+    with ServerThread(app) as srv:
+        pre = {"Access-Control-Request-Method": "POST"}
+        ok = httpx.options(srv.url + "/v1/completions", timeout=30,
+                           headers={"Origin": "http://ok.example", **pre})
+        assert ok.status_code == 200
+        assert ok.headers["access-control-allow-origin"] == "http://ok.example"
+        bad = httpx.options(srv.url + "/v1/completions", timeout=30,
+                            headers={"Origin": "http://evil.example", **pre})
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+        with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai.server"):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}",
+                                    "Origin": "http://ok.example"},
+                           json={"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 2,
+                                 "temperature": 0})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://ok.example"
+        logged = [m for m in caplog.messages if m.startswith("received request")]
+        assert len(logged) == 1 and "5 prompt tokens [5, 6, 7]" in logged[0], logged
+        assert "temperature=0" in logged[0]
 
 
 # ---- must run last: it stops the engine --------------------------------------------------------

@@ -42,6 +42,19 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's form for the CORS flags)."""
+    import json
+
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"must be a JSON list such as '[\"*\"]', got {value!r}")
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {value!r}")
+    return items
+
+
 def _non_negative_float(value: str) -> float:
     try:
         x = float(value)
@@ -151,6 +164,19 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
     g.add_argument("--max-request-body-bytes", type=_positive_int, default=32 * 2**20,
                    help="largest request body, else 413; accepts 32M (default: %(default)s)")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: origins allowed, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: methods allowed, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: headers allowed, a JSON list (default: [\"*\"])")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (default: off)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt tokens and sampling params at INFO")
+    g.add_argument("--max-log-len", type=_positive_int, default=None,
+                   help="with --enable-log-requests, log at most this many prompt tokens "
+                        "(default: all)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,7 +279,12 @@ def _serve(args) -> int:
                uvicorn_log_level=args.uvicorn_log_level,
                served_model_names=args.served_model_name, chat_template=args.chat_template,
                shutdown_timeout=args.shutdown_timeout,
-               max_body_bytes=args.max_request_body_bytes)
+               max_body_bytes=args.max_request_body_bytes,
+               cors=dict(allowed_origins=args.allowed_origins,
+                         allowed_methods=args.allowed_methods,
+                         allowed_headers=args.allowed_headers,
+                         allow_credentials=args.allow_credentials),
+               log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
     return 0
 
 

@@ -29,6 +29,7 @@ import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -382,8 +383,11 @@ class OpenAIServing:
     """Route handlers over one engine. Plain methods; ``build_app`` wires them to paths."""
 
     def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
-                 metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES):
+                 metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES,
+                 log_requests: bool = False, max_log_len: int | None = None):
         self.engine = engine
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         self.names = served_model_names
         self.chat_template = chat_template
         self.metrics = metrics
@@ -537,6 +541,12 @@ class OpenAIServing:
                        on_close=self._live.discard)
         self._live.add(fanin)
         logger.debug("request %s: response id %r", fanin.internal_id, request_id)
+        if self.log_requests:
+            for i, (ids, sp) in enumerate(zip(prompts, params if isinstance(params, list)
+                                               else [params] * len(prompts))):
+                shown = ids if self.max_log_len is None else ids[:self.max_log_len]
+                logger.info("received request %s-%d (response id %r): %d prompt tokens %s, "
+                            "params %r", fanin.internal_id, i, request_id, len(ids), shown, sp)
         return fanin
 
     # -- /v1/completions -----------------------------------------------------------------------
@@ -887,7 +897,8 @@ def load_chat_template(value: str | None) -> str | None:
 def build_app(engine, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
               chat_template: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+              max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
+              log_requests: bool = False, max_log_len: int | None = None) -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
     the route handlers (``serving``: draining on shutdown) and the metrics registry."""
     if isinstance(served_model_names, str):
@@ -895,7 +906,8 @@ def build_app(engine, *, api_key: str | None = None,
     names = list(served_model_names or [engine.served_model_name])
     metrics = ServerMetrics(engine.stats, names[0])
     serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
-                            max_body_bytes=max_body_bytes)
+                            max_body_bytes=max_body_bytes, log_requests=log_requests,
+                            max_log_len=max_log_len)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -925,7 +937,13 @@ def build_app(engine, *, api_key: str | None = None,
     app = Starlette(routes=routes, exception_handlers=handlers)
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
-    app.add_middleware(_RequestIdHeader)  # outermost: 401s carry the id too
+    app.add_middleware(_RequestIdHeader)  # 401s carry the id too
+    if cors is not None:  # outermost: preflight requests are answered without a key, like vLLM
+        app.add_middleware(CORSMiddleware, allow_origins=cors["allowed_origins"],
+                           allow_methods=cors["allowed_methods"],
+                           allow_headers=cors["allowed_headers"],
+                           allow_credentials=cors["allow_credentials"],
+                           expose_headers=["X-Request-Id"])
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics
@@ -1036,7 +1054,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, uvicorn_log_level: str = "info",
                served_model_names: list[str] | None = None, chat_template: str | None = None,
                timeout_graceful_shutdown: int = 5, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-               max_body_bytes: int = MAX_BODY_BYTES) -> None:
+               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
+               log_requests: bool = False, max_log_len: int | None = None) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
@@ -1051,7 +1070,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
         engine = make_async_llm(engine_config)  # DP replicas and multi-host: in this process
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
-                    chat_template=template, max_body_bytes=max_body_bytes)
+                    chat_template=template, max_body_bytes=max_body_bytes, cors=cors,
+                    log_requests=log_requests, max_log_len=max_log_len)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown)
     server = _DrainingServer(config, app.state.serving, shutdown_timeout)
