@@ -583,21 +583,23 @@ def test_greedy_server_equals_offline_llm(client, model_dir):
 
 
 # ---- CORS, request logging ---------------------------------------------------------------------
-def test_cors_and_request_logging(engine, caplog):
+def test_cors_request_logging_and_response_role(engine, caplog):
     """vLLM's CORS flags: an allowed origin gets the headers (a preflight without a key too),
     another origin does not; --enable-log-requests logs each request with its params."""
     from jaxserve.entrypoints.cli import build_parser
 
     a = build_parser().parse_args(["serve", "--allowed-origins", '["http://ok.example"]',
                                    "--allowed-methods", '["GET", "POST"]',
-                                   "--enable-log-requests", "--max-log-len", "3"])
+                                   "--enable-log-requests", "--max-log-len", "3",
+                                   "--response-role", "model"])
     assert a.allowed_headers == ["*"] and a.allow_credentials is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", "http://not-json"])
     cors = dict(allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
                 allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
     app = build_app(engine, api_key=API_KEY, served_model_names=[MODEL], cors=cors,
-                    log_requests=a.enable_log_requests, max_log_len=a.max_log_len)
+                    log_requests=a.enable_log_requests, max_log_len=a.max_log_len,
+                    response_role=a.response_role)
     with ServerThread(app) as srv:
         pre = {"Access-Control-Request-Method": "POST"}
         ok = httpx.options(srv.url + "/v1/completions", timeout=30,
@@ -618,6 +620,14 @@ def test_cors_and_request_logging(engine, caplog):
         logged = [m for m in caplog.messages if m.startswith("received request")]
         assert len(logged) == 1 and "5 prompt tokens [5, 6, 7]" in logged[0], logged
         assert "temperature=0" in logged[0]
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, headers=auth, json=chat)
+        assert r.json()["choices"][0]["message"]["role"] == "model"  # --response-role
+        cont = {**chat, "messages": [*MESSAGES, {"role": "assistant", "content": "Sure"}],
+                "add_generation_prompt": False, "continue_final_message": True}
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, headers=auth, json=cont)
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"  # the continued one
 
 
 # ---- must run last: it stops the engine --------------------------------------------------------

@@ -172,6 +172,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="CORS: headers allowed, a JSON list (default: [\"*\"])")
     g.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials (default: off)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of chat answers after a generation prompt (default: "
+                        "%(default)s)")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's prompt tokens and sampling params at INFO")
     g.add_argument("--max-log-len", type=_positive_int, default=None,
@@ -284,7 +287,8 @@ def _serve(args) -> int:
                          allowed_methods=args.allowed_methods,
                          allowed_headers=args.allowed_headers,
                          allow_credentials=args.allow_credentials),
-               log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+               log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+               response_role=args.response_role)
     return 0
 
 

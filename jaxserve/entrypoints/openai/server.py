@@ -384,8 +384,10 @@ class OpenAIServing:
 
     def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
                  metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES,
-                 log_requests: bool = False, max_log_len: int | None = None):
+                 log_requests: bool = False, max_log_len: int | None = None,
+                 response_role: str = "assistant"):
         self.engine = engine
+        self.response_role = response_role
         self.log_requests = log_requests
         self.max_log_len = max_log_len
         self.names = served_model_names
@@ -714,7 +716,7 @@ class OpenAIServing:
                 logprobs = P.ChatCompletionLogProbs(content=_chat_logprobs(
                     self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids), top_k))
             choices.append(P.ChatCompletionResponseChoice(
-                index=c.index, message=P.ChatMessage(role="assistant", content=echo + c.text),
+                index=c.index, message=P.ChatMessage(role=self._role(req), content=echo + c.text),
                 logprobs=logprobs, finish_reason=c.finish_reason or "abort",
                 stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
@@ -724,6 +726,11 @@ class OpenAIServing:
                                 cached_tokens=out.num_cached_tokens))
         return _JSON(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                               usage=usage))
+
+    def _role(self, req: P.ChatCompletionRequest) -> str:
+        """The answer's role: --response-role after a generation prompt, else the role of the
+        message being continued (vLLM's rule)."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     def _chat_stream(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
                      echo: str, top_k: int | None) -> AsyncIterator[str]:
@@ -746,7 +753,7 @@ class OpenAIServing:
         finished: set[int] = set()
         hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
         for i in range(req.n):
-            yield chunk(i, P.DeltaMessage(role="assistant", content=echo))
+            yield chunk(i, P.DeltaMessage(role=self._role(req), content=echo))
         async for ev in fanin.events():
             if ev.output is None:
                 continue
@@ -898,7 +905,8 @@ def build_app(engine, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
               chat_template: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
-              log_requests: bool = False, max_log_len: int | None = None) -> Starlette:
+              log_requests: bool = False, max_log_len: int | None = None,
+              response_role: str = "assistant") -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
     the route handlers (``serving``: draining on shutdown) and the metrics registry."""
     if isinstance(served_model_names, str):
@@ -907,7 +915,7 @@ def build_app(engine, *, api_key: str | None = None,
     metrics = ServerMetrics(engine.stats, names[0])
     serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
                             max_body_bytes=max_body_bytes, log_requests=log_requests,
-                            max_log_len=max_log_len)
+                            max_log_len=max_log_len, response_role=response_role)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -1055,7 +1063,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, chat_template: str | None = None,
                timeout_graceful_shutdown: int = 5, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
                max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
-               log_requests: bool = False, max_log_len: int | None = None) -> None:
+               log_requests: bool = False, max_log_len: int | None = None,
+               response_role: str = "assistant") -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
@@ -1071,7 +1080,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
                     chat_template=template, max_body_bytes=max_body_bytes, cors=cors,
-                    log_requests=log_requests, max_log_len=max_log_len)
+                    log_requests=log_requests, max_log_len=max_log_len,
+                    response_role=response_role)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown)
     server = _DrainingServer(config, app.state.serving, shutdown_timeout)
