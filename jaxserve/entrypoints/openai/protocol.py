@@ -22,6 +22,12 @@ MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # token ids, top_k, priorities end up in int32 arrays
 
 
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last ``keep`` tokens (left
+    truncation, so the end of a conversation survives)."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -41,7 +47,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     **{name: _inert() for name in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-        "truncate_prompt_tokens", "allowed_token_ids", "logits_processors", "prompt_embeds",
+        "allowed_token_ids", "logits_processors", "prompt_embeds",
         "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
         "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
         "length_penalty", "thinking_token_budget")},
@@ -227,6 +233,7 @@ class _SamplingFields(RequestModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     request_id: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
     @model_validator(mode="after")
     def _check_common(self):

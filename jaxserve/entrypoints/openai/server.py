@@ -562,6 +562,7 @@ class OpenAIServing:
                 ids = await self._encode(p, req.add_special_tokens)
             else:
                 ids = list(p)
+            ids = P.truncate_prompt(ids, req.truncate_prompt_tokens)
             self._check_prompt_ids(ids, "prompt")
             prompts.append(ids)
             if req.echo:
@@ -692,7 +693,7 @@ class OpenAIServing:
                                                        await self._body(request))
         model = self._model_name(req.model)
         self._check_prompt_bytes(req.content_bytes(), "messages")
-        ids = await self._chat_ids(req)
+        ids = P.truncate_prompt(await self._chat_ids(req), req.truncate_prompt_tokens)
         self._check_prompt_len(ids, "messages")
         sp = req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
         self._check_vocab(sp)
