@@ -582,6 +582,35 @@ def test_greedy_server_equals_offline_llm(client, model_dir):
         [o.outputs[0].finish_reason for o in offline]
 
 
+# ---- prompt_logprobs over HTTP -----------------------------------------------------------------
+def _sse_json(r) -> list[dict]:
+    return [json.loads(ln[6:]) for ln in r.text.splitlines()
+            if ln.startswith("data: {")]
+
+
+def test_prompt_logprobs_are_returned(http):
+    """vLLM's shape: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt's own token and the top k; streamed in the first chunk."""
+    prompt = [5, 17, 33, 9, 250]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
+            "temperature": 0}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert len(full) == len(prompt) and full[0] is None
+    for tid, pos in zip(prompt[1:], full[1:]):
+        assert str(tid) in pos and 2 <= len(pos) <= 3
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in pos.values())
+        assert {1, 2} <= {v["rank"] for v in pos.values()}  # the top 2, and the prompt's own
+    chunks = _sse_json(http.post("/v1/completions", json={**body, "stream": True}))
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == full
+    assert all(c["choices"][0].get("prompt_logprobs") is None for c in chunks[1:] if c["choices"])
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 1}
+    r = http.post("/v1/chat/completions", json=chat).json()
+    lps = r["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == r["usage"]["prompt_tokens"]
+    chunks = _sse_json(http.post("/v1/chat/completions", json={**chat, "stream": True}))
+    assert [c["prompt_logprobs"] for c in chunks if c.get("prompt_logprobs")] == [lps]
+
+
 # ---- CORS, request logging ---------------------------------------------------------------------
 def test_cors_request_logging_and_response_role(engine, caplog):
     """vLLM's CORS flags: an allowed origin gets the headers (a preflight without a key too),

@@ -338,6 +338,22 @@ class _Tokens:
         return lp.decoded_token if getattr(lp, "decoded_token", None) is not None else self.text(tid)
 
 
+def _prompt_logprobs(tokens: _Tokens, out: RequestOutput | None) -> P.PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt position None (the first token has no
+    logprob) or ``{token id: {logprob, rank, decoded_token}}``, the prompt's own token included."""
+    if out is None or out.prompt_logprobs is None:
+        return None
+    result: P.PromptLogprobs = []
+    for pos in out.prompt_logprobs:
+        if pos is None:
+            result.append(None)
+            continue
+        result.append({str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                  "decoded_token": tokens.entry_text(tid, lp)}
+                       for tid, lp in pos.items()})
+    return result
+
+
 def _legacy_logprobs(tokens: _Tokens, token_ids: list[int], positions: list, start_offset: int
                      ) -> P.CompletionLogProbs:
     """The completions format: parallel lists of tokens, their logprobs, top-k dicts, offsets."""
@@ -595,7 +611,8 @@ class OpenAIServing:
                     logprobs = self._completion_choice_logprobs(req, out, c, echo_texts[i])
                 choices.append(P.CompletionResponseChoice(
                     index=i * req.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason))
+                    finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(self.tokens, out)))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
         return _JSON(P.CompletionResponse(id=request_id, model=model, choices=choices,
@@ -635,16 +652,18 @@ class OpenAIServing:
                 continue
             for c in ev.output.outputs:
                 idx = ev.prompt_index * req.n + c.index
-                prefix = ""
+                prefix, prompt_lps = "", None
                 if idx not in sent_text:
                     sent_text[idx] = 0
                     sent_tokens[idx] = 0
                     prefix = echo_texts[ev.prompt_index]
+                    prompt_lps = _prompt_logprobs(self.tokens, ev.output)
                 done = c.finish_reason is not None and idx not in finished
                 shown = _shown_text(c, hold)
                 delta = shown[sent_text[idx]:]
                 new_ids = c.token_ids[sent_tokens[idx]:]
-                if not (prefix or delta or done or (new_ids and req.logprobs is not None)):
+                if not (prefix or prompt_lps or delta or done
+                        or (new_ids and req.logprobs is not None)):
                     continue
                 logprobs = None
                 if req.logprobs is not None:
@@ -661,7 +680,8 @@ class OpenAIServing:
                     choices=[P.CompletionResponseChoice(
                         index=idx, text=prefix + delta, logprobs=logprobs,
                         finish_reason=c.finish_reason if done else None,
-                        stop_reason=c.stop_reason if done else None)]))
+                        stop_reason=c.stop_reason if done else None,
+                        prompt_logprobs=prompt_lps)]))
 
     async def _stream_tail(self, chunks: AsyncIterator[str], fanin: _FanIn, include_usage: bool,
                            response: type, created: int, model: str) -> AsyncIterator[str]:
@@ -726,7 +746,8 @@ class OpenAIServing:
                             prompt_tokens_details=P.PromptTokensDetails(
                                 cached_tokens=out.num_cached_tokens))
         return _JSON(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                              usage=usage))
+                                              usage=usage,
+                                              prompt_logprobs=_prompt_logprobs(self.tokens, out)))
 
     def _role(self, req: P.ChatCompletionRequest) -> str:
         """The answer's role: --response-role after a generation prompt, else the role of the
@@ -742,12 +763,13 @@ class OpenAIServing:
 
     async def _chat_chunks(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
                            created: int, echo: str, top_k: int | None) -> AsyncIterator[str]:
-        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None):
+        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None,
+                  prompt_logprobs=None):
             return _sse(P.ChatCompletionStreamResponse(
                 id=fanin.request_id, created=created, model=model,
                 choices=[P.ChatCompletionStreamChoice(
                     index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                    stop_reason=stop_reason)]))
+                    stop_reason=stop_reason)], prompt_logprobs=prompt_logprobs))
 
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
@@ -755,6 +777,7 @@ class OpenAIServing:
         hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
         for i in range(req.n):
             yield chunk(i, P.DeltaMessage(role=self._role(req), content=echo))
+        prompt_lps_due = fanin.params.prompt_logprobs is not None  # with the first output
         async for ev in fanin.events():
             if ev.output is None:
                 continue
@@ -764,8 +787,10 @@ class OpenAIServing:
                 shown = _shown_text(c, hold)
                 delta = shown[sent_text[i]:]
                 new_ids = c.token_ids[sent_tokens[i]:]
-                if not (delta or done or (new_ids and top_k is not None)):
+                prompt_lps = _prompt_logprobs(self.tokens, ev.output) if prompt_lps_due else None
+                if not (delta or done or prompt_lps or (new_ids and top_k is not None)):
                     continue
+                prompt_lps_due = prompt_lps_due and prompt_lps is None
                 logprobs = None
                 if top_k is not None:
                     positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
@@ -777,7 +802,7 @@ class OpenAIServing:
                     finished.add(i)
                 yield chunk(i, P.DeltaMessage(content=delta), logprobs,
                             c.finish_reason if done else None,
-                            c.stop_reason if done else None)
+                            c.stop_reason if done else None, prompt_lps)
         for i in range(req.n):  # streams that ended without a finish (aborted elsewhere)
             if i not in finished:
                 yield chunk(i, P.DeltaMessage(), finish_reason="abort")
