@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI caps n at 128 for chat; the same bound keeps one request from filling the batch.
 MAX_N = 128
@@ -39,13 +39,11 @@ def _inert(*values):
 # for something (not null / the no-op value), they are a 400 naming the field, never dropped.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     **{name: _inert() for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+        "guided_decoding_backend", "guided_whitespace_pattern",
         "truncate_prompt_tokens", "allowed_token_ids", "logits_processors", "prompt_embeds",
         "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
         "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
         "length_penalty", "thinking_token_budget")},
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": _inert([]),
     "functions": _inert([]),
     "tool_choice": _inert("none", "auto"),
@@ -197,6 +195,66 @@ def _resolve_max_tokens(requested: int | None, max_model_len: int, prompt_len: i
     return requested
 
 
+# ---- structured outputs ----------------------------------------------------------------------
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (the grammar allows nothing else)
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.json_schema is None):
+            raise InvalidRequestError("response_format of type json_schema needs "
+                                      "json_schema.schema", param="response_format")
+        return self
+
+
+class StructuredOutputsField(RequestModel):
+    """vLLM's ``structured_outputs`` request field (one of these)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+def _structured_spec(req) -> StructuredOutputsParams | None:
+    """The one grammar a request asks for, from whichever field names it (OpenAI's
+    ``response_format``, vLLM's ``structured_outputs`` or the older ``guided_*``)."""
+    found: list[tuple[str, dict]] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        found.append(("response_format",
+                      {"json_object": True} if rf.type == "json_object"
+                      else {"json": rf.json_schema.json_schema}))
+    if req.structured_outputs is not None:
+        so = {k: v for k, v in req.structured_outputs.model_dump(by_alias=True).items()
+              if v is not None and v is not False}
+        kind = next(iter(so), None) if len(so) == 1 else None
+        found.append((f"structured_outputs.{kind}" if kind else "structured_outputs", so))
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        v = getattr(req, name)
+        if v is not None:
+            found.append((name, {name[len("guided_"):]: v}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [f.split(".")[0] for f, _ in found]
+        raise InvalidRequestError(f"only one structured output may be asked for, got {names}",
+                                  param=names[1])
+    origin, kw = found[0]
+    return StructuredOutputsParams(**kw, _origin=origin)
+
+
 class _SamplingFields(RequestModel):
     """Fields common to completions and chat: OpenAI's, then vLLM's extras (same defaults)."""
 
@@ -227,6 +285,12 @@ class _SamplingFields(RequestModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     request_id: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -251,7 +315,8 @@ class _SamplingFields(RequestModel):
             logit_bias=_logit_bias(self.logit_bias), prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=_structured_spec(self))
         # None means "the engine's default" (vLLM's SamplingParams defaults).
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)

@@ -1,0 +1,229 @@
+"""Structured outputs over HTTP with the official ``openai`` client against a real uvicorn and
+the tiny random-weight model: every answer parses and validates only because of the grammar
+mask. ``response_format`` (json_schema on 10 schemas, json_object), vLLM's
+``structured_outputs`` and the older ``guided_*`` names, chat and completions, streamed and not;
+bad schemas / regexes / grammars are 400s naming the field and leave the engine serving."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import uvicorn
+
+from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
+from jaxserve.entrypoints.openai.server import build_app, uvicorn_config
+
+FLAGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
+         "--min-token-bucket", "64", "--dtype", "float32"]
+MAX_TOKENS = 160
+MODEL = "tiny"
+
+S = {"type": "string", "maxLength": 6}
+
+
+def _obj(props: dict, required=None) -> dict:
+    return {"type": "object", "properties": props, "additionalProperties": False,
+            "required": list(props) if required is None else required}
+
+
+SCHEMAS = [
+    _obj({"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
+    _obj({"user": _obj({"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                        "profile": _obj({"nick": S, "active": {"type": "boolean"}})})}),
+    _obj({"tags": {"type": "array", "items": S, "minItems": 2, "maxItems": 3}}),
+    _obj({"color": {"enum": ["red", "green", "blue"]},
+          "size": {"type": "string", "enum": ["S", "M", "L", "XL"]}}),
+    _obj({"score": {"type": "integer", "minimum": -5, "maximum": 5},
+          "ratio": {"type": "number", "minimum": 0, "maximum": 1}}),
+    _obj({"nickname": {"type": ["string", "null"], "maxLength": 4},
+          "parent": {"anyOf": [{"type": "null"}, _obj({"id": {"type": "integer", "minimum": 0,
+                                                              "maximum": 9}})]}}),
+    _obj({"points": {"type": "array", "minItems": 1, "maxItems": 2,
+                     "items": _obj({"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                    "y": {"type": "integer", "minimum": 0, "maximum": 9}})}}),
+    _obj({"ok": {"type": "boolean"}, "code": {"const": 200}}),
+    {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 4},
+    _obj({"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0,
+                                                     "maximum": 4},
+          "owner": _obj({"name": S, "phone": {"type": ["string", "null"], "pattern": "^[0-9]{3}$"}}),
+          "vaccinated": {"type": ["boolean", "null"]}}),
+    _obj({"matrix": {"type": "array", "minItems": 1, "maxItems": 2,
+                     "items": {"type": "array", "minItems": 1, "maxItems": 2,
+                               "items": {"type": "integer", "minimum": 0, "maximum": 99}}}}),
+]
+
+
+class _Server:
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory):
+    from jaxserve.engine.async_llm import AsyncLLM
+
+    eng = AsyncLLM(engine_config_from_args(build_parser().parse_args(
+        ["serve", str(tiny_model_factory("llama")), "--served-model-name", MODEL, *FLAGS])))
+    yield eng
+    asyncio.run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def base_url(engine):
+    srv = _Server(build_app(engine))
+    yield f"http://127.0.0.1:{srv.port}/v1"
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def aclient(base_url):
+    return openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+
+
+def _messages(i):
+    return [{"role": "user", "content": f"Give me record number {i} as JSON."}]
+
+
+def _stream_text(stream, chat=True):
+    parts, finish = [], None
+    for chunk in stream:
+        for ch in chunk.choices:
+            parts.append((ch.delta.content if chat else ch.text) or "")
+            finish = ch.finish_reason or finish
+    return "".join(parts), finish
+
+
+def test_json_schema_answers_validate(aclient):
+    """10+ schemas at once (they share batches), half greedy, half sampled; chat."""
+    async def one(i, schema):
+        kw = {"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}
+        r = await aclient.chat.completions.create(
+            model=MODEL, messages=_messages(i), max_tokens=MAX_TOKENS,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
+            **kw)
+        return r.choices[0]
+
+    async def main():
+        return await asyncio.gather(*(one(i, s) for i, s in enumerate(SCHEMAS)))
+
+    for schema, choice in zip(SCHEMAS, asyncio.run(main())):
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_streamed_and_not_in_chat_and_completions(client, stream):
+    schema = SCHEMAS[9]
+    rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+    r = client.chat.completions.create(model=MODEL, messages=_messages(9), max_tokens=MAX_TOKENS,
+                                       temperature=0.0, response_format=rf, stream=stream)
+    text, finish = _stream_text(r) if stream else (r.choices[0].message.content,
+                                                    r.choices[0].finish_reason)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    # completions: vLLM's structured_outputs field
+    r = client.completions.create(model=MODEL, prompt="A pet record:", max_tokens=MAX_TOKENS,
+                                  temperature=0.0, stream=stream,
+                                  extra_body={"structured_outputs": {"json": schema}})
+    text, finish = _stream_text(r, chat=False) if stream else (r.choices[0].text,
+                                                                r.choices[0].finish_reason)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object(client, engine):
+    tok = engine.tokenizer
+    # a nudge to close strings and objects early (the mask keeps it valid; the bias keeps a
+    # random model from writing one string for ever)
+    bias = {str(t): 8 for t in tok.encode('"}', add_special_tokens=False)}
+    for stream in (False, True):
+        r = client.chat.completions.create(
+            model=MODEL, messages=_messages(0), max_tokens=MAX_TOKENS, temperature=1.0, seed=1,
+            response_format={"type": "json_object"}, logit_bias=bias, stream=stream)
+        text, finish = _stream_text(r) if stream else (r.choices[0].message.content,
+                                                        r.choices[0].finish_reason)
+        assert finish == "stop", text
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_choice_regex_grammar_with_both_field_names(client, stream):
+    cases = [
+        ({"guided_choice": ["alpha", "beta", "gamma"]},
+         lambda t: t in ("alpha", "beta", "gamma")),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"guided_regex": r"[A-Z][a-z]{2,5} [0-9]{1,3}"},
+         lambda t: re.fullmatch(r"[A-Z][a-z]{2,5} [0-9]{1,3}", t)),
+        ({"structured_outputs": {"regex": r"(ab|cd){2,3}!"}},
+         lambda t: re.fullmatch(r"(ab|cd){2,3}!", t)),
+        ({"guided_grammar": 'start: "SELECT " col " FROM " tbl\ncol: "a" | "b"\ntbl: /[a-z]{1,4}/'},
+         lambda t: re.fullmatch(r"SELECT (a|b) FROM [a-z]{1,4}", t)),
+        ({"structured_outputs": {"grammar": 'root ::= "x" ("," "x")? ("," "x")?'}},
+         lambda t: t in ("x", "x,x", "x,x,x")),
+    ]
+    for i, (extra, ok) in enumerate(cases):
+        r = client.chat.completions.create(model=MODEL, messages=_messages(i), max_tokens=40,
+                                           temperature=1.0, seed=i, stream=stream,
+                                           extra_body=extra)
+        text, finish = _stream_text(r) if stream else (r.choices[0].message.content,
+                                                        r.choices[0].finish_reason)
+        assert finish == "stop" and ok(text), (extra, text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "integer",
+                                                            "minimum": "x"}}}}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"backend": "xgrammar"}}, "structured_outputs.backend"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+])
+def test_bad_specs_are_400_naming_the_field(base_url, body, param):
+    for path, base in (("/chat/completions", {"messages": _messages(0)}),
+                       ("/completions", {"prompt": "hi"})):
+        r = httpx.post(base_url + path, json={"max_tokens": 4, **base, **body},
+                       timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    r = httpx.post(base_url + "/completions", timeout=60,
+                   json={"prompt": "alive?", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
