@@ -227,3 +227,134 @@ def test_bad_specs_are_400_naming_the_field(base_url, body, param):
     r = httpx.post(base_url + "/completions", timeout=60,
                    json={"prompt": "alive?", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+# ---- tool calling ------------------------------------------------------------------------------
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 8},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 99}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+PARAMS = {"get_weather": WEATHER, "add": ADD}
+
+
+@pytest.fixture(scope="module")
+def tool_client(engine):
+    srv = _Server(build_app(engine, enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="x", max_retries=0,
+                        timeout=120)
+    srv.close()
+
+
+def _streamed_calls(stream):
+    """Reassemble streamed tool-call deltas: {index: [id, name, arguments]}, content, finish."""
+    calls, content, finish = {}, "", None
+    for chunk in stream:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or ():
+                entry = calls.setdefault(d.index, [None, None, ""])
+                if d.id:
+                    entry[0] = d.id
+                if d.function and d.function.name:
+                    entry[1] = d.function.name
+                if d.function and d.function.arguments:
+                    entry[2] += d.function.arguments
+            finish = ch.finish_reason or finish
+    return [tuple(calls[k]) for k in sorted(calls)], content, finish
+
+
+def _check_calls(calls, names=None):
+    assert calls
+    for call_id, name, args in calls:
+        assert call_id and name in PARAMS and (names is None or name in names)
+        jsonschema.validate(json.loads(args), PARAMS[name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_required(tool_client, stream, parallel):
+    for seed in range(3):
+        r = tool_client.chat.completions.create(
+            model=MODEL, messages=_messages(seed), tools=TOOLS, tool_choice="required",
+            parallel_tool_calls=parallel, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
+            stream=stream)
+        if stream:
+            calls, content, finish = _streamed_calls(r)
+        else:
+            m = r.choices[0].message
+            calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+            content, finish = m.content, r.choices[0].finish_reason
+        assert finish == "tool_calls" and not content
+        _check_calls(calls)
+        if not parallel:
+            assert len(calls) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_named(tool_client, stream):
+    choice = {"type": "function", "function": {"name": "add"}}
+    r = tool_client.chat.completions.create(
+        model=MODEL, messages=_messages(1), tools=TOOLS, tool_choice=choice,
+        max_tokens=MAX_TOKENS, temperature=0.0, stream=stream)
+    if stream:
+        calls, content, finish = _streamed_calls(r)
+    else:
+        m = r.choices[0].message
+        calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+        content, finish = m.content, r.choices[0].finish_reason
+    assert finish == "stop" and not content  # OpenAI's finish_reason for a forced function
+    assert len(calls) == 1
+    _check_calls(calls, names={"add"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_parses_hermes_calls(tool_client, stream):
+    """auto: the model's text is parsed by --tool-call-parser. A random model never writes a
+    call by itself, so a regex makes it write one (hermes format) around free content."""
+    regex = (r'[a-z]{1,6} <tool_call>\{"name": "get_weather", "arguments": \{"city": '
+             r'"[a-z]{1,6}", "unit": "(celsius|fahrenheit)"\}\}</tool_call>')
+    r = tool_client.chat.completions.create(
+        model=MODEL, messages=_messages(2), tools=TOOLS, max_tokens=MAX_TOKENS,
+        temperature=1.0, seed=5, stream=stream, extra_body={"guided_regex": regex})
+    if stream:
+        calls, content, finish = _streamed_calls(r)
+    else:
+        m = r.choices[0].message
+        calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+        content, finish = m.content, r.choices[0].finish_reason
+    assert finish == "tool_calls"
+    assert re.fullmatch(r"[a-z]{1,6} ", content) and "<tool" not in content
+    _check_calls(calls, names={"get_weather"})
+
+
+def test_tool_choice_auto_without_a_call_is_content(tool_client, client):
+    r = tool_client.chat.completions.create(model=MODEL, messages=_messages(3), tools=TOOLS,
+                                            max_tokens=8, temperature=0.0)
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "length") and not c.message.tool_calls
+    assert c.message.content
+    # without --enable-auto-tool-choice, tools with tool_choice auto are refused by name
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=_messages(3), tools=TOOLS,
+                                       max_tokens=8)
+    assert e.value.body["param"] == "tool_choice"
+    # "none" answers plainly
+    r = client.chat.completions.create(model=MODEL, messages=_messages(3), tools=TOOLS,
+                                       tool_choice="none", max_tokens=4, temperature=0.0)
+    assert not r.choices[0].message.tool_calls
+
+
+def test_tool_messages_go_through_the_template(tool_client):
+    msgs = [{"role": "user", "content": "add 1 and 2"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    r = tool_client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS,
+                                            tool_choice="none", max_tokens=4, temperature=0.0)
+    assert r.choices[0].finish_reason in ("stop", "length")

@@ -135,6 +135,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default: $JAXSERVE_API_KEY, else no key)")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template, or a file holding one (default: the tokenizer's)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls out of the answer '
+                        "(needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)")
     g.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS,
                    help="uvicorn's log level (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=20.0,
@@ -243,7 +249,9 @@ def _serve(args) -> int:
                uvicorn_log_level=args.uvicorn_log_level,
                served_model_names=args.served_model_name, chat_template=args.chat_template,
                shutdown_timeout=args.shutdown_timeout,
-               max_body_bytes=args.max_request_body_bytes)
+               max_body_bytes=args.max_request_body_bytes,
+               enable_auto_tool_choice=args.enable_auto_tool_choice,
+               tool_call_parser=args.tool_call_parser)
     return 0
 
 

@@ -7,6 +7,7 @@ names meet the engine's and where length limits are checked.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -44,11 +45,8 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
         "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
         "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
         "length_penalty", "thinking_token_budget")},
-    "tools": _inert([]),
     "functions": _inert([]),
-    "tool_choice": _inert("none", "auto"),
     "function_call": _inert("none", "auto"),
-    "parallel_tool_calls": _inert(True, False),
     "chat_template_kwargs": _inert({}),
     "bad_words": _inert([]),
     "use_beam_search": _inert(False),
@@ -61,7 +59,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "metadata": lambda v: True,  # only kept with store=true, which is refused
     "service_tier": lambda v: True,  # scheduling hint of OpenAI's fleet: nothing to do here
     "continuous_usage_stats": _inert(False),
-    "tool_calls": _inert([]),  # of an assistant message
     "refusal": _inert(),
 }
 
@@ -410,11 +407,23 @@ class ContentPart(RequestModel):
     text: str | None = None
 
 
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(RequestModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(RequestModel):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
     def text(self, where: str) -> str:
         if self.content is None:
@@ -436,7 +445,41 @@ class ChatMessageParam(RequestModel):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # templates index the arguments as a mapping (vLLM parses them the same way)
+            calls = []
+            for j, c in enumerate(self.tool_calls):
+                try:
+                    args = json.loads(c.function.arguments)
+                except ValueError:
+                    raise InvalidRequestError(
+                        "tool call arguments must be a JSON text",
+                        param=f"{where}.tool_calls.{j}.function.arguments") from None
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+            d["tool_calls"] = calls
         return d
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -448,12 +491,28 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     @model_validator(mode="after")
     def _check_chat(self):
         if not self.messages:
             raise InvalidRequestError("messages must contain at least one message",
                                       param="messages")
+        if self.tool_choice is None:  # OpenAI's default
+            self.tool_choice = "auto" if self.tools else "none"
+        if self.tool_mode in ("required", "named"):
+            if not self.tools:
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            if self.tool_mode == "named" and self.named_tool is None:
+                raise InvalidRequestError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not in "
+                    "tools", param="tool_choice")
+            if _structured_spec(self) is not None:
+                raise InvalidRequestError("tool_choice required or a named function cannot be "
+                                          "combined with a structured output",
+                                          param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true",
                                       param="top_logprobs")
@@ -466,6 +525,36 @@ class ChatCompletionRequest(_SamplingFields):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
 
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
+
+    @property
+    def named_tool(self) -> ChatCompletionToolsParam | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next((t for t in self.tools or () if t.function.name ==
+                     self.tool_choice.function.name), None)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template sees them (none when tool_choice is "none")."""
+        if not self.tools or self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _tool_spec(self) -> StructuredOutputsParams | None:
+        from jaxserve.entrypoints.openai.tool_parsers import (named_tool_schema,
+                                                              required_tools_schema)
+        if self.tool_mode == "named":
+            return StructuredOutputsParams(json=named_tool_schema(self.named_tool),
+                                           _origin="tools")
+        if self.tool_mode == "required":
+            return StructuredOutputsParams(
+                json=required_tools_schema(self.tools, self.parallel_tool_calls is not False),
+                _origin="tools")
+        return None
+
     def content_bytes(self) -> int:
         """UTF-8 bytes of all message text: the rendered prompt holds at least these."""
         return sum(len(m.text(f"messages.{i}").encode()) for i, m in enumerate(self.messages))
@@ -477,6 +566,9 @@ class ChatCompletionRequest(_SamplingFields):
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         kw["max_tokens"] = _resolve_max_tokens(requested, max_model_len, prompt_len, param)
         kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        tool_spec = self._tool_spec()
+        if tool_spec is not None:
+            kw["structured_outputs"] = tool_spec
         return SamplingParams(**kw)
 
 
@@ -494,9 +586,33 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -520,6 +636,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

@@ -40,6 +40,7 @@ from jaxserve.errors import EngineDeadError, InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.tokenizer import stop_buffer_length
+from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser, parse_required
 
 logger = logging.getLogger(__name__)
 
@@ -373,13 +374,63 @@ def _chat_logprobs(tokens: _Tokens, token_ids: list[int], positions: list, k: in
     return content
 
 
+# ---- streamed tool calls ---------------------------------------------------------------------
+class _StreamedToolCalls:
+    """Tool calls in a chat stream. A named function streams its arguments as they come (they
+    concatenate to the answer, valid JSON by the grammar); "required" and "auto" show plain
+    content as far as the parser says it is content, and send each call whole (id, name and
+    its complete arguments) when the answer is finished."""
+
+    def __init__(self, serving: OpenAIServing, req: P.ChatCompletionRequest, echo: str):
+        self.serving, self.req, self.echo = serving, req, echo
+        mode = req.tool_mode
+        self.parser = serving.tool_parser if mode == "auto" and req.tools else None
+        self.active = mode in ("named", "required") or self.parser is not None
+        self.sent = [0] * req.n
+        self.named_started = [False] * req.n
+        self.call_id = [P.random_id("chatcmpl-tool") for _ in range(req.n)]
+
+    def delta(self, i: int, shown: str, done: bool, finish_reason: str | None
+              ) -> tuple[P.DeltaMessage | None, str | None]:
+        req = self.req
+        if req.tool_mode == "named":
+            new = shown[self.sent[i]:]
+            self.sent[i] = len(shown)
+            if not new and not done:
+                return None, None
+            fn = P.DeltaFunctionCall(arguments=new)
+            call = P.DeltaToolCall(index=0, function=fn)
+            if not self.named_started[i]:
+                self.named_started[i] = True
+                call.id, call.type, fn.name = self.call_id[i], "function", req.named_tool.function.name
+            return P.DeltaMessage(tool_calls=[call]), finish_reason
+        text = self.echo + shown
+        if not done:
+            if self.parser is None:
+                return None, None
+            end = self.parser.content_end(text)
+            new = text[self.sent[i]:end] if end > self.sent[i] else ""
+            self.sent[i] = max(self.sent[i], end)
+            return (P.DeltaMessage(content=new) if new else None), None
+        content, calls, finish = self.serving._tool_calls(req, text, finish_reason or "abort")
+        rest = (content or "")[self.sent[i]:] if calls else text[self.sent[i]:]
+        deltas = [P.DeltaToolCall(index=k, id=c.id, type="function",
+                                  function=P.DeltaFunctionCall(name=c.function.name,
+                                                               arguments=c.function.arguments))
+                  for k, c in enumerate(calls)]
+        return P.DeltaMessage(content=rest or None, tool_calls=deltas), finish
+
+
 # ---- the app ---------------------------------------------------------------------------------
 class OpenAIServing:
     """Route handlers over one engine. Plain methods; ``build_app`` wires them to paths."""
 
     def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
-                 metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES):
+                 metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
         self.engine = engine
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
         self.names = served_model_names
         self.chat_template = chat_template
         self.metrics = metrics
@@ -488,6 +539,9 @@ class OpenAIServing:
         messages = req.message_dicts()
         template = self.chat_template or getattr(self.engine, "chat_template", None)
         extra = {"continue_final_message": True} if req.continue_final_message else {}
+        tools = req.template_tools() if hasattr(req, "template_tools") else None
+        if tools:
+            extra["tools"] = tools
         try:
             ids = apply_chat_template(self.engine.tokenizer, messages,
                                       add_generation_prompt=req.add_generation_prompt,
@@ -672,6 +726,10 @@ class OpenAIServing:
         req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest,
                                                        await self._body(request))
         model = self._model_name(req.model)
+        if req.tool_mode == "auto" and req.tools and not (self.enable_auto_tool_choice
+                                                          and self.tool_parser):
+            raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '
+                                      "and --tool-call-parser to be set", param="tool_choice")
         self._check_prompt_bytes(req.content_bytes(), "messages")
         ids = await self._chat_ids(req)
         self._check_prompt_len(ids, "messages")
@@ -696,10 +754,12 @@ class OpenAIServing:
             if top_k is not None:
                 logprobs = P.ChatCompletionLogProbs(content=_chat_logprobs(
                     self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids), top_k))
+            content, calls, finish = self._tool_calls(req, echo + c.text,
+                                                      c.finish_reason or "abort")
             choices.append(P.ChatCompletionResponseChoice(
-                index=c.index, message=P.ChatMessage(role="assistant", content=echo + c.text),
-                logprobs=logprobs, finish_reason=c.finish_reason or "abort",
-                stop_reason=c.stop_reason))
+                index=c.index, message=P.ChatMessage(role="assistant", content=content,
+                                                     tool_calls=calls),
+                logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
         usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=completion,
                             total_tokens=len(ids) + completion,
@@ -707,6 +767,30 @@ class OpenAIServing:
                                 cached_tokens=out.num_cached_tokens))
         return _JSON(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                               usage=usage))
+
+    def _tool_calls(self, req: P.ChatCompletionRequest, text: str, finish: str
+                    ) -> tuple[str | None, list[P.ToolCall], str]:
+        """(content, tool calls, finish_reason) of a finished answer. A named function's answer
+        is its arguments (finish_reason as generated, as OpenAI); "required" answers a JSON
+        array of calls; "auto" is split by the tool call parser. Unparsable (cut by max_tokens)
+        answers stay content."""
+        mode = req.tool_mode
+        calls: list[tuple[str, str]] = []
+        content: str | None = text
+        if mode == "named" and finish == "stop":
+            calls, content = [(req.named_tool.function.name, text)], None
+        elif mode == "required" and finish == "stop":
+            parsed = parse_required(text)
+            if parsed:
+                calls, content = parsed, None
+        elif mode == "auto" and req.tools and self.tool_parser is not None:
+            content, calls = self.tool_parser.extract(text)
+            if calls and req.parallel_tool_calls is False:
+                calls = calls[:1]
+        tool_calls = [P.ToolCall(function=P.FunctionCall(name=n, arguments=a)) for n, a in calls]
+        if tool_calls and mode != "named":
+            finish = "tool_calls"
+        return content, tool_calls, finish
 
     def _chat_stream(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
                      echo: str, top_k: int | None) -> AsyncIterator[str]:
@@ -728,6 +812,7 @@ class OpenAIServing:
         sent_tokens = [0] * req.n
         finished: set[int] = set()
         hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
+        tools = _StreamedToolCalls(self, req, echo)
         for i in range(req.n):
             yield chunk(i, P.DeltaMessage(role="assistant", content=echo))
         async for ev in fanin.events():
@@ -737,6 +822,18 @@ class OpenAIServing:
                 i = c.index
                 done = c.finish_reason is not None and i not in finished
                 shown = _shown_text(c, hold)
+                if tools.active:
+                    if not done and len(c.token_ids) == sent_tokens[i]:
+                        continue
+                    delta_msg, finish = tools.delta(i, shown, done, c.finish_reason)
+                    sent_tokens[i] = len(c.token_ids)
+                    if done:
+                        finished.add(i)
+                    elif delta_msg is None:
+                        continue
+                    yield chunk(i, delta_msg or P.DeltaMessage(), None,
+                                finish if done else None, c.stop_reason if done else None)
+                    continue
                 delta = shown[sent_text[i]:]
                 new_ids = c.token_ids[sent_tokens[i]:]
                 if not (delta or done or (new_ids and top_k is not None)):
@@ -872,7 +969,8 @@ def load_chat_template(value: str | None) -> str | None:
 def build_app(engine, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
               chat_template: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+              max_body_bytes: int = MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
     the route handlers (``serving``: draining on shutdown) and the metrics registry."""
     if isinstance(served_model_names, str):
@@ -880,7 +978,9 @@ def build_app(engine, *, api_key: str | None = None,
     names = list(served_model_names or [engine.served_model_name])
     metrics = ServerMetrics(engine.stats, names[0])
     serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
-                            max_body_bytes=max_body_bytes)
+                            max_body_bytes=max_body_bytes,
+                            enable_auto_tool_choice=enable_auto_tool_choice,
+                            tool_call_parser=tool_call_parser)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -1019,17 +1119,24 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, uvicorn_log_level: str = "info",
                served_model_names: list[str] | None = None, chat_template: str | None = None,
                timeout_graceful_shutdown: int = 5, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-               max_body_bytes: int = MAX_BODY_BYTES) -> None:
+               max_body_bytes: int = MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
+               tool_call_parser: str | None = None) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly."""
     from jaxserve.engine.data_parallel import make_async_llm
 
     template = load_chat_template(chat_template)  # fail before the slow model load
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     t0 = time.perf_counter()
     engine = make_async_llm(engine_config)  # DataParallelAsyncLLM when data_parallel_size > 1
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
-                    chat_template=template, max_body_bytes=max_body_bytes)
+                    chat_template=template, max_body_bytes=max_body_bytes,
+                    enable_auto_tool_choice=enable_auto_tool_choice,
+                    tool_call_parser=tool_call_parser)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown)
     server = _DrainingServer(config, app.state.serving, shutdown_timeout)
