@@ -358,3 +358,53 @@ def test_tool_messages_go_through_the_template(tool_client):
     r = tool_client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS,
                                             tool_choice="none", max_tokens=4, temperature=0.0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- reasoning output, chat_template_kwargs ----------------------------------------------------
+@pytest.fixture(scope="module")
+def reason_client(engine):
+    srv = _Server(build_app(engine, reasoning_parser="qwen3", trust_request_chat_template=True))
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="x", max_retries=0,
+                        timeout=120)
+    srv.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_content_is_split_off(reason_client, stream):
+    """A regex makes the random model think first; --reasoning-parser qwen3 splits it off."""
+    regex = r"<think>[a-z]{1,8}( [a-z]{1,8}){0,3}</think>[A-Z][a-z]{1,6}\."
+    r = reason_client.chat.completions.create(
+        model=MODEL, messages=_messages(4), max_tokens=80, temperature=1.0, seed=2,
+        stream=stream, extra_body={"guided_regex": regex})
+    if stream:
+        reasoning = content = ""
+        finish = None
+        for chunk in r:
+            for ch in chunk.choices:
+                reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+                content += ch.delta.content or ""
+                finish = ch.finish_reason or finish
+    else:
+        m = r.choices[0].message
+        reasoning, content, finish = m.reasoning_content, m.content, r.choices[0].finish_reason
+    assert finish == "stop"
+    assert re.fullmatch(r"[a-z]{1,8}( [a-z]{1,8}){0,3}", reasoning), reasoning
+    assert re.fullmatch(r"[A-Z][a-z]{1,6}\.", content), content
+
+
+def test_chat_template_kwargs_and_request_template(reason_client, client, engine):
+    template = "{{ greeting }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"
+    r = reason_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2,
+        extra_body={"chat_template": template,
+                    "chat_template_kwargs": {"greeting": "good morning everyone"}})
+    want = len(engine.tokenizer.encode("good morning everyone|hello", add_special_tokens=False))
+    assert r.usage.prompt_tokens == want
+    with pytest.raises(openai.BadRequestError) as e:  # not without the flag
+        client.chat.completions.create(model=MODEL, messages=_messages(0), max_tokens=2,
+                                       extra_body={"chat_template": template})
+    assert e.value.body["param"] == "chat_template"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=_messages(0), max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"tools": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"

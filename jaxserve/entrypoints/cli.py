@@ -141,6 +141,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral"],
                    help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think>...</think> off the answer into reasoning_content")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template field in chat requests")
     g.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS,
                    help="uvicorn's log level (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=20.0,
@@ -251,7 +255,9 @@ def _serve(args) -> int:
                shutdown_timeout=args.shutdown_timeout,
                max_body_bytes=args.max_request_body_bytes,
                enable_auto_tool_choice=args.enable_auto_tool_choice,
-               tool_call_parser=args.tool_call_parser)
+               tool_call_parser=args.tool_call_parser,
+               reasoning_parser=args.reasoning_parser,
+               trust_request_chat_template=args.trust_request_chat_template)
     return 0
 
 

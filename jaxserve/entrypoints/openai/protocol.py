@@ -47,7 +47,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
         "length_penalty", "thinking_token_budget")},
     "functions": _inert([]),
     "function_call": _inert("none", "auto"),
-    "chat_template_kwargs": _inert({}),
+    "chat_template_kwargs": _inert({}),  # chat requests implement it (and chat_template)
     "bad_words": _inert([]),
     "use_beam_search": _inert(False),
     "early_stopping": _inert(False),
@@ -494,12 +494,21 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
         if not self.messages:
             raise InvalidRequestError("messages must contain at least one message",
                                       param="messages")
+        reserved = {"messages", "conversation", "tools", "documents", "chat_template",
+                    "add_generation_prompt", "continue_final_message", "tokenize",
+                    "return_dict", "return_assistant_tokens_mask"}
+        clash = sorted(reserved & set(self.chat_template_kwargs or {}))
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {clash}",
+                                      param="chat_template_kwargs")
         if self.tool_choice is None:  # OpenAI's default
             self.tool_choice = "auto" if self.tools else "none"
         if self.tool_mode in ("required", "named"):
@@ -612,6 +621,7 @@ class DeltaToolCall(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -636,6 +646,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

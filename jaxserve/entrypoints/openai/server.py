@@ -40,6 +40,7 @@ from jaxserve.errors import EngineDeadError, InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.tokenizer import stop_buffer_length
+from jaxserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser, parse_required
 
 logger = logging.getLogger(__name__)
@@ -385,8 +386,10 @@ class _StreamedToolCalls:
         self.serving, self.req, self.echo = serving, req, echo
         mode = req.tool_mode
         self.parser = serving.tool_parser if mode == "auto" and req.tools else None
-        self.active = mode in ("named", "required") or self.parser is not None
+        self.active = (mode in ("named", "required") or self.parser is not None
+                       or serving.reasoning_parser is not None)
         self.sent = [0] * req.n
+        self.sent_reasoning = [0] * req.n
         self.named_started = [False] * req.n
         self.call_id = [P.random_id("chatcmpl-tool") for _ in range(req.n)]
 
@@ -404,21 +407,26 @@ class _StreamedToolCalls:
                 self.named_started[i] = True
                 call.id, call.type, fn.name = self.call_id[i], "function", req.named_tool.function.name
             return P.DeltaMessage(tool_calls=[call]), finish_reason
-        text = self.echo + shown
+        reasoning, text = self.serving._split_reasoning(req, self.echo + shown, done)
+        new_reasoning = reasoning[self.sent_reasoning[i]:]
+        self.sent_reasoning[i] = len(reasoning)
         if not done:
-            if self.parser is None:
-                return None, None
-            end = self.parser.content_end(text)
+            end = len(text) if req.tool_mode in ("none", "auto") and self.parser is None \
+                else self.parser.content_end(text) if self.parser is not None else 0
             new = text[self.sent[i]:end] if end > self.sent[i] else ""
             self.sent[i] = max(self.sent[i], end)
-            return (P.DeltaMessage(content=new) if new else None), None
+            if not (new or new_reasoning):
+                return None, None
+            return P.DeltaMessage(content=new or None,
+                                  reasoning_content=new_reasoning or None), None
         content, calls, finish = self.serving._tool_calls(req, text, finish_reason or "abort")
         rest = (content or "")[self.sent[i]:] if calls else text[self.sent[i]:]
         deltas = [P.DeltaToolCall(index=k, id=c.id, type="function",
                                   function=P.DeltaFunctionCall(name=c.function.name,
                                                                arguments=c.function.arguments))
                   for k, c in enumerate(calls)]
-        return P.DeltaMessage(content=rest or None, tool_calls=deltas), finish
+        return P.DeltaMessage(content=rest or None, reasoning_content=new_reasoning or None,
+                              tool_calls=deltas), finish
 
 
 # ---- the app ---------------------------------------------------------------------------------
@@ -427,10 +435,14 @@ class OpenAIServing:
 
     def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
                  metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False):
         self.engine = engine
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser \
+            else None
+        self.trust_request_chat_template = trust_request_chat_template
         self.names = served_model_names
         self.chat_template = chat_template
         self.metrics = metrics
@@ -538,7 +550,15 @@ class OpenAIServing:
 
         messages = req.message_dicts()
         template = self.chat_template or getattr(self.engine, "chat_template", None)
-        extra = {"continue_final_message": True} if req.continue_final_message else {}
+        extra = dict(getattr(req, "chat_template_kwargs", None) or {})
+        if getattr(req, "chat_template", None) is not None:
+            if not self.trust_request_chat_template:
+                raise InvalidRequestError(
+                    "chat_template in a request needs --trust-request-chat-template",
+                    param="chat_template")
+            template = req.chat_template
+        if req.continue_final_message:
+            extra["continue_final_message"] = True
         tools = req.template_tools() if hasattr(req, "template_tools") else None
         if tools:
             extra["tools"] = tools
@@ -754,10 +774,11 @@ class OpenAIServing:
             if top_k is not None:
                 logprobs = P.ChatCompletionLogProbs(content=_chat_logprobs(
                     self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids), top_k))
-            content, calls, finish = self._tool_calls(req, echo + c.text,
-                                                      c.finish_reason or "abort")
+            reasoning, text = self._split_reasoning(req, echo + c.text, True)
+            content, calls, finish = self._tool_calls(req, text, c.finish_reason or "abort")
             choices.append(P.ChatCompletionResponseChoice(
                 index=c.index, message=P.ChatMessage(role="assistant", content=content,
+                                                     reasoning_content=reasoning or None,
                                                      tool_calls=calls),
                 logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
@@ -767,6 +788,14 @@ class OpenAIServing:
                                 cached_tokens=out.num_cached_tokens))
         return _JSON(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                               usage=usage))
+
+    def _split_reasoning(self, req: P.ChatCompletionRequest, text: str, done: bool
+                         ) -> tuple[str, str]:
+        """(reasoning, the rest) with ``--reasoning-parser``; a tool call forced by the
+        grammar has no reasoning."""
+        if self.reasoning_parser is None or req.tool_mode in ("named", "required"):
+            return "", text
+        return self.reasoning_parser.split_streaming(text, done)
 
     def _tool_calls(self, req: P.ChatCompletionRequest, text: str, finish: str
                     ) -> tuple[str | None, list[P.ToolCall], str]:
@@ -822,27 +851,27 @@ class OpenAIServing:
                 i = c.index
                 done = c.finish_reason is not None and i not in finished
                 shown = _shown_text(c, hold)
-                if tools.active:
-                    if not done and len(c.token_ids) == sent_tokens[i]:
+                new_ids = c.token_ids[sent_tokens[i]:]
+                logprobs = None
+                if top_k is not None and new_ids:
+                    positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
+                    logprobs = P.ChatCompletionLogProbs(
+                        content=_chat_logprobs(self.tokens, new_ids, positions, top_k))
+                if tools.active:  # tool calls and/or reasoning: the message is split
+                    if not done and not new_ids:
                         continue
                     delta_msg, finish = tools.delta(i, shown, done, c.finish_reason)
                     sent_tokens[i] = len(c.token_ids)
                     if done:
                         finished.add(i)
-                    elif delta_msg is None:
+                    elif delta_msg is None and logprobs is None:
                         continue
-                    yield chunk(i, delta_msg or P.DeltaMessage(), None,
+                    yield chunk(i, delta_msg or P.DeltaMessage(), logprobs,
                                 finish if done else None, c.stop_reason if done else None)
                     continue
                 delta = shown[sent_text[i]:]
-                new_ids = c.token_ids[sent_tokens[i]:]
                 if not (delta or done or (new_ids and top_k is not None)):
                     continue
-                logprobs = None
-                if top_k is not None:
-                    positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
-                    logprobs = P.ChatCompletionLogProbs(
-                        content=_chat_logprobs(self.tokens, new_ids, positions, top_k))
                 sent_text[i] = len(shown)
                 sent_tokens[i] = len(c.token_ids)
                 if done:
@@ -970,7 +999,8 @@ def build_app(engine, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
               chat_template: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> Starlette:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              trust_request_chat_template: bool = False) -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
     the route handlers (``serving``: draining on shutdown) and the metrics registry."""
     if isinstance(served_model_names, str):
@@ -980,7 +1010,8 @@ def build_app(engine, *, api_key: str | None = None,
     serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
                             max_body_bytes=max_body_bytes,
                             enable_auto_tool_choice=enable_auto_tool_choice,
-                            tool_call_parser=tool_call_parser)
+                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                            trust_request_chat_template=trust_request_chat_template)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -1120,7 +1151,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, chat_template: str | None = None,
                timeout_graceful_shutdown: int = 5, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
                max_body_bytes: int = MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None) -> None:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               trust_request_chat_template: bool = False) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly."""
     from jaxserve.engine.data_parallel import make_async_llm
@@ -1128,6 +1160,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     template = load_chat_template(chat_template)  # fail before the slow model load
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     t0 = time.perf_counter()
@@ -1136,7 +1170,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
                     chat_template=template, max_body_bytes=max_body_bytes,
                     enable_auto_tool_choice=enable_auto_tool_choice,
-                    tool_call_parser=tool_call_parser)
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                    trust_request_chat_template=trust_request_chat_template)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown)
     server = _DrainingServer(config, app.state.serving, shutdown_timeout)
