@@ -245,7 +245,7 @@ class ModelRunner:
         self._sample = _sample_fn(mesh)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False
-        self._ones_bitmasks: dict[int, np.ndarray] = {}  # all-ones masks per sequence bucket
+        self._ones_bitmasks: dict[int, jax.Array] = {}  # all-ones masks per sequence bucket
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
@@ -277,21 +277,27 @@ class ModelRunner:
     def bitmask_width(self) -> int:
         return (self.model_config.vocab_size + 31) // 32
 
-    def _bitmask(self, plan: StepPlan) -> np.ndarray:
-        """The plan's structured-output mask, or all ones (cached per sequence bucket)."""
+    def _put_bitmask(self, mask: np.ndarray) -> jax.Array:
+        """On the device, placed one way for every step (so no step compiles for it)."""
+        return jax.device_put(mask, parallel.replicated(self.mesh or parallel.default_mesh()))
+
+    def _bitmask(self, plan: StepPlan) -> jax.Array:
+        """The plan's structured-output mask, or the all-ones mask kept on the device (per
+        sequence bucket: unconstrained steps copy nothing for it)."""
         if plan.token_bitmask is not None:
-            return plan.token_bitmask
+            return self._put_bitmask(plan.token_bitmask)
         s = plan.seq_bucket
         ones = self._ones_bitmasks.get(s)
         if ones is None:
-            ones = self._ones_bitmasks[s] = np.full((s, self.bitmask_width()), -1, np.int32)
+            ones = self._ones_bitmasks[s] = self._put_bitmask(
+                np.full((s, self.bitmask_width()), -1, np.int32))
         return ones
 
-    def _warmup_bitmask(self, s: int) -> np.ndarray:
+    def _warmup_bitmask(self, s: int) -> jax.Array:
         """A mask that forbids half the vocabulary: warm-up runs the masking branch too."""
         m = np.full((s, self.bitmask_width()), -1, np.int32)
         m[:, ::2] = 0
-        return m
+        return self._put_bitmask(m)
 
     def build_plan(self, rows: list[ScheduledSeq], sampling_inputs: list) -> StepPlan:
         plan = build_step_plan(rows, block_size=self.block_size,
