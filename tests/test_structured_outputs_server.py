@@ -349,15 +349,25 @@ def test_tool_choice_auto_without_a_call_is_content(tool_client, client):
     assert not r.choices[0].message.tool_calls
 
 
-def test_tool_messages_go_through_the_template(tool_client):
+def test_tool_messages_go_through_the_template(reason_client, engine):
+    """Assistant tool_calls (arguments as a mapping), tool messages and the tools themselves
+    reach the chat template: a template that prints them gives the prompt's token count."""
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}"
+                "{{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments.a }})"
+                "{% else %}{{ m.content }}{% endif %};{% endfor %}"
+                "{% for t in tools %}{{ t.function.name }},{% endfor %}")
     msgs = [{"role": "user", "content": "add 1 and 2"},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "call_1", "type": "function",
                  "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
-    r = tool_client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS,
-                                            tool_choice="none", max_tokens=4, temperature=0.0)
-    assert r.choices[0].finish_reason in ("stop", "length")
+    r = reason_client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=TOOLS, max_tokens=2, temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        extra_body={"chat_template": template})
+    rendered = "user:add 1 and 2;assistant:add(1);tool:3;get_weather,add,"
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(rendered,
+                                                                add_special_tokens=False))
 
 
 # ---- reasoning output, chat_template_kwargs ----------------------------------------------------
