@@ -1,16 +1,16 @@
 """jaxserve: LLM inference and serving in JAX and Pallas."""
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "AsyncLLM", "LLMEngine"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "AsyncLLM", "LLMEngine"]
 
 
 def __getattr__(name):  # lazy, so host-side modules never pull in jax
     if name == "LLM":
         from jaxserve.entrypoints.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from jaxserve.core.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from jaxserve.core import sampling_params
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from jaxserve.core import outputs
         return getattr(outputs, name)

@@ -518,10 +518,9 @@ def _stream_to(url: str, body: dict, outs: dict, i: int, first: threading.Event)
 
 # ---- #20: nothing silently ignored -----------------------------------------------------------
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/chat/completions", {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/completions", {"max_tokenz": 4}, "max_tokenz"),
 ])

@@ -124,8 +124,33 @@ def test_server_chat_answers_paris_with_openai_client(caplog):
                 messages=[{"role": "user", "content": "What is the capital of France?"}])
             assert "Paris" in resp.choices[0].message.content
             assert 0 < resp.usage.completion_tokens <= 32
+            _structured_and_tools(client, model)
         [line] = [r.getMessage() for r in caplog.records if "first request" in r.getMessage()]
         rate = float(re.search(r"decode ([0-9.]+) tokens/s", line).group(1))
         assert rate > 0
     finally:
         asyncio.run(engine.shutdown())
+
+
+def _structured_and_tools(client, model):
+    """Issue 20 on the default model: a JSON-schema answer and a required tool call validate."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    city = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "country": {"type": "string", "maxLength": 20}}}
+    resp = client.chat.completions.create(
+        model=model, temperature=0.0, max_tokens=48,
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": city}})
+    answer = json.loads(resp.choices[0].message.content)
+    jsonschema.validate(answer, city)
+    assert "Paris" in answer["city"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    resp = client.chat.completions.create(
+        model=model, temperature=0.0, max_tokens=64, tools=tools, tool_choice="required",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    [call] = resp.choices[0].message.tool_calls
+    assert resp.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), city)

@@ -298,6 +298,8 @@ ALWAYS_INERT = {"metadata", "service_tier"}
     (P.TokenizeCompletionRequest, {"prompt": "x"}),
 ])
 def test_unsupported_fields_are_refused_by_name(cls, base, name):
+    if name in cls.model_fields:
+        pytest.skip(f"{cls.__name__} implements {name}")
     value = LIVE_VALUES.get(name, {"a": 1})
     with pytest.raises(InvalidRequestError) as e:
         P.parse_request(cls, {**base, name: value})

@@ -77,6 +77,10 @@ class Request:
         self.block_hashes: list[int] = []  # prefix-cache hash chain of full pages (lazy)
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
         self.num_preemptions = 0
+        # structured outputs: the engine's grammar matcher (opaque here). The scheduler reads
+        # ``grammar.ready``: a request whose grammar is still compiling waits without a slot,
+        # and one with a pending token is not scheduled (its next mask needs that token).
+        self.grammar: Any = None
         self.stop_reason: int | str | None = None  # stop token id / stop string, set by engine
         self.abort_reason: str | None = None  # why the scheduler aborted it, if it did
         self.first_scheduled_time: float | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.errors import InvalidRequestError
@@ -23,6 +23,58 @@ MAX_STOP_TOKEN_IDS = 63
 # temperature below this is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 MAX_SEED = 2**64 - 1
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json`` (a JSON schema, dict or string), ``regex``, ``choice`` (list of strings),
+    ``grammar`` (Lark or GBNF/EBNF text), ``json_object=True`` (any JSON object) or
+    ``structural_tag`` (llguidance's structural tag JSON). The engine compiles it with
+    llguidance; a schema/regex/grammar that does not compile is an error naming the field."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    # where the spec came from in a request ("response_format", "guided_json", ...): error
+    # messages name it; the Python API leaves it None ("structured_outputs.<field>")
+    _origin: str | None = field(default=None, repr=False, compare=False)
+
+    FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [f for f in self.FIELDS if getattr(self, f) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag; got {given or 'none'}",
+                param=self._origin or "structured_outputs")
+        kind = given[0]
+        v = getattr(self, kind)
+        ok = {"json": isinstance(v, (str, dict)), "regex": isinstance(v, str),
+              "grammar": isinstance(v, str), "json_object": v is True,
+              "structural_tag": isinstance(v, (str, dict)),
+              "choice": isinstance(v, (list, tuple)) and bool(v)
+              and all(isinstance(c, str) for c in v)}[kind]
+        if not ok:
+            want = {"json": "a JSON schema (object or string)", "regex": "a string",
+                    "grammar": "a string", "json_object": "true",
+                    "structural_tag": "an object or a JSON string",
+                    "choice": "a non-empty list of strings"}[kind]
+            raise _bad(self.param(kind), v, f"must be {want}")
+        if kind == "choice":
+            self.choice = list(v)
+
+    @property
+    def kind(self) -> str:
+        return next(f for f in self.FIELDS if getattr(self, f) not in (None, False))
+
+    def param(self, kind: str | None = None) -> str:
+        """The request field an error about this spec names."""
+        return self._origin or f"structured_outputs.{kind or self.kind}"
 
 
 class SamplingType(enum.IntEnum):
@@ -73,6 +125,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -107,6 +160,15 @@ class SamplingParams:
                     raise _bad("logit_bias", k, "keys must be token ids")
                 bias[tok] = v
             self.logit_bias = bias
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise _bad("structured_outputs", self.structured_outputs, f"is invalid ({e})"
+                           ) from None
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise _bad("structured_outputs", self.structured_outputs,
+                       "must be a StructuredOutputsParams or a dict")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)

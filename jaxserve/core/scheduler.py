@@ -304,6 +304,9 @@ class Scheduler:
                     req.num_output_tokens >= req.max_tokens:
                 i += 1  # its last token is still on the device; the engine finishes it then
                 continue
+            if req.grammar is not None and req.num_pending:
+                i += 1  # its next token mask needs the token still on the device
+                continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
@@ -331,6 +334,9 @@ class Scheduler:
                 req = self.waiting[j]
                 if self._waits_for_parent(req):  # an n>1 sibling: admit once the prompt is cached
                     j += 1
+                    continue
+                if req.grammar is not None and not req.grammar.ready:
+                    j += 1  # its grammar is still compiling: wait without holding a slot
                     continue
                 resumed_swap = req.status == RequestStatus.SWAPPED
                 hits: list[int] | None = None

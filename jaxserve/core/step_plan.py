@@ -81,6 +81,9 @@ class StepPlan:
     prev_ref: np.ndarray | None = None
     # [S, 2] (previous-step row, history index) of a pending token in a penalty row; -1: none
     history_ref: np.ndarray | None = None
+    # [S, ceil(V/32)] int32 structured-output mask (bit t%32 of word t//32 = token t allowed);
+    # None = nothing constrained (the runner passes its all-ones mask: same shapes either way)
+    token_bitmask: np.ndarray | None = None
 
     def __post_init__(self):
         if self.prev_ref is None:

@@ -65,6 +65,7 @@ class _InFlight:
     handle: object  # runner.StepHandle
     prompt_rows: list
     query_start: np.ndarray
+    constrained: bool = False  # a sampled row has a grammar: read it before the next schedule
 
     @property
     def sampled_rows(self) -> dict[str, int]:
@@ -150,6 +151,7 @@ class LLMEngine:
         self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
         self.async_scheduling = config.async_scheduling
         self._inflight: _InFlight | None = None
+        self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.runner.warmup()
@@ -164,6 +166,8 @@ class LLMEngine:
                                       param="request_id")
         prompt_text, ids = self._tokenize(prompt)  # its length is checked by the scheduler
         params.verify_vocab(self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
         now = arrival_time if arrival_time is not None else time.time()
         parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now),
                          final_only=final_only,
@@ -184,6 +188,8 @@ class LLMEngine:
                 share = parent.children[0].request
             req = Request(rid, list(ids), child_params, arrival_time=now, priority=priority,
                           prefix_parent=share)
+            if params.structured_outputs is not None:
+                req.grammar = self.structured.grammar_for(params.structured_outputs)
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, list(ids),
@@ -198,6 +204,15 @@ class LLMEngine:
                 self.abort_request(request_id)
                 raise
         self.prompt_tokens_total += len(ids)
+
+    @property
+    def structured(self):
+        """The grammar compiler and matcher factory (llguidance), made on first use."""
+        if self._structured is None:
+            from jaxserve.engine.structured_output import StructuredOutputManager
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self._eos_list)
+        return self._structured
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -243,13 +258,17 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        touched: dict[str, _Parent] = {}
+        if self._inflight is not None and self._inflight.constrained:
+            # a grammar's next mask needs the token in flight: read that step first
+            done, self._inflight = self._inflight, None
+            self._process(done, touched)
         sched = self.scheduler.schedule()
         for rid, pages in getattr(sched, "swap_out", []) or []:
             self._swapped[rid] = (list(pages), self.runner.swap_out(pages))
         for rid, pages in getattr(sched, "swap_in", []) or []:
             _, saved = self._swapped.pop(rid)
             self.runner.swap_in(pages, saved)
-        touched: dict[str, _Parent] = {}
         for rid in getattr(sched, "finished_aborted", []) or []:
             hit = self._child_of.get(rid)
             if hit:
@@ -287,6 +306,11 @@ class LLMEngine:
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
         plan = self.runner.build_plan(sched.to_rows(prev_rows), inputs)
+        constrained = [(i, s.request.grammar) for i, s in enumerate(sched.scheduled)
+                       if s.sample and s.request.grammar is not None]
+        if constrained:
+            plan.token_bitmask = self.structured.new_bitmask(plan.seq_bucket)
+            self.structured.fill_bitmask(constrained, plan.token_bitmask)
         for i, s in enumerate(sched.scheduled):
             r = s.request
             if s.sample and r.num_pending and r.sampling_params.uses_penalties:
@@ -301,7 +325,8 @@ class LLMEngine:
                 next_ids[t0:t0 + hi - lo] = parent.prompt_token_ids[lo + 1:hi + 1]
         handle = self.runner.dispatch(plan, next_ids)
         self.scheduler.update_from_output(sched)  # placeholders until _process
-        return _InFlight(sched, hits, handle, prompt_rows, plan.query_start)
+        return _InFlight(sched, hits, handle, prompt_rows, plan.query_start,
+                         constrained=bool(constrained))
 
     def _process(self, done: _InFlight, touched: dict) -> None:
         """Read a dispatched step's ids: resolve the placeholders, record logprobs, stop."""
@@ -360,6 +385,13 @@ class LLMEngine:
             child.logprobs.append(self._position_logprobs(tok, out, row, params.logprobs))
         n_out = req.num_known_output_tokens
         status, stop_reason = None, None
+        if req.grammar is not None:
+            if not req.grammar.accept(tok):
+                logger.warning("request %s: token %d is outside its grammar (%s)",
+                               parent.request_id, tok, req.grammar.error)
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED
         if child.detok is not None:
             delta = child.detok.add_tokens([tok])
             child.text = child.detok.text if hasattr(child.detok, "text") else child.text + delta

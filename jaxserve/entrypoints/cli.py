@@ -156,6 +156,16 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default: $JAXSERVE_API_KEY, else no key)")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template, or a file holding one (default: the tokenizer's)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls out of the answer '
+                        "(needs --tool-call-parser)")
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split <think>...</think> off the answer into reasoning_content")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template field in chat requests")
     g.add_argument("--uvicorn-log-level", default="info", choices=LOG_LEVELS,
                    help="uvicorn's log level (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=_non_negative_float, default=20.0,
@@ -288,7 +298,11 @@ def _serve(args) -> int:
                          allowed_headers=args.allowed_headers,
                          allow_credentials=args.allow_credentials),
                log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-               response_role=args.response_role)
+               response_role=args.response_role,
+               enable_auto_tool_choice=args.enable_auto_tool_choice,
+               tool_call_parser=args.tool_call_parser,
+               reasoning_parser=args.reasoning_parser,
+               trust_request_chat_template=args.trust_request_chat_template)
     return 0
 
 

@@ -130,7 +130,7 @@ def _sample_fn(mesh=None):
     leaves replicated (on the parameters' 1-device mesh without tensor parallelism), so the
     buffer keeps one sharding from step to step."""
 
-    def sample(logits, sampling, history_ref, prev_tokens):
+    def sample(logits, sampling, history_ref, prev_tokens, token_bitmask):
         _TRACES.n += 1
         fields = {k: sampling[k] for k in SAMPLING_FIELDS}
         hist = fields["history"]
@@ -138,7 +138,8 @@ def _sample_fn(mesh=None):
         src, pos = history_ref[:, 0], jnp.clip(history_ref[:, 1], 0, hist.shape[1] - 1)
         pending = prev_tokens[jnp.maximum(src, 0)]
         fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
-        out = sampler_lib.sample(logits, sampler_lib.SamplingMetadata(**fields))
+        out = sampler_lib.sample(logits, sampler_lib.SamplingMetadata(**fields),
+                                 token_bitmask=token_bitmask)
         s = out.token_ids.shape[0]
         return out, jnp.zeros_like(prev_tokens).at[:s].set(out.token_ids)
 
@@ -244,6 +245,7 @@ class ModelRunner:
         self._sample = _sample_fn(mesh)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False
+        self._ones_bitmasks: dict[int, jax.Array] = {}  # all-ones masks per sequence bucket
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
@@ -262,7 +264,7 @@ class ModelRunner:
         logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
                                                       plan.device_arrays(), self._last_tokens)
         out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                         self._last_tokens)
+                                              self._last_tokens, self._bitmask(plan))
         if prompt_next_ids is not None:
             out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
         if _TRACES.n != before:
@@ -271,6 +273,31 @@ class ModelRunner:
                 logger.warning("compile after warm-up (token bucket %d): this is a bug",
                                plan.token_bucket)
         return out
+
+    def bitmask_width(self) -> int:
+        return (self.model_config.vocab_size + 31) // 32
+
+    def _put_bitmask(self, mask: np.ndarray) -> jax.Array:
+        """On the device, placed one way for every step (so no step compiles for it)."""
+        return jax.device_put(mask, parallel.replicated(self.mesh or parallel.default_mesh()))
+
+    def _bitmask(self, plan: StepPlan) -> jax.Array:
+        """The plan's structured-output mask, or the all-ones mask kept on the device (per
+        sequence bucket: unconstrained steps copy nothing for it)."""
+        if plan.token_bitmask is not None:
+            return self._put_bitmask(plan.token_bitmask)
+        s = plan.seq_bucket
+        ones = self._ones_bitmasks.get(s)
+        if ones is None:
+            ones = self._ones_bitmasks[s] = self._put_bitmask(
+                np.full((s, self.bitmask_width()), -1, np.int32))
+        return ones
+
+    def _warmup_bitmask(self, s: int) -> jax.Array:
+        """A mask that forbids half the vocabulary: warm-up runs the masking branch too."""
+        m = np.full((s, self.bitmask_width()), -1, np.int32)
+        m[:, ::2] = 0
+        return self._put_bitmask(m)
 
     def build_plan(self, rows: list[ScheduledSeq], sampling_inputs: list) -> StepPlan:
         plan = build_step_plan(rows, block_size=self.block_size,
@@ -347,7 +374,7 @@ class ModelRunner:
                 for params in _WARMUP_OTHER_BRANCHES:
                     jax.block_until_ready(self._sample(logits, self._warmup_sampling(params, s),
                                                   np.full((s, 2), -1, np.int32),
-                                                  self._last_tokens))
+                                                  self._last_tokens, self._warmup_bitmask(s)))
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,

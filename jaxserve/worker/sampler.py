@@ -73,6 +73,18 @@ def _oob(ids: jax.Array, valid: jax.Array, V: int) -> jax.Array:
     return jnp.where(valid & (ids >= 0) & (ids < V), ids, V)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Structured outputs: -inf for every token whose bit is 0 in ``bitmask [S, ceil(V/32)]``
+    (int32, bit ``t % 32`` of word ``t // 32``). A row that allows nothing is left as it is
+    (never a row of -inf: the host's matcher then sees the token and stops the request)."""
+    V = logits.shape[-1]
+    ids = jnp.arange(V, dtype=jnp.int32)
+    words = bitmask[:, ids // 32]
+    allowed = (jnp.right_shift(words, ids % 32) & 1).astype(jnp.bool_)
+    allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
+    return jnp.where(allowed, logits, _NEG_INF)
+
+
 def apply_logit_bias_and_min_tokens(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     S, V = logits.shape
     rows = _rows(S)
@@ -154,10 +166,15 @@ def _top_k_padded(logprobs: jax.Array, k: int):
             jnp.pad(lp, pad, constant_values=_NEG_INF))
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int = MAX_LOGPROBS
-           ) -> SamplerOutput:
-    """Sample one token per row. ``logits`` [S, V] (any float dtype; computed in float32)."""
+def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int = MAX_LOGPROBS,
+           token_bitmask: jax.Array | None = None) -> SamplerOutput:
+    """Sample one token per row. ``logits`` [S, V] (any float dtype; computed in float32).
+    ``token_bitmask`` [S, ceil(V/32)] int32 (structured outputs) masks the logits before
+    everything else, logprobs included (as vLLM applies it to the logits); all ones = off."""
     raw = logits.astype(jnp.float32)
+    if token_bitmask is not None:
+        raw = jax.lax.cond(jnp.any(token_bitmask != -1),
+                           lambda r: apply_token_bitmask(r, token_bitmask), lambda r: r, raw)
     S, V = raw.shape
     lse = jax.nn.logsumexp(raw, axis=-1)
 

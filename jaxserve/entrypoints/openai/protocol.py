@@ -7,6 +7,7 @@ names meet the engine's and where length limits are checked.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI caps n at 128 for chat; the same bound keeps one request from filling the batch.
 MAX_N = 128
@@ -45,19 +46,14 @@ def _inert(*values):
 # for something (not null / the no-op value), they are a 400 naming the field, never dropped.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     **{name: _inert() for name in (
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+        "guided_decoding_backend", "guided_whitespace_pattern",
         "allowed_token_ids", "logits_processors", "prompt_embeds",
         "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
         "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
         "length_penalty", "thinking_token_budget")},
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": _inert([]),
     "functions": _inert([]),
-    "tool_choice": _inert("none", "auto"),
     "function_call": _inert("none", "auto"),
-    "parallel_tool_calls": _inert(True, False),
-    "chat_template_kwargs": _inert({}),
+    "chat_template_kwargs": _inert({}),  # chat requests implement it (and chat_template)
     "bad_words": _inert([]),
     "use_beam_search": _inert(False),
     "early_stopping": _inert(False),
@@ -69,7 +65,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "metadata": lambda v: True,  # only kept with store=true, which is refused
     "service_tier": lambda v: True,  # scheduling hint of OpenAI's fleet: nothing to do here
     "continuous_usage_stats": _inert(False),
-    "tool_calls": _inert([]),  # of an assistant message
     "refusal": _inert(),
 }
 
@@ -203,6 +198,66 @@ def _resolve_max_tokens(requested: int | None, max_model_len: int, prompt_len: i
     return requested
 
 
+# ---- structured outputs ----------------------------------------------------------------------
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (the grammar allows nothing else)
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.json_schema is None):
+            raise InvalidRequestError("response_format of type json_schema needs "
+                                      "json_schema.schema", param="response_format")
+        return self
+
+
+class StructuredOutputsField(RequestModel):
+    """vLLM's ``structured_outputs`` request field (one of these)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+
+
+def _structured_spec(req) -> StructuredOutputsParams | None:
+    """The one grammar a request asks for, from whichever field names it (OpenAI's
+    ``response_format``, vLLM's ``structured_outputs`` or the older ``guided_*``)."""
+    found: list[tuple[str, dict]] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        found.append(("response_format",
+                      {"json_object": True} if rf.type == "json_object"
+                      else {"json": rf.json_schema.json_schema}))
+    if req.structured_outputs is not None:
+        so = {k: v for k, v in req.structured_outputs.model_dump(by_alias=True).items()
+              if v is not None and v is not False}
+        kind = next(iter(so), None) if len(so) == 1 else None
+        found.append((f"structured_outputs.{kind}" if kind else "structured_outputs", so))
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        v = getattr(req, name)
+        if v is not None:
+            found.append((name, {name[len("guided_"):]: v}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [f.split(".")[0] for f, _ in found]
+        raise InvalidRequestError(f"only one structured output may be asked for, got {names}",
+                                  param=names[1])
+    origin, kw = found[0]
+    return StructuredOutputsParams(**kw, _origin=origin)
+
+
 class _SamplingFields(RequestModel):
     """Fields common to completions and chat: OpenAI's, then vLLM's extras (same defaults)."""
 
@@ -234,6 +289,12 @@ class _SamplingFields(RequestModel):
     echo: bool = False
     request_id: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -258,7 +319,8 @@ class _SamplingFields(RequestModel):
             logit_bias=_logit_bias(self.logit_bias), prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=_structured_spec(self))
         # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -360,11 +422,23 @@ class ContentPart(RequestModel):
     text: str | None = None
 
 
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(RequestModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(RequestModel):
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
     def text(self, where: str) -> str:
         if self.content is None:
@@ -386,7 +460,41 @@ class ChatMessageParam(RequestModel):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # templates index the arguments as a mapping (vLLM parses them the same way)
+            calls = []
+            for j, c in enumerate(self.tool_calls):
+                try:
+                    args = json.loads(c.function.arguments)
+                except ValueError:
+                    raise InvalidRequestError(
+                        "tool call arguments must be a JSON text",
+                        param=f"{where}.tool_calls.{j}.function.arguments") from None
+                calls.append({"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": args}})
+            d["tool_calls"] = calls
         return d
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -398,12 +506,37 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
         if not self.messages:
             raise InvalidRequestError("messages must contain at least one message",
                                       param="messages")
+        reserved = {"messages", "conversation", "tools", "documents", "chat_template",
+                    "add_generation_prompt", "continue_final_message", "tokenize",
+                    "return_dict", "return_assistant_tokens_mask"}
+        clash = sorted(reserved & set(self.chat_template_kwargs or {}))
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {clash}",
+                                      param="chat_template_kwargs")
+        if self.tool_choice is None:  # OpenAI's default
+            self.tool_choice = "auto" if self.tools else "none"
+        if self.tool_mode in ("required", "named"):
+            if not self.tools:
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            if self.tool_mode == "named" and self.named_tool is None:
+                raise InvalidRequestError(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not in "
+                    "tools", param="tool_choice")
+            if _structured_spec(self) is not None:
+                raise InvalidRequestError("tool_choice required or a named function cannot be "
+                                          "combined with a structured output",
+                                          param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true",
                                       param="top_logprobs")
@@ -415,6 +548,36 @@ class ChatCompletionRequest(_SamplingFields):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
+
+    @property
+    def named_tool(self) -> ChatCompletionToolsParam | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next((t for t in self.tools or () if t.function.name ==
+                     self.tool_choice.function.name), None)
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template sees them (none when tool_choice is "none")."""
+        if not self.tools or self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _tool_spec(self) -> StructuredOutputsParams | None:
+        from jaxserve.entrypoints.openai.tool_parsers import (named_tool_schema,
+                                                              required_tools_schema)
+        if self.tool_mode == "named":
+            return StructuredOutputsParams(json=named_tool_schema(self.named_tool),
+                                           _origin="tools")
+        if self.tool_mode == "required":
+            return StructuredOutputsParams(
+                json=required_tools_schema(self.tools, self.parallel_tool_calls is not False),
+                _origin="tools")
+        return None
 
     def content_bytes(self) -> int:
         """UTF-8 bytes of all message text: the rendered prompt holds at least these."""
@@ -428,6 +591,9 @@ class ChatCompletionRequest(_SamplingFields):
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         kw["max_tokens"] = _resolve_max_tokens(requested, max_model_len, prompt_len, param)
         kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        tool_spec = self._tool_spec()
+        if tool_spec is not None:
+            kw["structured_outputs"] = tool_spec
         return SamplingParams(**kw)
 
 
@@ -445,9 +611,34 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -472,6 +663,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

@@ -41,6 +41,8 @@ from jaxserve.errors import EngineDeadError, InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.tokenizer import stop_buffer_length
+from jaxserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser, parse_required
 
 logger = logging.getLogger(__name__)
 
@@ -394,18 +396,79 @@ def _chat_logprobs(tokens: _Tokens, token_ids: list[int], positions: list, k: in
     return content
 
 
+# ---- streamed tool calls ---------------------------------------------------------------------
+class _StreamedToolCalls:
+    """Tool calls in a chat stream. A named function streams its arguments as they come (they
+    concatenate to the answer, valid JSON by the grammar); "required" and "auto" show plain
+    content as far as the parser says it is content, and send each call whole (id, name and
+    its complete arguments) when the answer is finished."""
+
+    def __init__(self, serving: OpenAIServing, req: P.ChatCompletionRequest, echo: str):
+        self.serving, self.req, self.echo = serving, req, echo
+        mode = req.tool_mode
+        self.parser = serving.tool_parser if mode == "auto" and req.tools else None
+        self.active = (mode in ("named", "required") or self.parser is not None
+                       or serving.reasoning_parser is not None)
+        self.sent = [0] * req.n
+        self.sent_reasoning = [0] * req.n
+        self.named_started = [False] * req.n
+        self.call_id = [P.random_id("chatcmpl-tool") for _ in range(req.n)]
+
+    def delta(self, i: int, shown: str, done: bool, finish_reason: str | None
+              ) -> tuple[P.DeltaMessage | None, str | None]:
+        req = self.req
+        if req.tool_mode == "named":
+            new = shown[self.sent[i]:]
+            self.sent[i] = len(shown)
+            if not new and not done:
+                return None, None
+            fn = P.DeltaFunctionCall(arguments=new)
+            call = P.DeltaToolCall(index=0, function=fn)
+            if not self.named_started[i]:
+                self.named_started[i] = True
+                call.id, call.type, fn.name = self.call_id[i], "function", req.named_tool.function.name
+            return P.DeltaMessage(tool_calls=[call]), finish_reason
+        reasoning, text = self.serving._split_reasoning(req, self.echo + shown, done)
+        new_reasoning = reasoning[self.sent_reasoning[i]:]
+        self.sent_reasoning[i] = len(reasoning)
+        if not done:
+            end = len(text) if req.tool_mode in ("none", "auto") and self.parser is None \
+                else self.parser.content_end(text) if self.parser is not None else 0
+            new = text[self.sent[i]:end] if end > self.sent[i] else ""
+            self.sent[i] = max(self.sent[i], end)
+            if not (new or new_reasoning):
+                return None, None
+            return P.DeltaMessage(content=new or None,
+                                  reasoning_content=new_reasoning or None), None
+        content, calls, finish = self.serving._tool_calls(req, text, finish_reason or "abort")
+        rest = (content or "")[self.sent[i]:] if calls else text[self.sent[i]:]
+        deltas = [P.DeltaToolCall(index=k, id=c.id, type="function",
+                                  function=P.DeltaFunctionCall(name=c.function.name,
+                                                               arguments=c.function.arguments))
+                  for k, c in enumerate(calls)]
+        return P.DeltaMessage(content=rest or None, reasoning_content=new_reasoning or None,
+                              tool_calls=deltas), finish
+
+
 # ---- the app ---------------------------------------------------------------------------------
 class OpenAIServing:
     """Route handlers over one engine. Plain methods; ``build_app`` wires them to paths."""
 
     def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
                  metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
                  log_requests: bool = False, max_log_len: int | None = None,
                  response_role: str = "assistant"):
         self.engine = engine
         self.response_role = response_role
         self.log_requests = log_requests
         self.max_log_len = max_log_len
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser \
+            else None
+        self.trust_request_chat_template = trust_request_chat_template
         self.names = served_model_names
         self.chat_template = chat_template
         self.metrics = metrics
@@ -515,7 +578,18 @@ class OpenAIServing:
 
         messages = req.message_dicts()
         template = self.chat_template or getattr(self.engine, "chat_template", None)
-        extra = {"continue_final_message": True} if req.continue_final_message else {}
+        extra = dict(getattr(req, "chat_template_kwargs", None) or {})
+        if getattr(req, "chat_template", None) is not None:
+            if not self.trust_request_chat_template:
+                raise InvalidRequestError(
+                    "chat_template in a request needs --trust-request-chat-template",
+                    param="chat_template")
+            template = req.chat_template
+        if req.continue_final_message:
+            extra["continue_final_message"] = True
+        tools = req.template_tools() if hasattr(req, "template_tools") else None
+        if tools:
+            extra["tools"] = tools
         try:
             ids = apply_chat_template(self.engine.tokenizer, messages,
                                       add_generation_prompt=req.add_generation_prompt,
@@ -712,6 +786,10 @@ class OpenAIServing:
         req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest,
                                                        await self._body(request))
         model = self._model_name(req.model)
+        if req.tool_mode == "auto" and req.tools and not (self.enable_auto_tool_choice
+                                                          and self.tool_parser):
+            raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '
+                                      "and --tool-call-parser to be set", param="tool_choice")
         self._check_prompt_bytes(req.content_bytes(), "messages")
         ids = P.truncate_prompt(await self._chat_ids(req), req.truncate_prompt_tokens)
         self._check_prompt_len(ids, "messages")
@@ -736,10 +814,13 @@ class OpenAIServing:
             if top_k is not None:
                 logprobs = P.ChatCompletionLogProbs(content=_chat_logprobs(
                     self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids), top_k))
+            reasoning, text = self._split_reasoning(req, echo + c.text, True)
+            content, calls, finish = self._tool_calls(req, text, c.finish_reason or "abort")
             choices.append(P.ChatCompletionResponseChoice(
-                index=c.index, message=P.ChatMessage(role=self._role(req), content=echo + c.text),
-                logprobs=logprobs, finish_reason=c.finish_reason or "abort",
-                stop_reason=c.stop_reason))
+                index=c.index, message=P.ChatMessage(role=self._role(req), content=content,
+                                                     reasoning_content=reasoning or None,
+                                                     tool_calls=calls),
+                logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
         usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=completion,
                             total_tokens=len(ids) + completion,
@@ -753,6 +834,38 @@ class OpenAIServing:
         """The answer's role: --response-role after a generation prompt, else the role of the
         message being continued (vLLM's rule)."""
         return self.response_role if req.add_generation_prompt else req.messages[-1].role
+
+    def _split_reasoning(self, req: P.ChatCompletionRequest, text: str, done: bool
+                         ) -> tuple[str, str]:
+        """(reasoning, the rest) with ``--reasoning-parser``; a tool call forced by the
+        grammar has no reasoning."""
+        if self.reasoning_parser is None or req.tool_mode in ("named", "required"):
+            return "", text
+        return self.reasoning_parser.split_streaming(text, done)
+
+    def _tool_calls(self, req: P.ChatCompletionRequest, text: str, finish: str
+                    ) -> tuple[str | None, list[P.ToolCall], str]:
+        """(content, tool calls, finish_reason) of a finished answer. A named function's answer
+        is its arguments (finish_reason as generated, as OpenAI); "required" answers a JSON
+        array of calls; "auto" is split by the tool call parser. Unparsable (cut by max_tokens)
+        answers stay content."""
+        mode = req.tool_mode
+        calls: list[tuple[str, str]] = []
+        content: str | None = text
+        if mode == "named" and finish == "stop":
+            calls, content = [(req.named_tool.function.name, text)], None
+        elif mode == "required" and finish == "stop":
+            parsed = parse_required(text)
+            if parsed:
+                calls, content = parsed, None
+        elif mode == "auto" and req.tools and self.tool_parser is not None:
+            content, calls = self.tool_parser.extract(text)
+            if calls and req.parallel_tool_calls is False:
+                calls = calls[:1]
+        tool_calls = [P.ToolCall(function=P.FunctionCall(name=n, arguments=a)) for n, a in calls]
+        if tool_calls and mode != "named":
+            finish = "tool_calls"
+        return content, tool_calls, finish
 
     def _chat_stream(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
                      echo: str, top_k: int | None) -> AsyncIterator[str]:
@@ -775,6 +888,7 @@ class OpenAIServing:
         sent_tokens = [0] * req.n
         finished: set[int] = set()
         hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
+        tools = _StreamedToolCalls(self, req, echo)
         for i in range(req.n):
             yield chunk(i, P.DeltaMessage(role=self._role(req), content=echo))
         prompt_lps_due = fanin.params.prompt_logprobs is not None  # with the first output
@@ -785,17 +899,31 @@ class OpenAIServing:
                 i = c.index
                 done = c.finish_reason is not None and i not in finished
                 shown = _shown_text(c, hold)
-                delta = shown[sent_text[i]:]
                 new_ids = c.token_ids[sent_tokens[i]:]
                 prompt_lps = _prompt_logprobs(self.tokens, ev.output) if prompt_lps_due else None
-                if not (delta or done or prompt_lps or (new_ids and top_k is not None)):
-                    continue
-                prompt_lps_due = prompt_lps_due and prompt_lps is None
                 logprobs = None
-                if top_k is not None:
+                if top_k is not None and new_ids:
                     positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
                     logprobs = P.ChatCompletionLogProbs(
                         content=_chat_logprobs(self.tokens, new_ids, positions, top_k))
+                if tools.active:  # tool calls and/or reasoning: the message is split
+                    if not done and not new_ids and not prompt_lps:
+                        continue
+                    delta_msg, finish = tools.delta(i, shown, done, c.finish_reason)
+                    sent_tokens[i] = len(c.token_ids)
+                    if done:
+                        finished.add(i)
+                    elif delta_msg is None and logprobs is None and not prompt_lps:
+                        continue
+                    prompt_lps_due = prompt_lps_due and prompt_lps is None
+                    yield chunk(i, delta_msg or P.DeltaMessage(), logprobs,
+                                finish if done else None, c.stop_reason if done else None,
+                                prompt_lps)
+                    continue
+                delta = shown[sent_text[i]:]
+                if not (delta or done or prompt_lps or (new_ids and top_k is not None)):
+                    continue
+                prompt_lps_due = prompt_lps_due and prompt_lps is None
                 sent_text[i] = len(shown)
                 sent_tokens[i] = len(c.token_ids)
                 if done:
@@ -930,7 +1058,9 @@ def load_chat_template(value: str | None) -> str | None:
 def build_app(engine, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
               chat_template: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              trust_request_chat_template: bool = False, cors: dict | None = None,
               log_requests: bool = False, max_log_len: int | None = None,
               response_role: str = "assistant") -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
@@ -940,8 +1070,12 @@ def build_app(engine, *, api_key: str | None = None,
     names = list(served_model_names or [engine.served_model_name])
     metrics = ServerMetrics(engine.stats, names[0])
     serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
-                            max_body_bytes=max_body_bytes, log_requests=log_requests,
-                            max_log_len=max_log_len, response_role=response_role)
+                            max_body_bytes=max_body_bytes,
+                            enable_auto_tool_choice=enable_auto_tool_choice,
+                            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                            trust_request_chat_template=trust_request_chat_template,
+                            log_requests=log_requests, max_log_len=max_log_len,
+                            response_role=response_role)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -1088,7 +1222,9 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, uvicorn_log_level: str = "info",
                served_model_names: list[str] | None = None, chat_template: str | None = None,
                timeout_graceful_shutdown: int = 5, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               trust_request_chat_template: bool = False, cors: dict | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
                response_role: str = "assistant") -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
@@ -1096,6 +1232,12 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
 
     template = load_chat_template(chat_template)  # fail before the slow model load
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     t0 = time.perf_counter()
     if use_core_process(engine_config):
         engine = EngineCoreClient(engine_config)  # the device loop in its own process
@@ -1105,7 +1247,10 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
         engine = make_async_llm(engine_config)  # DP replicas and multi-host: in this process
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
-                    chat_template=template, max_body_bytes=max_body_bytes, cors=cors,
+                    chat_template=template, max_body_bytes=max_body_bytes,
+                    enable_auto_tool_choice=enable_auto_tool_choice,
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                    trust_request_chat_template=trust_request_chat_template, cors=cors,
                     log_requests=log_requests, max_log_len=max_log_len,
                     response_role=response_role)
     names = app.state.served_model_names

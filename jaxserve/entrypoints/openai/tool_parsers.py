@@ -1,0 +1,185 @@
+"""Tool calls in model text, vLLM's ``--tool-call-parser`` names: ``hermes``, ``llama3_json``,
+``mistral``; and the JSON schemas that make ``tool_choice`` "required" / a named function a
+grammar (the model then cannot answer anything but a valid call).
+
+A parser splits a finished text into (content, [(name, arguments JSON)]); ``content_end`` says
+how much of a growing text is surely plain content, so a stream can show that much and hold the
+rest until the call is complete.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+ToolCallTuple = tuple[str, str]  # (function name, arguments as a JSON text)
+
+
+def _args_text(args: Any) -> str:
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def _call(obj: Any, args_key: str) -> ToolCallTuple | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except ValueError:
+            return None
+    return obj["name"], _args_text(args)
+
+
+def _held(text: str, marker: str) -> int:
+    """Length of ``text`` that cannot be the start of ``marker``."""
+    i = text.find(marker)
+    if i >= 0:
+        return i
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+class ToolParser:
+    name = ""
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCallTuple]]:
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen, SmolLM2)."""
+
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+    _RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def extract(self, text):
+        if self.START not in text:
+            return text, []
+        calls = []
+        for m in self._RE.finditer(text):
+            try:
+                c = _call(json.loads(m.group(1)), "arguments")
+            except ValueError:
+                c = None
+            if c is None:
+                return text, []
+            calls.append(c)
+        content = text[: text.index(self.START)]
+        return (content if content.strip() else None), calls
+
+    def content_end(self, text):
+        return _held(text, self.START)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x JSON calls: the whole answer is ``{"name": ..., "parameters": {...}}`` (several
+    joined by ``;``), optionally after ``<|python_tag|>``."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def extract(self, text):
+        body = text.strip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].strip()
+        if not body.startswith("{"):
+            return text, []
+        dec, calls, i = json.JSONDecoder(), [], 0
+        while i < len(body):
+            try:
+                obj, i = dec.raw_decode(body, i)
+            except ValueError:
+                return text, []
+            c = _call(obj, "parameters")
+            if c is None:
+                return text, []
+            calls.append(c)
+            while i < len(body) and body[i] in " \n\t;":
+                i += 1
+        return None, calls
+
+    def content_end(self, text):
+        s = text.lstrip()
+        if not s or s.startswith("{") or self.TAG.startswith(s[:len(self.TAG)]):
+            return 0
+        return len(text)
+
+
+class MistralToolParser(ToolParser):
+    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral)."""
+
+    name = "mistral"
+    START = "[TOOL_CALLS]"
+
+    def extract(self, text):
+        if self.START not in text:
+            return text, []
+        i = text.index(self.START)
+        try:
+            obj, _ = json.JSONDecoder().raw_decode(text[i + len(self.START):].lstrip())
+        except ValueError:
+            return text, []
+        objs = obj if isinstance(obj, list) else [obj]
+        calls = [_call(o, "arguments") for o in objs]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        content = text[:i]
+        return (content if content.strip() else None), calls
+
+    def content_end(self, text):
+        return _held(text, self.START)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; choose from "
+                         f"{sorted(TOOL_PARSERS)}") from None
+
+
+# ---- grammars for tool_choice ---------------------------------------------------------------
+def _parameters(tool) -> dict:
+    p = tool.function.parameters
+    return p if p else {"type": "object", "properties": {}}
+
+
+def named_tool_schema(tool) -> dict:
+    """tool_choice = a named function: the answer is that function's arguments object."""
+    return _parameters(tool)
+
+
+def required_tools_schema(tools, parallel: bool) -> dict:
+    """tool_choice = "required": a JSON array of calls ``{"name", "parameters"}`` (vLLM's
+    shape), one call unless ``parallel``."""
+    items = {"anyOf": [{"type": "object", "additionalProperties": False,
+                        "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                       "parameters": _parameters(t)},
+                        "required": ["name", "parameters"]} for t in tools]}
+    schema: dict = {"type": "array", "minItems": 1, "items": items}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_required(text: str) -> list[ToolCallTuple] | None:
+    """The calls of a "required" answer (None when it is not a complete array of calls)."""
+    try:
+        objs = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(objs, list):
+        return None
+    calls = [_call(o, "parameters") for o in objs]
+    return None if any(c is None for c in calls) else calls
