@@ -521,7 +521,7 @@ def _stream_to(url: str, body: dict, outs: dict, i: int, first: threading.Event)
     ("/v1/chat/completions", {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"max_tokenz": 4}, "max_tokenz"),
 ])
 def test_unimplemented_fields_are_400_naming_them(http, path, extra, param):

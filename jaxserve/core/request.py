@@ -81,6 +81,8 @@ class Request:
         # ``grammar.ready``: a request whose grammar is still compiling waits without a slot,
         # and one with a pending token is not scheduled (its next mask needs that token).
         self.grammar: Any = None
+        # allowed_token_ids / bad_words (engine.token_filter): a mask row per step
+        self.token_filter: Any = None
         self.stop_reason: int | str | None = None  # stop token id / stop string, set by engine
         self.abort_reason: str | None = None  # why the scheduler aborted it, if it did
         self.first_scheduled_time: float | None = None
@@ -90,6 +92,12 @@ class Request:
         self.max_tokens: int | None = None if mt is None else int(mt)
 
     # -- sizes ------------------------------------------------------------------------------
+    @property
+    def needs_known_tokens(self) -> bool:
+        """Its next token mask depends on its last token: never scheduled with one pending."""
+        return self.grammar is not None or bool(
+            self.token_filter is not None and self.token_filter.needs_history)
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

@@ -126,6 +126,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's token filters: sample only from these ids / never these words
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -133,6 +136,18 @@ class SamplingParams:
 
     # -- normalisation (types the OpenAI layer may hand us) -------------------------------------
     def _normalize(self) -> None:
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise _bad("allowed_token_ids", ids, "must be a non-empty list of token ids")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in words):
+                raise _bad("bad_words", words, "must be a list of non-empty strings")
+            self.bad_words = list(words)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -272,6 +287,9 @@ class SamplingParams:
         for t in self.logit_bias or ():
             if t >= vocab_size:
                 raise _bad("logit_bias", t, f"keys must be < vocab size {vocab_size}")
+        for t in self.allowed_token_ids or ():
+            if t >= vocab_size:
+                raise _bad("allowed_token_ids", t, f"must be < vocab size {vocab_size}")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -304,7 +304,7 @@ class Scheduler:
                     req.num_output_tokens >= req.max_tokens:
                 i += 1  # its last token is still on the device; the engine finishes it then
                 continue
-            if req.grammar is not None and req.num_pending:
+            if req.num_pending and req.needs_known_tokens:
                 i += 1  # its next token mask needs the token still on the device
                 continue
             n = self._num_new_tokens(req, budget)

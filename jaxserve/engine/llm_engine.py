@@ -37,6 +37,7 @@ from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.generation_config import (default_sampling, eos_token_ids,
                                                load_generation_config)
+from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,10 @@ class LLMEngine:
                           prefix_parent=share)
             if params.structured_outputs is not None:
                 req.grammar = self.structured.grammar_for(params.structured_outputs)
+            if params.allowed_token_ids is not None or params.bad_words:
+                req.token_filter = TokenFilter(
+                    self.model_config.vocab_size, params.allowed_token_ids,
+                    bad_words_token_ids(self.tokenizer, params.bad_words or ()))
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, list(ids),
@@ -311,6 +316,14 @@ class LLMEngine:
         if constrained:
             plan.token_bitmask = self.structured.new_bitmask(plan.seq_bucket)
             self.structured.fill_bitmask(constrained, plan.token_bitmask)
+        filtered = [(i, s.request) for i, s in enumerate(sched.scheduled)
+                    if s.sample and s.request.token_filter is not None]
+        if filtered:
+            if plan.token_bitmask is None:
+                plan.token_bitmask = np.full((plan.seq_bucket, self.runner.bitmask_width()), -1,
+                                             np.int32)
+            for i, r in filtered:
+                plan.token_bitmask[i] &= r.token_filter.row(r.output_token_ids)
         for i, s in enumerate(sched.scheduled):
             r = s.request
             if s.sample and r.num_pending and r.sampling_params.uses_penalties:
@@ -326,7 +339,8 @@ class LLMEngine:
         handle = self.runner.dispatch(plan, next_ids)
         self.scheduler.update_from_output(sched)  # placeholders until _process
         return _InFlight(sched, hits, handle, prompt_rows, plan.query_start,
-                         constrained=bool(constrained))
+                         constrained=bool(constrained) or any(
+                             r.needs_known_tokens for _, r in filtered))
 
     def _process(self, done: _InFlight, touched: dict) -> None:
         """Read a dispatched step's ids: resolve the placeholders, record logprobs, stop."""

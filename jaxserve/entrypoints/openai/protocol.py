@@ -47,14 +47,13 @@ def _inert(*values):
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     **{name: _inert() for name in (
         "guided_decoding_backend", "guided_whitespace_pattern",
-        "allowed_token_ids", "logits_processors", "prompt_embeds",
+        "logits_processors", "prompt_embeds",
         "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
         "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
         "length_penalty", "thinking_token_budget")},
     "functions": _inert([]),
     "function_call": _inert("none", "auto"),
     "chat_template_kwargs": _inert({}),  # chat requests implement it (and chat_template)
-    "bad_words": _inert([]),
     "use_beam_search": _inert(False),
     "early_stopping": _inert(False),
     "include_reasoning": _inert(False),
@@ -289,6 +288,9 @@ class _SamplingFields(RequestModel):
     echo: bool = False
     request_id: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(
+        default=None, min_length=1)
+    bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -320,7 +322,8 @@ class _SamplingFields(RequestModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=_structured_spec(self))
+            structured_outputs=_structured_spec(self),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None)
         # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
