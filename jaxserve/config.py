@@ -68,6 +68,10 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
+# --quantization methods (vLLM's names) jaxserve implements; see jaxserve/models/quantization.py.
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -76,12 +80,19 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | orbax | dummy
     attention_backend: str = "auto"  # auto | reference | pallas
+    # None: the checkpoint's own quantization_config; fp8 also quantizes a float checkpoint
+    quantization: str | None = None
     served_model_name: str | None = None
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
     async_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of "
+                             f"{', '.join(QUANTIZATION_METHODS)} (or None)")
 
 
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")  # qkv bias without an `attention_bias` field in config.json

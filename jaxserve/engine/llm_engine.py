@@ -106,7 +106,8 @@ class LLMEngine:
         self.model, self.model_config, self.model_dir = load_model(
             config.model, dtype=config.dtype, load_format=config.load_format,
             attention_backend=backend, mesh=self.mesh,
-            enable_expert_parallel=config.parallel.enable_expert_parallel)
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
+            quantization=config.quantization)
         self.tokenizer = _load_tokenizer(self.model_dir, config.tokenizer)
         param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
                           if hasattr(x, "nbytes"))

@@ -16,7 +16,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.config import QUANTIZATION_METHODS, CacheConfig, EngineConfig, SchedulerConfig
 
 logger = logging.getLogger("jaxserve")
 
@@ -69,6 +69,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--load-format", default="auto",
                    choices=("auto", "safetensors", "gguf", "orbax", "dummy"),
                    help="checkpoint format (default: %(default)s)")
+    m.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="weight quantization: fp8 (quantizes a float checkpoint at load, or "
+                        "loads an fp8 one), awq, gptq (4-bit checkpoints). Default: the "
+                        "checkpoint's own quantization_config, else none")
     m.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) the API answers to; the first is reported in responses and "
@@ -212,7 +216,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         load_format=args.load_format, attention_backend=args.attention_backend,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        quantization=args.quantization, num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling)
 

@@ -19,7 +19,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               max_num_batched_tokens=None, enable_prefix_caching=True,
                               swap_space=4.0, seed=0, tensor_parallel_size=1,
                               data_parallel_size=1, enable_expert_parallel=False,
-                              load_format="auto",
+                              load_format="auto", quantization=None,
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
@@ -27,6 +27,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
     seqs, toks, min_bucket, growth = default_scheduler_limits()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
+        quantization=quantization,
         attention_backend=attention_backend, served_model_name=served_model_name,
         async_scheduling=bool(async_scheduling),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,

