@@ -179,7 +179,21 @@ def test_quantization_errors_name_the_field(tiny_llama_dir):
     with pytest.raises(ValueError, match="quantization 'awq' needs a checkpoint"):
         load_model(str(tiny_llama_dir), quantization="awq")
     with pytest.raises(ValueError, match="quantization"):
-        load_model(str(tiny_llama_dir), quantization="fp8", load_format="dummy")
+        load_model(str(tiny_llama_dir), quantization="gptq", load_format="dummy")
+
+
+def test_fp8_dummy_weights_quantize_on_device(tiny_llama_dir):
+    """``load_format="dummy"`` (benchmark shapes without a checkpoint) with fp8: the random
+    float weights quantized on device equal the host quantization of the same weights."""
+    ref, _, _ = load_model(str(tiny_llama_dir), dtype="float32", load_format="dummy")
+    w = np.asarray(ref.model.layers[1].mlp.up_proj.weight.get_value())
+    model, _, _ = load_model(str(tiny_llama_dir), dtype="float32", load_format="dummy",
+                             quantization="fp8")
+    up = model.model.layers[1].mlp.up_proj
+    q, s = Q.quantize_fp8_per_channel(w)
+    np.testing.assert_allclose(np.asarray(up.weight_scale.get_value()), s, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(up.weight.get_value()).astype(np.float32),
+                                  q.astype(np.float32))
 
 
 def test_cli_quantization_flag_reaches_the_engine_config():
@@ -211,20 +225,27 @@ SMOL_KW = dict(dtype="bfloat16", max_model_len=1024, num_gpu_blocks_override=160
 
 
 @pytest.fixture(scope="module")
-def smol_runs():
-    """bf16 and fp8 SmolLM2 (the default GGUF, dequantized at load): weight bytes,
-    held-out perplexity and greedy answers to 8 chats, one model at a time."""
+def smol_runs(tmp_path_factory):
+    """SmolLM2 (the default GGUF, dequantized at load) in bf16, fp8, and int4 (a GPTQ checkpoint
+    made from it by round-to-nearest, group 32): weight bytes, held-out perplexity and (bf16,
+    fp8) greedy answers to 8 chats, one model at a time."""
     from jaxserve.entrypoints.llm import LLM
+    from jaxserve.testing.int4_checkpoint import float_checkpoint_from_gguf, write_int4_checkpoint
 
-    _smollm2()
+    path = _smollm2()
+    tmp = tmp_path_factory.mktemp("smol")
+    int4 = tmp / "gptq"
+    write_int4_checkpoint(float_checkpoint_from_gguf(path, tmp / "float"), int4, "gptq",
+                          group_size=32)
     text = quality.HELDOUT_TEXT.read_text()
     runs = {}
-    for q in (None, "fp8"):
-        llm = LLM(quantization=q, **SMOL_KW)
+    for key, model, q in ((None, None, None), ("fp8", None, "fp8"), ("int4", str(int4), None)):
+        llm = LLM(model, quantization=q, **SMOL_KW)
         m = llm.llm_engine.model
-        runs[q] = dict(bytes=quality.param_bytes(m),
-                       proj_bytes=quality.param_bytes(m, lambda n: "_proj." in n),
-                       ppl=quality.perplexity(llm, text), chats=quality.greedy_chats(llm))
+        runs[key] = dict(bytes=quality.param_bytes(m),
+                         proj_bytes=quality.param_bytes(m, lambda n: "_proj." in n),
+                         ppl=quality.perplexity(llm, text),
+                         chats=quality.greedy_chats(llm) if key != "int4" else None)
         del llm, m
     return runs
 
@@ -329,3 +350,11 @@ def test_int4_greedy_decoding_equals_reference_weights(tiny_llama_dir, tmp_path)
     want = [o.outputs[0].token_ids for o in LLM(str(deq), **kw).generate(prompts, sp,
                                                                            use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.slow
+def test_smollm2_int4_perplexity_within_10_percent_and_bytes(smol_runs):
+    bf16, int4 = smol_runs[None], smol_runs["int4"]
+    assert abs(int4["ppl"] / bf16["ppl"] - 1) <= 0.10, (bf16["ppl"], int4["ppl"])
+    # 4 bits + a bf16 scale and a uint8 zero per 32 weights: ~0.31x the bf16 projections
+    assert int4["proj_bytes"] <= 0.35 * bf16["proj_bytes"]

@@ -368,12 +368,17 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
                         quantization=quantization)
         return m, cfg, path
     cfg = dataclasses.replace(ModelConfig.from_hf_config(_read_config(path)), **serving)
-    if load_format in ("dummy", "orbax") or (load_format == "auto" and _is_orbax_dir(path)):
-        if _quant_plan(quantization, cfg) is not None:
-            raise ValueError(f"quantization is not supported with load_format {load_format!r} "
-                             "(safetensors and gguf checkpoints only)")
+    quant = _quant_plan(quantization, cfg)
+    if quant is not None and (load_format == "orbax" or (load_format == "auto" and
+                                                         _is_orbax_dir(path))):
+        raise ValueError("quantization is not supported with orbax checkpoints")
     if load_format == "dummy":
+        if quant is not None and quant.method != "fp8":
+            raise ValueError(f"quantization {quant.method!r} needs its checkpoint; "
+                             "load_format 'dummy' supports quantization fp8 only")
         m = build_dummy_model(cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
+        if quant is not None:
+            m = quant_lib.quantize_model_fp8(m, quant)
     elif load_format == "orbax" or (load_format == "auto" and _is_orbax_dir(path)):
         if not _is_orbax_dir(path):
             raise ValueError(f"{path} has no orbax checkpoint in {ORBAX_PARAMS}/")

@@ -250,6 +250,36 @@ def quantize_linears(model, plan: QuantPlan | None, dtype):
     return model
 
 
+@jax.jit
+def _fp8_rows(w):
+    wf = w.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=1) / FP8_MAX, 1e-12)
+    return jnp.clip(wf / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+def quantize_model_fp8(model, plan: QuantPlan):
+    """fp8 on device for a model already holding float weights (random ``dummy`` weights):
+    each projection ``Linear`` becomes an :class:`Fp8Linear` with the same sharding layout."""
+    from jaxserve.models.layers import Linear
+
+    targets = [(path, m) for path, m in nnx.iter_modules(model)
+               if isinstance(m, Linear) and path and _is_projection(str(path[-1]))]
+    for path, lin in targets:
+        w = lin.weight.get_value()
+        new = nnx.eval_shape(lambda: Fp8Linear(w.shape[1], w.shape[0], bias=lin.bias is not None,
+                                               dtype=w.dtype, fp8_compute=plan.fp8_compute))
+        q, scale = _fp8_rows(w)
+        new.weight.set_value(q)
+        new.weight_scale.set_value(scale)
+        if lin.bias is not None:
+            new.bias.set_value(lin.bias.get_value())
+        parent = model
+        for p in path[:-1]:
+            parent = parent[p] if isinstance(p, int) else getattr(parent, str(p))
+        setattr(parent, str(path[-1]), new)
+    return model
+
+
 # ----------------------------------------------------------------------------- tensor sharding
 
 _QUANT_LEAF = re.compile(r"^(.*)\.(weight_scale|qweight|scales|zeros|perm)$")

@@ -95,3 +95,20 @@ def write_int4_checkpoint(src, dst, method: str, *, group_size: int = 32,
                                       "checkpoint_format": "gptq"}
     (dst / "config.json").write_text(json.dumps(cfg))
     return reference
+
+
+def float_checkpoint_from_gguf(gguf_path, out_dir) -> Path:
+    """A GGUF model as an HF float32 safetensors dir (config, tokenizer, weights dequantized),
+    the input :func:`write_int4_checkpoint` takes."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.loaders.gguf import gguf_tokenizer, load_gguf
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config, tensors = load_gguf(gguf_path)
+    save_file({k: np.ascontiguousarray(np.asarray(v(), np.float32)) for k, v in tensors.items()},
+              str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(hf_config))
+    gguf_tokenizer(gguf_path).save_pretrained(str(out))
+    return out
