@@ -69,7 +69,7 @@ class ParallelConfig:
 
 
 # --quantization methods (vLLM's names) jaxserve implements; see jaxserve/models/quantization.py.
-QUANTIZATION_METHODS = ("fp8", "awq", "gptq")
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "gguf")
 
 
 @dataclass

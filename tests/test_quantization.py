@@ -358,3 +358,32 @@ def test_smollm2_int4_perplexity_within_10_percent_and_bytes(smol_runs):
     assert abs(int4["ppl"] / bf16["ppl"] - 1) <= 0.10, (bf16["ppl"], int4["ppl"])
     # 4 bits + a bf16 scale and a uint8 zero per 32 weights: ~0.31x the bf16 projections
     assert int4["proj_bytes"] <= 0.35 * bf16["proj_bytes"]
+
+
+# ----------------------------------------------------------------------------- GGUF kept quantized
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_stay_quantized_and_equal_dequantization(tmp_path, qtype):
+    """``quantization="gguf"``: the projections keep their GGUF blocks (uint8 in memory) and
+    the in-matmul dequantization equals gguf-py's; logits equal the dequantized-at-load model."""
+    gguf = pytest.importorskip("gguf")
+    from test_gguf import write_tiny_gguf
+
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_tiny_gguf(path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
+    model, cfg, _ = load_model(str(path), dtype="float32", quantization="gguf")
+    ref, _, _ = load_model(str(path), dtype="float32")
+    flat, ref_flat = _flat(model), _flat(ref)
+    bits = 8 if qtype == "Q8_0" else 4
+    x = np.random.default_rng(4).normal(size=(6, cfg.hidden_size)).astype(np.float32)
+    for proj in ("q_proj", "k_proj"):  # llama.cpp permutes their rows: undone on the blocks
+        mod = getattr(model.model.layers[1].self_attn, proj)
+        qw = flat[f"model.layers.1.self_attn.{proj}.qweight"]
+        assert qw.dtype == jnp.uint8 and qw.shape[1] == cfg.hidden_size * bits // 8
+        w = np.asarray(ref_flat[f"model.layers.1.self_attn.{proj}.weight"])
+        np.testing.assert_allclose(np.asarray(mod(jnp.asarray(x))), x @ w.T, rtol=1e-5,
+                                   atol=1e-5)
+    ids = np.arange(3, 30, dtype=np.int32)
+    np.testing.assert_allclose(_logits(model, cfg, ids), _logits(ref, cfg, ids), rtol=1e-4,
+                               atol=1e-4)
+    assert quality.param_bytes(model) < 0.6 * quality.param_bytes(ref)

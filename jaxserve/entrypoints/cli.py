@@ -71,7 +71,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint format (default: %(default)s)")
     m.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weight quantization: fp8 (quantizes a float checkpoint at load, or "
-                        "loads an fp8 one), awq, gptq (4-bit checkpoints). Default: the "
+                        "loads an fp8 one), awq, gptq (4-bit checkpoints), gguf (keeps a "
+                        "GGUF's Q4_0/Q4_1/Q8_0 weights quantized in memory). Default: the "
                         "checkpoint's own quantization_config, else none")
     m.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",

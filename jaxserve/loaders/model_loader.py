@@ -118,7 +118,8 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
     array), cast to ``dtype`` (quantized tensors keep theirs) and placed on ``mesh``. Errors
     name the offending tensor. ``quantization``: see :mod:`jaxserve.models.quantization`."""
     dtype = resolve_dtype(dtype)
-    quant = _quant_plan(quantization, model_config)
+    quant = (quantization if isinstance(quantization, quant_lib.QuantPlan)
+             else _quant_plan(quantization, model_config))
     model = _attach_mesh(_abstract_model(model_config, dtype, attention_backend, quant),
                          model_config, mesh)
     mesh = mesh or default_mesh()
@@ -352,7 +353,8 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
     hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
     experts split whole over the mesh instead of each expert split by tensor parallelism.
-    ``quantization``: fp8 | awq | gptq (None: the checkpoint's own ``quantization_config``)."""
+    ``quantization``: fp8 | awq | gptq | gguf (None: the checkpoint's own
+    ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized)."""
     quant_lib.validate_method(quantization)
     serving = dict(enable_expert_parallel=enable_expert_parallel)
     formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
@@ -364,6 +366,12 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
 
         hf_config, tensors = gguf_loader.load_gguf(path)
         cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
+        if quantization == "gguf":  # Q4_0/Q4_1/Q8_0 projections stay in their blocks
+            kept = gguf_loader.raw_blocks(path, tuple(quant_lib.GGUF_KEPT))
+            tensors = {**tensors, **{n: (lambda f=fmt, ld=ld: (f, ld()))
+                                     for n, (fmt, ld) in kept.items()}}
+            quantization = quant_lib.QuantPlan(
+                "gguf", prequantized=True, layer_formats={n: f for n, (f, _) in kept.items()})
         m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend,
                         quantization=quantization)
         return m, cfg, path

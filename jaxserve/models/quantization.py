@@ -10,11 +10,13 @@ Layouts in memory (HF ``[out, in]`` orientation, so tensor-parallel specs follow
 
 * fp8: ``weight [out, in]`` float8_e4m3fn and ``weight_scale [out]`` float32 (per output
   channel); ``W = weight * weight_scale[:, None]``.
-* int4: ``qweight [out, in/2]`` uint8 (two 4-bit values a byte, low nibble first),
-  ``scales [out, G]`` serving dtype and ``zeros [out, G]`` uint8 zero points, one per group
-  of ``in/G`` consecutive input channels; ``W = (q - zeros) * scales``. GPTQ with act-order
-  (``desc_act``) has its input channels reordered at load so groups are contiguous, and keeps
-  the order in ``perm [in]`` (activations are gathered by it before the matmul).
+* int4 / int8 groups (AWQ, GPTQ, GGUF Q4_0/Q4_1/Q8_0): ``qweight [out, in/2]`` uint8 (two
+  4-bit values a byte, low nibble first) or ``[out, in]`` uint8 for 8 bits, ``scales [out, G]``
+  serving dtype and ``zeros [out, G]`` zero points (uint8; float32 for GGUF Q4_1, whose
+  minimum is not a whole number of steps), one per group of ``in/G`` consecutive input
+  channels; ``W = (q - zeros) * scales``. GPTQ with act-order (``desc_act``) has its input
+  channels reordered at load so groups are contiguous, and keeps the order in ``perm [in]``
+  (activations are gathered by it before the matmul).
 
 The matmul dequantizes inside the jitted step (one XLA fusion feeding the dot). On Hopper
 (H100/H200) fp8 layers instead run fp8 x fp8 with per-token dynamic activation scales.
@@ -89,19 +91,23 @@ def fp8_compute_supported(device=None) -> bool:
     return any(k in kind for k in ("H100", "H200"))
 
 
-def int4_dequantize(qweight, scales, zeros, dtype):
-    """``qweight [out, in/2]`` uint8 nibbles, ``scales``/``zeros [out, G]`` -> ``[out, in]``."""
-    out, half = qweight.shape
-    groups = scales.shape[1]
-    q = jnp.stack([qweight & 0xF, qweight >> 4], axis=-1).reshape(out, groups, 2 * half // groups)
-    w = (q.astype(dtype) - zeros[..., None].astype(dtype)) * scales[..., None].astype(dtype)
-    return w.reshape(out, 2 * half)
+def int4_dequantize(qweight, scales, zeros, dtype, bits: int = 4):
+    """``qweight [out, in/2]`` uint8 nibbles (or ``[out, in]`` bytes for 8 bits),
+    ``scales``/``zeros [out, G]`` -> ``[out, in]``. Float zero points are applied in float32."""
+    out, groups = scales.shape
+    if bits == 4:
+        q = jnp.stack([qweight & 0xF, qweight >> 4], axis=-1).reshape(out, groups, -1)
+    else:
+        q = qweight.reshape(out, groups, -1)
+    zdt = dtype if zeros.dtype == jnp.uint8 else jnp.float32
+    w = (q.astype(zdt) - zeros[..., None].astype(zdt)) * scales[..., None].astype(zdt)
+    return w.astype(dtype).reshape(out, -1)
 
 
-def int4_matmul(x, qweight, scales, zeros, perm=None):
+def int4_matmul(x, qweight, scales, zeros, perm=None, bits: int = 4):
     if perm is not None:
         x = jnp.take(x, perm, axis=-1)
-    return _dot(x, int4_dequantize(qweight, scales, zeros, x.dtype)).astype(x.dtype)
+    return _dot(x, int4_dequantize(qweight, scales, zeros, x.dtype, bits)).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -125,23 +131,26 @@ class Fp8Linear(nnx.Module):
 
 
 class Int4Linear(nnx.Module):
-    """A ``Linear`` with 4-bit group-quantized weights (AWQ / GPTQ), dequantized in the matmul."""
+    """A ``Linear`` with group-quantized 4-bit (AWQ, GPTQ, GGUF Q4_0/Q4_1) or 8-bit (GGUF Q8_0)
+    weights, dequantized in the matmul."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype,
-                 group_size: int, act_order: bool):
+                 group_size: int, act_order: bool, bits: int = 4, zero_dtype=jnp.uint8):
         if in_features % 2 or in_features % group_size:
             raise ValueError(f"in_features {in_features} is not a multiple of the group size "
                              f"{group_size} (and of 2)")
         groups = in_features // group_size
-        self.qweight = nnx.Param(jnp.zeros((out_features, in_features // 2), jnp.uint8))
+        self.bits = bits  # static
+        self.qweight = nnx.Param(jnp.zeros((out_features, in_features * bits // 8), jnp.uint8))
         self.scales = nnx.Param(jnp.ones((out_features, groups), dtype))
-        self.zeros = nnx.Param(jnp.zeros((out_features, groups), jnp.uint8))
+        self.zeros = nnx.Param(jnp.zeros((out_features, groups), zero_dtype))
         self.perm = nnx.Param(jnp.arange(in_features, dtype=jnp.int32)) if act_order else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x):
         perm = None if self.perm is None else self.perm[...]
-        y = int4_matmul(x, self.qweight[...], self.scales[...], self.zeros[...], perm)
+        y = int4_matmul(x, self.qweight[...], self.scales[...], self.zeros[...], perm,
+                        self.bits)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -154,8 +163,11 @@ class QuantPlan:
     quantized tensors, and the format's parameters (group size, act order, ...)."""
 
     def __init__(self, method: str, *, prequantized: bool, group_size: int = 128,
-                 act_order: bool = False, gptq_v1_zeros: bool = True, fp8_compute: bool = False):
+                 act_order: bool = False, gptq_v1_zeros: bool = True, fp8_compute: bool = False,
+                 layer_formats: Mapping[str, str] | None = None):
         self.method, self.prequantized = method, prequantized
+        # gguf: weight name -> its GGUF type, for the layers kept quantized
+        self.layer_formats = dict(layer_formats or {})
         self.group_size, self.act_order = group_size, act_order
         self.gptq_v1_zeros, self.fp8_compute = gptq_v1_zeros, fp8_compute
 
@@ -180,6 +192,8 @@ def plan_from_config(quantization: str | None, hf_config: Mapping) -> QuantPlan 
         method = ckpt
     if method is None:
         return None
+    if method == "gguf":
+        raise ValueError("quantization 'gguf' needs a .gguf model file")
     if ckpt is not None and ckpt != method:
         raise ValueError(f"quantization {method!r} does not match the checkpoint's "
                          f"quantization_config ({ckpt!r})")
@@ -239,6 +253,14 @@ def quantize_linears(model, plan: QuantPlan | None, dtype):
         if plan.method == "fp8":
             new = nnx.eval_shape(lambda: Fp8Linear(in_f, out_f, bias=bias, dtype=dtype,
                                                    fp8_compute=plan.fp8_compute))
+        elif plan.method == "gguf":
+            fmt = plan.layer_formats.get(".".join(map(str, path)) + ".weight")
+            if fmt is None:
+                continue  # a GGUF type kept dequantized (K-quants, floats)
+            bits, zdt = GGUF_KEPT[fmt]
+            new = nnx.eval_shape(lambda: Int4Linear(in_f, out_f, bias=bias, dtype=dtype,
+                                                    group_size=32, act_order=False, bits=bits,
+                                                    zero_dtype=zdt))
         else:
             group = in_f if plan.group_size == -1 else plan.group_size
             new = nnx.eval_shape(lambda: Int4Linear(in_f, out_f, bias=bias, dtype=dtype,
@@ -369,6 +391,42 @@ def _int4_from_gptq(t: dict, plan: QuantPlan) -> dict:
     return out
 
 
+# GGUF types kept quantized: (bits, zero-point dtype); blocks of 32 along the input dimension.
+GGUF_KEPT = {"Q4_0": (4, jnp.uint8), "Q4_1": (4, jnp.float32), "Q8_0": (8, jnp.uint8)}
+_GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def decode_gguf_blocks(raw: np.ndarray, fmt: str) -> dict:
+    """ggml blocks ``raw [rows, bytes]`` -> ``qweight``/``scales``/``zeros`` (our layout).
+
+    Q4_0: f16 d, 16 bytes of nibbles, x = (q - 8) d; Q4_1: f16 d, f16 m, x = q d + m;
+    Q8_0: f16 d, 32 int8, x = q d (stored as q + 128 with zero point 128). In a 4-bit block
+    byte j holds element j (low nibble) and element j + 16 (high nibble)."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, _GGUF_BLOCK_BYTES[fmt])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if fmt == "Q8_0":
+        q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return {"qweight": q.reshape(rows, -1), "scales": d,
+                "zeros": np.full(d.shape, 128, np.uint8)}
+    qs = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(rows, -1)  # element order
+    out = {"qweight": pack_nibbles(q), "scales": d}
+    if fmt == "Q4_0":
+        out["zeros"] = np.full(d.shape, 8, np.uint8)
+    else:  # x = (q - z) d with z = -m / d; a flat block (d = 0) gets a tiny step instead
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        tiny = np.float32(2.0 ** -100)
+        d = np.where(d == 0, tiny, d)
+        out["scales"], out["zeros"] = d, (-m / d).astype(np.float32)
+    return out
+
+
+def _from_gguf(t: dict, plan: QuantPlan) -> dict:
+    fmt, raw = t["weight"]
+    return decode_gguf_blocks(raw, fmt)
+
+
 def _fp8_from_checkpoint(t: dict, plan: QuantPlan) -> dict:
     w = np.asarray(t["weight"])
     if not plan.prequantized:
@@ -391,8 +449,10 @@ _SOURCES = {
     "fp8": ("weight", "weight_scale", "input_scale"),
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "gguf": ("weight",),
 }
-_CONVERT = {"fp8": _fp8_from_checkpoint, "awq": _int4_from_awq, "gptq": _int4_from_gptq}
+_CONVERT = {"fp8": _fp8_from_checkpoint, "awq": _int4_from_awq, "gptq": _int4_from_gptq,
+            "gguf": _from_gguf}
 
 
 def checkpoint_tensors(plan: QuantPlan | None, tensors: Mapping[str, Callable],
