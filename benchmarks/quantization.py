@@ -31,7 +31,7 @@ VARIANTS = ("bf16", "fp8", "int4")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=8, help="at most 8 (max_num_seqs)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--group-size", type=int, default=32, help="int4 group size")
@@ -47,9 +47,7 @@ def run_variant(model: str, quantization: str | None, args, text: str) -> dict:
     from jaxserve.testing import quality
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype="bfloat16", quantization=quantization, max_model_len=1024,
-              max_num_seqs=args.num_prompts, max_num_batched_tokens=512, min_token_bucket=8,
-              token_bucket_growth=4, num_gpu_blocks_override=256)
+    llm = LLM(model, quantization=quantization, **quality.SMOLLM2_ENGINE_KW)
     load_s = time.perf_counter() - t0
     m = llm.llm_engine.model
     out = dict(load_s=load_s, weight_bytes=quality.param_bytes(m),

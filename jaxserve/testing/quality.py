@@ -9,6 +9,13 @@ import jax
 
 HELDOUT_TEXT = Path(__file__).parents[2] / "tests" / "data" / "heldout.txt"
 
+# SmolLM2 engine settings shared by the quantization tests and benchmark (same shapes: the
+# persistent compilation cache serves both). Two token buckets: 8 (decode of up to 8 rows) and
+# 512 (the held-out text, the batched chat prompts) keep the CPU warm-up to two compiles.
+SMOLLM2_ENGINE_KW = dict(dtype="bfloat16", max_model_len=1024, num_gpu_blocks_override=160,
+                         max_num_seqs=8, max_num_batched_tokens=512, min_token_bucket=8,
+                         token_bucket_growth=64)
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
