@@ -344,7 +344,8 @@ def test_int4_greedy_decoding_equals_reference_weights(tiny_llama_dir, tmp_path)
     tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
     tensors.update({k: v.astype(np.float32) for k, v in ref.items()})
     save_file(tensors, str(deq / "model.safetensors"))
-    kw = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64, max_num_seqs=4)
+    kw = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64, max_num_seqs=4,
+              max_num_batched_tokens=32, min_token_bucket=32)  # one token bucket
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 13, 21], [100, 200, 300], [42] * 9]
     got = [o.outputs[0].token_ids for o in LLM(str(ckpt), **kw).generate(prompts, sp,
