@@ -71,6 +71,19 @@ def test_fp8_dynamic_matmul_emulated_matches_numpy_and_weight_only():
     assert 0 < rel < 0.05, rel  # activation rounding only: e4m3's few percent
 
 
+def test_fp8_dynamic_matmul_lowers_for_cuda_as_an_fp8_dot():
+    """The Hopper path exports for CUDA with both dot operands in float8_e4m3fn (no upcast
+    before the dot), accumulating in float32."""
+    x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 256), jnp.float8_e4m3fn)
+    s = jax.ShapeDtypeStruct((128,), jnp.float32)
+    text = jax.export.export(jax.jit(Q.fp8_dynamic_matmul), platforms=["cuda"])(x, w, s
+                                                                                ).mlir_module()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 1
+    assert "(tensor<16x256xf8E4M3FN>, tensor<128x256xf8E4M3FN>) -> tensor<16x128xf32>" in dots[0]
+
+
 @pytest.mark.gpu
 def test_fp8_dynamic_matmul_on_hopper_equals_emulation():
     if not Q.fp8_compute_supported():
