@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -14,9 +17,12 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for swapped-out pages
-    cache_dtype: str = "auto"
+    cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the serving dtype) | fp8 | fp8_e4m3 | fp8_e5m2
 
     def __post_init__(self):
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.cache_dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -24,7 +24,7 @@ def _flat(model) -> dict:
             for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def _logits(model, cfg, ids):
+def _logits(model, cfg, ids, kv_dtype=jnp.float32):
     """Logits of one sequence through the paged forward (reference attention)."""
     from test_models import BLOCK, PagedRunner  # noqa: F401  (the shared test driver)
 
@@ -33,7 +33,7 @@ def _logits(model, cfg, ids):
 
     runner.model, runner.cfg = model, cfg
     runner.graphdef, runner.state = nnx.split(model)
-    runner.kv = allocate_kv_pages(cfg, 64, BLOCK, jnp.float32)
+    runner.kv = allocate_kv_pages(cfg, 64, BLOCK, kv_dtype)
     runner.free = list(range(1, 64))
     runner.pages = {}
     return runner.run([(0, ids, 0)])[0]
@@ -251,13 +251,16 @@ def smol_runs(tmp_path_factory):
                           group_size=32)
     text = quality.HELDOUT_TEXT.read_text()
     runs = {}
-    for key, model, q in ((None, None, None), ("fp8", None, "fp8"), ("int4", str(int4), None)):
-        llm = LLM(model, quantization=q, **SMOL_KW)
+    variants = ((None, None, None, "auto"), ("fp8", None, "fp8", "auto"),
+                ("int4", str(int4), None, "auto"), ("kv_fp8", None, None, "fp8"))
+    for key, model, q, kv in variants:
+        llm = LLM(model, quantization=q, kv_cache_dtype=kv, **SMOL_KW)
         m = llm.llm_engine.model
         runs[key] = dict(bytes=quality.param_bytes(m),
                          proj_bytes=quality.param_bytes(m, lambda n: "_proj." in n),
                          ppl=quality.perplexity(llm, text),
-                         chats=quality.greedy_chats(llm) if key != "int4" else None)
+                         chats=quality.greedy_chats(llm) if key != "int4" else None,
+                         pages=llm.llm_engine.runner.num_pages)
         del llm, m
     return runs
 
@@ -404,3 +407,67 @@ def test_gguf_blocks_stay_quantized_and_equal_dequantization(tmp_path, qtype):
     np.testing.assert_allclose(_logits(model, cfg, ids), _logits(ref, cfg, ids), rtol=1e-4,
                                atol=1e-4)
     assert quality.param_bytes(model) < 0.6 * quality.param_bytes(ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SMOL_TIMEOUT)
+def test_smollm2_fp8_kv_cache_close_to_bf16(smol_runs):
+    """fp8 (e4m3) KV pages: greedy answers close by vLLM's rule, perplexity within 3 %."""
+    bf16, kv = smol_runs[None], smol_runs["kv_fp8"]
+    fails = [quality.first_divergence(a, b) for a, b in zip(bf16["chats"], kv["chats"])]
+    assert fails == [None] * len(fails)
+    assert abs(kv["ppl"] / bf16["ppl"] - 1) <= 0.03, (bf16["ppl"], kv["ppl"])
+
+
+# ----------------------------------------------------------------------------- fp8 KV cache
+
+def test_fp8_kv_pool_holds_twice_the_pages_in_the_same_budget():
+    from jaxserve.config import EngineConfig, ModelConfig, SchedulerConfig
+    from jaxserve.worker.kv_cache import kv_cache_dtype
+    from jaxserve.worker.runner import num_pages_for
+
+    mc = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                     num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M
+    ec = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4096))  # the byte budget binds
+    bf16 = num_pages_for(mc, ec, jnp.bfloat16, 8192, 0)
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        fp8 = num_pages_for(mc, ec, kv_cache_dtype(name, jnp.bfloat16), 8192, 0)
+        assert fp8 >= 1.9 * bf16, (name, fp8, bf16)
+
+
+def test_fp8_kv_write_saturates_and_attention_reads_upcast(tiny_llama_dir):
+    from pallas_kernels.reference import write_kv
+
+    pages = jnp.zeros((2, 4, 8, 16), jnp.float8_e4m3fn)
+    k = jnp.full((3, 2, 16), 1000.0, jnp.float32).at[1].set(-0.3)
+    kp, _ = write_kv(pages, pages, k, k, jnp.asarray([9, 10, 11], jnp.int32))
+    flat = np.asarray(kp.reshape(2, 32, 16).astype(jnp.float32))
+    assert flat[0, 9, 0] == 448.0 and flat[0, 11, 0] == 448.0  # saturated, not NaN
+    assert abs(flat[0, 10, 0] + 0.3) < 0.3 * 2 ** -3
+
+    model, cfg, _ = load_model(str(tiny_llama_dir), dtype="float32")
+    ids = np.random.default_rng(5).integers(5, cfg.vocab_size, 40).astype(np.int32)
+    ref = _logits(model, cfg, ids)
+    for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        got = _logits(model, cfg, ids, kv_dtype=dt)
+        assert np.isfinite(got).all()
+        assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+        assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.9
+
+
+def test_kv_cache_dtype_flag_and_errors(tiny_llama_dir):
+    from jaxserve.config import CacheConfig
+    from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
+    from jaxserve.entrypoints.llm import LLM
+
+    args = build_parser().parse_args(["serve", "demo-random", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_config_from_args(args).cache.cache_dtype == "fp8_e5m2"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' needs attention_backend"):
+        LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="pallas",
+            max_model_len=64, num_gpu_blocks_override=8)
+    llm = LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="xla",
+              dtype="float32", max_model_len=64, num_gpu_blocks_override=8, max_num_seqs=2,
+              max_num_batched_tokens=16, min_token_bucket=16)
+    assert all(k.dtype == jnp.float8_e4m3fn for k, _ in llm.llm_engine.runner.kv_pages)

@@ -130,7 +130,8 @@ class LLMEngine:
         from jaxserve.worker.kv_cache import page_bytes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
                                    self.max_model_len,
-                                   page_bytes=page_bytes(mc, config.cache.block_size, self.dtype))
+                                   page_bytes=page_bytes(mc, config.cache.block_size,
+                                                         self.runner.kv_dtype))
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._swapped: dict[str, object] = {}

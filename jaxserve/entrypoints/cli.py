@@ -16,7 +16,8 @@ import runpy
 import sys
 from pathlib import Path
 
-from jaxserve.config import QUANTIZATION_METHODS, CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, CacheConfig, EngineConfig,
+                             SchedulerConfig)
 
 logger = logging.getLogger("jaxserve")
 
@@ -90,6 +91,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=CacheConfig.enable_prefix_caching,
                    help="reuse KV pages of shared prompt prefixes (default: on)")
+    c.add_argument("--kv-cache-dtype", default=CacheConfig.cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV page dtype: auto (the serving dtype) or float8 (fp8 = fp8_e4m3; "
+                        "scale 1.0; reference/xla attention) (default: %(default)s)")
     c.add_argument("--swap-space", type=float, default=CacheConfig.swap_space,
                    help="GiB of host memory for swapped-out pages (default: %(default)s)")
 
@@ -217,7 +221,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         load_format=args.load_format, attention_backend=args.attention_backend,
-        quantization=args.quantization, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling)
 

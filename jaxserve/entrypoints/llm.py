@@ -19,7 +19,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               max_num_batched_tokens=None, enable_prefix_caching=True,
                               swap_space=4.0, seed=0, tensor_parallel_size=1,
                               data_parallel_size=1, enable_expert_parallel=False,
-                              load_format="auto", quantization=None,
+                              load_format="auto", quantization=None, kv_cache_dtype="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
@@ -32,7 +32,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         async_scheduling=bool(async_scheduling),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
-                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
+                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
+                          cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs or seqs,
             max_num_batched_tokens=max_num_batched_tokens or toks,
