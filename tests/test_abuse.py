@@ -522,7 +522,7 @@ def _stream_to(url: str, body: dict, outs: dict, i: int, first: threading.Event)
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ("/v1/completions", {"max_tokenz": 4}, "max_tokenz"),
 ])
 def test_unimplemented_fields_are_400_naming_them(http, path, extra, param):
@@ -533,6 +533,20 @@ def test_unimplemented_fields_are_400_naming_them(http, path, extra, param):
     ok = http.post(path, json={**body, "max_tokens": 2, "tools": [], "tool_choice": "none"}
                    if path != "/v1/completions" else {**body, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(http, engine, path):
+    """vLLM's truncate_prompt_tokens: a prompt longer than max_model_len is served from its last
+    k tokens (without it, the same prompt is a 400)."""
+    long = engine.max_model_len + 50
+    body = ({"prompt": [5 + i % 100 for i in range(long)]} if path == "/v1/completions" else
+            {"messages": [{"role": "user", "content": "x " * long}]})
+    r = http.post(path, json={**body, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    r = http.post(path, json={**body, "max_tokens": 2, "truncate_prompt_tokens": 7})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 7
 
 
 # ---- #20: a stop string that spans tokens never reaches a stream -------------------------------

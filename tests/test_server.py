@@ -4,6 +4,7 @@ HTTP details). One server for the whole module keeps it fast."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import socket
 import threading
@@ -579,6 +580,83 @@ def test_greedy_server_equals_offline_llm(client, model_dir):
     assert [c.text for c in served.choices] == [o.outputs[0].text for o in offline]
     assert [c.finish_reason for c in served.choices] == \
         [o.outputs[0].finish_reason for o in offline]
+
+
+# ---- prompt_logprobs over HTTP -----------------------------------------------------------------
+def _sse_json(r) -> list[dict]:
+    return [json.loads(ln[6:]) for ln in r.text.splitlines()
+            if ln.startswith("data: {")]
+
+
+def test_prompt_logprobs_are_returned(http):
+    """vLLM's shape: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt's own token and the top k; streamed in the first chunk."""
+    prompt = [5, 17, 33, 9, 250]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
+            "temperature": 0}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert len(full) == len(prompt) and full[0] is None
+    for tid, pos in zip(prompt[1:], full[1:]):
+        assert str(tid) in pos and 2 <= len(pos) <= 3
+        assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in pos.values())
+        assert {1, 2} <= {v["rank"] for v in pos.values()}  # the top 2, and the prompt's own
+    chunks = _sse_json(http.post("/v1/completions", json={**body, "stream": True}))
+    assert chunks[0]["choices"][0]["prompt_logprobs"] == full
+    assert all(c["choices"][0].get("prompt_logprobs") is None for c in chunks[1:] if c["choices"])
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 1}
+    r = http.post("/v1/chat/completions", json=chat).json()
+    lps = r["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == r["usage"]["prompt_tokens"]
+    chunks = _sse_json(http.post("/v1/chat/completions", json={**chat, "stream": True}))
+    assert [c["prompt_logprobs"] for c in chunks if c.get("prompt_logprobs")] == [lps]
+
+
+# ---- CORS, request logging ---------------------------------------------------------------------
+def test_cors_request_logging_and_response_role(engine, caplog):
+    """vLLM's CORS flags: an allowed origin gets the headers (a preflight without a key too),
+    another origin does not; --enable-log-requests logs each request with its params."""
+    from jaxserve.entrypoints.cli import build_parser
+
+    a = build_parser().parse_args(["serve", "--allowed-origins", '["http://ok.example"]',
+                                   "--allowed-methods", '["GET", "POST"]',
+                                   "--enable-log-requests", "--max-log-len", "3",
+                                   "--response-role", "model"])
+    assert a.allowed_headers == ["*"] and a.allow_credentials is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", "http://not-json"])
+    cors = dict(allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
+                allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
+    app = build_app(engine, api_key=API_KEY, served_model_names=[MODEL], cors=cors,
+                    log_requests=a.enable_log_requests, max_log_len=a.max_log_len,
+                    response_role=a.response_role)
+    with ServerThread(app) as srv:
+        pre = {"Access-Control-Request-Method": "POST"}
+        ok = httpx.options(srv.url + "/v1/completions", timeout=30,
+                           headers={"Origin": "http://ok.example", **pre})
+        assert ok.status_code == 200
+        assert ok.headers["access-control-allow-origin"] == "http://ok.example"
+        bad = httpx.options(srv.url + "/v1/completions", timeout=30,
+                            headers={"Origin": "http://evil.example", **pre})
+        assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
+        with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai.server"):
+            r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}",
+                                    "Origin": "http://ok.example"},
+                           json={"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 2,
+                                 "temperature": 0})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://ok.example"
+        logged = [m for m in caplog.messages if m.startswith("received request")]
+        assert len(logged) == 1 and "5 prompt tokens [5, 6, 7]" in logged[0], logged
+        assert "temperature=0" in logged[0]
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, headers=auth, json=chat)
+        assert r.json()["choices"][0]["message"]["role"] == "model"  # --response-role
+        cont = {**chat, "messages": [*MESSAGES, {"role": "assistant", "content": "Sure"}],
+                "add_generation_prompt": False, "continue_final_message": True}
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, headers=auth, json=cont)
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"  # the continued one
 
 
 # ---- must run last: it stops the engine --------------------------------------------------------

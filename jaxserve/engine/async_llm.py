@@ -32,6 +32,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
+        self.default_sampling = self.engine.default_sampling
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self.chat_template = None
         self._commands: queue.Queue = queue.Queue()
@@ -75,8 +76,9 @@ class AsyncLLM:
                         self.engine.add_request(*args[:3], priority=args[3])
                     elif kind == "abort":
                         self.engine.abort_request(args[0])
+                    result = self.engine.reset_prefix_cache() if kind == "reset" else None
                     if fut is not None:
-                        fut.set_result(None)
+                        fut.set_result(result)
                 except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
                     if fut is not None:
                         fut.set_exception(e)
@@ -134,6 +136,13 @@ class AsyncLLM:
         entry = self._streams.get(request_id)
         if entry is not None:
             self._deliver(request_id, _FINISHED)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Runs on the engine thread between steps; False while pages are in use."""
+        self.check_health()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("reset", (), fut))
+        return await asyncio.wrap_future(fut)
 
     def check_health(self) -> None:
         if self._dead is not None or not self._thread.is_alive():

@@ -55,6 +55,7 @@ class DataParallelAsyncLLM:
         self.tokenizer = first.tokenizer
         self.model_config = first.model_config
         self.max_model_len = first.max_model_len
+        self.default_sampling = first.default_sampling
         self.served_model_name = first.served_model_name
         self.chat_template = None
         self._inflight = [0] * len(self.replicas)  # unfinished requests routed to each
@@ -102,6 +103,10 @@ class DataParallelAsyncLLM:
         out = {k: sum(s.get(k, 0) for s in per) for k in _SUMMED if k in per[0]}
         out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per) / len(per)
         return out
+
+    async def reset_prefix_cache(self) -> bool:
+        results = [await r.reset_prefix_cache() for r in self.replicas]
+        return all(results)
 
     async def shutdown(self) -> None:
         for r in self.replicas:

@@ -43,6 +43,19 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's form for the CORS flags)."""
+    import json
+
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"must be a JSON list such as '[\"*\"]', got {value!r}")
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {value!r}")
+    return items
+
+
 def _non_negative_float(value: str) -> float:
     try:
         x = float(value)
@@ -132,6 +145,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=EngineConfig.async_scheduling,
                    help="schedule and dispatch the next step while the current one runs "
                         "(exact; default: %(default)s)")
+    d.add_argument("--generation-config", default=EngineConfig.generation_config,
+                   metavar="auto|vllm|DIR",
+                   help="request defaults (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty) and extra EOS ids from generation_config.json: "
+                        "auto reads the model's, vllm uses none, a directory reads its own "
+                        "(default: %(default)s)")
+    d.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -152,6 +173,22 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
     g.add_argument("--max-request-body-bytes", type=_positive_int, default=32 * 2**20,
                    help="largest request body, else 413; accepts 32M (default: %(default)s)")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: origins allowed, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: methods allowed, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: headers allowed, a JSON list (default: [\"*\"])")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (default: off)")
+    g.add_argument("--response-role", default="assistant",
+                   help="the role of chat answers after a generation prompt (default: "
+                        "%(default)s)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt tokens and sampling params at INFO")
+    g.add_argument("--max-log-len", type=_positive_int, default=None,
+                   help="with --enable-log-requests, log at most this many prompt tokens "
+                        "(default: all)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,13 +261,15 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
-        min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling)
+        min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The single mapping from parsed flags to ``EngineConfig`` (through the same keyword
     arguments ``LLM(...)`` takes, so the CLI, the server and the offline API agree)."""
-    from jaxserve.entrypoints.llm import engine_config_from_kwargs
+    from jaxserve.config import engine_config_from_kwargs
 
     return engine_config_from_kwargs(**engine_kwargs_from_args(args))
 
@@ -253,7 +292,13 @@ def _serve(args) -> int:
                uvicorn_log_level=args.uvicorn_log_level,
                served_model_names=args.served_model_name, chat_template=args.chat_template,
                shutdown_timeout=args.shutdown_timeout,
-               max_body_bytes=args.max_request_body_bytes)
+               max_body_bytes=args.max_request_body_bytes,
+               cors=dict(allowed_origins=args.allowed_origins,
+                         allowed_methods=args.allowed_methods,
+                         allowed_headers=args.allowed_headers,
+                         allow_credentials=args.allow_credentials),
+               log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+               response_role=args.response_role)
     return 0
 
 

@@ -22,6 +22,12 @@ MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # token ids, top_k, priorities end up in int32 arrays
 
 
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last ``keep`` tokens (left
+    truncation, so the end of a conversation survives)."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -41,7 +47,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     **{name: _inert() for name in (
         "guided_json", "guided_regex", "guided_choice", "guided_grammar",
         "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-        "truncate_prompt_tokens", "allowed_token_ids", "logits_processors", "prompt_embeds",
+        "allowed_token_ids", "logits_processors", "prompt_embeds",
         "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
         "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
         "length_penalty", "thinking_token_budget")},
@@ -227,6 +233,7 @@ class _SamplingFields(RequestModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     request_id: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -242,7 +249,7 @@ class _SamplingFields(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: dict | None = None) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
             n=self.n, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
@@ -252,9 +259,11 @@ class _SamplingFields(RequestModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
-        # None means "the engine's default" (vLLM's SamplingParams defaults).
+        # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = (defaults or {}).get(name)
             if value is not None:
                 kw[name] = value
         return kw
@@ -292,8 +301,9 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
-        kw = self._sampling_kwargs()
+    def to_sampling_params(self, max_model_len: int, prompt_len: int,
+                           defaults: dict | None = None) -> SamplingParams:
+        kw = self._sampling_kwargs(defaults)
         kw["max_tokens"] = _resolve_max_tokens(self.max_tokens, max_model_len, prompt_len,
                                                "max_tokens")
         kw["logprobs"] = self.logprobs
@@ -309,12 +319,17 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+# vLLM's prompt_logprobs: per prompt position, None (the first) or token id -> its logprob
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -405,8 +420,9 @@ class ChatCompletionRequest(_SamplingFields):
         """UTF-8 bytes of all message text: the rendered prompt holds at least these."""
         return sum(len(m.text(f"messages.{i}").encode()) for i, m in enumerate(self.messages))
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
-        kw = self._sampling_kwargs()
+    def to_sampling_params(self, max_model_len: int, prompt_len: int,
+                           defaults: dict | None = None) -> SamplingParams:
+        kw = self._sampling_kwargs(defaults)
         requested = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -450,6 +466,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -472,6 +489,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in a stream's first chunk
 
 
 # ---- models ----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -109,15 +110,19 @@ class _JSON(Response):
 
 
 # ---- auth ------------------------------------------------------------------------------------
+# routes that need the API key: the OpenAI API, and what changes the server's state
+PROTECTED = ("/v1", "/reset_prefix_cache")
+
+
 class _BearerAuth:
-    """Pure ASGI middleware: every /v1 route needs ``Authorization: Bearer <api_key>``."""
+    """Pure ASGI middleware: every protected route needs ``Authorization: Bearer <api_key>``."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1"):
+        if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED):
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.expected):
                 resp = error_response("missing or invalid API key (Authorization: Bearer ...)",
@@ -333,6 +338,22 @@ class _Tokens:
         return lp.decoded_token if getattr(lp, "decoded_token", None) is not None else self.text(tid)
 
 
+def _prompt_logprobs(tokens: _Tokens, out: RequestOutput | None) -> P.PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt position None (the first token has no
+    logprob) or ``{token id: {logprob, rank, decoded_token}}``, the prompt's own token included."""
+    if out is None or out.prompt_logprobs is None:
+        return None
+    result: P.PromptLogprobs = []
+    for pos in out.prompt_logprobs:
+        if pos is None:
+            result.append(None)
+            continue
+        result.append({str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                  "decoded_token": tokens.entry_text(tid, lp)}
+                       for tid, lp in pos.items()})
+    return result
+
+
 def _legacy_logprobs(tokens: _Tokens, token_ids: list[int], positions: list, start_offset: int
                      ) -> P.CompletionLogProbs:
     """The completions format: parallel lists of tokens, their logprobs, top-k dicts, offsets."""
@@ -378,8 +399,13 @@ class OpenAIServing:
     """Route handlers over one engine. Plain methods; ``build_app`` wires them to paths."""
 
     def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
-                 metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES):
+                 metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES,
+                 log_requests: bool = False, max_log_len: int | None = None,
+                 response_role: str = "assistant"):
         self.engine = engine
+        self.response_role = response_role
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         self.names = served_model_names
         self.chat_template = chat_template
         self.metrics = metrics
@@ -387,6 +413,8 @@ class OpenAIServing:
         self.draining = False
         self._live: set[_FanIn] = set()
         self.tokens = _Tokens(engine.tokenizer)
+        # the model's generation-config defaults for sampling fields a request leaves unset
+        self.defaults = dict(getattr(engine, "default_sampling", None) or {})
         # Tokenizing a long text or rendering a chat template takes seconds of CPU: it runs
         # here, off the event loop, so other requests and /health keep being answered.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
@@ -531,6 +559,12 @@ class OpenAIServing:
                        on_close=self._live.discard)
         self._live.add(fanin)
         logger.debug("request %s: response id %r", fanin.internal_id, request_id)
+        if self.log_requests:
+            for i, (ids, sp) in enumerate(zip(prompts, params if isinstance(params, list)
+                                               else [params] * len(prompts))):
+                shown = ids if self.max_log_len is None else ids[:self.max_log_len]
+                logger.info("received request %s-%d (response id %r): %d prompt tokens %s, "
+                            "params %r", fanin.internal_id, i, request_id, len(ids), shown, sp)
         return fanin
 
     # -- /v1/completions -----------------------------------------------------------------------
@@ -544,13 +578,15 @@ class OpenAIServing:
                 ids = await self._encode(p, req.add_special_tokens)
             else:
                 ids = list(p)
+            ids = P.truncate_prompt(ids, req.truncate_prompt_tokens)
             self._check_prompt_ids(ids, "prompt")
             prompts.append(ids)
             if req.echo:
                 echo_texts.append(p if isinstance(p, str) else self.engine.tokenizer.decode(ids))
             else:
                 echo_texts.append("")
-        params = [req.to_sampling_params(self.engine.max_model_len, len(ids)) for ids in prompts]
+        params = [req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
+                  for ids in prompts]
         # One SamplingParams serves all prompts; the tightest max_tokens default applies.
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
         self._check_vocab(sp)
@@ -575,7 +611,8 @@ class OpenAIServing:
                     logprobs = self._completion_choice_logprobs(req, out, c, echo_texts[i])
                 choices.append(P.CompletionResponseChoice(
                     index=i * req.n + c.index, text=echo_texts[i] + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason))
+                    finish_reason=c.finish_reason or "abort", stop_reason=c.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(self.tokens, out)))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
         return _JSON(P.CompletionResponse(id=request_id, model=model, choices=choices,
@@ -615,16 +652,18 @@ class OpenAIServing:
                 continue
             for c in ev.output.outputs:
                 idx = ev.prompt_index * req.n + c.index
-                prefix = ""
+                prefix, prompt_lps = "", None
                 if idx not in sent_text:
                     sent_text[idx] = 0
                     sent_tokens[idx] = 0
                     prefix = echo_texts[ev.prompt_index]
+                    prompt_lps = _prompt_logprobs(self.tokens, ev.output)
                 done = c.finish_reason is not None and idx not in finished
                 shown = _shown_text(c, hold)
                 delta = shown[sent_text[idx]:]
                 new_ids = c.token_ids[sent_tokens[idx]:]
-                if not (prefix or delta or done or (new_ids and req.logprobs is not None)):
+                if not (prefix or prompt_lps or delta or done
+                        or (new_ids and req.logprobs is not None)):
                     continue
                 logprobs = None
                 if req.logprobs is not None:
@@ -641,7 +680,8 @@ class OpenAIServing:
                     choices=[P.CompletionResponseChoice(
                         index=idx, text=prefix + delta, logprobs=logprobs,
                         finish_reason=c.finish_reason if done else None,
-                        stop_reason=c.stop_reason if done else None)]))
+                        stop_reason=c.stop_reason if done else None,
+                        prompt_logprobs=prompt_lps)]))
 
     async def _stream_tail(self, chunks: AsyncIterator[str], fanin: _FanIn, include_usage: bool,
                            response: type, created: int, model: str) -> AsyncIterator[str]:
@@ -673,9 +713,9 @@ class OpenAIServing:
                                                        await self._body(request))
         model = self._model_name(req.model)
         self._check_prompt_bytes(req.content_bytes(), "messages")
-        ids = await self._chat_ids(req)
+        ids = P.truncate_prompt(await self._chat_ids(req), req.truncate_prompt_tokens)
         self._check_prompt_len(ids, "messages")
-        sp = req.to_sampling_params(self.engine.max_model_len, len(ids))
+        sp = req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
         self._check_vocab(sp)
         echo = ""
         if req.echo and req.messages[-1].role == "assistant":
@@ -697,7 +737,7 @@ class OpenAIServing:
                 logprobs = P.ChatCompletionLogProbs(content=_chat_logprobs(
                     self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids), top_k))
             choices.append(P.ChatCompletionResponseChoice(
-                index=c.index, message=P.ChatMessage(role="assistant", content=echo + c.text),
+                index=c.index, message=P.ChatMessage(role=self._role(req), content=echo + c.text),
                 logprobs=logprobs, finish_reason=c.finish_reason or "abort",
                 stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
@@ -706,7 +746,13 @@ class OpenAIServing:
                             prompt_tokens_details=P.PromptTokensDetails(
                                 cached_tokens=out.num_cached_tokens))
         return _JSON(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                              usage=usage))
+                                              usage=usage,
+                                              prompt_logprobs=_prompt_logprobs(self.tokens, out)))
+
+    def _role(self, req: P.ChatCompletionRequest) -> str:
+        """The answer's role: --response-role after a generation prompt, else the role of the
+        message being continued (vLLM's rule)."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     def _chat_stream(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
                      echo: str, top_k: int | None) -> AsyncIterator[str]:
@@ -717,19 +763,21 @@ class OpenAIServing:
 
     async def _chat_chunks(self, req: P.ChatCompletionRequest, fanin: _FanIn, model: str,
                            created: int, echo: str, top_k: int | None) -> AsyncIterator[str]:
-        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None):
+        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None,
+                  prompt_logprobs=None):
             return _sse(P.ChatCompletionStreamResponse(
                 id=fanin.request_id, created=created, model=model,
                 choices=[P.ChatCompletionStreamChoice(
                     index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                    stop_reason=stop_reason)]))
+                    stop_reason=stop_reason)], prompt_logprobs=prompt_logprobs))
 
         sent_text = [0] * req.n
         sent_tokens = [0] * req.n
         finished: set[int] = set()
         hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
         for i in range(req.n):
-            yield chunk(i, P.DeltaMessage(role="assistant", content=echo))
+            yield chunk(i, P.DeltaMessage(role=self._role(req), content=echo))
+        prompt_lps_due = fanin.params.prompt_logprobs is not None  # with the first output
         async for ev in fanin.events():
             if ev.output is None:
                 continue
@@ -739,8 +787,10 @@ class OpenAIServing:
                 shown = _shown_text(c, hold)
                 delta = shown[sent_text[i]:]
                 new_ids = c.token_ids[sent_tokens[i]:]
-                if not (delta or done or (new_ids and top_k is not None)):
+                prompt_lps = _prompt_logprobs(self.tokens, ev.output) if prompt_lps_due else None
+                if not (delta or done or prompt_lps or (new_ids and top_k is not None)):
                     continue
+                prompt_lps_due = prompt_lps_due and prompt_lps is None
                 logprobs = None
                 if top_k is not None:
                     positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
@@ -752,7 +802,7 @@ class OpenAIServing:
                     finished.add(i)
                 yield chunk(i, P.DeltaMessage(content=delta), logprobs,
                             c.finish_reason if done else None,
-                            c.stop_reason if done else None)
+                            c.stop_reason if done else None, prompt_lps)
         for i in range(req.n):  # streams that ended without a finish (aborted elsewhere)
             if i not in finished:
                 yield chunk(i, P.DeltaMessage(), finish_reason="abort")
@@ -800,6 +850,14 @@ class OpenAIServing:
     async def load(self, request: Request) -> Response:
         """vLLM's ``/load``: requests in flight on this server (a router's balancing signal)."""
         return JSONResponse({"server_load": self.num_inflight})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's ``POST /reset_prefix_cache``: forget the cached prefix pages (e.g. between
+        benchmark runs). Only possible while no request holds pages: else 409, nothing dropped."""
+        if not await self.engine.reset_prefix_cache():
+            return error_response("the prefix cache cannot be reset while requests hold KV "
+                                  "pages; retry when the server is idle", 409)
+        return JSONResponse({"reset": True})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": jaxserve.__version__})
@@ -872,7 +930,9 @@ def load_chat_template(value: str | None) -> str | None:
 def build_app(engine, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
               chat_template: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+              max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
+              log_requests: bool = False, max_log_len: int | None = None,
+              response_role: str = "assistant") -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
     the route handlers (``serving``: draining on shutdown) and the metrics registry."""
     if isinstance(served_model_names, str):
@@ -880,7 +940,8 @@ def build_app(engine, *, api_key: str | None = None,
     names = list(served_model_names or [engine.served_model_name])
     metrics = ServerMetrics(engine.stats, names[0])
     serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
-                            max_body_bytes=max_body_bytes)
+                            max_body_bytes=max_body_bytes, log_requests=log_requests,
+                            max_log_len=max_log_len, response_role=response_role)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -898,6 +959,7 @@ def build_app(engine, *, api_key: str | None = None,
         Route("/ping", serving.health, methods=["GET", "POST"]),  # SageMaker's health check
         Route("/load", serving.load, methods=["GET"]),
         Route("/version", serving.version, methods=["GET"]),
+        Route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"]),
         Route("/metrics", serving.render_metrics, methods=["GET"]),
     ]
     async def client_gone(request: Request, exc: Exception) -> Response:
@@ -909,7 +971,13 @@ def build_app(engine, *, api_key: str | None = None,
     app = Starlette(routes=routes, exception_handlers=handlers)
     if api_key:
         app.add_middleware(_BearerAuth, api_key=api_key)
-    app.add_middleware(_RequestIdHeader)  # outermost: 401s carry the id too
+    app.add_middleware(_RequestIdHeader)  # 401s carry the id too
+    if cors is not None:  # outermost: preflight requests are answered without a key, like vLLM
+        app.add_middleware(CORSMiddleware, allow_origins=cors["allowed_origins"],
+                           allow_methods=cors["allowed_methods"],
+                           allow_headers=cors["allowed_headers"],
+                           allow_credentials=cors["allow_credentials"],
+                           expose_headers=["X-Request-Id"])
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics
@@ -920,7 +988,8 @@ def build_app(engine, *, api_key: str | None = None,
 # ---- running it ------------------------------------------------------------------------------
 def startup_message(engine, host: str, port: int, names: list[str]) -> str:
     s = engine.stats()
-    dtype = getattr(getattr(engine, "engine", None), "dtype", None) or engine.config.dtype
+    dtype = (getattr(engine, "dtype", None) or getattr(getattr(engine, "engine", None), "dtype", None)
+             or engine.config.dtype)
     dtype = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
     return (f"jaxserve ready: model {engine.config.model or names[0]!s} served as "
@@ -1019,17 +1088,26 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, uvicorn_log_level: str = "info",
                served_model_names: list[str] | None = None, chat_template: str | None = None,
                timeout_graceful_shutdown: int = 5, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
-               max_body_bytes: int = MAX_BODY_BYTES) -> None:
+               max_body_bytes: int = MAX_BODY_BYTES, cors: dict | None = None,
+               log_requests: bool = False, max_log_len: int | None = None,
+               response_role: str = "assistant") -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly."""
-    from jaxserve.engine.data_parallel import make_async_llm
+    from jaxserve.engine.core_client import EngineCoreClient, use_core_process
 
     template = load_chat_template(chat_template)  # fail before the slow model load
     t0 = time.perf_counter()
-    engine = make_async_llm(engine_config)  # DataParallelAsyncLLM when data_parallel_size > 1
+    if use_core_process(engine_config):
+        engine = EngineCoreClient(engine_config)  # the device loop in its own process
+    else:
+        from jaxserve.engine.data_parallel import make_async_llm
+
+        engine = make_async_llm(engine_config)  # DP replicas and multi-host: in this process
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
-                    chat_template=template, max_body_bytes=max_body_bytes)
+                    chat_template=template, max_body_bytes=max_body_bytes, cors=cors,
+                    log_requests=log_requests, max_log_len=max_log_len,
+                    response_role=response_role)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown)
     server = _DrainingServer(config, app.state.serving, shutdown_timeout)
