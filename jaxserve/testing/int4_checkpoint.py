@@ -1,6 +1,5 @@
-"""AWQ / GPTQ 4-bit checkpoints made from a float HF checkpoint by round-to-nearest (with a
-per-group range-clipping search), written in each format's documented packing (tests and
-benchmarks; no calibration data, so quality is RTN's).
+"""AWQ / GPTQ 4-bit checkpoints made from a float HF checkpoint by round-to-nearest, written in
+each format's documented packing (tests and benchmarks; no calibration, so quality is RTN's).
 
 AWQ (GEMM): ``qweight [in, out/8]`` and ``qzeros [G, out/8]`` int32 packed along the output
 dimension in the interleaved nibble order 0,2,4,6,1,3,5,7; ``scales [G, out]``.
@@ -19,12 +18,7 @@ import numpy as np
 from jaxserve.models.quantization import AWQ_ORDER, pack_int32
 
 
-# Range shrink factors tried per group (the least squared error wins): clipping the extremes
-# a little lowers the rounding error of the rest.
-SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8)
-
-
-def rtn_int4(w: np.ndarray, groups: np.ndarray, n_groups: int, shrinks=SHRINKS):
+def rtn_int4(w: np.ndarray, groups: np.ndarray, n_groups: int):
     """Asymmetric 4-bit round-to-nearest of ``w [out, in]`` with input channel ``i`` in group
     ``groups[i]`` -> (q [out, in] uint8, scales [out, G] float32, zeros [out, G] uint8)."""
     w = np.asarray(w, np.float32)
@@ -34,19 +28,12 @@ def rtn_int4(w: np.ndarray, groups: np.ndarray, n_groups: int, shrinks=SHRINKS):
     q = np.zeros(w.shape, np.uint8)
     for g in range(n_groups):
         cols = np.nonzero(groups == g)[0]
-        x = w[:, cols]
-        best = np.full(out, np.inf, np.float32)
-        for shrink in shrinks:
-            lo = np.minimum(x.min(axis=1), 0.0) * shrink
-            hi = np.maximum(x.max(axis=1), 0.0) * shrink
-            s = np.maximum((hi - lo) / 15.0, 1e-8).astype(np.float32)
-            z = np.clip(np.round(-lo / s), 0, 15)
-            qi = np.clip(np.round(x / s[:, None]) + z[:, None], 0, 15)
-            err = (((qi - z[:, None]) * s[:, None] - x) ** 2).sum(axis=1)
-            better = err < best
-            best = np.where(better, err, best)
-            q[np.ix_(better, cols)] = qi[better]
-            scales[better, g], zeros[better, g] = s[better], z[better]
+        lo = np.minimum(w[:, cols].min(axis=1), 0.0)
+        hi = np.maximum(w[:, cols].max(axis=1), 0.0)
+        s = np.maximum((hi - lo) / 15.0, 1e-8).astype(np.float32)
+        z = np.clip(np.round(-lo / s), 0, 15)
+        q[:, cols] = np.clip(np.round(w[:, cols] / s[:, None]) + z[:, None], 0, 15)
+        scales[:, g], zeros[:, g] = s, z
     return q, scales, zeros
 
 
