@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -14,9 +17,12 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for swapped-out pages
-    cache_dtype: str = "auto"
+    cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the serving dtype) | fp8 | fp8_e4m3 | fp8_e5m2
 
     def __post_init__(self):
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.cache_dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -80,6 +86,10 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
+# --quantization methods (vLLM's names) jaxserve implements; see jaxserve/models/quantization.py.
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "gguf")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -88,6 +98,8 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | orbax | dummy
     attention_backend: str = "auto"  # auto | reference | pallas
+    # None: the checkpoint's own quantization_config; fp8 also quantizes a float checkpoint
+    quantization: str | None = None
     served_model_name: str | None = None
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
     async_scheduling: bool = True
@@ -97,6 +109,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not one of "
+                             f"{', '.join(QUANTIZATION_METHODS)} (or None)")
 
 
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")  # qkv bias without an `attention_bias` field in config.json
@@ -242,7 +259,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               max_num_batched_tokens=None, enable_prefix_caching=True,
                               swap_space=4.0, seed=0, tensor_parallel_size=1,
                               data_parallel_size=1, enable_expert_parallel=False,
-                              load_format="auto",
+                              load_format="auto", quantization=None, kv_cache_dtype="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
@@ -257,13 +274,15 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
     fallback = SchedulerConfig()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
+        quantization=quantization,
         attention_backend=attention_backend, served_model_name=served_model_name,
         async_scheduling=bool(async_scheduling),
         generation_config=_generation_config_source(generation_config),
         override_generation_config=_override_generation_config(override_generation_config),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
-                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
+                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
+                          cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             **{k: getattr(fallback, k) if v is None else v for k, v in given.items()},
             max_model_len=max_model_len, preemption_mode=preemption_mode,

@@ -21,9 +21,19 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping):
     hkv, num_pages, page_size, d = k_pages.shape
     kf = k_pages.reshape(hkv, num_pages * page_size, d)
     vf = v_pages.reshape(hkv, num_pages * page_size, d)
-    kf = kf.at[:, slot_mapping].set(jnp.swapaxes(k, 0, 1).astype(k_pages.dtype), mode="drop")
-    vf = vf.at[:, slot_mapping].set(jnp.swapaxes(v, 0, 1).astype(v_pages.dtype), mode="drop")
+    kf = kf.at[:, slot_mapping].set(to_page_dtype(jnp.swapaxes(k, 0, 1), k_pages.dtype),
+                                    mode="drop")
+    vf = vf.at[:, slot_mapping].set(to_page_dtype(jnp.swapaxes(v, 0, 1), v_pages.dtype),
+                                    mode="drop")
     return kf.reshape(k_pages.shape), vf.reshape(v_pages.shape)
+
+
+def to_page_dtype(x, dtype):
+    """Cast new K/V to the pool's dtype; float8 pages saturate (e4m3fn has no infinity)."""
+    if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -big, big)
+    return x.astype(dtype)
 
 
 def token_metadata(query_start, seq_lens, num_tokens):

@@ -113,7 +113,8 @@ class LLMEngine:
         self.model, self.model_config, self.model_dir = load_model(
             config.model, dtype=config.dtype, load_format=config.load_format,
             attention_backend=backend, mesh=self.mesh,
-            enable_expert_parallel=config.parallel.enable_expert_parallel)
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
+            quantization=config.quantization)
         self.tokenizer = _load_tokenizer(self.model_dir, config.tokenizer)
         param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
                           if hasattr(x, "nbytes"))
@@ -145,7 +146,8 @@ class LLMEngine:
         from jaxserve.worker.kv_cache import page_bytes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
                                    self.max_model_len,
-                                   page_bytes=page_bytes(mc, config.cache.block_size, self.dtype))
+                                   page_bytes=page_bytes(mc, config.cache.block_size,
+                                                         self.runner.kv_dtype))
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._swapped: dict[str, object] = {}

@@ -16,7 +16,8 @@ import runpy
 import sys
 from pathlib import Path
 
-from jaxserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, CacheConfig, EngineConfig,
+                             SchedulerConfig)
 
 logger = logging.getLogger("jaxserve")
 
@@ -82,6 +83,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--load-format", default="auto",
                    choices=("auto", "safetensors", "gguf", "orbax", "dummy"),
                    help="checkpoint format (default: %(default)s)")
+    m.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="weight quantization: fp8 (quantizes a float checkpoint at load, or "
+                        "loads an fp8 one), awq, gptq (4-bit checkpoints), gguf (keeps a "
+                        "GGUF's Q4_0/Q4_1/Q8_0 weights quantized in memory). Default: the "
+                        "checkpoint's own quantization_config, else none")
     m.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) the API answers to; the first is reported in responses and "
@@ -98,6 +104,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=CacheConfig.enable_prefix_caching,
                    help="reuse KV pages of shared prompt prefixes (default: on)")
+    c.add_argument("--kv-cache-dtype", default=CacheConfig.cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV page dtype: auto (the serving dtype) or float8 (fp8 = fp8_e4m3; "
+                        "scale 1.0; reference/xla attention) (default: %(default)s)")
     c.add_argument("--swap-space", type=float, default=CacheConfig.swap_space,
                    help="GiB of host memory for swapped-out pages (default: %(default)s)")
 
@@ -259,6 +268,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         load_format=args.load_format, attention_backend=args.attention_backend,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,

@@ -265,6 +265,32 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
     return cfg, tensors
 
 
+def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
+               ) -> dict[str, tuple[str, Callable[[], np.ndarray]]]:
+    """HF name -> (GGUF type, loader of its raw blocks ``[rows, bytes]``, Q/K rows un-permuted)
+    for every projection weight stored in one of ``types``: to serve them still quantized."""
+    path = os.fspath(path)
+    reader = _reader(path)
+    arch = read_architecture(reader)
+    cfg = _config(reader, arch, {t.name for t in reader.tensors})
+    permute = arch in _PERMUTED_ARCHITECTURES
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+
+    def thunk(tensor, kind):
+        def load() -> np.ndarray:
+            rows = int(np.prod([int(x) for x in tensor.shape[1:]]))
+            raw = np.asarray(tensor.data).reshape(rows, -1)
+            return _unpermute(raw, heads[kind]) if permute and kind in heads else raw
+        return load
+
+    out = {}
+    for t in reader.tensors:
+        hf, m = hf_tensor_name(t.name), _LAYER_RE.match(t.name)
+        if hf and hf.endswith("_proj.weight") and t.tensor_type.name in types:
+            out[hf] = (t.tensor_type.name, thunk(t, m.group(2)))
+    return out
+
+
 def gguf_chat_template(path: str | os.PathLike) -> str | None:
     return _field(_reader(os.fspath(path)), "tokenizer.chat_template")
 

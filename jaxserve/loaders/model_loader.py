@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -20,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import quantization as quant_lib
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
 from jaxserve.worker.parallel import TP_AXIS, default_mesh  # noqa: F401  (re-exported)
@@ -57,11 +59,14 @@ def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | No
                     ) -> NamedSharding:
     from jaxserve.worker import parallel
 
-    spec = param_partition_spec(name, mesh)
-    if model_config is not None and TP_AXIS in mesh.axis_names:  # the family's own rules
-        spec = get_model_class(model_config.architecture).param_partition_spec(name, model_config)
-    if (model_config is not None and name.endswith(("k_proj.weight", "k_proj.bias",
-                                                    "v_proj.weight", "v_proj.bias"))
+    def spec_of(name):
+        if model_config is not None and TP_AXIS in mesh.axis_names:  # the family's own rules
+            return get_model_class(model_config.architecture).param_partition_spec(
+                name, model_config)
+        return param_partition_spec(name, mesh)
+
+    spec = quant_lib.partition_spec(name, spec_of) or spec_of(name)
+    if (model_config is not None and re.search(r"(^|\.)[kv]_proj\.[a-z_]+$", name)
             and not parallel.shard_kv_projections(model_config.num_kv_heads,
                                                   parallel.tp_size(mesh))):
         spec = PartitionSpec()  # fewer KV heads than devices: replicated, repeated per device
@@ -84,10 +89,11 @@ def _attach_mesh(model, model_config: ModelConfig, mesh: Mesh | None):
     return model
 
 
-def _abstract_model(model_config: ModelConfig, dtype, attention_backend: str):
+def _abstract_model(model_config: ModelConfig, dtype, attention_backend: str, quant=None):
     cls = get_model_class(model_config.architecture)
-    return nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0),
-                                      attention_backend=attention_backend))
+    model = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=nnx.Rngs(0),
+                                       attention_backend=attention_backend))
+    return quant_lib.quantize_linears(model, quant, dtype)
 
 
 def _param_names(model) -> dict[str, nnx.Variable]:
@@ -107,25 +113,34 @@ def _resolve(model, name: str) -> nnx.Variable:
 
 def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray]], *,
                 dtype=jnp.float32, mesh: Mesh | None = None,
-                attention_backend: str = "reference"):
+                attention_backend: str = "reference", quantization: str | None = None):
     """The model with every parameter loaded from ``tensors`` (HF name -> loader of a numpy
-    array), cast to ``dtype`` and placed on ``mesh``. Errors name the offending tensor."""
+    array), cast to ``dtype`` (quantized tensors keep theirs) and placed on ``mesh``. Errors
+    name the offending tensor. ``quantization``: see :mod:`jaxserve.models.quantization`."""
     dtype = resolve_dtype(dtype)
-    model = _attach_mesh(_abstract_model(model_config, dtype, attention_backend), model_config,
-                         mesh)
+    quant = (quantization if isinstance(quantization, quant_lib.QuantPlan)
+             else _quant_plan(quantization, model_config))
+    model = _attach_mesh(_abstract_model(model_config, dtype, attention_backend, quant),
+                         model_config, mesh)
     mesh = mesh or default_mesh()
     expected = _param_names(model)
     tensors = get_model_class(model_config.architecture).checkpoint_tensors(model_config, tensors)
+    tensors = quant_lib.checkpoint_tensors(quant, tensors, expected)
     _check_names(model_config, expected, tensors)
     for name, var in expected.items():
         arr = np.asarray(tensors[name]())
         want = tuple(var.get_value().shape)
         if arr.shape != want:
             raise ValueError(f"tensor {name!r} has shape {tuple(arr.shape)}, expected {want}")
-        arr = arr.astype(dtype, copy=False)  # no host copy when the checkpoint has the dtype
+        # no host copy when the checkpoint has the dtype
+        arr = arr.astype(var.get_value().dtype, copy=False)
         placed = jax.device_put(arr, _param_sharding(name, want, mesh, model_config))
         _resolve(model, name).set_value(placed)
     return model
+
+
+def _quant_plan(quantization_method, model_config: ModelConfig):
+    return quant_lib.plan_from_config(quantization_method, model_config.hf)
 
 
 def _check_names(model_config: ModelConfig, expected, tensors) -> None:
@@ -220,7 +235,27 @@ def _lazy_tensor(path: Path, name: str) -> Callable[[], np.ndarray]:
         except TypeError:  # older safetensors: no bfloat16 in numpy mode
             with safe_open(str(path), framework="flax") as f:
                 return np.asarray(f.get_tensor(name))
+        except AttributeError:  # float8 (numpy has none): read the raw bytes
+            return _read_float8(path, name)
     return load
+
+
+_FLOAT8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _read_float8(path: Path, name: str) -> np.ndarray:
+    """One float8 tensor of a safetensors file (8-byte header size, JSON header, data)."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(n))[name]
+        if info["dtype"] not in _FLOAT8:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        f.seek(8 + n + start)
+        raw = np.frombuffer(f.read(end - start), np.uint8)
+    return raw.view(getattr(ml_dtypes, _FLOAT8[info["dtype"]])).reshape(info["shape"])
 
 
 def _resolve_model_path(model: str) -> Path:
@@ -313,10 +348,14 @@ def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "a
 
 
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
-               attention_backend: str = "reference", enable_expert_parallel: bool = False):
+               attention_backend: str = "reference", enable_expert_parallel: bool = False,
+               quantization: str | None = None):
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
     hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
-    experts split whole over the mesh instead of each expert split by tensor parallelism."""
+    experts split whole over the mesh instead of each expert split by tensor parallelism.
+    ``quantization``: fp8 | awq | gptq | gguf (None: the checkpoint's own
+    ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized)."""
+    quant_lib.validate_method(quantization)
     serving = dict(enable_expert_parallel=enable_expert_parallel)
     formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
     if load_format not in formats:
@@ -327,18 +366,34 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
 
         hf_config, tensors = gguf_loader.load_gguf(path)
         cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
-        m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
+        if quantization == "gguf":  # Q4_0/Q4_1/Q8_0 projections stay in their blocks
+            kept = gguf_loader.raw_blocks(path, tuple(quant_lib.GGUF_KEPT))
+            tensors = {**tensors, **{n: (lambda f=fmt, ld=ld: (f, ld()))
+                                     for n, (fmt, ld) in kept.items()}}
+            quantization = quant_lib.QuantPlan(
+                "gguf", prequantized=True, layer_formats={n: f for n, (f, _) in kept.items()})
+        m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend,
+                        quantization=quantization)
         return m, cfg, path
     cfg = dataclasses.replace(ModelConfig.from_hf_config(_read_config(path)), **serving)
+    quant = _quant_plan(quantization, cfg)
+    if quant is not None and (load_format == "orbax" or (load_format == "auto" and
+                                                         _is_orbax_dir(path))):
+        raise ValueError("quantization is not supported with orbax checkpoints")
     if load_format == "dummy":
+        if quant is not None and quant.method != "fp8":
+            raise ValueError(f"quantization {quant.method!r} needs its checkpoint; "
+                             "load_format 'dummy' supports quantization fp8 only")
         m = build_dummy_model(cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
+        if quant is not None:
+            m = quant_lib.quantize_model_fp8(m, quant)
     elif load_format == "orbax" or (load_format == "auto" and _is_orbax_dir(path)):
         if not _is_orbax_dir(path):
             raise ValueError(f"{path} has no orbax checkpoint in {ORBAX_PARAMS}/")
         m = _load_orbax(path, cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
     else:
         m = build_model(cfg, safetensors_tensors(path), dtype=dtype, mesh=mesh,
-                        attention_backend=attention_backend)
+                        attention_backend=attention_backend, quantization=quantization)
     return m, cfg, path
 
 

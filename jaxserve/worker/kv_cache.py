@@ -13,6 +13,24 @@ import numpy as np
 from jaxserve.config import ModelConfig
 
 
+_FP8_KV = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+           "fp8_e5m2": jnp.float8_e5m2}
+
+
+def kv_cache_dtype(cache_dtype: str, serving_dtype, attention_backend: str | None = None):
+    """The pool's dtype: the serving dtype ("auto") or a float8 (scale 1.0: K/V are stored as
+    they are, saturated at the format's maximum, and upcast when attention reads them)."""
+    if cache_dtype == "auto":
+        return jnp.dtype(serving_dtype)
+    if cache_dtype not in _FP8_KV:
+        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of auto, "
+                         f"{', '.join(_FP8_KV)}")
+    if attention_backend not in (None, "reference", "xla"):
+        raise ValueError(f"kv_cache_dtype {cache_dtype!r} needs attention_backend reference or "
+                         f"xla (the {attention_backend!r} kernels read serving-dtype pages)")
+    return jnp.dtype(_FP8_KV[cache_dtype])
+
+
 def kv_page_shape(model_config: ModelConfig, num_pages: int, block_size: int, tp: int = 1
                   ) -> tuple[int, ...]:
     """``tp`` > KV heads repeats each KV head so every device holds one (``parallel``)."""

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from jaxserve.worker import parallel
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.worker.kv_cache import allocate_kv_pages, page_bytes
+from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
 from jaxserve.core.sampling_params import SamplingParams
@@ -233,11 +233,12 @@ class ModelRunner:
         tp = parallel.tp_size(mesh)
         if mesh is not None:
             kv_sharding = parallel.kv_pool_sharding(mesh)
+        self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype,
+                                       getattr(model, "attention_backend", None))
         self.num_pages = parallel.agree_across_hosts(num_pages_for(
-            model_config, engine_config, dtype, max_model_len, param_bytes // tp, tp))
-        self.kv_dtype = dtype
-        self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size, dtype,
-                                          sharding=kv_sharding, tp=tp)
+            model_config, engine_config, self.kv_dtype, max_model_len, param_bytes // tp, tp))
+        self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
+                                          self.kv_dtype, sharding=kv_sharding, tp=tp)
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh)
@@ -250,7 +251,8 @@ class ModelRunner:
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages, self.block_size,
-                    self.num_pages * page_bytes(model_config, self.block_size, dtype) / 2**20)
+                    self.num_pages * page_bytes(model_config, self.block_size, self.kv_dtype)
+                    / 2**20)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
