@@ -68,6 +68,72 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                "model", "draft_tensor_parallel_size")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: who proposes ``num_speculative_tokens`` tokens per step.
+
+    ``ngram`` looks the last ``prompt_lookup_min..prompt_lookup_max`` tokens up in the request's
+    own prompt + output (vLLM's defaults: max 5, min = max when only max is given, else 1).
+    ``draft_model`` names a smaller model with the target's tokenizer (not implemented yet).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got"
+                             f" {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1,"
+                             f" got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model is not used by method 'ngram'")
+            hi, lo = self.prompt_lookup_max, self.prompt_lookup_min
+            if hi is None and lo is None:
+                hi, lo = 5, 5
+            elif hi is None:
+                hi = lo
+            elif lo is None:
+                lo = hi
+            for name, v in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"speculative_config.{name} must be an integer >= 1, got"
+                                     f" {v!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <="
+                                 f" prompt_lookup_max ({hi})")
+            self.prompt_lookup_max, self.prompt_lookup_min = hi, lo
+        elif self.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not supported yet;"
+                             " use 'ngram'")
+
+    @classmethod
+    def from_dict(cls, d: dict | "SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """vLLM's dict spelling -> config; unknown keys are an error naming the key."""
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_SPEC_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]} is not a supported field"
+                             f" (supported: {', '.join(_SPEC_FIELDS)})")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**d)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -79,6 +145,7 @@ class EngineConfig:
     served_model_name: str | None = None
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
     async_scheduling: bool = True
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

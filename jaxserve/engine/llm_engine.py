@@ -34,6 +34,7 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.runner import ModelRunner, default_attention_backend, enable_compilation_cache
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.spec_decode import SpecDecodeStats, can_speculate, make_proposer
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ class LLMEngine:
         self._swapped: dict[str, object] = {}
         self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
         self.async_scheduling = config.async_scheduling
+        spec = config.speculative
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self._inflight: _InFlight | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -170,6 +174,7 @@ class LLMEngine:
                 share = parent.children[0].request
             req = Request(rid, list(ids), child_params, arrival_time=now, priority=priority,
                           eos_token_id=self.eos_token_id, prefix_parent=share)
+            req.use_spec = self.proposer is not None and can_speculate(child_params)
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, list(ids),
@@ -301,10 +306,40 @@ class LLMEngine:
             if not s.sample or req.is_finished or self._child_of.get(req.request_id) is not hit:
                 continue  # no token, or stopped / aborted since: its token is dropped
             parent, child = hit
-            req.resolve_pending(token_ids[i])
-            self.block_manager.cache_full_blocks(req)
-            self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
             touched[parent.request_id] = parent
+            if s.num_draft:
+                self._on_verified(req, parent, child, s.num_draft, out, i, now)
+            else:
+                req.resolve_pending(token_ids[i])
+                self.block_manager.cache_full_blocks(req)
+                self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
+            if req.use_spec and not req.is_finished and not req.num_pending:
+                self._propose(req)
+
+    def _on_verified(self, req: Request, parent: _Parent, child: _Child, num_draft: int, out,
+                     row: int, now: float) -> None:
+        """A verify row: accepted drafts + the target's token, each through the stop checks
+        (a stop inside the run drops what follows it)."""
+        n = int(out.num_emitted[row])
+        toks = out.spec_token_ids[row, :n].tolist()
+        self.spec_stats.observe(num_draft, n - 1)
+        self.scheduler.commit_verified(req, n - 1)
+        for tok in toks:
+            req.append_output_token(tok)
+            self._on_token(parent, child, tok, 0.0, out, row, now)
+            if req.is_finished:
+                return
+        self.block_manager.cache_full_blocks(req)
+
+    def _propose(self, req: Request) -> None:
+        room = self.max_model_len - req.num_tokens
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - req.num_output_tokens - 1)
+        if room <= 0:
+            req.spec_token_ids = []
+            return
+        draft = self.proposer.propose([np.asarray(req.all_token_ids)], [room])[0]
+        req.spec_token_ids = [int(t) for t in draft]
 
     def _prompt_logprob_rows(self, sched, hits: list) -> list:
         """(row, parent, lo, hi): prompt positions lo..hi-1 of this step whose next prompt token
@@ -419,6 +454,8 @@ class LLMEngine:
             num_free_pages=self.block_manager.num_free_pages,
             num_pages=self.runner.num_pages,
         )
+        if self.proposer is not None:
+            s.update(self.spec_stats.as_dict())
         return s
 
 

@@ -6,7 +6,8 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import RequestOutput
@@ -23,12 +24,13 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
-                              async_scheduling=True) -> EngineConfig:
+                              async_scheduling=True, speculative_config=None) -> EngineConfig:
     seqs, toks, min_bucket, growth = default_scheduler_limits()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
         attention_backend=attention_backend, served_model_name=served_model_name,
         async_scheduling=bool(async_scheduling),
+        speculative=SpeculativeConfig.from_dict(speculative_config),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),

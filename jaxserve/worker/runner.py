@@ -27,12 +27,14 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.worker import parallel
+from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.kv_cache import allocate_kv_pages, page_bytes
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.spec_decode import add_verify_arrays
 from jaxserve.core.step_plan import (
     TRASH_PAGE,
     ScheduledSeq,
@@ -81,8 +83,11 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
             num_seqs=arrays["num_seqs"],
         )
         hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
-        # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn)
-        return model.compute_logits(hidden[arrays["logits_indices"]]), kv_pages, hidden
+        # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
+        # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
+        idx = arrays["logits_indices"]
+        logits = model.compute_logits(hidden[idx.reshape(-1)])
+        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden
 
     if mesh is None:
         return jax.jit(forward, donate_argnums=(1,))
@@ -130,7 +135,7 @@ def _sample_fn(mesh=None):
     leaves replicated (on the parameters' 1-device mesh without tensor parallelism), so the
     buffer keeps one sharding from step to step."""
 
-    def sample(logits, sampling, history_ref, prev_tokens):
+    def sample(logits, sampling, history_ref, prev_tokens, spec=None):
         _TRACES.n += 1
         fields = {k: sampling[k] for k in SAMPLING_FIELDS}
         hist = fields["history"]
@@ -138,9 +143,16 @@ def _sample_fn(mesh=None):
         src, pos = history_ref[:, 0], jnp.clip(history_ref[:, 1], 0, hist.shape[1] - 1)
         pending = prev_tokens[jnp.maximum(src, 0)]
         fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
-        out = sampler_lib.sample(logits, sampler_lib.SamplingMetadata(**fields))
-        s = out.token_ids.shape[0]
-        return out, jnp.zeros_like(prev_tokens).at[:s].set(out.token_ids)
+        md = sampler_lib.SamplingMetadata(**fields)
+        if spec is None:
+            out = sampler_lib.sample(logits, md)
+        else:  # [S, k+1, V]: column 0 is what a row without drafts samples
+            out = sampler_lib.sample(logits[:, 0], md)
+            out = (out, rejection_sampler.verify(logits, md, spec["draft_token_ids"],
+                                                 spec["num_draft"], out.token_ids))
+        ids = out.token_ids if spec is None else out[0].token_ids
+        s = ids.shape[0]
+        return out, jnp.zeros_like(prev_tokens).at[:s].set(ids)
 
     return jax.jit(sample, out_shardings=parallel.replicated(mesh or parallel.default_mesh()))
 
@@ -153,6 +165,7 @@ class StepHandle:
     sampled: object  # SamplerOutput on device
     prompt_logprobs: tuple | None = None
     want_topk: bool = False
+    verify: object = None  # rejection_sampler.VerifyOutput on device (speculative decoding)
 
 
 @dataclass
@@ -166,6 +179,9 @@ class StepOutput:
     ranks: np.ndarray | None = None
     # (logprob [T], top-k ids [T, K], top-k logprobs [T, K], rank [T]) of each next prompt token
     prompt_logprobs: tuple | None = None
+    # speculative decoding: [S, k+1] emitted tokens (-1 padded) and [S] how many
+    spec_token_ids: np.ndarray | None = None
+    num_emitted: np.ndarray | None = None
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -226,6 +242,8 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         sched = engine_config.scheduler
         self.max_num_seqs = sched.max_num_seqs
+        spec = engine_config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.worker.parallel); None: single device
@@ -259,10 +277,16 @@ class ModelRunner:
     # ---- host side ---------------------------------------------------------------------
     def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
         before = _TRACES.n
+        arrays, spec = plan.device_arrays(), None
+        if self.num_spec_tokens:  # every step of a speculating engine has the verify shapes
+            if plan.num_draft is None:
+                add_verify_arrays(plan, [], self.num_spec_tokens)
+            arrays["logits_indices"] = plan.spec_logits_indices
+            spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
         logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
-                                                      plan.device_arrays(), self._last_tokens)
+                                                      arrays, self._last_tokens)
         out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                         self._last_tokens)
+                                              self._last_tokens, spec)
         if prompt_next_ids is not None:
             out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
         if _TRACES.n != before:
@@ -278,6 +302,8 @@ class ModelRunner:
                                max_num_seqs=self.max_num_seqs)
         plan.sampling = build_sampling_arrays(sampling_inputs, plan.seq_bucket,
                                               history_len=self.max_model_len, rng=self._np_rng)
+        if self.num_spec_tokens:
+            add_verify_arrays(plan, [r.num_draft for r in rows], self.num_spec_tokens)
         return plan
 
     def dispatch(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepHandle:
@@ -285,10 +311,13 @@ class ModelRunner:
         ``prompt_next_ids[T]`` (the prompt token after each position, only in steps with a
         ``prompt_logprobs`` request) also computes the prompt logprobs."""
         out = self._run(plan, prompt_next_ids)
-        prompt_lp = None
+        prompt_lp = verify = None
         if prompt_next_ids is not None:
             out, prompt_lp = out
-        h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)))
+        if self.num_spec_tokens:
+            out, verify = out
+        h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)),
+                       verify)
         for x in self._handle_arrays(h):
             x.copy_to_host_async()
         return h
@@ -300,6 +329,8 @@ class ModelRunner:
             xs += [h.sampled.topk_ids, h.sampled.topk_logprobs, h.sampled.ranks]
         if h.prompt_logprobs is not None:
             xs += list(h.prompt_logprobs)
+        if h.verify is not None:
+            xs += list(h.verify)
         return xs
 
     def fetch(self, h: StepHandle) -> StepOutput:
@@ -312,6 +343,8 @@ class ModelRunner:
             res.topk_ids, res.topk_logprobs, res.ranks = map(np.asarray, (ti, tl, rk))
         if h.prompt_logprobs is not None:
             res.prompt_logprobs = tuple(map(np.asarray, jax.device_get(h.prompt_logprobs)))
+        if h.verify is not None:
+            res.spec_token_ids, res.num_emitted = map(np.asarray, jax.device_get(tuple(h.verify)))
         return res
 
     def execute(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepOutput:
@@ -343,11 +376,16 @@ class ModelRunner:
                 jax.block_until_ready(out)
             if s not in sampled:  # the other side of each sampler ``lax.cond``, both layouts
                 sampled.add(s)
-                logits = self._device_zeros((s, self.model_config.vocab_size), jnp.float32)
+                k = self.num_spec_tokens
+                shape = (s, k + 1) if k else (s,)
+                logits = self._device_zeros(shape + (self.model_config.vocab_size,), jnp.float32)
+                # with drafts in every row, so the verifier's random branch runs too
+                spec = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                            num_draft=np.full(s, k, np.int32)) if k else None
                 for params in _WARMUP_OTHER_BRANCHES:
                     jax.block_until_ready(self._sample(logits, self._warmup_sampling(params, s),
-                                                  np.full((s, 2), -1, np.int32),
-                                                  self._last_tokens))
+                                                       np.full((s, 2), -1, np.int32),
+                                                       self._last_tokens, spec))
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,
