@@ -1,0 +1,282 @@
+"""Speculative decoding (n-gram) is exact: greedy output is identical with and without it
+(sync and async loop, under preemption, stops and max_tokens inside an accepted run), rejection
+sampling reproduces the target distribution (chi-square), seeded requests reproduce, the verify
+shapes are compiled at warm-up, and the counters agree with the tokens produced."""
+from __future__ import annotations
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.core.spec_decode import NgramProposer, add_verify_arrays
+from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
+from jaxserve.worker import rejection_sampler as rs
+from jaxserve.worker.sampler import SamplingMetadata
+from jaxserve.core.sampling_metadata import build_sampling_arrays
+
+VOCAB = 500
+K = 3
+SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}
+
+
+# ---- host side ---------------------------------------------------------------------------
+def test_ngram_longest_then_most_recent_match():
+    p = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=3)
+    #                 0  1  2  3  4  5  6  7  8  9
+    toks = np.array([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    # suffix (6, 7): the 3-gram (2, 6, 7) never occurred; (6, 7) last occurred at 5 -> 9, 2, 6
+    assert p.propose_one(toks).tolist() == [9, 2, 6]
+    assert p.propose_one(toks, max_len=1).tolist() == [9]
+    assert p.propose_one(np.array([1, 2, 3, 4])).tolist() == []  # no earlier occurrence
+    # the longest n wins over a more recent shorter match
+    toks = np.array([1, 2, 3, 50, 9, 3, 60, 1, 2, 3])
+    assert p.propose_one(toks).tolist() == [50, 9, 3]
+    assert NgramProposer(3, 2, 3).propose_one(np.array([4, 3, 8, 3])).tolist() == []  # n >= 2
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0},
+     "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),
+])
+def test_speculative_config_errors_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.from_dict(bad)
+
+
+def test_speculative_config_defaults_like_vllm():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.from_dict({"num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 3)
+
+
+def test_verify_arrays_point_at_the_drafted_positions():
+    rows = [ScheduledSeq([11, 21, 22], 7, [1]), ScheduledSeq([1, 2, 3, 4], 0, [2]),
+            ScheduledSeq([31], 5, [3])]
+    rows[0].num_draft = 2
+    plan = build_step_plan(rows, block_size=16, max_pages_per_seq=2, ladder=(8, 16),
+                           max_num_seqs=4)
+    add_verify_arrays(plan, [2, 0, 0], K)
+    assert plan.spec_logits_indices.shape == (plan.seq_bucket, K + 1)
+    assert plan.spec_logits_indices[0].tolist() == [0, 1, 2, 2]
+    assert plan.spec_logits_indices[1].tolist() == [6] * 4  # a prefill row: its last token
+    assert plan.spec_logits_indices[2].tolist() == [7] * 4
+    assert plan.draft_token_ids[0].tolist() == [21, 22, 0]
+    assert plan.num_draft[:3].tolist() == [2, 0, 0]
+    with pytest.raises(ValueError, match="more than"):
+        add_verify_arrays(plan, [K + 1], K)
+
+
+# ---- device acceptance --------------------------------------------------------------------
+def test_greedy_verify_longest_prefix_plus_bonus():
+    target = jnp.array([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [9, 9, 9, 9]])
+    drafts = jnp.array([[4, 5, 6], [4, 0, 6], [4, 5, 6], [1, 1, 1]])
+    nd = jnp.array([3, 3, 1, 0])
+    out = rs.greedy_verify(target, drafts, nd)
+    assert out.num_emitted.tolist() == [4, 2, 2, 1]
+    assert out.token_ids.tolist() == [[4, 5, 6, 7], [4, 5, -1, -1], [4, 5, -1, -1],
+                                      [9, -1, -1, -1]]
+
+
+def _chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=probs.size)
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    probs = probs[keep].astype(np.float64)
+    expected = probs / probs.sum() * counts.sum()
+    return stats.chisquare(counts[keep].astype(np.float64), expected).pvalue
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    """Non-point-mass draft q and target p on 6 tokens, 2 drafts per row, drafts drawn from q:
+    the first emitted token follows p_0, the second (where the first draft was kept) p_1, and
+    the acceptance rate of draft 1 is sum(min(p, q)) (the coupling's overlap)."""
+    rng = np.random.default_rng(0)
+    V, S = 6, 40000
+    p = np.array([[0.4, 0.3, 0.1, 0.1, 0.1, 0.0], [0.05, 0.05, 0.5, 0.2, 0.1, 0.1],
+                  [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    q = np.array([[0.1, 0.1, 0.4, 0.2, 0.1, 0.1], [0.3, 0.1, 0.1, 0.1, 0.2, 0.2]])
+    drafts = np.stack([rng.choice(V, size=S, p=q[j]) for j in range(2)], axis=1)
+    out = jax.jit(rs.rejection_sample)(
+        jnp.broadcast_to(jnp.asarray(p, jnp.float32), (S, 3, V)), jnp.asarray(drafts, jnp.int32),
+        jnp.full((S,), 2, jnp.int32), jnp.asarray(rng.random((S, 2)), jnp.float32),
+        jax.random.gumbel(jax.random.key(1), (S, V)),
+        draft_probs=jnp.broadcast_to(jnp.asarray(q, jnp.float32), (S, 2, V)))
+    toks, n = np.asarray(out.token_ids), np.asarray(out.num_emitted)
+    assert _chi2_pvalue(toks[:, 0], p[0]) > 1e-3
+    assert _chi2_pvalue(toks[n >= 2, 1], p[1]) > 1e-3
+    assert _chi2_pvalue(toks[n >= 3, 2], p[2]) > 1e-3
+    overlap = np.minimum(p[0], q[0]).sum()
+    assert abs((n >= 2).mean() - overlap) < 0.01
+
+
+def test_device_verify_samples_the_tempered_target_with_point_mass_drafts():
+    """The step's verify function with n-gram (point-mass) drafts: the first emitted token of
+    each row follows softmax(logits / temperature) whatever the draft, and top_k cuts too."""
+    V, S = 8, 12000
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2], np.float32)
+    for temperature, top_k in ((0.8, 0), (1.0, 3)):
+        params = SamplingParams(temperature=temperature, top_k=top_k, seed=None)
+        arrays = build_sampling_arrays([(params, [0], [0], None, 1)] * S, S, history_len=1,
+                                       rng=np.random.default_rng(5))
+        md = SamplingMetadata.from_dict(arrays)
+        x = np.broadcast_to(logits, (S, 2, V))
+        drafts = jnp.full((S, 1), 0, jnp.int32)  # always the most likely token
+        out = jax.jit(rs.verify)(jnp.asarray(x), md, drafts, jnp.ones((S,), jnp.int32),
+                        jnp.zeros((S,), jnp.int32))
+        want = np.exp(logits / temperature)
+        if top_k:
+            want[np.argsort(-logits)[top_k:]] = 0
+        want /= want.sum()
+        first = np.asarray(out.token_ids)[:, 0]
+        assert _chi2_pvalue(first, want) > 1e-3
+        assert abs((np.asarray(out.num_emitted) == 2).mean() - want[0]) < 0.015
+
+
+# ---- the engine ---------------------------------------------------------------------------
+def _llm(model_dir, async_scheduling, spec, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 128)
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("max_num_batched_tokens", 16)  # one token bucket: one compile per engine
+    kw.setdefault("min_token_bucket", 16)
+    kw.setdefault("num_gpu_blocks_override", 24)
+    kw.setdefault("block_size", 8)
+    return LLM(str(model_dir), async_scheduling=async_scheduling,
+               speculative_config=SPEC if spec else None, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    """(reference without speculation, speculating sync, speculating async). The pool (23
+    usable pages of 8 tokens) holds a few requests, so a batch of 8 preempts."""
+    return _llm(llama_dir, False, False), _llm(llama_dir, False, True), \
+        _llm(llama_dir, True, True)
+
+
+def _repeating_prompts(n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        passage = [rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 10))]
+        out.append(passage * 2 + passage[: rng.randint(1, 4)])
+    return out
+
+
+def _rows(outs):
+    return [(c.token_ids, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+
+
+def _generate_all(engines, prompts, params):
+    ref, *spec = engines
+    want = _rows(ref.generate(prompts, params, use_tqdm=False))
+    got = []
+    for llm in spec:
+        eng = llm.llm_engine
+        c0, d0, g0 = eng.runner.num_compiles, eng.spec_stats.num_drafts, eng.generation_tokens_total
+        rows = _rows(llm.generate(prompts, params, use_tqdm=False))
+        assert eng.runner.num_compiles == c0, "a verify step compiled after warm-up"
+        assert eng.generation_tokens_total - g0 == sum(len(r[0]) for r in rows)
+        got.append((rows, eng.spec_stats.num_drafts - d0))
+        eng.block_manager.check_invariants()
+        assert eng.block_manager.num_used_pages == 0  # nothing leaked
+    return want, got
+
+
+def test_greedy_identical_with_and_without_speculation(engines):
+    prompts = _repeating_prompts(3, seed=1)
+    want, got = _generate_all(engines, prompts,
+                              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for rows, n_drafts in got:
+        assert rows == want
+        assert n_drafts > 0  # the verify path ran
+    stats_ = engines[1].llm_engine.stats()
+    # counters agree: every accepted draft is a generated token, never more than drafted
+    assert 0 < stats_["spec_decode_num_accepted_tokens"] <= stats_["spec_decode_num_draft_tokens"]
+    per_pos = stats_["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == stats_["spec_decode_num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # position j needs j-1 accepted
+
+
+def test_greedy_identical_under_preemption_and_mixed_features(engines):
+    """A batch of 8 over a pool for ~3: preemption (some mid-verify), next to rows that do not
+    speculate (penalties, logprobs) and rows that hit max_model_len."""
+    prompts = _repeating_prompts(8, seed=2)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3,
+                               ignore_eos=True)
+    params[2] = SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)
+    want, got = _generate_all(engines, prompts, params)
+    for rows, n_drafts in got:
+        assert rows == want
+        assert n_drafts > 0
+    for llm in engines[1:]:
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(engines):
+    """A stop token or max_tokens falling inside a run of accepted drafts ends the output
+    exactly where plain decoding ends it; nothing past it is shown or counted."""
+    prompts = _repeating_prompts(4, seed=3)
+    ref = engines[0]
+    free = _rows(ref.generate(prompts, SamplingParams(temperature=0, max_tokens=30,
+                                                      ignore_eos=True), use_tqdm=False))
+    stop_ids = [r[0][12] for r in free]  # a token each output produces mid-way
+    for max_tokens in (7, 13):
+        params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                 stop_token_ids=[s]) for s in stop_ids]
+        want, got = _generate_all(engines, prompts, params)
+        assert any(r[1] == "stop" for r in want) or max_tokens == 7
+        for rows, _ in got:
+            assert rows == want
+            assert all(len(r[0]) <= max_tokens for r in rows)
+
+
+def test_seeded_sampling_reproducible_with_speculation(engines):
+    prompts = _repeating_prompts(3, seed=4)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=25, ignore_eos=True)
+    spec_sync, spec_async = engines[1], engines[2]
+    a = _rows(spec_sync.generate(prompts, params, use_tqdm=False))
+    b = _rows(spec_sync.generate(prompts[::-1], params, use_tqdm=False))[::-1]
+    c = _rows(spec_async.generate(prompts, params, use_tqdm=False))
+    assert a == b == c
+    assert len({tuple(r[0]) for r in a}) == len(a)
+
+
+def test_abort_mid_speculation_frees_everything(engines):
+    eng = engines[2].llm_engine
+    eng.add_request("x", _repeating_prompts(1, seed=5)[0],
+                    SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    req = next(iter(eng._child_of.values()))[1].request
+    for _ in range(60):
+        eng.step()
+        if req.spec_in_flight:
+            break
+    assert req.spec_in_flight, "no verify step was dispatched"
+    eng.abort_request("x")
+    assert not eng.has_unfinished_requests()
+    eng.block_manager.check_invariants()
+    assert eng.block_manager.num_used_pages == 0
+    # the engine goes on serving exactly afterwards
+    prompts = _repeating_prompts(2, seed=6)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert _rows(engines[2].generate(prompts, p, use_tqdm=False)) == \
+        _rows(engines[0].generate(prompts, p, use_tqdm=False))
