@@ -280,3 +280,48 @@ def test_abort_mid_speculation_frees_everything(engines):
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert _rows(engines[2].generate(prompts, p, use_tqdm=False)) == \
         _rows(engines[0].generate(prompts, p, use_tqdm=False))
+
+
+def test_metrics_export_the_spec_decode_counters(engines):
+    from jaxserve.entrypoints.openai.metrics import ServerMetrics
+
+    llm = engines[1]
+    llm.generate(_repeating_prompts(2, seed=7),
+                 SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    s = llm.llm_engine.stats()
+    text = ServerMetrics(llm.llm_engine.stats, "m").render().decode()
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        want = f'jaxserve:spec_decode_{name}_total{{model_name="m"}} {float(s["spec_decode_" + name])}'
+        assert want in text
+    for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+        assert (f'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
+                f'position="{pos}"}} {float(n)}') in text
+    assert s["spec_decode_num_drafts"] > 0
+    # an engine without speculation exports none of them
+    assert "spec_decode" not in ServerMetrics(engines[0].llm_engine.stats, "m").render().decode()
+
+
+def test_cli_speculative_flags(capsys):
+    from jaxserve.entrypoints.cli import build_parser, engine_config_from_args, main
+
+    def config(*argv):
+        return engine_config_from_args(build_parser().parse_args(["serve", "m", *argv]))
+
+    c = config("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+                                       '"prompt_lookup_max": 3}').speculative
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == \
+        ("ngram", 4, 3, 3)
+    c = config("--speculative-model", "[ngram]", "--num-speculative-tokens", "2",
+               "--ngram-prompt-lookup-max", "4", "--ngram-prompt-lookup-min", "1").speculative
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == \
+        ("ngram", 2, 4, 1)
+    assert config().speculative is None
+    for bad in (["--speculative-config", "{nope"],
+                ["--speculative-config", '{"method": "ngram"}'],
+                ["--num-speculative-tokens", "2"]):
+        with pytest.raises(ValueError, match="speculative_config"):
+            config(*bad)
+    assert main(["serve", "demo-random", "--speculative-config", '{"num_speculative_tokens": 0}']
+                ) == 2
+    err = capsys.readouterr().err
+    assert "num_speculative_tokens" in err and "Traceback" not in err
