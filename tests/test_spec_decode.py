@@ -325,3 +325,16 @@ def test_cli_speculative_flags(capsys):
                 ) == 2
     err = capsys.readouterr().err
     assert "num_speculative_tokens" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_greedy_identical_under_swap_preemption(llama_dir, engines):
+    """Preemption by swap while a verify step is unread: the swapped pages hold only accepted
+    tokens, the rest is recomputed on resume."""
+    llm = _llm(llama_dir, True, True, preemption_mode="swap")
+    prompts = _repeating_prompts(8, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _rows(engines[0].generate(prompts, params, use_tqdm=False))
+    assert _rows(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert llm.llm_engine.scheduler.num_swap_outs_total > 0
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
