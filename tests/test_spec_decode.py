@@ -80,6 +80,48 @@ def test_verify_arrays_point_at_the_drafted_positions():
         add_verify_arrays(plan, [K + 1], K)
 
 
+def test_scheduler_lookahead_slots_and_rollback():
+    """Drafts get pages (lookahead slots), count as computed only once accepted, keep the
+    request out of the next schedule while unread, and never reach past max_tokens; prefix-
+    cache pages only ever hash accepted tokens."""
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.core.block_manager import BlockManager
+    from jaxserve.core.request import Request
+    from jaxserve.core.scheduler import Scheduler
+
+    class P:
+        max_tokens = 6
+
+    bm = BlockManager(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+                      CacheConfig(block_size=4), bm, max_model_len=64)
+    r = Request("a", [1, 2, 3, 4, 5, 6, 7], P())
+    r.use_spec = True
+    sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, {"a": 8})  # prefill samples 8; 7 computed
+    r.spec_token_ids = [9, 10, 11, 12, 13]
+    out = sched.schedule()
+    (s,) = out.scheduled
+    # max_tokens 6, one output so far: at most 4 drafts (+ the target's own token = 5 more)
+    assert s.num_draft == 4 and s.new_token_ids == [8, 9, 10, 11, 12]
+    assert len(r.block_ids) == 3  # 7 + 5 = 12 positions: lookahead pages allocated
+    assert s.start_pos == 7 and out.to_rows()[0].num_draft == 4
+    sched.update_from_output(out)
+    assert r.num_computed_tokens == 8 and r.spec_in_flight and r.spec_token_ids == []
+    assert sched.schedule().scheduled == []  # unread verify step: not scheduled again
+    assert bm.num_cached_pages == 2  # pages of tokens 1-4 and 5-8 (all accepted or prompt)
+    sched.commit_verified(r, 2)  # drafts 9, 10 kept; then the engine appends 9, 10, 77
+    for t in (9, 10, 77):
+        r.append_output_token(t)
+    assert r.num_computed_tokens == 10 and not r.spec_in_flight
+    bm.cache_full_blocks(r)
+    assert bm.num_cached_pages == 2  # the third page holds 9, 10 and two rejected slots
+    r.spec_token_ids = [5, 5]
+    (s,) = sched.schedule().scheduled
+    assert s.num_draft == 1 and s.new_token_ids == [77, 5]  # 4 outputs: room for 1 + 1
+
+
 # ---- device acceptance --------------------------------------------------------------------
 def test_greedy_verify_longest_prefix_plus_bonus():
     target = jnp.array([[4, 5, 6, 7], [4, 5, 6, 7], [4, 5, 6, 7], [9, 9, 9, 9]])
