@@ -79,7 +79,8 @@ class SpeculativeConfig:
 
     ``ngram`` looks the last ``prompt_lookup_min..prompt_lookup_max`` tokens up in the request's
     own prompt + output (vLLM's defaults: max 5, min = max when only max is given, else 1).
-    ``draft_model`` names a smaller model with the target's tokenizer (not implemented yet).
+    ``draft_model`` names a smaller model with the target's tokenizer (``model``), run
+    unsharded (``draft_tensor_parallel_size`` 1).
     """
 
     method: str = "ngram"
@@ -115,8 +116,15 @@ class SpeculativeConfig:
                                  f" prompt_lookup_max ({hi})")
             self.prompt_lookup_max, self.prompt_lookup_min = hi, lo
         elif self.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not supported yet;"
-                             " use 'ngram'")
+            if not self.model:
+                raise ValueError("speculative_config.model is required for method"
+                                 " 'draft_model'")
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is only for method 'ngram'")
+            if self.draft_tensor_parallel_size not in (None, 1):
+                raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 (the"
+                                 " draft runs unsharded) is supported")
 
     @classmethod
     def from_dict(cls, d: dict | "SpeculativeConfig | None") -> "SpeculativeConfig | None":

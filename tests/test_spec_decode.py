@@ -380,3 +380,44 @@ def test_greedy_identical_under_swap_preemption(llama_dir, engines):
     assert _rows(llm.generate(prompts, params, use_tqdm=False)) == want
     assert llm.llm_engine.scheduler.num_swap_outs_total > 0
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft, async_scheduling", [("random", True), ("self", False)])
+def test_draft_model_exact(tiny_model_factory, llama_dir, engines, draft, async_scheduling):
+    """A random 1-layer draft (~0 acceptance) and the target as its own draft (every draft
+    accepted unless the catch-up of the draft's K/V is wrong) give the plain greedy output,
+    under preemption, with the draft's pages in the same pool."""
+    draft_dir = tiny_model_factory("llama", layers=1, seed=7) if draft == "random" else llama_dir
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K}
+    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=16,
+              min_token_bucket=16, num_gpu_blocks_override=24, block_size=8)
+    llm = LLM(str(llama_dir), async_scheduling=async_scheduling, speculative_config=spec, **kw)
+    eng = llm.llm_engine
+    c0 = eng.stats()["num_compiles"]
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 30))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = _rows(engines[0].generate(prompts, params, use_tqdm=False))
+    assert _rows(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert eng.stats()["num_compiles"] == c0  # neither model compiles after warm-up
+    st = eng.spec_stats
+    assert st.num_drafts > 0
+    if draft == "self":
+        assert st.num_accepted_tokens >= 0.9 * st.num_draft_tokens
+    else:
+        assert eng.scheduler.num_preemptions_total > 0
+    eng.block_manager.check_invariants()
+    assert eng.block_manager.num_used_pages == 0
+    # sampling stays seeded-reproducible with a model's drafts
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    assert _rows(llm.generate(prompts[:3], sp, use_tqdm=False)) == \
+        _rows(llm.generate(prompts[:3], sp, use_tqdm=False))
+
+
+def test_draft_model_config_errors(llama_dir):
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "model": "x",
+                                     "num_speculative_tokens": 2, "prompt_lookup_max": 2})

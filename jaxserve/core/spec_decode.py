@@ -17,10 +17,12 @@ import numpy as np
 
 
 class Proposer(Protocol):
-    """Proposes up to ``max_len[i]`` next tokens for each sequence ``token_ids[i]``."""
+    """Proposes up to ``max_len[i]`` next tokens for each request (all of whose tokens are
+    known). A proposer with state on the device (a draft model's K/V) keys it on the request
+    and its pages; a deterministic proposal (the draft's argmax, a lookup) needs no draft
+    probabilities for exact rejection sampling."""
 
-    def propose(self, token_ids: Sequence[np.ndarray], max_len: Sequence[int]
-                ) -> list[np.ndarray]: ...
+    def propose(self, requests: Sequence[Any], max_len: Sequence[int]) -> list[list[int]]: ...
 
 
 class NgramProposer:
@@ -50,16 +52,9 @@ class NgramProposer:
                 return tokens[start:start + k]
         return tokens[:0]
 
-    def propose(self, token_ids: Sequence[np.ndarray], max_len: Sequence[int]
-                ) -> list[np.ndarray]:
-        return [self.propose_one(t, m) for t, m in zip(token_ids, max_len)]
-
-
-def make_proposer(spec_config) -> Proposer:
-    if spec_config.method == "ngram":
-        return NgramProposer(spec_config.num_speculative_tokens, spec_config.prompt_lookup_min,
-                             spec_config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method {spec_config.method!r} has no proposer")
+    def propose(self, requests: Sequence[Any], max_len: Sequence[int]) -> list[list[int]]:
+        return [self.propose_one(np.asarray(r.all_token_ids), m).tolist()
+                for r, m in zip(requests, max_len)]
 
 
 def can_speculate(params: Any) -> bool:

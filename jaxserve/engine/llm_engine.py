@@ -34,7 +34,7 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.runner import ModelRunner, default_attention_backend, enable_compilation_cache
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.spec_decode import SpecDecodeStats, can_speculate, make_proposer
+from jaxserve.core.spec_decode import NgramProposer, SpecDecodeStats, can_speculate
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,17 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(mc.eos_token_id, self.tokenizer)
         self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
         self._eos_list = sorted(self.eos_token_ids)
+        spec = config.speculative
+        draft = None
+        extra_page_bytes = 0
+        if spec is not None and spec.method == "draft_model":
+            from jaxserve.worker.draft_proposer import DraftModelProposer
+            from jaxserve.worker.kv_cache import page_bytes as _page_bytes
+            draft = DraftModelProposer.load_model(spec, config, backend, mc.vocab_size)
+            extra_page_bytes = _page_bytes(draft[1], config.cache.block_size, self.dtype)
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
-                                  param_bytes=param_bytes, mesh=self.mesh)
+                                  param_bytes=param_bytes, mesh=self.mesh,
+                                  extra_page_bytes=extra_page_bytes)
         self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         from jaxserve.worker.kv_cache import page_bytes
@@ -136,8 +145,7 @@ class LLMEngine:
         self._swapped: dict[str, object] = {}
         self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
         self.async_scheduling = config.async_scheduling
-        spec = config.speculative
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer = self._make_proposer(spec, draft) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self._inflight: _InFlight | None = None
         self.prompt_tokens_total = 0
@@ -301,6 +309,7 @@ class LLMEngine:
             self._record_prompt_logprobs(parent, out, int(done.query_start[i]), lo, hi)
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()  # Python scalars
         now = time.time()
+        to_propose = []
         for i, (s, hit) in enumerate(zip(done.sched.scheduled, done.hits)):
             req = s.request
             if not s.sample or req.is_finished or self._child_of.get(req.request_id) is not hit:
@@ -314,7 +323,9 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(req)
                 self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
             if req.use_spec and not req.is_finished and not req.num_pending:
-                self._propose(req)
+                to_propose.append(req)
+        if to_propose:
+            self._propose(to_propose)
 
     def _on_verified(self, req: Request, parent: _Parent, child: _Child, num_draft: int, out,
                      row: int, now: float) -> None:
@@ -331,15 +342,29 @@ class LLMEngine:
                 return
         self.block_manager.cache_full_blocks(req)
 
-    def _propose(self, req: Request) -> None:
-        room = self.max_model_len - req.num_tokens
-        if req.max_tokens is not None:
-            room = min(room, req.max_tokens - req.num_output_tokens - 1)
-        if room <= 0:
+    def _propose(self, reqs: list[Request]) -> None:
+        """Drafts for requests whose tokens are all known, up to what max_tokens and
+        max_model_len leave room for."""
+        want, room = [], []
+        for req in reqs:
+            n = self.max_model_len - req.num_tokens
+            if req.max_tokens is not None:
+                n = min(n, req.max_tokens - req.num_output_tokens - 1)
             req.spec_token_ids = []
-            return
-        draft = self.proposer.propose([np.asarray(req.all_token_ids)], [room])[0]
-        req.spec_token_ids = [int(t) for t in draft]
+            if n > 0:
+                want.append(req)
+                room.append(n)
+        if want:
+            for req, draft in zip(want, self.proposer.propose(want, room)):
+                req.spec_token_ids = [int(t) for t in draft]
+
+    def _make_proposer(self, spec, draft):
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+        from jaxserve.worker.draft_proposer import DraftModelProposer
+        return DraftModelProposer.build(spec, self.config, *draft, self.runner,
+                                        self.block_manager, self.max_model_len, self.dtype)
 
     def _prompt_logprob_rows(self, sched, hits: list) -> list:
         """(row, parent, lo, hi): prompt positions lo..hi-1 of this step whose next prompt token
@@ -448,7 +473,7 @@ class LLMEngine:
             num_waiting=s["num_requests_waiting"],
             kv_cache_usage=s["kv_cache_usage_perc"],
             num_preemptions=s["num_preemptions_total"],
-            num_compiles=self.runner.num_compiles,
+            num_compiles=self.runner.num_compiles + getattr(self.proposer, "num_compiles", 0),
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_free_pages=self.block_manager.num_free_pages,

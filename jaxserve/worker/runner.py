@@ -202,11 +202,12 @@ def default_attention_backend() -> str:
 
 
 def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
-                  param_bytes: int, tp: int = 1) -> int:
-    """Size the page pool from free device memory (or the override), after the weights."""
+                  param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> int:
+    """Size the page pool from free device memory (or the override), after the weights.
+    ``extra_page_bytes``: what a page costs elsewhere too (a draft model's pool shares the ids)."""
     cache = engine_config.cache
     block = cache.block_size
-    per_page = page_bytes(model_config, block, dtype, tp) // tp  # bytes on one device
+    per_page = page_bytes(model_config, block, dtype, tp) // tp + extra_page_bytes
     if cache.num_gpu_blocks_override is not None:
         return int(cache.num_gpu_blocks_override)
     stats = jax.local_devices()[0].memory_stats() or {}
@@ -234,7 +235,8 @@ def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype,
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
-                 max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None):
+                 max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None,
+                 extra_page_bytes: int = 0):
         self.model_config = model_config
         self.config = engine_config
         self.max_model_len = max_model_len
@@ -251,7 +253,8 @@ class ModelRunner:
         if mesh is not None:
             kv_sharding = parallel.kv_pool_sharding(mesh)
         self.num_pages = parallel.agree_across_hosts(num_pages_for(
-            model_config, engine_config, dtype, max_model_len, param_bytes // tp, tp))
+            model_config, engine_config, dtype, max_model_len, param_bytes // tp, tp,
+            extra_page_bytes))
         self.kv_dtype = dtype
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size, dtype,
                                           sharding=kv_sharding, tp=tp)
