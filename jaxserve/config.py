@@ -38,6 +38,9 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
     min_token_bucket: int = 16
     token_bucket_growth: int = 2  # ladder ratio between token buckets
+    # Limits the user left unset: the engine sets them to its backend's defaults
+    # (``worker.runner.default_scheduler_limits``) once it knows the backend.
+    backend_defaults: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -50,6 +53,15 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
             )
+
+
+    def apply_backend_defaults(self, max_num_seqs: int, max_num_batched_tokens: int,
+                               min_token_bucket: int, token_bucket_growth: int) -> None:
+        given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     min_token_bucket=min_token_bucket, token_bucket_growth=token_bucket_growth)
+        for name in self.backend_defaults:
+            setattr(self, name, given[name])
+        self.backend_defaults = ()
 
 
 @dataclass
@@ -154,6 +166,9 @@ class EngineConfig:
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
     async_scheduling: bool = True
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # request defaults from the model's generation_config.json: auto | vllm (none) | a directory
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -296,3 +311,63 @@ class ModelConfig:
             hf=d,
         )
 
+
+def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_model_len=None,
+                              gpu_memory_utilization=0.9, block_size=16, max_num_seqs=None,
+                              max_num_batched_tokens=None, enable_prefix_caching=True,
+                              swap_space=4.0, seed=0, tensor_parallel_size=1,
+                              data_parallel_size=1, enable_expert_parallel=False,
+                              load_format="auto",
+                              attention_backend="auto", num_gpu_blocks_override=None,
+                              preemption_mode="recompute", served_model_name=None,
+                              min_token_bucket=None, token_bucket_growth=None,
+                              async_scheduling=True, generation_config="auto",
+                              override_generation_config=None,
+                              speculative_config=None) -> EngineConfig:
+    """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
+    ``EngineConfig``. Needs no jax: limits left unset are named in
+    ``scheduler.backend_defaults`` and filled by the engine, which knows its backend."""
+    given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                 min_token_bucket=min_token_bucket, token_bucket_growth=token_bucket_growth)
+    unset = tuple(k for k, v in given.items() if v is None)
+    fallback = SchedulerConfig()
+    return EngineConfig(
+        model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
+        attention_backend=attention_backend, served_model_name=served_model_name,
+        async_scheduling=bool(async_scheduling),
+        generation_config=_generation_config_source(generation_config),
+        override_generation_config=_override_generation_config(override_generation_config),
+        speculative=SpeculativeConfig.from_dict(speculative_config),
+        cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                          num_gpu_blocks_override=num_gpu_blocks_override,
+                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
+        scheduler=SchedulerConfig(
+            **{k: getattr(fallback, k) if v is None else v for k, v in given.items()},
+            max_model_len=max_model_len, preemption_mode=preemption_mode,
+            backend_defaults=unset),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                data_parallel_size=data_parallel_size,
+                                enable_expert_parallel=enable_expert_parallel),
+    )
+
+
+def _generation_config_source(value) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {value!r}")
+    return value
+
+
+def _override_generation_config(value) -> dict | None:
+    """A dict, or its JSON text (the CLI's form)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
+    return dict(value)

@@ -428,7 +428,7 @@ def test_dashboard_is_provisioning_ready_and_complete():
         "KV cache usage": ["kv_cache_usage_perc"],
         "prefix-cache hit rate": ["prefix_cache_hits_total", "prefix_cache_queries_total"],
         "TTFT": ["time_to_first_token_seconds_bucket"],
-        "TPOT": ["time_per_output_token_seconds_bucket"],
+        "TPOT": ["request_time_per_output_token_seconds_bucket"],
         "ITL": ["inter_token_latency_seconds_bucket"],
         "E2E": ["e2e_request_latency_seconds_bucket"],
         "tokens/s": ["prompt_tokens_total", "generation_tokens_total"],
@@ -439,7 +439,7 @@ def test_dashboard_is_provisioning_ready_and_complete():
     for what, names in wanted.items():
         assert set(names) <= used, what
     quantiles = " ".join(dashboard_exprs())
-    for metric in ("time_to_first_token", "time_per_output_token", "inter_token_latency",
+    for metric in ("time_to_first_token", "request_time_per_output_token", "inter_token_latency",
                    "e2e_request_latency"):
         for q in ("0.5", "0.99"):
             assert f"histogram_quantile({q}, sum by (le) (rate(jaxserve:{metric}_seconds_bucket" in quantiles

@@ -254,11 +254,15 @@ def test_metrics_collector_and_request_histograms():
     assert val["jaxserve:time_to_first_token_seconds_count"] == 1
     assert val["jaxserve:time_to_first_token_seconds_sum"] == pytest.approx(0.5)
     assert val["jaxserve:e2e_request_latency_seconds_sum"] == pytest.approx(1.5)
-    assert val["jaxserve:time_per_output_token_seconds_sum"] == pytest.approx(0.5)
+    # vLLM's meanings: per-request mean over decode (1 s / 2 gaps), and one sample per gap
+    assert val["jaxserve:request_time_per_output_token_seconds_sum"] == pytest.approx(0.5)
+    assert val["jaxserve:request_time_per_output_token_seconds_count"] == 1
     assert val["jaxserve:inter_token_latency_seconds_count"] == 2
+    assert val["jaxserve:time_per_output_token_seconds_count"] == 2
     assert val["jaxserve:request_success_total"] == 1
     assert val["jaxserve:request_generation_tokens_sum"] == 3
-    assert all(s.labels["model_name"] == "a" for f in fams.values() for s in f.samples)
+    assert all(s.labels["model_name"] == "a" and s.labels["engine"] == "0"
+               for f in fams.values() for s in f.samples)
     assert b'model_name="b"' in m2.render()
 
 

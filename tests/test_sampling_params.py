@@ -76,15 +76,6 @@ def test_sampling_type():
     assert SamplingParams(temperature=0.7, seed=1).sampling_type == SamplingType.RANDOM_SEED
 
 
-def test_stop_token_ids_and_eos():
-    p = SamplingParams(stop_token_ids=[5, 9])
-    assert p.all_stop_token_ids == {5, 9}
-    p.update_from_generation_config([2, 5])
-    assert p.all_stop_token_ids == {2, 5, 9} and p.eos_token_id == 2
-    p.update_from_generation_config(3)
-    assert p.all_stop_token_ids == {3, 5, 9}
-
-
 def test_verify_vocab():
     SamplingParams(stop_token_ids=[9], logit_bias={9: 1}).verify_vocab(10)
     with pytest.raises(InvalidRequestError) as e:

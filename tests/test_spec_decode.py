@@ -328,16 +328,17 @@ def test_metrics_export_the_spec_decode_counters(engines):
     from jaxserve.entrypoints.openai.metrics import ServerMetrics
 
     llm = engines[1]
-    llm.generate(_repeating_prompts(2, seed=7),
-                 SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.generate(_repeating_prompts(3, seed=1),  # outputs that repeat (see the first test)
+                 SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     s = llm.llm_engine.stats()
     text = ServerMetrics(llm.llm_engine.stats, "m").render().decode()
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        want = f'jaxserve:spec_decode_{name}_total{{model_name="m"}} {float(s["spec_decode_" + name])}'
+        want = (f'jaxserve:spec_decode_{name}_total{{engine="0",model_name="m"}} '
+                f'{float(s["spec_decode_" + name])}')
         assert want in text
     for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
-        assert (f'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",'
-                f'position="{pos}"}} {float(n)}') in text
+        assert (f'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",'
+                f'model_name="m",position="{pos}"}} {float(n)}') in text
     assert s["spec_decode_num_drafts"] > 0
     # an engine without speculation exports none of them
     assert "spec_decode" not in ServerMetrics(engines[0].llm_engine.stats, "m").render().decode()

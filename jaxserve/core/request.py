@@ -52,7 +52,6 @@ class Request:
         sampling_params: Any = None,
         arrival_time: float | None = None,
         priority: int = 0,
-        eos_token_id: int | None = None,
         cache_salt: str | None = None,
         prefix_parent: "Request | None" = None,
     ):
@@ -61,7 +60,6 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
         self.priority = int(priority)
-        self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt  # mixed into the first page's prefix-cache hash
         # n > 1: siblings name the first child here; the scheduler admits them once its prompt
         # is computed, so they take its full prompt pages from the prefix cache (copy-free).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.errors import InvalidRequestError
@@ -73,8 +73,6 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
-    # Set by the engine from the tokenizer / generation config (vLLM: update_from_generation_config).
-    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -203,26 +201,6 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._eos_token_ids[0] if self._eos_token_ids else None
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        """stop_token_ids plus the model's EOS id(s) (vLLM includes EOS even with ignore_eos;
-        the engine's stop check skips EOS when ignore_eos, min_tokens masks them all)."""
-        return set(self.stop_token_ids) | set(self._eos_token_ids)
-
-    def update_from_generation_config(self, eos_token_id: int | list[int] | None) -> None:
-        """Record the model's EOS id(s) (tokenizer and generation_config.json's eos_token_id)."""
-        if eos_token_id is None:
-            ids: tuple[int, ...] = ()
-        elif isinstance(eos_token_id, int):
-            ids = (eos_token_id,)
-        else:
-            ids = tuple(dict.fromkeys(int(t) for t in eos_token_id))
-        self._eos_token_ids = ids
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary (needs the model, so the engine calls it)."""

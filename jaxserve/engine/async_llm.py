@@ -32,6 +32,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
+        self.default_sampling = self.engine.default_sampling
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self.chat_template = None
         self._commands: queue.Queue = queue.Queue()

@@ -55,6 +55,7 @@ class DataParallelAsyncLLM:
         self.tokenizer = first.tokenizer
         self.model_config = first.model_config
         self.max_model_len = first.max_model_len
+        self.default_sampling = first.default_sampling
         self.served_model_name = first.served_model_name
         self.chat_template = None
         self._inflight = [0] * len(self.replicas)  # unfinished requests routed to each

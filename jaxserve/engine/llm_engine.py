@@ -31,10 +31,13 @@ from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dt
 from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.worker.parallel import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.worker.runner import ModelRunner, default_attention_backend, enable_compilation_cache
+from jaxserve.worker.runner import (ModelRunner, default_attention_backend, default_scheduler_limits,
+                                    enable_compilation_cache)
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.spec_decode import NgramProposer, SpecDecodeStats, can_speculate
+from jaxserve.engine.generation_config import (default_sampling, eos_token_ids,
+                                               load_generation_config)
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, devices=None):
         """``devices``: the devices of this replica (data parallel); default all visible."""
         self.config = config
+        if config.scheduler.backend_defaults:
+            config.scheduler.apply_backend_defaults(*default_scheduler_limits())
         enable_compilation_cache()
         try:
             self.dtype = resolve_dtype(config.dtype)
@@ -120,9 +125,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_model_len={self.max_model_len} exceeds the model's limit of {limit}",
                 param="max_model_len")
-        self.eos_token_ids = _eos_ids(mc.eos_token_id, self.tokenizer)
-        self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
-        self._eos_list = sorted(self.eos_token_ids)
         spec = config.speculative
         draft = None
         extra_page_bytes = 0
@@ -131,6 +133,18 @@ class LLMEngine:
             from jaxserve.worker.kv_cache import page_bytes as _page_bytes
             draft = DraftModelProposer.load_model(spec, config, backend, mc.vocab_size)
             extra_page_bytes = _page_bytes(draft[1], config.cache.block_size, self.dtype)
+        try:
+            self.generation_config = load_generation_config(
+                config.generation_config, self.model_dir, config.override_generation_config)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="generation_config") from None
+        # request defaults for the sampling fields a request leaves unset (server, LLM)
+        self.default_sampling = default_sampling(self.generation_config)
+        # generation stops at any of these (unless ignore_eos); min_tokens masks them all
+        self._eos_list = list(eos_token_ids(mc.eos_token_id,
+                                            self.generation_config.get("eos_token_id"),
+                                            getattr(self.tokenizer, "eos_token_id", None)))
+        self.eos_token_ids = frozenset(self._eos_list)
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
                                   param_bytes=param_bytes, mesh=self.mesh,
                                   extra_page_bytes=extra_page_bytes)
@@ -181,7 +195,7 @@ class LLMEngine:
             if i > 0 and self.config.cache.enable_prefix_caching:
                 share = parent.children[0].request
             req = Request(rid, list(ids), child_params, arrival_time=now, priority=priority,
-                          eos_token_id=self.eos_token_id, prefix_parent=share)
+                          prefix_parent=share)
             req.use_spec = self.proposer is not None and can_speculate(child_params)
             detok = None
             if params.detokenize:
@@ -488,16 +502,6 @@ def child_seed(seed: int, index: int) -> int:
     """The seed of choice ``index`` of an ``n > 1`` request (vLLM's ``seed + index``), kept in
     the sampler's 64-bit range: distinct for distinct indices of one parent."""
     return (seed + index) % (MAX_SEED + 1)
-
-
-def _eos_ids(eos, tokenizer) -> frozenset[int]:
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    if isinstance(eos, (list, tuple)):
-        return frozenset(int(e) for e in eos)
-    return frozenset([int(eos)])
 
 
 def _load_tokenizer(model_path, tokenizer):

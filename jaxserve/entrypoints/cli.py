@@ -124,6 +124,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=EngineConfig.async_scheduling,
                    help="schedule and dispatch the next step while the current one runs "
                         "(exact; default: %(default)s)")
+    d.add_argument("--generation-config", default=EngineConfig.generation_config,
+                   metavar="auto|vllm|DIR",
+                   help="request defaults (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty) and extra EOS ids from generation_config.json: "
+                        "auto reads the model's, vllm uses none, a directory reads its own "
+                        "(default: %(default)s)")
+    d.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
 
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -260,13 +268,15 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,
-        speculative_config=speculative_config_from_args(args))
+        speculative_config=speculative_config_from_args(args),
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The single mapping from parsed flags to ``EngineConfig`` (through the same keyword
     arguments ``LLM(...)`` takes, so the CLI, the server and the offline API agree)."""
-    from jaxserve.entrypoints.llm import engine_config_from_kwargs
+    from jaxserve.config import engine_config_from_kwargs
 
     return engine_config_from_kwargs(**engine_kwargs_from_args(args))
 

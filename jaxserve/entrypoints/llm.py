@@ -6,44 +6,11 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig)
+from jaxserve.config import engine_config_from_kwargs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import RequestOutput
-from jaxserve.worker.runner import default_scheduler_limits
 from jaxserve.core.sampling_params import SamplingParams
-
-
-def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_model_len=None,
-                              gpu_memory_utilization=0.9, block_size=16, max_num_seqs=None,
-                              max_num_batched_tokens=None, enable_prefix_caching=True,
-                              swap_space=4.0, seed=0, tensor_parallel_size=1,
-                              data_parallel_size=1, enable_expert_parallel=False,
-                              load_format="auto",
-                              attention_backend="auto", num_gpu_blocks_override=None,
-                              preemption_mode="recompute", served_model_name=None,
-                              min_token_bucket=None, token_bucket_growth=None,
-                              async_scheduling=True, speculative_config=None) -> EngineConfig:
-    seqs, toks, min_bucket, growth = default_scheduler_limits()
-    return EngineConfig(
-        model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
-        attention_backend=attention_backend, served_model_name=served_model_name,
-        async_scheduling=bool(async_scheduling),
-        speculative=SpeculativeConfig.from_dict(speculative_config),
-        cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                          num_gpu_blocks_override=num_gpu_blocks_override,
-                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs or seqs,
-            max_num_batched_tokens=max_num_batched_tokens or toks,
-            max_model_len=max_model_len, preemption_mode=preemption_mode,
-            min_token_bucket=min_token_bucket or min_bucket,
-            token_bucket_growth=token_bucket_growth or growth),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                data_parallel_size=data_parallel_size,
-                                enable_expert_parallel=enable_expert_parallel),
-    )
 
 
 class LLM:
@@ -57,6 +24,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (``generate``'s default)."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
                  = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
@@ -64,6 +35,8 @@ class LLM:
                 isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         prios = _per_prompt(priority, len(prompts), "priority") if priority is not None else None
         return self._run([(p, sp, prios[i] if prios else 0)
@@ -107,8 +80,6 @@ class LLM:
 
 
 def _per_prompt(value, n: int, name: str) -> list:
-    if value is None:
-        return [SamplingParams() for _ in range(n)] if name == "sampling_params" else [0] * n
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts",

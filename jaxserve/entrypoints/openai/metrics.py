@@ -20,6 +20,9 @@ from jaxserve.core.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 PREFIX = "jaxserve:"
+# vLLM labels every metric with the model and the engine (core) index; one core serves here
+LABELS = ["model_name", "engine"]
+ENGINE = "0"
 
 # vLLM's buckets (seconds / tokens), so dashboards built for vLLM read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -40,15 +43,15 @@ class EngineStatsCollector:
 
     def collect(self):
         s = self._stats()
-        label = [self._model_name]
+        label = [self._model_name, ENGINE]
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
             g.add_metric(label, float(value))
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
             c.add_metric(label, float(value))
             return c
 
@@ -88,7 +91,7 @@ class EngineStatsCollector:
                           s["spec_decode_num_accepted_tokens"])
             c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted tokens per draft position.",
-                                    labels=["model_name", "position"])
+                                    labels=LABELS + ["position"])
             for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
                 c.add_metric(label + [str(pos)], float(n))
             yield c
@@ -102,19 +105,22 @@ class ServerMetrics:
         self.first_request_logged = False  # the start-up log reports the first request's speed
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(stats, model_name))
-        labels = ["model_name"]
-
         def hist(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets,
+                             registry=self.registry).labels(model_name, ENGINE)
 
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token.",
                          TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency.",
                         ITL_BUCKETS)
+        # vLLM's meanings: the gap before each output token (time_per_output_token_seconds is
+        # its older name for the same), and each request's mean over its decode phase
         self.tpot = hist("time_per_output_token_seconds",
-                         "Histogram of the mean time per output token of each request.",
-                         ITL_BUCKETS)
+                         "Histogram of time per output token (deprecated alias of "
+                         "inter_token_latency_seconds).", ITL_BUCKETS)
+        self.request_tpot = hist("request_time_per_output_token_seconds",
+                                 "Histogram of the mean time per output token of each request.",
+                                 ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds",
                         "Histogram of end-to-end request latency.", E2E_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds",
@@ -125,7 +131,7 @@ class ServerMetrics:
         self.generation_tokens = hist("request_generation_tokens",
                                       "Number of generation tokens per request.", TOKEN_BUCKETS)
         self.success = Counter(PREFIX + "request_success", "Count of finished requests.",
-                               ["model_name", "finished_reason"], registry=self.registry)
+                               [*LABELS, "finished_reason"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -157,6 +163,7 @@ class RequestObserver:
                 gap = (now - last_t) / (n - last_n)
                 for _ in range(n - last_n):
                     self.m.itl.observe(gap)
+                    self.m.tpot.observe(gap)
             self._last[c.index] = (now, n)
 
     def on_finish(self, out: RequestOutput | None, finish_reasons: list[str | None]) -> None:
@@ -165,7 +172,7 @@ class RequestObserver:
         self._done = True
         now = time.monotonic()
         for reason in finish_reasons:
-            self.m.success.labels(self.m.model_name, reason or "abort").inc()
+            self.m.success.labels(self.m.model_name, ENGINE, reason or "abort").inc()
         if out is None:
             return
         gen_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -190,7 +197,7 @@ class RequestObserver:
         self.m.e2e.observe(max(0.0, e2e))
         per_seq = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
         if per_seq > 1:
-            self.m.tpot.observe(max(0.0, decode) / (per_seq - 1))
+            self.m.request_tpot.observe(max(0.0, decode) / (per_seq - 1))
             if not self.m.first_request_logged:
                 self.m.first_request_logged = True
                 logger.info("first request: %d prompt tokens, time to first token %.2f s, "

@@ -242,7 +242,7 @@ class _SamplingFields(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: dict | None = None) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
             n=self.n, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed,
@@ -252,9 +252,11 @@ class _SamplingFields(RequestModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
-        # None means "the engine's default" (vLLM's SamplingParams defaults).
+        # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = (defaults or {}).get(name)
             if value is not None:
                 kw[name] = value
         return kw
@@ -292,8 +294,9 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
-        kw = self._sampling_kwargs()
+    def to_sampling_params(self, max_model_len: int, prompt_len: int,
+                           defaults: dict | None = None) -> SamplingParams:
+        kw = self._sampling_kwargs(defaults)
         kw["max_tokens"] = _resolve_max_tokens(self.max_tokens, max_model_len, prompt_len,
                                                "max_tokens")
         kw["logprobs"] = self.logprobs
@@ -405,8 +408,9 @@ class ChatCompletionRequest(_SamplingFields):
         """UTF-8 bytes of all message text: the rendered prompt holds at least these."""
         return sum(len(m.text(f"messages.{i}").encode()) for i, m in enumerate(self.messages))
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
-        kw = self._sampling_kwargs()
+    def to_sampling_params(self, max_model_len: int, prompt_len: int,
+                           defaults: dict | None = None) -> SamplingParams:
+        kw = self._sampling_kwargs(defaults)
         requested = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

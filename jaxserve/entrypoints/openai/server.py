@@ -387,6 +387,8 @@ class OpenAIServing:
         self.draining = False
         self._live: set[_FanIn] = set()
         self.tokens = _Tokens(engine.tokenizer)
+        # the model's generation-config defaults for sampling fields a request leaves unset
+        self.defaults = dict(getattr(engine, "default_sampling", None) or {})
         # Tokenizing a long text or rendering a chat template takes seconds of CPU: it runs
         # here, off the event loop, so other requests and /health keep being answered.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
@@ -550,7 +552,8 @@ class OpenAIServing:
                 echo_texts.append(p if isinstance(p, str) else self.engine.tokenizer.decode(ids))
             else:
                 echo_texts.append("")
-        params = [req.to_sampling_params(self.engine.max_model_len, len(ids)) for ids in prompts]
+        params = [req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
+                  for ids in prompts]
         # One SamplingParams serves all prompts; the tightest max_tokens default applies.
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
         self._check_vocab(sp)
@@ -675,7 +678,7 @@ class OpenAIServing:
         self._check_prompt_bytes(req.content_bytes(), "messages")
         ids = await self._chat_ids(req)
         self._check_prompt_len(ids, "messages")
-        sp = req.to_sampling_params(self.engine.max_model_len, len(ids))
+        sp = req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
         self._check_vocab(sp)
         echo = ""
         if req.echo and req.messages[-1].role == "assistant":
@@ -920,7 +923,8 @@ def build_app(engine, *, api_key: str | None = None,
 # ---- running it ------------------------------------------------------------------------------
 def startup_message(engine, host: str, port: int, names: list[str]) -> str:
     s = engine.stats()
-    dtype = getattr(getattr(engine, "engine", None), "dtype", None) or engine.config.dtype
+    dtype = (getattr(engine, "dtype", None) or getattr(getattr(engine, "engine", None), "dtype", None)
+             or engine.config.dtype)
     dtype = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
     return (f"jaxserve ready: model {engine.config.model or names[0]!s} served as "
@@ -1022,11 +1026,16 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly."""
-    from jaxserve.engine.data_parallel import make_async_llm
+    from jaxserve.engine.core_client import EngineCoreClient, use_core_process
 
     template = load_chat_template(chat_template)  # fail before the slow model load
     t0 = time.perf_counter()
-    engine = make_async_llm(engine_config)  # DataParallelAsyncLLM when data_parallel_size > 1
+    if use_core_process(engine_config):
+        engine = EngineCoreClient(engine_config)  # the device loop in its own process
+    else:
+        from jaxserve.engine.data_parallel import make_async_llm
+
+        engine = make_async_llm(engine_config)  # DP replicas and multi-host: in this process
     logger.info("engine ready in %.1f s", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
                     chat_template=template, max_body_bytes=max_body_bytes)

@@ -1,0 +1,249 @@
+"""The API process's handle on an engine core running in a child process.
+
+Same surface as ``AsyncLLM`` (``generate``/``abort``/``check_health``/``stats``/``shutdown``,
+``tokenizer``, ``model_config``, ``max_model_len``), so the server does not know which one it
+holds. A reader thread takes the core's frames off the socket and hands each to its request's
+asyncio queue; it also watches the child: when the core dies every stream gets
+``EngineDeadError`` and ``check_health`` raises within ``WATCH_S`` seconds.
+
+This module and everything it imports must stay free of jax: that is the point of the split
+(a test reads ``/proc/<pid>/maps`` of the API process).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+import threading
+from typing import AsyncIterator
+
+import zmq
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.core_process import decode_message, run_engine_core
+from jaxserve.errors import EngineDeadError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+WATCH_S = 0.2  # the reader thread checks the child this often
+_FINISHED = object()
+
+
+def use_core_process(config: EngineConfig) -> bool:
+    """``jaxserve serve`` runs the engine core in a child process unless
+    ``JAXSERVE_ENABLE_MULTIPROCESSING=0`` (vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``). Data
+    parallel replicas and multi-host leaders keep their cores in the API process for now."""
+    if os.environ.get("JAXSERVE_ENABLE_MULTIPROCESSING", "1").lower() in ("0", "false", "no"):
+        return False
+    return config.parallel.data_parallel_size == 1 and config.parallel.num_hosts == 1
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, ready_timeout_s: float | None = None):
+        self.config = config
+        self.served_model_name = config.served_model_name or config.model or "jaxserve"
+        self.chat_template = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adds: dict[str, asyncio.Future] = {}
+        self._dead: str | None = None
+        self._stopping = False
+        self._send_lock = threading.Lock()
+        self._dir = tempfile.mkdtemp(prefix="jaxserve-core-")
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(in_addr)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self.process = mp.Process(target=run_engine_core, name="jaxserve-engine-core",
+                                  args=(config, in_addr, out_addr, os.getpid()), daemon=True)
+        self.process.start()
+        info = self._wait_ready(ready_timeout_s)
+        self.tokenizer = info["tokenizer"]
+        self.model_config = info["model_config"]
+        self.max_model_len = info["max_model_len"]
+        self.dtype = info["dtype"]
+        self.default_sampling = info["default_sampling"]
+        self.core_pid = info["pid"]
+        config.model = info["model"]
+        config.served_model_name = info["served_model_name"]
+        self.served_model_name = config.served_model_name or config.model or "jaxserve"
+        self._stats = info["stats"]
+        self._reader = threading.Thread(target=self._read, name="jaxserve-core-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self, timeout_s: float | None) -> dict:
+        waited = 0.0
+        while not self._from_core.poll(int(WATCH_S * 1000)):
+            waited += WATCH_S
+            if not self.process.is_alive():
+                raise EngineDeadError(f"the engine core exited while starting "
+                                      f"(exit code {self.process.exitcode}); see its log above")
+            if timeout_s is not None and waited > timeout_s:
+                self.process.kill()
+                raise EngineDeadError(f"the engine core was not ready after {timeout_s:.0f} s")
+        kind, *rest = decode_message(self._from_core.recv())
+        if kind != "ready":
+            raise EngineDeadError(f"the engine core failed while starting: {rest[0]}")
+        return rest[0]
+
+    # ---- reader thread -----------------------------------------------------------------
+    def _read(self) -> None:
+        sock = self._from_core
+        while not self._stopping:
+            if sock.poll(int(WATCH_S * 1000)):
+                try:
+                    self._dispatch(decode_message(sock.recv()))
+                except Exception:  # noqa: BLE001 - a bad frame must not kill the reader
+                    logger.exception("could not handle a frame from the engine core")
+                continue
+            if self._dead is None and not self.process.is_alive() and not self._stopping:
+                self._die(f"the engine core process exited (exit code {self.process.exitcode})")
+        # after shutdown: nothing more to read
+
+    def _dispatch(self, msg) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, outputs, stats = msg
+            for out in outputs:
+                self._deliver(out.request_id, out)
+                if out.finished:
+                    self._deliver(out.request_id, _FINISHED)
+            if stats is not None:
+                self._stats = stats
+        elif kind == "added":
+            _, rid, err = msg
+            fut = self._adds.pop(rid, None)
+            if fut is not None:
+                loop = fut.get_loop()
+                loop.call_soon_threadsafe(_settle, fut, err)
+        elif kind == "dead":
+            self._die(f"the engine core died: {msg[1]}")
+
+    def _die(self, why: str) -> None:
+        logger.error(why)
+        self._dead = why
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(why))
+        for rid, fut in list(self._adds.items()):
+            fut.get_loop().call_soon_threadsafe(_settle, fut, EngineDeadError(why))
+        self._adds.clear()
+
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            self._streams.pop(request_id, None)
+
+    def _send(self, msg) -> None:
+        frame = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._to_core.send(frame)
+
+    # ---- public API (AsyncLLM's) ---------------------------------------------------------
+    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        self.check_health()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running",
+                                      param="request_id")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        added = loop.create_future()
+        self._streams[request_id] = (loop, q)
+        self._adds[request_id] = added
+        self._send(("add", request_id, prompt, sampling_params or SamplingParams(), priority))
+        finished = False
+        try:
+            try:
+                await added
+            except BaseException:
+                finished = added.done() and not added.cancelled()  # rejected: nothing to abort
+                raise
+            while True:
+                item = await q.get()
+                if item is _FINISHED:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            self._adds.pop(request_id, None)
+            if not finished and self._dead is None and not self._stopping:
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        if self._dead is None and not self._stopping:
+            self._send(("abort", request_id))
+        if request_id in self._streams:
+            self._deliver(request_id, _FINISHED)
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if not self.process.is_alive():
+            raise EngineDeadError(f"the engine core process exited "
+                                  f"(exit code {self.process.exitcode})")
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self.process.is_alive()
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    async def shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the core (it finishes its current step), then the reader and the sockets."""
+        if self._stopping:
+            return
+        if self.process.is_alive():
+            try:
+                self._send(("shutdown",))
+            except zmq.ZMQError:
+                pass
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                logger.warning("the engine core did not stop in %.0f s; killing it", timeout_s)
+                self.process.kill()
+                self.process.join(5.0)
+        self._stopping = True
+        self._reader.join(2 * WATCH_S + 1.0)
+        self._to_core.close(0)
+        self._from_core.close(0)
+        self._ctx.term()
+        for name in ("in", "out"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+def _settle(fut: asyncio.Future, err) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

@@ -1,0 +1,153 @@
+"""The engine core in its own process: the scheduler and the device loop, nothing else.
+
+``jaxserve serve`` runs this in a child process so the device loop never waits for HTTP,
+JSON, tokenization or chat templates, and the API process never imports jax. The wire is two
+ZeroMQ sockets on ipc:// paths: requests come in on a PULL socket (``add``/``abort``/
+``shutdown``, pickled: they are few and carry ``SamplingParams``), and each step's outputs go
+out on a PUSH socket, msgpack-encoded with msgspec (the hot path). Messages out:
+
+- ``("ready", info)``: once, after warm-up; ``info`` holds what the API process needs
+  (tokenizer, model config, max_model_len, stats).
+- ``("added", rid, None)`` / ``("added", rid, error)``: the answer to each ``add``.
+- ``("step", outputs, stats)``: the ``RequestOutput``s of one step.
+- ``("dead", message)``: the loop failed; the process then exits.
+
+The core exits when its parent does (it checks its parent id), so it never outlives the
+server.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+
+import msgspec
+import zmq
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.05  # stats ride along with step outputs at most this often when idle
+POLL_MS = 50  # how long an idle core waits for input before it checks its parent again
+
+
+def encode_outputs(outputs: list[RequestOutput], stats: dict | None) -> bytes:
+    return _ENCODER.encode(("step", outputs, stats))
+
+
+def decode_message(frame: bytes):
+    """Decode a core → API frame: step outputs typed, the rest as plain msgpack or pickle."""
+    if frame[:1] == b"P":
+        return pickle.loads(frame[1:])
+    kind, outputs, stats = _STEP_DECODER.decode(frame)
+    return kind, outputs, stats
+
+
+def _pickled(msg) -> bytes:
+    return b"P" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_STEP_DECODER = msgspec.msgpack.Decoder(tuple[str, list[RequestOutput], dict | None])
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    parent_pid: int) -> None:
+    """Entry point of the core process (``multiprocessing`` spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(output_addr)
+    try:
+        _serve(config, inbox, outbox, parent_pid)
+    except BaseException as e:  # noqa: BLE001 - the API process must hear why we died
+        logger.exception("engine core died")
+        try:
+            outbox.send(_pickled(("dead", f"{type(e).__name__}: {e}")))
+        except zmq.ZMQError:
+            pass
+    finally:
+        inbox.close(0)
+        outbox.close()
+        ctx.term()
+
+
+def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    outbox.send(_pickled(("ready", _ready_info(engine))))
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    last_stats = 0.0
+    while True:
+        busy = engine.has_unfinished_requests()
+        events = dict(poller.poll(0 if busy else POLL_MS))
+        while inbox in events or (events and inbox.poll(0)):
+            try:
+                frame = inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if not _handle(engine, pickle.loads(frame), outbox):
+                return
+            events = {inbox: 1}
+        if engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.monotonic()
+            stats = None
+            if outs or now - last_stats > STATS_INTERVAL_S:
+                stats, last_stats = engine.stats(), now
+            if outs or stats is not None:
+                outbox.send(encode_outputs(outs, stats))
+        else:
+            if os.getppid() != parent_pid:
+                logger.warning("the API process is gone; the engine core stops")
+                return
+            now = time.monotonic()
+            if now - last_stats > 1.0:  # idle: keep the API's gauges fresh, cheaply
+                outbox.send(encode_outputs([], engine.stats()))
+                last_stats = now
+
+
+def _handle(engine, msg, outbox) -> bool:
+    """Apply one API message; False on shutdown."""
+    kind = msg[0]
+    if kind == "add":
+        _, rid, prompt, params, priority = msg
+        try:
+            engine.add_request(rid, prompt, params, priority=priority)
+            err = None
+        except InvalidRequestError as e:
+            err = e
+        except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
+            err = InvalidRequestError(str(e))
+        outbox.send(_pickled(("added", rid, err)))
+    elif kind == "abort":
+        engine.abort_request(msg[1])
+    elif kind == "shutdown":
+        return False
+    return True
+
+
+def _ready_info(engine) -> dict:
+    dtype = getattr(engine, "dtype", None)
+    return dict(
+        tokenizer=engine.tokenizer,
+        model_config=engine.model_config,
+        max_model_len=engine.max_model_len,
+        dtype=getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype),
+        stats=engine.stats(),
+        pid=os.getpid(),
+        model=engine.config.model,  # the engine resolves the default model
+        served_model_name=engine.config.served_model_name,
+        default_sampling=engine.default_sampling,
+    )
