@@ -4,6 +4,7 @@ sampling reproduces the target distribution (chi-square), seeded requests reprod
 shapes are compiled at warm-up, and the counters agree with the tokens produced."""
 from __future__ import annotations
 
+import json
 import random
 
 import jax
@@ -422,3 +423,49 @@ def test_draft_model_config_errors(llama_dir):
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         SpeculativeConfig.from_dict({"method": "draft_model", "model": "x",
                                      "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+@pytest.mark.slow
+def test_served_with_speculative_config(tmp_path, llama_dir, engines):
+    """`jaxserve serve --speculative-config`: the engine core process speculates, the completion
+    equals the offline greedy one, and /metrics shows the drafts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+    from server_process import free_port, wait_healthy
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("JAXSERVE_API_KEY", None)
+    port = free_port()
+    log = tmp_path / "log.txt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(llama_dir), "--port",
+         str(port), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "16", "--min-token-bucket", "16",
+         "--num-gpu-blocks-override", "24", "--block-size", "8", "--uvicorn-log-level",
+         "warning", "--speculative-config", json.dumps(SPEC)],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_healthy(port, [proc], [log], timeout=300)
+        prompt = _repeating_prompts(3, seed=1)[0]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        want = engines[0].generate([prompt], SamplingParams(temperature=0, max_tokens=30,
+                                                            ignore_eos=True), use_tqdm=False)
+        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        drafts = [float(ln.split()[-1]) for ln in metrics.splitlines()
+                  if ln.startswith("jaxserve:spec_decode_num_drafts_total")]
+        assert drafts and drafts[0] > 0, metrics[-2000:]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
