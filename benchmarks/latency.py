@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="LLM(speculative_config=...) as JSON; turns on the comparison")
     g.add_argument("--batch-sizes", default=None,
                    help="comma-separated batch sizes for the comparison (default: --batch-size)")
+    g.add_argument("--token-bucket-growth", type=int, default=None,
+                   help="ratio of the compile ladder (with k+1 = 4, growth 4 puts a verify "
+                        "row of a batch exactly on the rung above its plain decode)")
     g.add_argument("--spec-prompt", choices=("repeat", "random"), default="repeat",
                    help="repeat: repeat a passage of code with an edit; random: random tokens")
     B.add_baseline_args(p)

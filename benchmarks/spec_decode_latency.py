@@ -56,7 +56,7 @@ def run_spec_comparison(args) -> dict:
     kw = dict(dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs or max(sizes),
               max_model_len=args.max_model_len or 1024, block_size=args.block_size)
     for k in ("max_num_batched_tokens", "num_gpu_blocks_override", "min_token_bucket",
-              "load_format"):
+              "token_bucket_growth", "load_format"):
         if getattr(args, k, None) is not None:
             kw[k] = getattr(args, k)
     if args.preset and "load_format" not in kw:
@@ -78,6 +78,7 @@ def run_spec_comparison(args) -> dict:
     for bs in sizes:
         prompts = _prompts(args.spec_prompt, bs, tok, vocab, args.input_len, args.seed)
         lat = {"base": [], "spec": []}
+        dec = {"base": [], "spec": []}  # after the last prompt's first token: decode only
         outs = {}
         st = fast.llm_engine.spec_stats
         drafts0, acc0, dt0 = st.num_drafts, st.num_accepted_tokens, st.num_draft_tokens
@@ -89,6 +90,8 @@ def run_spec_comparison(args) -> dict:
                 outs[name] = [o.outputs[0].token_ids for o in res]
                 if it >= args.num_iters_warmup:
                     lat[name].append(dt)
+                    dec[name].append(max(o.metrics.last_token_time for o in res)
+                                     - max(o.metrics.first_token_time for o in res))
         n_drafts = st.num_drafts - drafts0
         row = dict(
             batch_size=bs,
@@ -97,17 +100,21 @@ def run_spec_comparison(args) -> dict:
                 for p in prompts),
             base_latency_s=statistics.median(lat["base"]), spec_latency_s=statistics.median(
                 lat["spec"]), base_latencies=lat["base"], spec_latencies=lat["spec"],
+            base_decode_s=statistics.median(dec["base"]),
+            spec_decode_s=statistics.median(dec["spec"]),
             outputs_identical=outs["base"] == outs["spec"],
             num_drafts=n_drafts, num_draft_tokens=st.num_draft_tokens - dt0,
             num_accepted_tokens=st.num_accepted_tokens - acc0,
             mean_acceptance_length=1 + (st.num_accepted_tokens - acc0) / max(1, n_drafts),
         )
         row["speedup"] = row["base_latency_s"] / row["spec_latency_s"]
+        row["decode_speedup"] = row["base_decode_s"] / max(row["spec_decode_s"], 1e-9)
         row["spec_output_tokens_per_s"] = bs * args.output_len / row["spec_latency_s"]
         row["base_output_tokens_per_s"] = bs * args.output_len / row["base_latency_s"]
         rows.append(row)
         print(f"batch {bs}: plain {row['base_latency_s']:.2f} s, speculative "
-              f"{row['spec_latency_s']:.2f} s, speed-up {row['speedup']:.2f}x, acceptance "
+              f"{row['spec_latency_s']:.2f} s, speed-up {row['speedup']:.2f}x (decode phase "
+              f"{row['decode_speedup']:.2f}x), acceptance "
               f"length {row['mean_acceptance_length']:.2f}, identical {row['outputs_identical']}")
 
     res = dict(benchmark="latency-speculative", **B.run_metadata(),
@@ -128,17 +135,22 @@ def _plot(path, rows, spec, args) -> str:
     plt = B.plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [str(r["batch_size"]) for r in rows]
-    a1.bar(xs, [r["speedup"] for r in rows], color="tab:blue")
+    w = 0.38
+    idx = range(len(rows))
+    a1.bar([i - w / 2 for i in idx], [r["speedup"] for r in rows], w, label="end to end")
+    a1.bar([i + w / 2 for i in idx], [r["decode_speedup"] for r in rows], w,
+           label="decode phase")
+    a1.set_xticks(list(idx), xs)
     a1.axhline(1.0, color="gray", ls="--")
+    a1.legend(loc="lower left", fontsize=8)
     for i, r in enumerate(rows):
-        a1.text(i, r["speedup"], f"{r['speedup']:.2f}x\nacc {r['mean_acceptance_length']:.2f}",
-                ha="center", va="bottom", fontsize=8)
+        top = max(r["speedup"], r["decode_speedup"])
+        a1.text(i, top, f"acc len {r['mean_acceptance_length']:.2f}", ha="center",
+                va="bottom", fontsize=8)
     a1.set_xlabel("batch size")
     a1.set_ylabel("speed-up (plain / speculative latency)")
     a1.set_title(f"{spec.get('method')} k={spec.get('num_speculative_tokens')}, "
                  f"{args.spec_prompt} prompts")
-    w = 0.38
-    idx = range(len(rows))
     a2.bar([i - w / 2 for i in idx], [r["base_output_tokens_per_s"] for r in rows], w,
            label="plain")
     a2.bar([i + w / 2 for i in idx], [r["spec_output_tokens_per_s"] for r in rows], w,
