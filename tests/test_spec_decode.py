@@ -1,11 +1,12 @@
-"""Speculative decoding (n-gram) is exact: greedy output is identical with and without it
-(sync and async loop, under preemption, stops and max_tokens inside an accepted run), rejection
-sampling reproduces the target distribution (chi-square), seeded requests reproduce, the verify
-shapes are compiled at warm-up, and the counters agree with the tokens produced."""
+"""Speculative decoding (n-gram and draft model) is exact: greedy output is identical with and
+without it (sync and async loop, under preemption, stops and max_tokens inside an accepted run),
+rejection sampling reproduces the target distribution (chi-square), seeded requests reproduce,
+the verify shapes are compiled at warm-up, and the counters agree with the tokens produced."""
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -432,8 +433,6 @@ def test_served_with_speculative_config(tmp_path, llama_dir, engines):
     import os
     import subprocess
     import sys
-    from pathlib import Path
-
     import httpx
     from server_process import free_port, wait_healthy
 
@@ -469,3 +468,24 @@ def test_served_with_speculative_config(tmp_path, llama_dir, engines):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_latency_benchmark_speculative_mode(tmp_path, llama_dir):
+    from benchmarks import latency
+
+    out = latency.main(["--model", str(llama_dir), "--speculative-config", json.dumps(SPEC),
+                        "--batch-sizes", "1,2", "--output-len", "12", "--num-iters", "1",
+                        "--num-iters-warmup", "0", "--spec-prompt", "random", "--input-len",
+                        "20", "--max-num-batched-tokens", "16", "--min-token-bucket", "16",
+                        "--max-model-len", "64", "--dtype", "float32", "--result-dir",
+                        str(tmp_path), "--disable-tqdm"])
+    (f,) = tmp_path.glob("latency-spec-*.json")
+    saved = json.loads(f.read_text())
+    assert [r["batch_size"] for r in saved["results"]] == [1, 2]
+    for r in saved["results"]:
+        assert r["outputs_identical"] is True
+        assert r["speedup"] == pytest.approx(r["base_latency_s"] / r["spec_latency_s"])
+        assert r["num_accepted_tokens"] <= r["num_draft_tokens"]
+    assert saved["compiles_after_warmup"] == {"base": 0, "spec": 0}
+    assert out["speculative_config"] == SPEC and (tmp_path / Path(out["plot"]).name).exists()
