@@ -129,6 +129,9 @@ class LLMEngine:
         draft = None
         extra_page_bytes = 0
         if spec is not None and spec.method == "draft_model":
+            if config.parallel.num_hosts > 1:  # followers replay only the target's steps
+                raise InvalidRequestError("speculative_config: method 'draft_model' runs on one"
+                                          " host", param="speculative_config")
             from jaxserve.worker.draft_proposer import DraftModelProposer
             from jaxserve.worker.kv_cache import page_bytes as _page_bytes
             draft = DraftModelProposer.load_model(spec, config, backend, mc.vocab_size)
