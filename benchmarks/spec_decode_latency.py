@@ -38,7 +38,8 @@ def _prompts(kind: str, n: int, tokenizer, vocab: int, input_len: int, seed: int
     for p in _passages(n):
         msg = ("Repeat the following Python code exactly, but rename the variable `req` to "
                f"`request`. Output only the code.\n\n```python\n{p}\n```")
-        out.append(apply_chat_template(tokenizer, [{"role": "user", "content": msg}], True, None))
+        ids = apply_chat_template(tokenizer, [{"role": "user", "content": msg}], True, None)
+        out.append({"prompt_token_ids": list(ids)})
     return out
 
 
@@ -75,6 +76,17 @@ def run_spec_comparison(args) -> dict:
     compiles0 = {id(x): x.llm_engine.runner.num_compiles for x in (base, fast)}
 
     rows = []
+    path = B.result_path("latency-spec", args, tag=f"-{args.spec_prompt}")
+
+    def result() -> dict:
+        return dict(benchmark="latency-speculative", **B.run_metadata(),
+                    config=dict(vars(args), model=model, engine_kwargs=kw),
+                    speculative_config=spec, engine_init_s=dict(base=t_base, spec=t_spec),
+                    compiles_after_warmup={
+                        n: x.llm_engine.runner.num_compiles - compiles0[id(x)]
+                        for n, x in (("base", base), ("spec", fast))},
+                    results=rows)
+
     for bs in sizes:
         prompts = _prompts(args.spec_prompt, bs, tok, vocab, args.input_len, args.seed)
         lat = {"base": [], "spec": []}
@@ -95,9 +107,7 @@ def run_spec_comparison(args) -> dict:
         n_drafts = st.num_drafts - drafts0
         row = dict(
             batch_size=bs,
-            prompt_tokens_mean=statistics.mean(
-                len(p["prompt_token_ids"]) if isinstance(p, dict) else len(tok.encode(p))
-                for p in prompts),
+            prompt_tokens_mean=statistics.mean(len(p["prompt_token_ids"]) for p in prompts),
             base_latency_s=statistics.median(lat["base"]), spec_latency_s=statistics.median(
                 lat["spec"]), base_latencies=lat["base"], spec_latencies=lat["spec"],
             base_decode_s=statistics.median(dec["base"]),
@@ -116,14 +126,9 @@ def run_spec_comparison(args) -> dict:
               f"{row['spec_latency_s']:.2f} s, speed-up {row['speedup']:.2f}x (decode phase "
               f"{row['decode_speedup']:.2f}x), acceptance "
               f"length {row['mean_acceptance_length']:.2f}, identical {row['outputs_identical']}")
+        B.write_result(path, result())  # partial results survive an interrupted run
 
-    res = dict(benchmark="latency-speculative", **B.run_metadata(),
-               config=dict(vars(args), model=model, engine_kwargs=kw),
-               speculative_config=spec, engine_init_s=dict(base=t_base, spec=t_spec),
-               compiles_after_warmup={n: x.llm_engine.runner.num_compiles - compiles0[id(x)]
-                                      for n, x in (("base", base), ("spec", fast))},
-               results=rows)
-    path = B.result_path("latency-spec", args, tag=f"-{args.spec_prompt}")
+    res = result()
     if not args.no_plot:
         res["plot"] = _plot(path[:-5] + ".png", rows, spec, args)
     B.write_result(path, res)
