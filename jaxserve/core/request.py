@@ -71,6 +71,11 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         # trailing output ids still on the device (async scheduling): PLACEHOLDER on the host
         self.num_pending = 0
+        # speculative decoding: drafts proposed after the last known token (verified when next
+        # scheduled), whether this request may speculate, and whether a verify step is unread
+        self.spec_token_ids: list[int] = []
+        self.use_spec = False
+        self.spec_in_flight = False
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []  # KV pages owned, in position order

@@ -37,6 +37,7 @@ class ScheduledRequest:
     start_pos: int  # num_computed_tokens before the step
     sample: bool  # the step completes the request's known tokens: its sampled token is kept
     new_token_ids: list[int]
+    num_draft: int = 0  # speculative tokens at the end of new_token_ids (not yet the request's)
 
     @property
     def request_id(self) -> str:
@@ -77,6 +78,7 @@ class SchedulerOutput:
                 block_ids=s.request.block_ids,
                 sample=s.sample,
                 prev_row=prev_rows.get(s.request.request_id, -1),
+                num_draft=s.num_draft,
             )
             for s in self.scheduled
         ]
@@ -235,6 +237,17 @@ class Scheduler:
             self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
 
     # -- one step ---------------------------------------------------------------------------
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Drafts verified with a decode of ``n`` tokens: only after a plain decode's one known
+        token, within the budget, below max_model_len, and never more than max_tokens allows
+        (every accepted draft is an output token, plus the one the target adds)."""
+        if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        nd = min(len(req.spec_token_ids), budget - 1, self.max_model_len - req.num_tokens)
+        if req.max_tokens is not None:
+            nd = min(nd, req.max_tokens - req.num_output_tokens - 1)
+        return max(0, nd)
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
         n = min(n, self.max_model_len - req.num_computed_tokens)
@@ -278,14 +291,18 @@ class Scheduler:
             return False
         return True
 
-    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int,
+                       drafts: list[int] | None = None) -> None:
         start = req.num_computed_tokens
+        drafts = drafts or []
+        nd = len(drafts)
         out.scheduled.append(ScheduledRequest(
             request=req,
             num_new_tokens=n,
             start_pos=start,
-            sample=start + n == req.num_tokens,
-            new_token_ids=req.all_token_ids[start:start + n],
+            sample=start + n - nd == req.num_tokens,
+            new_token_ids=req.all_token_ids[start:start + n - nd] + drafts,
+            num_draft=nd,
         ))
         out.num_batched_tokens += n
         if req.first_scheduled_time is None:
@@ -307,10 +324,18 @@ class Scheduler:
             if req.num_pending and req.needs_known_tokens:
                 i += 1  # its next token mask needs the token still on the device
                 continue
+            if req.spec_in_flight or (req.use_spec and req.num_pending):
+                # speculation: the next drafts need every token known (how many a verify step
+                # accepted is only known once it is read), so this request runs synchronously
+                i += 1
+                continue
             n = self._num_new_tokens(req, budget)
             if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                 continue
+            nd = self._num_drafts(req, n, budget)
+            drafts = req.spec_token_ids[:nd]
+            n += nd  # lookahead slots: pages for the drafts' K/V too
             scheduled = True
             while not bm.allocate_slots(req, n):
                 victim = self.running[-1]
@@ -323,7 +348,8 @@ class Scheduler:
                     break
                 self._preempt(victim, out)
             if scheduled:
-                self._add_scheduled(out, req, n)
+                self._add_scheduled(out, req, n, drafts)
+                req.spec_token_ids = []
                 budget -= n
                 i += 1
 
@@ -332,6 +358,9 @@ class Scheduler:
             j = 0
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[j]
+                if req.spec_in_flight:  # preempted mid-verify: the step is read first
+                    j += 1
+                    continue
                 if self._waits_for_parent(req):  # an n>1 sibling: admit once the prompt is cached
                     j += 1
                     continue
@@ -383,6 +412,14 @@ class Scheduler:
             req = s.request
             if req.is_finished or self.requests.get(req.request_id) is not req:
                 continue  # finished/aborted while the step ran
+            if s.num_draft:
+                # the drafts' K/V are written but count only once accepted (commit_verified)
+                req.num_computed_tokens += s.num_new_tokens - s.num_draft
+                if sampled is not None:
+                    raise ValueError("a verify step's tokens are read through commit_verified")
+                req.spec_in_flight = True
+                self.block_manager.cache_full_blocks(req)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             if s.sample:
                 tok = PLACEHOLDER if sampled is None else sampled.get(req.request_id)
@@ -392,3 +429,13 @@ class Scheduler:
                 got_token.append(req)
             self.block_manager.cache_full_blocks(req)
         return got_token
+
+    def commit_verified(self, req: Request, num_accepted: int) -> None:
+        """A verify step was read and kept ``num_accepted`` drafts: their K/V (already in their
+        slots) become computed; rejected slots are simply overwritten later. A request
+        preempted meanwhile recomputes them instead (its pages are gone, or were swapped out
+        without them). The engine then appends the emitted tokens one by one with its stop
+        checks, so nothing past a stop or max_tokens is kept."""
+        req.spec_in_flight = False
+        if req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens += num_accepted

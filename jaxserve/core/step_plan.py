@@ -62,6 +62,7 @@ class ScheduledSeq:
     block_ids: Sequence[int]
     sample: bool = True  # False for a prefill chunk that does not finish its prompt
     prev_row: int = -1  # the request's row in the previous step, if that step sampled for it
+    num_draft: int = 0  # speculative tokens at the end of new_token_ids (verified this step)
 
 
 @dataclass
@@ -84,6 +85,11 @@ class StepPlan:
     # [S, ceil(V/32)] int32 structured-output mask (bit t%32 of word t//32 = token t allowed);
     # None = nothing constrained (the runner passes its all-ones mask: same shapes either way)
     token_bitmask: np.ndarray | None = None
+    # speculative decoding (jaxserve.core.spec_decode.add_verify_arrays): [S, k+1] logits
+    # positions of each row, [S, k] draft ids, [S] draft counts; None without speculation
+    spec_logits_indices: np.ndarray | None = None
+    draft_token_ids: np.ndarray | None = None
+    num_draft: np.ndarray | None = None
 
     def __post_init__(self):
         if self.prev_ref is None:

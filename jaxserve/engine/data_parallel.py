@@ -102,6 +102,13 @@ class DataParallelAsyncLLM:
         per = [r.stats() for r in self.replicas]
         out = {k: sum(s.get(k, 0) for s in per) for k in _SUMMED if k in per[0]}
         out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per) / len(per)
+        if "spec_decode_num_drafts" in per[0]:
+            for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                      "spec_decode_num_accepted_tokens"):
+                out[k] = sum(s[k] for s in per)
+            out["spec_decode_num_accepted_tokens_per_pos"] = [
+                sum(col) for col in zip(*(s["spec_decode_num_accepted_tokens_per_pos"]
+                                          for s in per))]
         return out
 
     async def reset_prefix_cache(self) -> bool:

@@ -35,6 +35,7 @@ from jaxserve.worker.runner import (ModelRunner, default_attention_backend, defa
                                     enable_compilation_cache)
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.spec_decode import NgramProposer, SpecDecodeStats, can_speculate
 from jaxserve.engine.generation_config import (default_sampling, eos_token_ids,
                                                load_generation_config)
 from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
@@ -127,6 +128,17 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_model_len={self.max_model_len} exceeds the model's limit of {limit}",
                 param="max_model_len")
+        spec = config.speculative
+        draft = None
+        extra_page_bytes = 0
+        if spec is not None and spec.method == "draft_model":
+            if config.parallel.num_hosts > 1:  # followers replay only the target's steps
+                raise InvalidRequestError("speculative_config: method 'draft_model' runs on one"
+                                          " host", param="speculative_config")
+            from jaxserve.worker.draft_proposer import DraftModelProposer
+            from jaxserve.worker.kv_cache import page_bytes as _page_bytes
+            draft = DraftModelProposer.load_model(spec, config, backend, mc.vocab_size)
+            extra_page_bytes = _page_bytes(draft[1], config.cache.block_size, self.dtype)
         try:
             self.generation_config = load_generation_config(
                 config.generation_config, self.model_dir, config.override_generation_config)
@@ -140,7 +152,8 @@ class LLMEngine:
                                             getattr(self.tokenizer, "eos_token_id", None)))
         self.eos_token_ids = frozenset(self._eos_list)
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
-                                  param_bytes=param_bytes, mesh=self.mesh)
+                                  param_bytes=param_bytes, mesh=self.mesh,
+                                  extra_page_bytes=extra_page_bytes)
         self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         from jaxserve.worker.kv_cache import page_bytes
@@ -153,6 +166,8 @@ class LLMEngine:
         self._swapped: dict[str, object] = {}
         self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
         self.async_scheduling = config.async_scheduling
+        self.proposer = self._make_proposer(spec, draft) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self._inflight: _InFlight | None = None
         self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0
@@ -197,6 +212,7 @@ class LLMEngine:
                 req.token_filter = TokenFilter(
                     self.model_config.vocab_size, params.allowed_token_ids,
                     bad_words_token_ids(self.tokenizer, params.bad_words or ()))
+            req.use_spec = self.proposer is not None and can_speculate(child_params)
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, list(ids),
@@ -351,15 +367,62 @@ class LLMEngine:
             self._record_prompt_logprobs(parent, out, int(done.query_start[i]), lo, hi)
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()  # Python scalars
         now = time.time()
+        to_propose = []
         for i, (s, hit) in enumerate(zip(done.sched.scheduled, done.hits)):
             req = s.request
             if not s.sample or req.is_finished or self._child_of.get(req.request_id) is not hit:
                 continue  # no token, or stopped / aborted since: its token is dropped
             parent, child = hit
-            req.resolve_pending(token_ids[i])
-            self.block_manager.cache_full_blocks(req)
-            self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
             touched[parent.request_id] = parent
+            if s.num_draft:
+                self._on_verified(req, parent, child, s.num_draft, out, i, now)
+            else:
+                req.resolve_pending(token_ids[i])
+                self.block_manager.cache_full_blocks(req)
+                self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
+            if req.use_spec and not req.is_finished and not req.num_pending:
+                to_propose.append(req)
+        if to_propose:
+            self._propose(to_propose)
+
+    def _on_verified(self, req: Request, parent: _Parent, child: _Child, num_draft: int, out,
+                     row: int, now: float) -> None:
+        """A verify row: accepted drafts + the target's token, each through the stop checks
+        (a stop inside the run drops what follows it)."""
+        n = int(out.num_emitted[row])
+        toks = out.spec_token_ids[row, :n].tolist()
+        self.spec_stats.observe(num_draft, n - 1)
+        self.scheduler.commit_verified(req, n - 1)
+        for tok in toks:
+            req.append_output_token(tok)
+            self._on_token(parent, child, tok, 0.0, out, row, now)
+            if req.is_finished:
+                return
+        self.block_manager.cache_full_blocks(req)
+
+    def _propose(self, reqs: list[Request]) -> None:
+        """Drafts for requests whose tokens are all known, up to what max_tokens and
+        max_model_len leave room for."""
+        want, room = [], []
+        for req in reqs:
+            n = self.max_model_len - req.num_tokens
+            if req.max_tokens is not None:
+                n = min(n, req.max_tokens - req.num_output_tokens - 1)
+            req.spec_token_ids = []
+            if n > 0:
+                want.append(req)
+                room.append(n)
+        if want:
+            for req, draft in zip(want, self.proposer.propose(want, room)):
+                req.spec_token_ids = [int(t) for t in draft]
+
+    def _make_proposer(self, spec, draft):
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+        from jaxserve.worker.draft_proposer import DraftModelProposer
+        return DraftModelProposer.build(spec, self.config, *draft, self.runner,
+                                        self.block_manager, self.max_model_len, self.dtype)
 
     def _prompt_logprob_rows(self, sched, hits: list) -> list:
         """(row, parent, lo, hi): prompt positions lo..hi-1 of this step whose next prompt token
@@ -479,12 +542,14 @@ class LLMEngine:
             num_waiting=s["num_requests_waiting"],
             kv_cache_usage=s["kv_cache_usage_perc"],
             num_preemptions=s["num_preemptions_total"],
-            num_compiles=self.runner.num_compiles,
+            num_compiles=self.runner.num_compiles + getattr(self.proposer, "num_compiles", 0),
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_free_pages=self.block_manager.num_free_pages,
             num_pages=self.runner.num_pages,
         )
+        if self.proposer is not None:
+            s.update(self.spec_stats.as_dict())
         return s
 
 

@@ -10,6 +10,7 @@ with the same model and flags skips most of the warm-up.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import runpy
@@ -154,6 +155,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
 
+    sd = p.add_argument_group("speculative decoding")
+    sd.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
+    sd.add_argument("--speculative-model", default=None, metavar="MODEL",
+                    help="older spelling: '[ngram]' for prompt lookup (needs "
+                         "--num-speculative-tokens)")
+    sd.add_argument("--num-speculative-tokens", type=_positive_int, default=None,
+                    help="older spelling of speculative_config.num_speculative_tokens")
+    sd.add_argument("--ngram-prompt-lookup-max", type=_positive_int, default=None,
+                    help="older spelling of speculative_config.prompt_lookup_max")
+    sd.add_argument("--ngram-prompt-lookup-min", type=_positive_int, default=None,
+                    help="older spelling of speculative_config.prompt_lookup_min")
+
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
@@ -251,6 +266,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def speculative_config_from_args(args: argparse.Namespace) -> dict | None:
+    """``--speculative-config JSON``, or the older separate flags mapped onto it (vLLM)."""
+    old = {k: v for k, v in (
+        ("model", getattr(args, "speculative_model", None)),
+        ("num_speculative_tokens", getattr(args, "num_speculative_tokens", None)),
+        ("prompt_lookup_max", getattr(args, "ngram_prompt_lookup_max", None)),
+        ("prompt_lookup_min", getattr(args, "ngram_prompt_lookup_min", None))) if v is not None}
+    raw = getattr(args, "speculative_config", None)
+    if raw is not None:
+        if old:
+            raise ValueError("speculative_config: pass --speculative-config or the older "
+                             "--speculative-model/--num-speculative-tokens flags, not both")
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        return d
+    if not old:
+        return None
+    model = old.pop("model", None)
+    if model is None:
+        raise ValueError("speculative_config: --num-speculative-tokens needs "
+                         "--speculative-model ('[ngram]' or a draft model)")
+    if model.strip("[]").lower() == "ngram":
+        return {"method": "ngram", **old}
+    return {"method": "draft_model", "model": model, **old}
+
+
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     """Parsed flags -> the vLLM-named keyword arguments of ``LLM(...)``."""
     model = args.model_flag or args.model
@@ -272,6 +317,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,
+        speculative_config=speculative_config_from_args(args),
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config)
 

@@ -27,12 +27,14 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxserve.worker import parallel
+from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.spec_decode import add_verify_arrays
 from jaxserve.core.step_plan import (
     TRASH_PAGE,
     ScheduledSeq,
@@ -81,8 +83,11 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
             num_seqs=arrays["num_seqs"],
         )
         hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
-        # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn)
-        return model.compute_logits(hidden[arrays["logits_indices"]]), kv_pages, hidden
+        # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
+        # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
+        idx = arrays["logits_indices"]
+        logits = model.compute_logits(hidden[idx.reshape(-1)])
+        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden
 
     if mesh is None:
         return jax.jit(forward, donate_argnums=(1,))
@@ -130,7 +135,7 @@ def _sample_fn(mesh=None):
     leaves replicated (on the parameters' 1-device mesh without tensor parallelism), so the
     buffer keeps one sharding from step to step."""
 
-    def sample(logits, sampling, history_ref, prev_tokens, token_bitmask):
+    def sample(logits, sampling, history_ref, prev_tokens, token_bitmask, spec=None):
         _TRACES.n += 1
         fields = {k: sampling[k] for k in SAMPLING_FIELDS}
         hist = fields["history"]
@@ -138,10 +143,16 @@ def _sample_fn(mesh=None):
         src, pos = history_ref[:, 0], jnp.clip(history_ref[:, 1], 0, hist.shape[1] - 1)
         pending = prev_tokens[jnp.maximum(src, 0)]
         fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
-        out = sampler_lib.sample(logits, sampler_lib.SamplingMetadata(**fields),
-                                 token_bitmask=token_bitmask)
-        s = out.token_ids.shape[0]
-        return out, jnp.zeros_like(prev_tokens).at[:s].set(out.token_ids)
+        md = sampler_lib.SamplingMetadata(**fields)
+        if spec is None:
+            out = sampler_lib.sample(logits, md, token_bitmask=token_bitmask)
+        else:  # [S, k+1, V]: column 0 is what a row without drafts samples
+            out = sampler_lib.sample(logits[:, 0], md, token_bitmask=token_bitmask)
+            out = (out, rejection_sampler.verify(logits, md, spec["draft_token_ids"],
+                                                 spec["num_draft"], out.token_ids))
+        ids = out.token_ids if spec is None else out[0].token_ids
+        s = ids.shape[0]
+        return out, jnp.zeros_like(prev_tokens).at[:s].set(ids)
 
     return jax.jit(sample, out_shardings=parallel.replicated(mesh or parallel.default_mesh()))
 
@@ -154,6 +165,7 @@ class StepHandle:
     sampled: object  # SamplerOutput on device
     prompt_logprobs: tuple | None = None
     want_topk: bool = False
+    verify: object = None  # rejection_sampler.VerifyOutput on device (speculative decoding)
 
 
 @dataclass
@@ -167,6 +179,9 @@ class StepOutput:
     ranks: np.ndarray | None = None
     # (logprob [T], top-k ids [T, K], top-k logprobs [T, K], rank [T]) of each next prompt token
     prompt_logprobs: tuple | None = None
+    # speculative decoding: [S, k+1] emitted tokens (-1 padded) and [S] how many
+    spec_token_ids: np.ndarray | None = None
+    num_emitted: np.ndarray | None = None
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -187,11 +202,12 @@ def default_attention_backend() -> str:
 
 
 def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
-                  param_bytes: int, tp: int = 1) -> int:
-    """Size the page pool from free device memory (or the override), after the weights."""
+                  param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> int:
+    """Size the page pool from free device memory (or the override), after the weights.
+    ``extra_page_bytes``: what a page costs elsewhere too (a draft model's pool shares the ids)."""
     cache = engine_config.cache
     block = cache.block_size
-    per_page = page_bytes(model_config, block, dtype, tp) // tp  # bytes on one device
+    per_page = page_bytes(model_config, block, dtype, tp) // tp + extra_page_bytes
     if cache.num_gpu_blocks_override is not None:
         return int(cache.num_gpu_blocks_override)
     stats = jax.local_devices()[0].memory_stats() or {}
@@ -219,7 +235,8 @@ def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype,
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
-                 max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None):
+                 max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None,
+                 extra_page_bytes: int = 0):
         self.model_config = model_config
         self.config = engine_config
         self.max_model_len = max_model_len
@@ -227,6 +244,8 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         sched = engine_config.scheduler
         self.max_num_seqs = sched.max_num_seqs
+        spec = engine_config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.worker.parallel); None: single device
@@ -236,7 +255,8 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype,
                                        getattr(model, "attention_backend", None))
         self.num_pages = parallel.agree_across_hosts(num_pages_for(
-            model_config, engine_config, self.kv_dtype, max_model_len, param_bytes // tp, tp))
+            model_config, engine_config, self.kv_dtype, max_model_len, param_bytes // tp, tp,
+            extra_page_bytes))
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
                                           self.kv_dtype, sharding=kv_sharding, tp=tp)
         self.graphdef, self.state = nnx.split(model)
@@ -263,10 +283,16 @@ class ModelRunner:
     # ---- host side ---------------------------------------------------------------------
     def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
         before = _TRACES.n
+        arrays, spec = plan.device_arrays(), None
+        if self.num_spec_tokens:  # every step of a speculating engine has the verify shapes
+            if plan.num_draft is None:
+                add_verify_arrays(plan, [], self.num_spec_tokens)
+            arrays["logits_indices"] = plan.spec_logits_indices
+            spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
         logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
-                                                      plan.device_arrays(), self._last_tokens)
+                                                      arrays, self._last_tokens)
         out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                              self._last_tokens, self._bitmask(plan))
+                                              self._last_tokens, self._bitmask(plan), spec)
         if prompt_next_ids is not None:
             out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
         if _TRACES.n != before:
@@ -307,6 +333,8 @@ class ModelRunner:
                                max_num_seqs=self.max_num_seqs)
         plan.sampling = build_sampling_arrays(sampling_inputs, plan.seq_bucket,
                                               history_len=self.max_model_len, rng=self._np_rng)
+        if self.num_spec_tokens:
+            add_verify_arrays(plan, [r.num_draft for r in rows], self.num_spec_tokens)
         return plan
 
     def dispatch(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepHandle:
@@ -314,10 +342,13 @@ class ModelRunner:
         ``prompt_next_ids[T]`` (the prompt token after each position, only in steps with a
         ``prompt_logprobs`` request) also computes the prompt logprobs."""
         out = self._run(plan, prompt_next_ids)
-        prompt_lp = None
+        prompt_lp = verify = None
         if prompt_next_ids is not None:
             out, prompt_lp = out
-        h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)))
+        if self.num_spec_tokens:
+            out, verify = out
+        h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)),
+                       verify)
         for x in self._handle_arrays(h):
             x.copy_to_host_async()
         return h
@@ -329,6 +360,8 @@ class ModelRunner:
             xs += [h.sampled.topk_ids, h.sampled.topk_logprobs, h.sampled.ranks]
         if h.prompt_logprobs is not None:
             xs += list(h.prompt_logprobs)
+        if h.verify is not None:
+            xs += list(h.verify)
         return xs
 
     def fetch(self, h: StepHandle) -> StepOutput:
@@ -341,6 +374,8 @@ class ModelRunner:
             res.topk_ids, res.topk_logprobs, res.ranks = map(np.asarray, (ti, tl, rk))
         if h.prompt_logprobs is not None:
             res.prompt_logprobs = tuple(map(np.asarray, jax.device_get(h.prompt_logprobs)))
+        if h.verify is not None:
+            res.spec_token_ids, res.num_emitted = map(np.asarray, jax.device_get(tuple(h.verify)))
         return res
 
     def execute(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepOutput:
@@ -372,11 +407,16 @@ class ModelRunner:
                 jax.block_until_ready(out)
             if s not in sampled:  # the other side of each sampler ``lax.cond``, both layouts
                 sampled.add(s)
-                logits = self._device_zeros((s, self.model_config.vocab_size), jnp.float32)
+                k = self.num_spec_tokens
+                shape = (s, k + 1) if k else (s,)
+                logits = self._device_zeros(shape + (self.model_config.vocab_size,), jnp.float32)
+                # with drafts in every row, so the verifier's random branch runs too
+                spec = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                            num_draft=np.full(s, k, np.int32)) if k else None
                 for params in _WARMUP_OTHER_BRANCHES:
                     jax.block_until_ready(self._sample(logits, self._warmup_sampling(params, s),
                                                   np.full((s, 2), -1, np.int32),
-                                                  self._last_tokens, self._warmup_bitmask(s)))
+                                                  self._last_tokens, self._warmup_bitmask(s), spec))
         self.warmed_up = True
         dt = time.perf_counter() - t0
         logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,

@@ -82,6 +82,19 @@ class EngineStatsCollector:
                       s.get("generation_tokens_total", 0))
         yield counter("num_preemptions", "Cumulative number of preemptions.",
                       s.get("num_preemptions", 0))
+        if "spec_decode_num_drafts" in s:  # speculative decoding on
+            yield counter("spec_decode_num_drafts", "Number of spec decoding drafts (verify"
+                          " steps of one request).", s["spec_decode_num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.",
+                          s["spec_decode_num_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          s["spec_decode_num_accepted_tokens"])
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.",
+                                    labels=LABELS + ["position"])
+            for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
+                c.add_metric(label + [str(pos)], float(n))
+            yield c
 
 
 class ServerMetrics:
