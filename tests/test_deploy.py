@@ -434,6 +434,8 @@ def test_dashboard_is_provisioning_ready_and_complete():
         "tokens/s": ["prompt_tokens_total", "generation_tokens_total"],
         "preemptions": ["num_preemptions_total"],
         "compiles after warm-up": ["num_compiles"],
+        "spec-decode acceptance": ["spec_decode_num_accepted_tokens_total",
+                                   "spec_decode_num_draft_tokens_total"],
     }
     used = {n.removeprefix("jaxserve:") for e in dashboard_exprs() for n in METRIC_RE.findall(e)}
     for what, names in wanted.items():

@@ -23,7 +23,9 @@ from test_deploy import (METRIC_RE, PROM, adapter_names, dashboard_exprs,
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-        "--min-token-bucket", "32", "--num-gpu-blocks-override", "32"]
+        "--min-token-bucket", "32", "--num-gpu-blocks-override", "32",
+        # speculation on, so the dashboard's spec-decode panel has series to read
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
 MODEL = "demo-random"
 
 
