@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LOADED = re.compile(r"loaded .* in ([\d.]+) s")
 _WARMUP = re.compile(r"warm-up: (\d+) compiles .* in ([\d.]+) s")
 _COMPILE_S = re.compile(r"compiled .* in ([\d.]+) s")
-_READY = re.compile(r"engine ready in ([\d.]+) s")
+_READY = re.compile(r"engine (?:ready|loaded) in ([\d.]+) s")
 
 
 def parse_args(argv=None):

@@ -795,6 +795,12 @@ class OpenAIServing:
     async def health(self, request: Request) -> Response:
         self._admit()
         self.engine.check_health()
+        progress = getattr(self.engine, "startup_progress", None)
+        if progress is not None:
+            ready, k, n = progress()
+            if not ready:  # buckets still compiling: up, not yet ready for traffic
+                return JSONResponse({"status": "starting", "buckets_ready": k, "of": n},
+                                    status_code=503)
         return Response(status_code=200)
 
     async def load(self, request: Request) -> Response:
@@ -1026,8 +1032,10 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
 
     template = load_chat_template(chat_template)  # fail before the slow model load
     t0 = time.perf_counter()
-    engine = make_async_llm(engine_config)  # DataParallelAsyncLLM when data_parallel_size > 1
-    logger.info("engine ready in %.1f s", time.perf_counter() - t0)
+    # DataParallelAsyncLLM when data_parallel_size > 1. One replica serves while its buckets
+    # compile: /health says "starting" until it is ready, and early requests wait.
+    engine = make_async_llm(engine_config, background_warmup=True)
+    logger.info("engine loaded in %.1f s; compiling in the background", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
                     chat_template=template, max_body_bytes=max_body_bytes)
     names = app.state.served_model_names
