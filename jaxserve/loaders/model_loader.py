@@ -133,7 +133,11 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
     expected = _param_names(model)
     tensors = get_model_class(model_config.architecture).checkpoint_tensors(model_config, tensors)
     _check_names(model_config, expected, tensors)
-    for name, arr in _prefetched(expected, tensors):
+    from tqdm.auto import tqdm
+
+    loaded = tqdm(_prefetched(expected, tensors), total=len(expected), desc="Loading weights",
+                  unit="tensor", disable=None, leave=False)  # a bar on a terminal only
+    for name, arr in loaded:
         var = expected[name]
         want = tuple(var.get_value().shape)
         if arr.shape != want:

@@ -175,12 +175,13 @@ def enable_compilation_cache(path: str | None = None) -> None:
     """Persist compiled steps on disk so a restart (or a second engine) skips XLA compiles."""
     import os
 
+    # the sampler's graphs compile in well under JAX's default 1 s floor: keep them too
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     if jax.config.jax_compilation_cache_dir:
         return
     path = path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                                 "jaxserve", "xla-cache")
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def default_attention_backend() -> str:
