@@ -255,6 +255,7 @@ class ModelRunner:
         self._count_lock = threading.Lock()
         self._sampler_locks: dict[int, threading.Lock] = {}
         self._warm_hidden: dict[int, object] = {}
+        self._job_detail: dict = {}
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
@@ -411,8 +412,10 @@ class ModelRunner:
             self._bar.update(1)
             self._bar.set_postfix_str(f"{kind} {t}")
         else:
-            logger.info("compiled %s for token bucket %d (%d/%d) in %.1f s", kind, t,
-                        self._jobs_done, self._num_jobs, seconds)
+            detail = self._job_detail.get(key)
+            logger.info("compiled %s for token bucket %d (%d/%d) in %.1f s%s", kind, t,
+                        self._jobs_done, self._num_jobs, seconds,
+                        f" ({detail})" if detail else "")
         if last:
             if self._bar is not None:
                 self._bar.close()
@@ -434,8 +437,11 @@ class ModelRunner:
         plans = [self._warmup_plan(t, s, full) for full in (False, True)]
         with self._pool_lock:
             kv, last = self.kv_pages, self._scratch_tokens
-        fwd = self._forward.lower(self._state_leaves, kv, plans[0].device_arrays(),
-                                  last).compile()
+        t0 = time.perf_counter()
+        lowered = self._forward.lower(self._state_leaves, kv, plans[0].device_arrays(), last)
+        t1 = time.perf_counter()
+        fwd = lowered.compile()  # or a load from the persistent cache
+        t2 = time.perf_counter()
         logits = fwd.out_info[0]
         others = [(self._warmup_sampling(p, s), np.full((s, 2), -1, np.int32))
                   for p in _WARMUP_OTHER_BRANCHES]
@@ -450,6 +456,9 @@ class ModelRunner:
                                                    last))
             for sampling, history_ref in others:  # the other side of each sampler lax.cond
                 jax.block_until_ready(self._sample(logits, sampling, history_ref, last))
+        self._job_detail[("forward", t)] = (
+            f"trace+lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s, sampler and warm-up runs "
+            f"{time.perf_counter() - t2:.1f} s")
         self._warm_hidden[t] = hidden
         self._add_compiles(_TRACES.n - before)
 
