@@ -1,6 +1,7 @@
 """Start-up with the buckets compiled in the background.
 
 * ``CompilePool`` runs jobs in order on its threads, a waiter moves a queued job to the front,
+  ``cancel`` (at exit) drops queued jobs and lets the running one finish,
   and a failed job fails its waiter.
 * An engine with ``background_warmup`` serves at once: its steps pick compiled buckets or wait
   for the one they need, and never compile in the stepping thread (the thread-local trace count
@@ -145,3 +146,17 @@ def test_health_reports_starting_then_ready(tiny_model_factory, monkeypatch):
     finally:
         gate.set()
         asyncio.run(engine.shutdown())
+
+
+def test_compile_pool_cancel_drops_queued_jobs():
+    gate = threading.Event()
+    ran = []
+    pool = CompilePool([("a", lambda: (gate.wait(10), ran.append("a"))),
+                        ("b", lambda: ran.append("b"))], workers=1).start()
+    time.sleep(0.1)  # "a" is running
+    pool.cancel()
+    with pytest.raises(RuntimeError, match="'b'"):
+        pool.wait("b")  # dropped: its waiter is told, never left hanging
+    gate.set()
+    pool.join(10)
+    assert ran == ["a"]  # the running job finished; the queued one never ran

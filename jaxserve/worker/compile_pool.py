@@ -7,12 +7,25 @@ compiles on its own.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from typing import Callable, Hashable
 
 logger = logging.getLogger(__name__)
+
+_LIVE: "weakref.WeakSet[CompilePool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, drop queued compiles and wait for the running ones: the interpreter must not
+    tear down while a worker thread is inside XLA (that aborts the process)."""
+    for pool in list(_LIVE):
+        pool.cancel()
+        pool.join()
 
 
 class CompilePool:
@@ -35,9 +48,24 @@ class CompilePool:
                          for i in range(max(1, min(workers, len(jobs))))]
 
     def start(self) -> "CompilePool":
+        _LIVE.add(self)
         for t in self._threads:
             t.start()
         return self
+
+    def cancel(self) -> None:
+        """Drop the jobs not started; their waiters get an error."""
+        with self._cv:
+            for key in self._queue:
+                self._errors[key] = RuntimeError("cancelled")
+                self._done.add(key)
+            self._queue.clear()
+            self._cv.notify_all()
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout)
 
     def _work(self) -> None:
         while True:
