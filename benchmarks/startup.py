@@ -41,7 +41,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="model to serve (default: jaxserve's default)")
-    p.add_argument("--runs", default="cold,cached", help="comma list of cold / cached")
+    p.add_argument("--runs", default="cold,cached",
+                   help="comma list of cold / cached / load (the model load alone)")
     p.add_argument("--tag", default="", help="suffix of the result files (e.g. before, after)")
     p.add_argument("--cache-dir", default=None, help="compile cache dir (default: a temp dir, "
                    "emptied before a cold run)")
@@ -70,8 +71,48 @@ def _last(rx, text: str):
     return found[-1] if found else None
 
 
+_LOAD_ONLY = """
+import json, os, sys, time
+t0 = time.perf_counter()
+import jax
+from jaxserve.loaders.gguf import default_model_path
+from jaxserve.loaders.model_loader import load_model, load_tokenizer
+t1 = time.perf_counter()
+path = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] else default_model_path()
+m = load_model(path)[0]
+jax.block_until_ready([x for x in jax.tree_util.tree_leaves(m) if hasattr(x, "nbytes")])
+t2 = time.perf_counter()
+load_tokenizer(path)
+t3 = time.perf_counter()
+print("RESULT" + json.dumps(dict(import_s=t1 - t0, weights_s=t2 - t1, tokenizer_s=t3 - t2,
+                                 load_s=t3 - t1)))
+"""
+
+
+def load_only(args) -> dict:
+    """The model load alone (weights placed + tokenizer) in a fresh process of ``--repo``."""
+    import json
+
+    before = _loadavg()
+    out = subprocess.run([sys.executable, "-c", _LOAD_ONLY, args.model or ""], cwd=args.repo,
+                         capture_output=True, text=True, timeout=args.timeout,
+                         env=dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS",
+                                                                           "cpu")))
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
+    if not line:
+        raise RuntimeError(out.stderr[-3000:])
+    res = dict(kind="load", repo=args.repo, repo_commit=_commit(args.repo),
+               load_avg_start=before, load_avg_end=_loadavg(), **json.loads(line[0][6:]))
+    print(f"load    weights {res['weights_s']:.1f} s, tokenizer {res['tokenizer_s']:.1f} s "
+          f"(import {res['import_s']:.1f} s), loadavg {before}", flush=True)
+    return res
+
+
 def one_run(kind: str, cache_dir: str, args) -> dict:
     import httpx
+
+    if kind == "load":
+        return load_only(args)
 
     if kind == "cold":
         for root, dirs, files in os.walk(cache_dir, topdown=False):
@@ -187,7 +228,9 @@ def _model_name(url: str) -> str:
 def plot(path: str, runs: list[dict], title: str) -> str:
     plt = C.pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    runs = [r for r in runs if "error" not in r]
+    runs = [r for r in runs if "error" not in r and r["kind"] != "load"]
+    if not runs:
+        return ""
     for i, r in enumerate(runs):
         load = r.get("load_s") or 0.0
         healthy = r["healthy_s"]
@@ -221,7 +264,7 @@ def main(argv=None) -> dict:
                               runs=args.runs, extra_args=args.extra_args), runs=runs)
     tag = f"-{args.tag}" if args.tag else ""
     path = C.write_json(C.result_path("startup", args, tag), result)
-    if not args.no_plot:
+    if not args.no_plot and any(r["kind"] != "load" for r in runs):
         plot(path[:-5] + ".png", runs, f"jaxserve serve start-up {args.tag} "
              f"({result.get('git_commit', '')[:8]}, {os.cpu_count()} cores)")
     print(f"-> {path}")
