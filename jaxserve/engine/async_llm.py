@@ -26,9 +26,10 @@ _FINISHED = object()
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None,
+                 background_warmup: bool = False):
         self.config = config
-        self.engine = engine or LLMEngine(config)
+        self.engine = engine or LLMEngine(config, background_warmup=background_warmup)
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
@@ -151,6 +152,9 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
+
+    def startup_progress(self) -> tuple[bool, int, int]:
+        return self.engine.startup_progress()
 
     def stats(self) -> dict:
         return dict(self._stats)

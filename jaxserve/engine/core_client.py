@@ -223,8 +223,14 @@ class EngineCoreClient:
     def is_running(self) -> bool:
         return self._dead is None and self.process.is_alive()
 
+    def startup_progress(self) -> tuple[bool, int, int]:
+        """(ready to serve without waiting for a compile, buckets compiled, buckets), as the
+        core last reported it."""
+        ready, k, n = self._stats.get("startup", (True, 0, 0))
+        return bool(ready), int(k), int(n)
+
     def stats(self) -> dict:
-        return dict(self._stats)
+        return {k: v for k, v in self._stats.items() if k != "startup"}
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)

@@ -6,7 +6,8 @@ ZeroMQ sockets on ipc:// paths: requests come in on a PULL socket (``add``/``abo
 ``shutdown``, pickled: they are few and carry ``SamplingParams``), and each step's outputs go
 out on a PUSH socket, msgpack-encoded with msgspec (the hot path). Messages out:
 
-- ``("ready", info)``: once, after warm-up; ``info`` holds what the API process needs
+- ``("ready", info)``: once, when the model is loaded (buckets then compile in the background;
+  ``stats["startup"]`` follows their progress); ``info`` holds what the API process needs
   (tokenizer, model config, max_model_len, stats).
 - ``("added", rid, None)`` / ``("added", rid, error)``: the answer to each ``add``.
 - ``("step", outputs, stats)``: the ``RequestOutput``s of one step.
@@ -85,7 +86,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
     from jaxserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(config)
+    # ready once loaded: the buckets compile in the background while requests are taken
+    # (a step waits for the bucket it needs); stats carry the progress for /health
+    engine = LLMEngine(config, background_warmup=True)
     outbox.send(_pickled(("ready", _ready_info(engine))))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -106,7 +109,7 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
             now = time.monotonic()
             stats = None
             if outs or now - last_stats > STATS_INTERVAL_S:
-                stats, last_stats = engine.stats(), now
+                stats, last_stats = _stats(engine), now
             if outs or stats is not None:
                 outbox.send(encode_outputs(outs, stats))
         else:
@@ -114,8 +117,9 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
                 logger.warning("the API process is gone; the engine core stops")
                 return
             now = time.monotonic()
-            if now - last_stats > 1.0:  # idle: keep the API's gauges fresh, cheaply
-                outbox.send(encode_outputs([], engine.stats()))
+            # idle: keep the API's gauges fresh, cheaply (often while buckets still compile)
+            if now - last_stats > (1.0 if engine.runner.warmed_up else STATS_INTERVAL_S):
+                outbox.send(encode_outputs([], _stats(engine)))
                 last_stats = now
 
 
@@ -141,6 +145,10 @@ def _handle(engine, msg, outbox) -> bool:
     return True
 
 
+def _stats(engine) -> dict:
+    return dict(engine.stats(), startup=list(engine.startup_progress()))
+
+
 def _ready_info(engine) -> dict:
     dtype = getattr(engine, "dtype", None)
     return dict(
@@ -148,7 +156,7 @@ def _ready_info(engine) -> dict:
         model_config=engine.model_config,
         max_model_len=engine.max_model_len,
         dtype=getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype),
-        stats=engine.stats(),
+        stats=_stats(engine),
         pid=os.getpid(),
         model=engine.config.model,  # the engine resolves the default model
         served_model_name=engine.config.served_model_name,

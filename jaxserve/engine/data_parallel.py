@@ -120,13 +120,14 @@ class DataParallelAsyncLLM:
             await r.shutdown()
 
 
-def make_async_llm(config: EngineConfig):
+def make_async_llm(config: EngineConfig, background_warmup: bool = False):
     """``AsyncLLM`` for one replica, ``DataParallelAsyncLLM`` for ``data_parallel_size > 1``,
-    the multi-host leader's engine for ``num_hosts > 1`` (``jaxserve.engine.multihost_engine``)."""
+    the multi-host leader's engine for ``num_hosts > 1`` (``jaxserve.engine.multihost_engine``).
+    ``background_warmup`` (one replica only): return before the buckets are compiled."""
     if config.parallel.num_hosts > 1:
         from jaxserve.engine.multihost_engine import make_leader_async_llm
 
         return make_leader_async_llm(config)
     if config.parallel.data_parallel_size > 1:
         return DataParallelAsyncLLM(config)
-    return AsyncLLM(config)
+    return AsyncLLM(config, background_warmup=background_warmup)

@@ -91,8 +91,10 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, devices=None):
-        """``devices``: the devices of this replica (data parallel); default all visible."""
+    def __init__(self, config: EngineConfig, devices=None, background_warmup: bool = False):
+        """``devices``: the devices of this replica (data parallel); default all visible.
+        ``background_warmup``: return once the model is loaded and compile the buckets on a
+        thread pool (steps wait for the buckets they need; see ``startup_progress``)."""
         self.config = config
         if config.scheduler.backend_defaults:
             config.scheduler.apply_backend_defaults(*default_scheduler_limits())
@@ -172,7 +174,14 @@ class LLMEngine:
         self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.runner.warmup()
+        if background_warmup:
+            self.runner.start_warmup()
+        else:
+            self.runner.warmup()
+
+    def startup_progress(self) -> tuple[bool, int, int]:
+        """(ready to serve without waiting for a compile, buckets compiled, buckets)."""
+        return self.runner.startup_progress()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],

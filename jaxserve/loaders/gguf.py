@@ -213,7 +213,20 @@ def _reader(path: str):
 def _cached_reader(path: str, size: int, mtime_ns: int):
     import gguf  # noqa: PLC0415  (optional dependency, only needed for .gguf files)
 
-    return gguf.GGUFReader(path)
+    class PlainArrayReader(gguf.GGUFReader):
+        """The reader over a plain ndarray view of its memory map: slicing an ``np.memmap``
+        builds a memmap object per slice, and the ~250k slices of a tokenizer's metadata and
+        of row-group dequantization made that most of the load time (seconds)."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray)  # same pages, still mapped lazily
+
+    return PlainArrayReader(path)
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
@@ -242,7 +255,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
 
     def thunk(tensor, kind):
         def load() -> np.ndarray:
-            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            w = _dequantize(gguf, tensor.data, tensor.tensor_type)
             w = np.asarray(w, dtype=np.float32).reshape(tuple(int(x) for x in
                                                               reversed(tensor.shape)))
             if permute and kind == "attn_q":
@@ -291,6 +304,26 @@ def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
     return out
 
 
+_DEQUANT_CHUNK = 1 << 21  # float32 elements per dequantization call (8 MiB)
+
+
+def _dequantize(gguf, data: np.ndarray, qtype) -> np.ndarray:
+    """``gguf.quants.dequantize`` over chunks of many rows: the library's own loop takes 16
+    rows per numpy call, thousands of calls per tensor, which made dequantization seconds of
+    Python overhead; large chunks keep the temporaries bounded (a few times 8 MiB)."""
+    q = gguf.quants._type_traits.get(qtype) if hasattr(gguf.quants, "_type_traits") else None
+    if q is None or data.ndim != 2:
+        return gguf.quants.dequantize(data, qtype)
+    q.init_grid()
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    row_elems = data.shape[1] // type_size * block
+    step = max(1, _DEQUANT_CHUNK // row_elems)
+    out = np.empty((data.shape[0], row_elems), np.float32)
+    for i in range(0, data.shape[0], step):
+        out[i:i + step] = q.dequantize_rows(data[i:i + step])
+    return out
+
+
 def gguf_chat_template(path: str | os.PathLike) -> str | None:
     return _field(_reader(os.fspath(path)), "tokenizer.chat_template")
 
@@ -298,7 +331,8 @@ def gguf_chat_template(path: str | os.PathLike) -> str | None:
 def _byte_level_bpe_tokenizer(path: str):
     """A GPT-2 style (byte-level BPE) GGUF tokenizer built with ``tokenizers`` alone.
 
-    transformers' own GGUF reader imports torch, which a serving install does not have.
+    transformers' own GGUF reader imports torch (which a serving install does not have) and
+    dequantizes the whole file to read the vocabulary.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
@@ -335,7 +369,10 @@ def gguf_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     path = os.path.abspath(os.fspath(path))
-    if importlib.util.find_spec("torch") is None:  # serving installs: no torch
+    # Byte-level BPE (SmolLM2, Llama 3, Qwen): built here in a second, the same tokens as
+    # transformers' GGUF conversion, which needs torch and took over a minute on a small CPU.
+    if (_field(_reader(path), "tokenizer.ggml.model") == "gpt2"
+            or importlib.util.find_spec("torch") is None):
         return _byte_level_bpe_tokenizer(path)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     if not getattr(tok, "chat_template", None):

@@ -15,10 +15,12 @@ can build and dispatch step N+1 before it has seen step N's ids.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ from jaxserve.worker import parallel
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
@@ -188,12 +191,13 @@ def enable_compilation_cache(path: str | None = None) -> None:
     """Persist compiled steps on disk so a restart (or a second engine) skips XLA compiles."""
     import os
 
+    # the sampler's graphs compile in well under JAX's default 1 s floor: keep them too
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     if jax.config.jax_compilation_cache_dir:
         return
     path = path or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
                                 "jaxserve", "xla-cache")
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def default_attention_backend() -> str:
@@ -265,7 +269,15 @@ class ModelRunner:
         self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef)
         self._sample = _sample_fn(mesh)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
-        self.warmed_up = False
+        self.warmed_up = False  # every bucket compiled and run once
+        # One step at a time touches the KV pool: the engine's steps and the warm-up runs of
+        # buckets compiled in the background.
+        self._pool_lock = threading.RLock()
+        self._compiles: CompilePool | None = None  # the warm-up's jobs, once started
+        self._count_lock = threading.Lock()
+        self._sampler_locks: dict[int, threading.Lock] = {}
+        self._warm_hidden: dict[int, object] = {}
+        self._job_detail: dict = {}
         self._ones_bitmasks: dict[int, jax.Array] = {}  # all-ones masks per sequence bucket
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
@@ -282,25 +294,40 @@ class ModelRunner:
 
     # ---- host side ---------------------------------------------------------------------
     def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
-        before = _TRACES.n
+        if self._compiles is not None:  # a bucket still compiling: wait, never compile here
+            self._compiles.wait(("forward", plan.token_bucket))
+            if prompt_next_ids is not None:
+                self._compiles.wait(("prompt_logprobs", plan.token_bucket))
+        with self._pool_lock:
+            before = _TRACES.n
+            arrays, spec = self._step_inputs(plan)
+            logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
+                                                          arrays, self._last_tokens)
+            out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
+                                                  self._last_tokens, self._bitmask(plan), spec)
+            if prompt_next_ids is not None:
+                out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
+            if _TRACES.n != before:
+                self._add_compiles(_TRACES.n - before)
+                if self._compiles is not None or self.warmed_up:
+                    logger.warning("compile caused by a step (token bucket %d): this is a bug",
+                                   plan.token_bucket)
+        return out
+
+    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
+        """The forward's plan arrays and the verifier's inputs: every step of a speculating
+        engine has the verify shapes (logits at ``[S, k+1]`` positions)."""
         arrays, spec = plan.device_arrays(), None
-        if self.num_spec_tokens:  # every step of a speculating engine has the verify shapes
+        if self.num_spec_tokens:
             if plan.num_draft is None:
                 add_verify_arrays(plan, [], self.num_spec_tokens)
             arrays["logits_indices"] = plan.spec_logits_indices
             spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
-        logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
-                                                      arrays, self._last_tokens)
-        out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                              self._last_tokens, self._bitmask(plan), spec)
-        if prompt_next_ids is not None:
-            out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
-        if _TRACES.n != before:
-            self.num_compiles += _TRACES.n - before
-            if self.warmed_up:
-                logger.warning("compile after warm-up (token bucket %d): this is a bug",
-                               plan.token_bucket)
-        return out
+        return arrays, spec
+
+    def _add_compiles(self, n: int) -> None:
+        with self._count_lock:
+            self.num_compiles += n
 
     def bitmask_width(self) -> int:
         return (self.model_config.vocab_size + 31) // 32
@@ -314,9 +341,11 @@ class ModelRunner:
         sequence bucket: unconstrained steps copy nothing for it)."""
         if plan.token_bitmask is not None:
             return self._put_bitmask(plan.token_bitmask)
-        s = plan.seq_bucket
+        return self._ones_bitmask(plan.seq_bucket)
+
+    def _ones_bitmask(self, s: int) -> jax.Array:
         ones = self._ones_bitmasks.get(s)
-        if ones is None:
+        if ones is None:  # made once per bucket (compile workers may race: same content)
             ones = self._ones_bitmasks[s] = self._put_bitmask(
                 np.full((s, self.bitmask_width()), -1, np.int32))
         return ones
@@ -329,8 +358,8 @@ class ModelRunner:
 
     def build_plan(self, rows: list[ScheduledSeq], sampling_inputs: list) -> StepPlan:
         plan = build_step_plan(rows, block_size=self.block_size,
-                               max_pages_per_seq=self.max_pages_per_seq, ladder=self.ladder,
-                               max_num_seqs=self.max_num_seqs)
+                               max_pages_per_seq=self.max_pages_per_seq,
+                               ladder=self._plan_ladder(), max_num_seqs=self.max_num_seqs)
         plan.sampling = build_sampling_arrays(sampling_inputs, plan.seq_bucket,
                                               history_len=self.max_model_len, rng=self._np_rng)
         if self.num_spec_tokens:
@@ -389,39 +418,141 @@ class ModelRunner:
         seqs = {seq_bucket(t, self.max_num_seqs) for t in self.ladder}
         return 2 * len(self.ladder) + 2 * len(seqs)
 
+    # ---- warm-up: compile every bucket ahead of time -----------------------------------
     def warmup(self) -> float:
-        """Compile and run every token bucket on rows that live in the trash page.
+        """Compile and run every bucket (see :meth:`start_warmup`) and wait for all of them."""
+        self.start_warmup()
+        self._compiles.wait_all()
+        return self._warmup_s
 
-        Two plans per bucket: many short rows next to one long row, and long rows only, so both
-        the decode and the prefill paths of the attention run (and the compact and full sampler
-        layouts). Running real rows matters: XLA:CPU finishes a loop body's code on its first
-        trip, and a padding-only plan never enters the loops, which left ~0.1-0.3 s of that
-        work to the first real step of each bucket."""
+    def start_warmup(self, workers: int | None = None) -> None:
+        """Compile the buckets ahead of time on a thread pool and return at once.
+
+        Order: the smallest bucket (single-request decode) and the largest (any step fits it),
+        then the rest smallest first, then the prompt-logprobs graphs. Each bucket is lowered
+        and compiled (``jit(...).lower(...).compile()``, which fills jit's own cache and the
+        persistent compilation cache), then run on rows that live in the trash page. Steps pick
+        among the compiled buckets (:meth:`_plan_ladder`) and wait for a bucket still compiling
+        rather than compile it themselves.
+        """
+        if self._compiles is not None:
+            return
+        self._warmup_t0 = time.perf_counter()
+        self._warmup_s = None
+        self._jobs_done = 0
+        self._scratch_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
+        first = [self.ladder[0], self.ladder[-1]]
+        order = list(dict.fromkeys(first + list(self.ladder)))
+        jobs = [(("forward", t), partial(self._compile_bucket, t)) for t in order]
+        jobs += [(("prompt_logprobs", t), partial(self._compile_prompt_logprobs, t))
+                 for t in order]
+        self._num_jobs = len(jobs)
+        self._bar = None
+        if sys.stderr.isatty():
+            self._bar = tqdm(total=len(jobs), desc="Compiling buckets", leave=False)
+        workers = workers or max(1, min(4, os.cpu_count() or 1))
+        if jax.process_count() > 1:  # every host runs the warm-up steps in the same order
+            workers = 1
+        self._compiles = CompilePool(jobs, workers, on_done=self._job_done)
+        self._compiles.start()  # after the assignment: jobs wait on each other through it
+
+    def _plan_ladder(self) -> tuple[int, ...]:
+        """The buckets a step may use now: the compiled ones, and the ones above the largest
+        compiled (a step too big for every compiled bucket waits for the smallest that fits)."""
+        if self._compiles is None or self.warmed_up:
+            return self.ladder
+        ready = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
+        top = max(ready, default=0)
+        return tuple(t for t in self.ladder if t in ready or t > top)
+
+    def startup_progress(self) -> tuple[bool, int, int]:
+        """(ready to serve, buckets compiled, buckets): ready once the smallest and the largest
+        token buckets are compiled, so every step runs without waiting for a compile."""
+        n = len(self.ladder)
+        if self._compiles is None:
+            return self.warmed_up, (n if self.warmed_up else 0), n
+        done = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
+        ready = self.ladder[0] in done and self.ladder[-1] in done
+        return ready, len(done), n
+
+    def _job_done(self, key, seconds: float) -> None:
+        kind, t = key
+        with self._count_lock:
+            self._jobs_done += 1
+            last = self._jobs_done == self._num_jobs
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(f"{kind} {t}")
+        else:
+            detail = self._job_detail.get(key)
+            logger.info("compiled %s for token bucket %d (%d/%d) in %.1f s%s", kind, t,
+                        self._jobs_done, self._num_jobs, seconds,
+                        f" ({detail})" if detail else "")
+        if last:
+            if self._bar is not None:
+                self._bar.close()
+            self._warmup_s = time.perf_counter() - self._warmup_t0
+            self.warmed_up = True
+            logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,
+                        list(self.ladder), self._warmup_s)
+
+    def _compile_bucket(self, t: int) -> None:
+        """Compile token bucket ``t`` (model graph, both sampler layouts), then run it.
+
+        Two plans: many short rows next to one long row, and long rows only, so both the decode
+        and the prefill paths of the attention run (and the compact and full sampler layouts).
+        Running real rows matters: XLA:CPU finishes a loop body's code on its first trip, and a
+        padding-only plan never enters the loops, which left ~0.1-0.3 s of that work to the
+        first real step of each bucket."""
+        before = _TRACES.n  # this worker thread's traces
+        s = seq_bucket(t, self.max_num_seqs)
+        plans = [self._warmup_plan(t, s, full) for full in (False, True)]
+        with self._pool_lock:
+            kv, last = self.kv_pages, self._scratch_tokens
         t0 = time.perf_counter()
-        sampled = set()
-        for t in tqdm(self.ladder, desc="Compiling token buckets", disable=None, leave=False):
-            s = seq_bucket(t, self.max_num_seqs)
-            for full in (False, True):
-                plan = self._warmup_plan(t, s, full)
-                out = self._run(plan, np.zeros(t, np.int32) if full else None)
-                jax.block_until_ready(out)
-            if s not in sampled:  # the other side of each sampler ``lax.cond``, both layouts
-                sampled.add(s)
-                k = self.num_spec_tokens
-                shape = (s, k + 1) if k else (s,)
-                logits = self._device_zeros(shape + (self.model_config.vocab_size,), jnp.float32)
-                # with drafts in every row, so the verifier's random branch runs too
-                spec = dict(draft_token_ids=np.zeros((s, k), np.int32),
-                            num_draft=np.full(s, k, np.int32)) if k else None
-                for params in _WARMUP_OTHER_BRANCHES:
-                    jax.block_until_ready(self._sample(logits, self._warmup_sampling(params, s),
-                                                  np.full((s, 2), -1, np.int32),
-                                                  self._last_tokens, self._warmup_bitmask(s), spec))
-        self.warmed_up = True
-        dt = time.perf_counter() - t0
-        logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,
-                    list(self.ladder), dt)
-        return dt
+        lowered = self._forward.lower(self._state_leaves, kv, self._step_inputs(plans[0])[0],
+                                      last)
+        t1 = time.perf_counter()
+        fwd = lowered.compile()  # or a load from the persistent cache
+        t2 = time.perf_counter()
+        logits = fwd.out_info[0]
+        # the other side of each sampler lax.cond: other sampling modes, a token mask that
+        # forbids half the vocabulary, and drafts in every row (the verifier's random branch)
+        k = self.num_spec_tokens
+        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                      num_draft=np.full(s, k, np.int32)) if k else None
+        ones, half = self._ones_bitmask(s), self._warmup_bitmask(s)
+        others = [(self._warmup_sampling(p, s), np.full((s, 2), -1, np.int32), half, drafts)
+                  for p in _WARMUP_OTHER_BRANCHES]
+        own = [(p.sampling, p.history_ref, ones, self._step_inputs(p)[1]) for p in plans]
+        with self._sampler_locks.setdefault(s, threading.Lock()):  # once per sequence bucket
+            for sampling, history_ref, mask, spec in own + others:
+                self._sample.lower(logits, sampling, history_ref, last, mask, spec).compile()
+        with self._pool_lock:  # the runs donate the pool: one step at a time
+            for plan in plans:
+                arrays, spec = self._step_inputs(plan)
+                logits, self.kv_pages, hidden = self._forward(
+                    self._state_leaves, self.kv_pages, arrays, last)
+                jax.block_until_ready(self._sample(logits, plan.sampling, plan.history_ref,
+                                                   last, ones, spec))
+            for sampling, history_ref, mask, spec in others:
+                jax.block_until_ready(self._sample(logits, sampling, history_ref, last, mask,
+                                                   spec))
+        self._job_detail[("forward", t)] = (
+            f"trace+lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s, sampler and warm-up runs "
+            f"{time.perf_counter() - t2:.1f} s")
+        self._warm_hidden[t] = hidden
+        self._add_compiles(_TRACES.n - before)
+
+    def _compile_prompt_logprobs(self, t: int) -> None:
+        """The prompt-logprobs graph of bucket ``t``, compiled and run on its warm-up hidden."""
+        self._compiles.wait(("forward", t))
+        before = _TRACES.n
+        hidden = self._warm_hidden.pop(t)
+        ids = np.zeros(t, np.int32)
+        self._prompt_logprobs.lower(self._state_leaves, hidden, ids).compile()
+        jax.block_until_ready(self._prompt_logprobs(self._state_leaves, hidden, ids))
+        self._add_compiles(_TRACES.n - before)
 
     def _warmup_sampling(self, params: SamplingParams, s: int) -> dict:
         """Sampler arrays for ``s`` rows of ``params`` (one token generated so far)."""
@@ -466,13 +597,16 @@ class ModelRunner:
     def swap_out(self, page_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per layer."""
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
-        return jax.device_get([(k[:, idx], v[:, idx]) for k, v in self.kv_pages])
+        with self._pool_lock:
+            return jax.device_get([(k[:, idx], v[:, idx]) for k, v in self.kv_pages])
 
     def swap_in(self, page_ids: list[int], saved) -> None:
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
-        self.kv_pages = _write_pages(self.kv_pages, idx, saved)
-        if self.mesh is not None:  # keep the step's input sharding (no recompile under tp)
-            self.kv_pages = jax.device_put(self.kv_pages, parallel.kv_pool_sharding(self.mesh))
+        with self._pool_lock:
+            self.kv_pages = _write_pages(self.kv_pages, idx, saved)
+            if self.mesh is not None:  # keep the step's input sharding (no recompile under tp)
+                self.kv_pages = jax.device_put(self.kv_pages,
+                                               parallel.kv_pool_sharding(self.mesh))
 
 
 @jax.jit

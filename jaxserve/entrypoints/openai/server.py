@@ -973,6 +973,12 @@ class OpenAIServing:
     async def health(self, request: Request) -> Response:
         self._admit()
         self.engine.check_health()
+        progress = getattr(self.engine, "startup_progress", None)
+        if progress is not None:
+            ready, k, n = progress()
+            if not ready:  # buckets still compiling: up, not yet ready for traffic
+                return JSONResponse({"status": "starting", "buckets_ready": k, "of": n},
+                                    status_code=503)
         return Response(status_code=200)
 
     async def load(self, request: Request) -> Response:
@@ -1240,12 +1246,16 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     t0 = time.perf_counter()
     if use_core_process(engine_config):
-        engine = EngineCoreClient(engine_config)  # the device loop in its own process
+        # the device loop in its own process; it serves while its buckets compile (/health
+        # says "starting" until it is ready, and early requests wait)
+        engine = EngineCoreClient(engine_config)
     else:
         from jaxserve.engine.data_parallel import make_async_llm
 
-        engine = make_async_llm(engine_config)  # DP replicas and multi-host: in this process
-    logger.info("engine ready in %.1f s", time.perf_counter() - t0)
+        # DP replicas and multi-host: in this process. One replica serves while its buckets
+        # compile, like the core process.
+        engine = make_async_llm(engine_config, background_warmup=True)
+    logger.info("engine loaded in %.1f s; compiling in the background", time.perf_counter() - t0)
     app = build_app(engine, api_key=api_key, served_model_names=served_model_names,
                     chat_template=template, max_body_bytes=max_body_bytes,
                     enable_auto_tool_choice=enable_auto_tool_choice,

@@ -1,0 +1,162 @@
+"""Start-up with the buckets compiled in the background.
+
+* ``CompilePool`` runs jobs in order on its threads, a waiter moves a queued job to the front,
+  ``cancel`` (at exit) drops queued jobs and lets the running one finish,
+  and a failed job fails its waiter.
+* An engine with ``background_warmup`` serves at once: its steps pick compiled buckets or wait
+  for the one they need, and never compile in the stepping thread (the thread-local trace count
+  of the test's thread stays put), also for prompt logprobs; the results equal a blocking
+  warm-up's engine, and the pool compiled every graph exactly once.
+* ``/health`` of a server whose engine is compiling answers 503 with the progress, then 200
+  once the smallest and largest buckets are compiled, and requests sent before that complete.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from jaxserve.worker.compile_pool import CompilePool
+
+
+def test_compile_pool_order_bump_and_errors():
+    gate = threading.Event()
+    order = []
+
+    def job(k):
+        def run():
+            if k == "a":
+                gate.wait(10)
+            if k == "bad":
+                raise ValueError("boom")
+            order.append(k)
+        return run
+
+    keys = ["a", "b", "c", "d", "bad"]
+    pool = CompilePool([(k, job(k)) for k in keys], workers=1).start()
+    time.sleep(0.1)  # the worker holds "a"
+    waiter = threading.Thread(target=pool.wait, args=("d",))
+    waiter.start()
+    time.sleep(0.1)
+    gate.set()
+    waiter.join(10)
+    assert pool.is_done("d")
+    with pytest.raises(RuntimeError, match="bad"):
+        pool.wait("bad")
+    with pytest.raises(RuntimeError):
+        pool.wait_all()
+    assert order == ["a", "d", "b", "c"]  # "d" jumped the queue when waited for
+    assert not pool.is_done("bad")
+    with pytest.raises(KeyError):
+        pool.wait("nope")
+
+
+def _engine(model_dir, background: bool):
+    from jaxserve.config import EngineConfig, SchedulerConfig, CacheConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(model=str(model_dir), dtype="float32",
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                                 min_token_bucket=4, max_model_len=128),
+                       cache=CacheConfig(num_gpu_blocks_override=64))
+    return LLMEngine(cfg, background_warmup=background)
+
+
+def _run_all(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.worker import runner as runner_lib
+
+    model_dir = tiny_model_factory("llama")
+    prompts = [[5 + i] * n for i, n in enumerate((3, 9, 17, 30))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+
+    # first: engines of one model share their jitted graphs, so the second compiles nothing
+    eng = _engine(model_dir, background=True)
+    runner = eng.runner
+    ready, k, n = eng.startup_progress()
+    assert n == len(runner.ladder) == 4 and k < n  # ladder 4, 8, 16, 32: still compiling
+    traces = runner_lib._TRACES.n  # this thread's traces: the steps run here
+    outs = _run_all(eng, prompts, params)
+    assert runner_lib._TRACES.n == traces  # no step compiled: they waited for the pool
+    runner._compiles.wait_all()
+    assert runner.warmed_up and eng.startup_progress() == (True, n, n)
+    assert runner.num_compiles == runner.num_graphs  # every graph once, all in the pool
+    ref = _run_all(_engine(model_dir, background=False), prompts, params)
+    for a, b in zip(outs, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [None if d is None else sorted(d) for d in a.prompt_logprobs] == \
+            [None if d is None else sorted(d) for d in b.prompt_logprobs]
+
+
+def test_health_reports_starting_then_ready(tiny_model_factory, monkeypatch):
+    import asyncio
+
+    import openai
+
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.server import build_app
+    from jaxserve.worker.runner import ModelRunner
+    from tests.test_server import ServerThread
+
+    gate = threading.Event()
+    original = ModelRunner._compile_bucket
+
+    def held(self, t):  # compiles wait for the test's go
+        assert gate.wait(120)
+        return original(self, t)
+
+    monkeypatch.setattr(ModelRunner, "_compile_bucket", held)
+    eng = _engine(tiny_model_factory("llama"), background=True)
+    engine = AsyncLLM(eng.config, engine=eng)
+    try:
+        with ServerThread(build_app(engine, served_model_names=["tiny"])) as srv:
+            r = httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=10)
+            assert r.status_code == 503
+            assert r.json() == {"status": "starting", "buckets_ready": 0, "of": 4}
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="x",
+                                   max_retries=0, timeout=120)
+            result = {}
+            early = threading.Thread(target=lambda: result.update(c=client.completions.create(
+                model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0.0)))
+            early.start()  # sent while nothing is compiled: waits, then completes
+            time.sleep(0.3)
+            assert "c" not in result
+            gate.set()
+            deadline = time.time() + 120
+            while httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=10).status_code != 200:
+                assert time.time() < deadline
+                time.sleep(0.1)
+            ready, k, n = eng.startup_progress()
+            assert ready and k >= 2 and n == 4
+            early.join(120)
+            assert result["c"].usage.completion_tokens == 3
+    finally:
+        gate.set()
+        asyncio.run(engine.shutdown())
+
+
+def test_compile_pool_cancel_drops_queued_jobs():
+    gate = threading.Event()
+    ran = []
+    pool = CompilePool([("a", lambda: (gate.wait(10), ran.append("a"))),
+                        ("b", lambda: ran.append("b"))], workers=1).start()
+    time.sleep(0.1)  # "a" is running
+    pool.cancel()
+    with pytest.raises(RuntimeError, match="'b'"):
+        pool.wait("b")  # dropped: its waiter is told, never left hanging
+    gate.set()
+    pool.join(10)
+    assert ran == ["a"]  # the running job finished; the queued one never ran
