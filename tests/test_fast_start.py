@@ -79,7 +79,9 @@ def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.worker import runner as runner_lib
 
-    model_dir = tiny_model_factory("llama")
+    # shapes no other test uses (vocab, MLP width): the jitted graphs, shared by engines of
+    # one model shape, are compiled here for the first time whatever ran before
+    model_dir = tiny_model_factory("llama", vocab=520, intermediate=136)
     prompts = [[5 + i] * n for i, n in enumerate((3, 9, 17, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
 
