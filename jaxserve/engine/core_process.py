@@ -95,15 +95,14 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
     last_stats = 0.0
     while True:
         busy = engine.has_unfinished_requests()
-        events = dict(poller.poll(0 if busy else POLL_MS))
-        while inbox in events or (events and inbox.poll(0)):
-            try:
-                frame = inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if not _handle(engine, pickle.loads(frame), outbox):
-                return
-            events = {inbox: 1}
+        if poller.poll(0 if busy else POLL_MS):  # take every message waiting, then step
+            while True:
+                try:
+                    frame = inbox.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if not _handle(engine, pickle.loads(frame), outbox):
+                    return
         if engine.has_unfinished_requests():
             outs = engine.step()
             now = time.monotonic()
