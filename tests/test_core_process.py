@@ -3,6 +3,7 @@ a dead core turns into 503s and an unhealthy ``/health`` (not a hang), and a bur
 aborted streams leaves no KV page behind."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -139,6 +140,41 @@ def test_reset_prefix_cache(server):
     assert still_running, "every stream ended before the reset request: cannot test the 409"
     assert busy.status_code == 409 and busy.json()["error"]["code"] == 409
     assert hits_after_one_request() >= 16  # the refused reset dropped nothing
+
+
+def test_stop_strings_are_found_in_the_api_process(server):
+    """The core sends ids only; the API process's output processor finds a stop string that
+    spans two tokens, cuts the text there, and tells the core to stop: the sequence's pages
+    are freed and the ids the core made past the stop leave the token count."""
+    _, url, _ = server
+    body = {"prompt": "the stop test", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    full = httpx.post(url + "/v1/completions", timeout=60, json=body).json()["choices"][0]
+    tokens, text = full["logprobs"]["tokens"], full["text"]
+    assert "".join(tokens) == text
+    # a stop string made of the last character of token i and the first of token i + 1
+    i = next(i for i in range(3, len(tokens) - 1) if tokens[i] and tokens[i + 1]
+             and (tokens[i][-1] + tokens[i + 1][0]) not in "".join(tokens[:i]) + tokens[i][:-1])
+    stop = tokens[i][-1] + tokens[i + 1][0]
+    cut = text.index(stop)
+    before = _metric(url, "jaxserve:generation_tokens_total")
+    pieces, finish = [], None
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json=dict(body, stop=[stop], stream=True, logprobs=None)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                pieces.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+    assert "".join(pieces) == text[:cut]
+    assert finish == "stop"
+    deadline = time.time() + 10
+    while (_kv_usage(url) > 0 or _metric(url, "jaxserve:generation_tokens_total") - before
+           != i + 2) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _kv_usage(url) == 0
+    assert _metric(url, "jaxserve:generation_tokens_total") - before == i + 2, \
+        "ids past the stop string are not generation tokens"
 
 
 def test_a_dead_core_gives_503_not_a_hang(server):

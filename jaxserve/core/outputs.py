@@ -52,3 +52,39 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+# ---- what the engine core reports: token ids and floats, never text ------------------------
+@dataclass
+class TokenLogprobs:
+    """One position's logprobs as the core knows them; the output processor adds the text."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_ids: list[int] = field(default_factory=list)  # the top-k asked for, best first
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class CoreCompletion:
+    """One sequence's news from a step: the ids it gained and, when the core ended it, why."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new id when logprobs were asked
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class CoreOutput:
+    """One request's news from a step (every sequence it touched); the API process turns it
+    into a cumulative ``RequestOutput``."""
+
+    request_id: str
+    completions: list[CoreCompletion]
+    finished: bool = False
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

@@ -19,10 +19,9 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import EngineDeadError
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.streams import FINISHED, RequestStreams, next_output
 
 logger = logging.getLogger(__name__)
-
-_FINISHED = object()
 
 
 class AsyncLLM:
@@ -37,7 +36,7 @@ class AsyncLLM:
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self.chat_template = None
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = RequestStreams()
         self._dead: BaseException | None = None
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
@@ -52,15 +51,14 @@ class AsyncLLM:
                 self._drain(block)
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                        self._streams.put(out.request_id, out)
                         if out.finished:
-                            self._deliver(out.request_id, _FINISHED)
+                            self._streams.put(out.request_id, FINISHED)
                 self._stats = self.engine.stats()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine, visibly
             logger.exception("engine loop died")
             self._dead = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+            self._streams.fail_all(EngineDeadError(f"engine loop died: {e!r}"))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -88,55 +86,33 @@ class AsyncLLM:
             except queue.Empty:
                 return
 
-    def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is None:
-            return
-        loop, q = entry
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed
-            self._streams.pop(request_id, None)
-
     # ---- public API --------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.check_health()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        if request_id in self._streams:
-            from jaxserve.errors import InvalidRequestError
-            raise InvalidRequestError(f"request_id {request_id!r} is already running",
-                                      param="request_id")
-        self._streams[request_id] = (loop, q)
+        q = self._streams.open(request_id)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, sampling_params, priority), fut))
-        finished = False
+        finished = False  # ended here or in the engine: nothing to abort
         try:
             try:
                 await asyncio.wrap_future(fut)
-            except Exception:
-                finished = True  # never added: there is nothing of ours to abort
+                while (out := await next_output(q)) is not None:
+                    yield out
+                finished = True
+            except (GeneratorExit, asyncio.CancelledError):
                 raise
-            while True:
-                item = await q.get()
-                if item is _FINISHED:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
+            except Exception:
+                finished = True  # rejected, or the engine died
+                raise
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.close(request_id)
             if not finished:
                 self._commands.put(("abort", (request_id,), None))
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", (request_id,), None))
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            self._deliver(request_id, _FINISHED)
+        self._streams.put(request_id, FINISHED)
 
     async def reset_prefix_cache(self) -> bool:
         """Runs on the engine thread between steps; False while pages are in use."""

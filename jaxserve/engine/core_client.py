@@ -2,9 +2,12 @@
 
 Same surface as ``AsyncLLM`` (``generate``/``abort``/``check_health``/``stats``/``shutdown``,
 ``tokenizer``, ``model_config``, ``max_model_len``), so the server does not know which one it
-holds. A reader thread takes the core's frames off the socket and hands each to its request's
-asyncio queue; it also watches the child: when the core dies every stream gets
-``EngineDeadError`` and ``check_health`` raises within ``WATCH_S`` seconds.
+holds. This side is the input and output processor: prompts go to the core as token ids, and
+the core's ids come back through the ``OutputProcessor`` (detokenization, stop strings,
+logprob text) on the reader thread, which hands each ``RequestOutput`` to its request's
+asyncio queue and tells the core about stop strings. The reader also watches the child: when
+the core dies every stream gets ``EngineDeadError`` and ``check_health`` raises within
+``WATCH_S`` seconds.
 
 This module and everything it imports must stay free of jax: that is the point of the split
 (a test reads ``/proc/<pid>/maps`` of the API process).
@@ -27,12 +30,13 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import decode_message, run_engine_core
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.streams import FINISHED, RequestStreams, next_output
 from jaxserve.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 WATCH_S = 0.2  # the reader thread checks the child this often
-_FINISHED = object()
 
 
 def use_core_process(config: EngineConfig) -> bool:
@@ -49,7 +53,7 @@ class EngineCoreClient:
         self.config = config
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self.chat_template = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = RequestStreams()
         self._adds: dict[str, asyncio.Future] = {}  # answers awaited: adds and resets
         self._tokens = itertools.count()
         self._dead: str | None = None
@@ -78,6 +82,8 @@ class EngineCoreClient:
         config.served_model_name = info["served_model_name"]
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self._stats = info["stats"]
+        self._processor = OutputProcessor(self.tokenizer)
+        self._processor_lock = threading.Lock()  # the reader thread and the event loop(s)
         self._reader = threading.Thread(target=self._read, name="jaxserve-core-reader",
                                         daemon=True)
         self._reader.start()
@@ -114,11 +120,15 @@ class EngineCoreClient:
     def _dispatch(self, msg) -> None:
         kind = msg[0]
         if kind == "step":
-            _, outputs, stats = msg
+            _, core_outputs, stats = msg
+            with self._processor_lock:
+                outputs, stops = self._processor.process(core_outputs)
+            if stops:
+                self._send(("finish", stops))
             for out in outputs:
-                self._deliver(out.request_id, out)
+                self._streams.put(out.request_id, out)
                 if out.finished:
-                    self._deliver(out.request_id, _FINISHED)
+                    self._streams.put(out.request_id, FINISHED)
             if stats is not None:
                 self._stats = stats
         elif kind == "added":
@@ -138,21 +148,10 @@ class EngineCoreClient:
     def _die(self, why: str) -> None:
         logger.error(why)
         self._dead = why
-        for rid in list(self._streams):
-            self._deliver(rid, EngineDeadError(why))
+        self._streams.fail_all(EngineDeadError(why))
         for rid, fut in list(self._adds.items()):
             fut.get_loop().call_soon_threadsafe(_settle, fut, EngineDeadError(why))
         self._adds.clear()
-
-    def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is None:
-            return
-        loop, q = entry
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed
-            self._streams.pop(request_id, None)
 
     def _send(self, msg) -> None:
         frame = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -163,42 +162,52 @@ class EngineCoreClient:
     async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.check_health()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request_id {request_id!r} is already running",
-                                      param="request_id")
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        added = loop.create_future()
-        self._streams[request_id] = (loop, q)
+        params = sampling_params or SamplingParams()
+        text, ids = self._prompt_ids(prompt)
+        q = self._streams.open(request_id)
+        added = asyncio.get_running_loop().create_future()
         self._adds[request_id] = added
-        self._send(("add", request_id, prompt, sampling_params or SamplingParams(), priority))
-        finished = False
+        with self._processor_lock:
+            self._processor.add_request(request_id, text, ids, params)
+        self._send(("add", request_id, ids, params, priority))
+        finished = False  # ended here or in the core: nothing to abort
         try:
             try:
                 await added
-            except BaseException:
-                finished = added.done() and not added.cancelled()  # rejected: nothing to abort
+                while (out := await next_output(q)) is not None:
+                    yield out
+                finished = True
+            except (GeneratorExit, asyncio.CancelledError):
                 raise
-            while True:
-                item = await q.get()
-                if item is _FINISHED:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
+            except Exception:
+                finished = True  # rejected, or the core died
+                raise
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.close(request_id)
             self._adds.pop(request_id, None)
+            with self._processor_lock:
+                self._processor.abort_request(request_id)
             if not finished and self._dead is None and not self._stopping:
                 self._send(("abort", request_id))
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list]:
+        """The input processor's last step: the prompt as token ids (the core checks them)."""
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        try:
+            return None, [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt must be a string or a list of token ids",
+                                      param="prompt") from None
 
     async def abort(self, request_id: str) -> None:
         if self._dead is None and not self._stopping:
             self._send(("abort", request_id))
-        if request_id in self._streams:
-            self._deliver(request_id, _FINISHED)
+        with self._processor_lock:
+            self._processor.abort_request(request_id)
+        self._streams.put(request_id, FINISHED)
 
     async def reset_prefix_cache(self) -> bool:
         """The core drops its cached prefix pages between steps; False while pages are in use."""

@@ -3,14 +3,18 @@
 ``jaxserve serve`` runs this in a child process so the device loop never waits for HTTP,
 JSON, tokenization or chat templates, and the API process never imports jax. The wire is two
 ZeroMQ sockets on ipc:// paths: requests come in on a PULL socket (``add``/``abort``/
-``shutdown``, pickled: they are few and carry ``SamplingParams``), and each step's outputs go
-out on a PUSH socket, msgpack-encoded with msgspec (the hot path). Messages out:
+``finish``/``shutdown``, pickled: they are few and carry ``SamplingParams``), and each step's
+outputs go out on a PUSH socket, msgpack-encoded with msgspec (the hot path). Only token ids
+travel: the API process tokenizes (``add`` carries ids) and runs the output processor
+(detokenization, stop strings, logprob text); a stop string comes back as ``finish``.
+Messages out:
 
 - ``("ready", info)``: once, when the model is loaded (buckets then compile in the background;
   ``stats["startup"]`` follows their progress); ``info`` holds what the API process needs
   (tokenizer, model config, max_model_len, stats).
 - ``("added", rid, None)`` / ``("added", rid, error)``: the answer to each ``add``.
-- ``("step", outputs, stats)``: the ``RequestOutput``s of one step.
+- ``("step", outputs, stats)``: the ``CoreOutput``s of one step; ``stats`` at most every
+  ``STATS_INTERVAL_S`` (None between).
 - ``("reset", token, ok)``: the answer to ``reset_prefix_cache``.
 - ``("dead", message)``: the loop failed; the process then exits.
 
@@ -29,16 +33,16 @@ import msgspec
 import zmq
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.outputs import CoreOutput
 from jaxserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 0.05  # stats ride along with step outputs at most this often when idle
+STATS_INTERVAL_S = 0.05  # stats ride along with step outputs at most this often
 POLL_MS = 50  # how long an idle core waits for input before it checks its parent again
 
 
-def encode_outputs(outputs: list[RequestOutput], stats: dict | None) -> bytes:
+def encode_outputs(outputs: list[CoreOutput], stats: dict | None) -> bytes:
     return _ENCODER.encode(("step", outputs, stats))
 
 
@@ -55,7 +59,7 @@ def _pickled(msg) -> bytes:
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_STEP_DECODER = msgspec.msgpack.Decoder(tuple[str, list[RequestOutput], dict | None])
+_STEP_DECODER = msgspec.msgpack.Decoder(tuple[str, list[CoreOutput], dict | None])
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -104,10 +108,11 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
                 if not _handle(engine, pickle.loads(frame), outbox):
                     return
         if engine.has_unfinished_requests():
-            outs = engine.step()
+            outs = engine.core_step()
             now = time.monotonic()
             stats = None
-            if outs or now - last_stats > STATS_INTERVAL_S:
+            # at most every STATS_INTERVAL_S, and when the last request ends (gauges go to 0)
+            if now - last_stats > STATS_INTERVAL_S or not engine.has_unfinished_requests():
                 stats, last_stats = _stats(engine), now
             if outs or stats is not None:
                 outbox.send(encode_outputs(outs, stats))
@@ -126,9 +131,9 @@ def _handle(engine, msg, outbox) -> bool:
     """Apply one API message; False on shutdown."""
     kind = msg[0]
     if kind == "add":
-        _, rid, prompt, params, priority = msg
+        _, rid, prompt_token_ids, params, priority = msg
         try:
-            engine.add_request(rid, prompt, params, priority=priority)
+            engine.add_core_request(rid, prompt_token_ids, params, priority=priority)
             err = None
         except InvalidRequestError as e:
             err = e
@@ -137,6 +142,8 @@ def _handle(engine, msg, outbox) -> bool:
         outbox.send(_pickled(("added", rid, err)))
     elif kind == "abort":
         engine.abort_request(msg[1])
+    elif kind == "finish":
+        engine.finish_sequences(msg[1])
     elif kind == "reset_prefix_cache":
         outbox.send(_pickled(("reset", msg[1], engine.reset_prefix_cache())))
     elif kind == "shutdown":

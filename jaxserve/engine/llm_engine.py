@@ -6,11 +6,17 @@
 Async scheduling (on by default): ``step()`` schedules and dispatches step N+1, then reads step
 N's sampled ids, so the host work of one step runs while the device computes the next. The
 scheduler appends a placeholder for each token in flight; the step that consumes it reads the
-real id on the device. Stopping (EOS, stop token ids, stop strings on the detokenized text,
-max_tokens, max_model_len) is decided on the host when the ids arrive, one step behind; a token
-sampled after a stop is dropped. Without async scheduling the same step is fetched at once. ``n > 1`` fans out into child requests; with
-prefix caching on, the scheduler admits siblings once the first child's prompt pages are cached
-(``prefix_parent``), so they share those pages instead of recomputing them.
+real id on the device. Stopping on ids (EOS, stop token ids, max_tokens, max_model_len, a
+finished grammar) is decided on the host when the ids arrive, one step behind; a token sampled
+after a stop is dropped. Without async scheduling the same step is fetched at once. ``n > 1``
+fans out into child requests; with prefix caching on, the scheduler admits siblings once the
+first child's prompt pages are cached (``prefix_parent``), so they share those pages instead of
+recomputing them.
+
+The engine core is ``core_step`` (ids in, ``CoreOutput``s out); text (detokenization, stop
+strings, logprob entries) is the ``OutputProcessor``'s. ``step`` runs both in this process (the
+``LLM`` and ``AsyncLLM`` path); ``jaxserve serve`` runs ``core_step`` in the core process and the
+processor in the API process (engine/core_process.py, engine/core_client.py).
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
-from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.core.outputs import (CoreCompletion, CoreOutput, RequestMetrics, RequestOutput,
+                                   TokenLogprobs)
 from jaxserve.worker.parallel import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.runner import (ModelRunner, default_attention_backend, default_scheduler_limits,
@@ -39,7 +46,7 @@ from jaxserve.core.spec_decode import NgramProposer, SpecDecodeStats, can_specul
 from jaxserve.engine.generation_config import (default_sampling, eos_token_ids,
                                                load_generation_config)
 from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
-from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
+from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +55,12 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `jaxserve serve` / `LLM()` 
 
 @dataclass
 class _Child:
-    """Per-sequence text state the scheduler does not need."""
+    """One sequence of a request: what has been reported of it since it was added."""
 
     request: Request
     index: int
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    cumulative_logprob: float = 0.0
-    logprobs: list | None = None
+    num_reported: int = 0  # output ids already in a CoreOutput
+    new_logprobs: list | None = None  # TokenLogprobs of ids not yet reported, when asked for
 
 
 @dataclass
@@ -77,13 +82,13 @@ class _InFlight:
 @dataclass
 class _Parent:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
     children: list[_Child] = field(default_factory=list)
-    final_only: bool = False  # offline use: no output until the request finishes
-    prompt_logprobs: list | None = None  # [None, {tok: Logprob}, ...] when asked for
+    # prompt positions whose logprobs are recorded (position 0 has none), when asked for
+    num_prompt_logprobs: int | None = None
+    new_prompt_logprobs: list = field(default_factory=list)  # not yet reported
 
     @property
     def finished(self) -> bool:
@@ -164,6 +169,7 @@ class LLMEngine:
                                    page_bytes=page_bytes(mc, config.cache.block_size,
                                                          self.runner.kv_dtype))
         self._parents: dict[str, _Parent] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._swapped: dict[str, object] = {}
         self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
@@ -187,18 +193,31 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     priority: int = 0, final_only: bool = False) -> None:
+        """Tokenize, then add to the output processor and the core (``final_only``: offline
+        use, no output until the request finishes)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
                                       param="request_id")
-        prompt_text, ids = self._tokenize(prompt)  # its length is checked by the scheduler
+        prompt_text, ids = self._tokenize(prompt)
+        self.add_core_request(request_id, ids, params, arrival_time=arrival_time,
+                              priority=priority)
+        self.output_processor.add_request(request_id, prompt_text, ids, params, final_only)
+
+    def add_core_request(self, request_id: str, prompt_token_ids: list[int],
+                         params: SamplingParams, *, arrival_time: float | None = None,
+                         priority: int = 0) -> None:
+        """The core's half of ``add_request``: checked token ids into the scheduler."""
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running",
+                                      param="request_id")
+        _, ids = self._tokenize(list(prompt_token_ids))  # its length is checked by the scheduler
         params.verify_vocab(self.model_config.vocab_size)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
         now = arrival_time if arrival_time is not None else time.time()
-        parent = _Parent(request_id, prompt_text, ids, params, RequestMetrics(arrival_time=now),
-                         final_only=final_only,
-                         prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        parent = _Parent(request_id, ids, params, RequestMetrics(arrival_time=now),
+                         num_prompt_logprobs=1 if params.prompt_logprobs is not None else None)
         self._parents[request_id] = parent
         for i in range(params.n):
             child_params = params
@@ -222,12 +241,7 @@ class LLMEngine:
                     self.model_config.vocab_size, params.allowed_token_ids,
                     bad_words_token_ids(self.tokenizer, params.bad_words or ()))
             req.use_spec = self.proposer is not None and can_speculate(child_params)
-            detok = None
-            if params.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, list(ids),
-                                               params.skip_special_tokens,
-                                               params.spaces_between_special_tokens)
-            child = _Child(req, i, detok, logprobs=[] if params.logprobs is not None else None)
+            child = _Child(req, i, new_logprobs=[] if params.logprobs is not None else None)
             parent.children.append(child)
             self._child_of[rid] = (parent, child)
             try:
@@ -271,6 +285,7 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
+            self.output_processor.abort_request(rid)
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
@@ -288,8 +303,41 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 
+    def finish_sequences(self, stops: Iterable[SequenceStop]) -> None:
+        """End sequences the output processor stopped on a stop string. Ids reported after
+        the one that completed it were never shown: they leave the token count."""
+        for stop in stops:
+            parent = self._parents.get(stop.request_id)
+            if parent is None:
+                continue
+            child = parent.children[stop.index]
+            req = child.request
+            self.generation_tokens_total -= max(0, child.num_reported - stop.num_kept)
+            if not req.status.is_finished:
+                req.drop_pending()
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if parent.finished:
+                if parent.metrics.finished_time is None:
+                    parent.metrics.finished_time = time.time()
+                self._forget(parent)
+        if not self._parents:
+            self._inflight = None
+
+    def _forget(self, parent: _Parent) -> None:
+        self._parents.pop(parent.request_id, None)
+        for c in parent.children:
+            self._child_of.pop(c.request.request_id, None)
+
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step of the core, then its ids through the output processor."""
+        outputs, stops = self.output_processor.process(self.core_step())
+        if stops:
+            self.finish_sequences(stops)
+        return outputs
+
+    def core_step(self) -> list[CoreOutput]:
+        """Schedule and dispatch one step; read the previous one (async) or this one."""
         touched: dict[str, _Parent] = {}
         if self._inflight is not None and self._inflight.constrained:
             # a grammar's next mask needs the token in flight: read that step first
@@ -314,13 +362,9 @@ class LLMEngine:
             self._process(done, touched)
         outputs = []
         for parent in touched.values():
-            if parent.final_only and not parent.finished:
-                continue
-            outputs.append(self._make_output(parent))
+            outputs.append(self._core_output(parent))
             if parent.finished:
-                self._parents.pop(parent.request_id, None)
-                for c in parent.children:
-                    self._child_of.pop(c.request.request_id, None)
+                self._forget(parent)
         if not self._parents:
             self._inflight = None  # only tokens nobody waits for are in flight
         return outputs
@@ -374,7 +418,7 @@ class LLMEngine:
         out = self.runner.fetch(done.handle)
         for i, parent, lo, hi in done.prompt_rows:
             self._record_prompt_logprobs(parent, out, int(done.query_start[i]), lo, hi)
-        token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()  # Python scalars
+        token_ids = out.token_ids.tolist()  # Python ints
         now = time.time()
         to_propose = []
         for i, (s, hit) in enumerate(zip(done.sched.scheduled, done.hits)):
@@ -388,7 +432,7 @@ class LLMEngine:
             else:
                 req.resolve_pending(token_ids[i])
                 self.block_manager.cache_full_blocks(req)
-                self._on_token(parent, child, token_ids[i], logprobs[i], out, i, now)
+                self._on_token(parent, child, token_ids[i], out, i, now)
             if req.use_spec and not req.is_finished and not req.num_pending:
                 to_propose.append(req)
         if to_propose:
@@ -404,7 +448,7 @@ class LLMEngine:
         self.scheduler.commit_verified(req, n - 1)
         for tok in toks:
             req.append_output_token(tok)
-            self._on_token(parent, child, tok, 0.0, out, row, now)
+            self._on_token(parent, child, tok, out, row, now)
             if req.is_finished:
                 return
         self.block_manager.cache_full_blocks(req)
@@ -439,9 +483,9 @@ class LLMEngine:
         ``hits`` is the (parent, child) of each scheduled row."""
         rows = []
         for i, (s, (parent, child)) in enumerate(zip(sched.scheduled, hits)):
-            if child.index != 0 or parent.prompt_logprobs is None:
+            if child.index != 0 or parent.num_prompt_logprobs is None:
                 continue
-            lo = max(s.start_pos, len(parent.prompt_logprobs) - 1)
+            lo = max(s.start_pos, parent.num_prompt_logprobs - 1)
             hi = min(s.start_pos + s.num_new_tokens, len(parent.prompt_token_ids) - 1)
             if hi > lo:
                 rows.append((i, parent, lo, hi))
@@ -452,25 +496,21 @@ class LLMEngine:
         k = parent.params.prompt_logprobs
         for j in range(lo, hi):
             t = t0 + (j - lo)
-            tok = parent.prompt_token_ids[j + 1]
-            d = {tok: Logprob(float(tok_lp[t]), int(ranks[t]), decode_token(self.tokenizer, tok))}
-            for r in range(k):
-                tid = int(top_ids[t, r])
-                if tid not in d:
-                    d[tid] = Logprob(float(top_lp[t, r]), r + 1, decode_token(self.tokenizer, tid))
-            parent.prompt_logprobs.append(d)
+            parent.new_prompt_logprobs.append(TokenLogprobs(
+                parent.prompt_token_ids[j + 1], float(tok_lp[t]), int(ranks[t]),
+                top_ids[t, :k].tolist(), top_lp[t, :k].tolist()))
+            parent.num_prompt_logprobs += 1
 
-    def _on_token(self, parent: _Parent, child: _Child, tok: int, logprob: float, out, row: int,
-                  now: float):
+    def _on_token(self, parent: _Parent, child: _Child, tok: int, out, row: int, now: float):
+        """A known output id: logprobs kept for the next report, then the stops seen on ids."""
         req, params = child.request, child.request.sampling_params
         self.generation_tokens_total += 1
         m = parent.metrics
         if m.first_token_time is None:
             m.first_token_time = now
         m.last_token_time = now
-        child.cumulative_logprob += logprob
-        if child.logprobs is not None:
-            child.logprobs.append(self._position_logprobs(tok, out, row, params.logprobs))
+        if child.new_logprobs is not None:
+            child.new_logprobs.append(self._position_logprobs(tok, out, row, params.logprobs))
         n_out = req.num_known_output_tokens
         status, stop_reason = None, None
         if req.grammar is not None:
@@ -480,19 +520,6 @@ class LLMEngine:
                 status = RequestStatus.FINISHED_STOPPED
             elif req.grammar.is_terminated():
                 status = RequestStatus.FINISHED_STOPPED
-        if child.detok is not None:
-            delta = child.detok.add_tokens([tok])
-            child.text = child.detok.text if hasattr(child.detok, "text") else child.text + delta
-            stop = params.stop or []
-            if isinstance(stop, str):
-                stop = [stop]
-            if stop and n_out >= params.min_tokens:
-                hit = check_stop_strings(child.text, len(delta), stop,
-                                         params.include_stop_str_in_output)
-                if hit is not None:
-                    stop_str, cut = hit
-                    child.text = child.text[:cut] if cut is not None else child.text
-                    status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         if status is None and n_out >= params.min_tokens:
             if tok in self.eos_token_ids and not params.ignore_eos:
                 status = RequestStatus.FINISHED_STOPPED
@@ -508,34 +535,36 @@ class LLMEngine:
             if parent.finished:
                 m.finished_time = now
 
-    def _position_logprobs(self, tok: int, out, row: int, k: int) -> dict:
-        d = {tok: Logprob(float(out.logprobs[row]),
-                          int(out.ranks[row]) if out.ranks is not None else None,
-                          decode_token(self.tokenizer, tok))}
+    @staticmethod
+    def _position_logprobs(tok: int, out, row: int, k: int) -> TokenLogprobs:
+        tl = TokenLogprobs(tok, float(out.logprobs[row]),
+                           int(out.ranks[row]) if out.ranks is not None else None)
         if k and out.topk_ids is not None:
-            for j in range(k):
-                t = int(out.topk_ids[row, j])
-                if t not in d:
-                    d[t] = Logprob(float(out.topk_logprobs[row, j]), j + 1,
-                                   decode_token(self.tokenizer, t))
-        return d
+            tl.top_ids = out.topk_ids[row, :k].tolist()
+            tl.top_logprobs = out.topk_logprobs[row, :k].tolist()
+        return tl
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _core_output(self, parent: _Parent) -> CoreOutput:
+        """What this request gained since its last report."""
         comps = []
         for c in parent.children:
             r = c.request
-            comps.append(CompletionOutput(
-                index=c.index, text=c.text,
-                token_ids=r.output_token_ids[:r.num_known_output_tokens],
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=r.finish_reason, stop_reason=r.stop_reason))
+            known = r.num_known_output_tokens
+            new = r.output_token_ids[c.num_reported:known]
+            if not new and not r.status.is_finished:
+                continue
+            comps.append(CoreCompletion(
+                c.index, new, c.new_logprobs, finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason))
+            c.num_reported = known
+            if c.new_logprobs is not None:
+                c.new_logprobs = []
         first = parent.children[0].request
-        return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, outputs=comps, finished=parent.finished,
-            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs else None,
-            metrics=parent.metrics, num_cached_tokens=getattr(first, "num_cached_tokens", 0))
+        prompt_lps = parent.new_prompt_logprobs or None
+        parent.new_prompt_logprobs = []
+        return CoreOutput(parent.request_id, comps, finished=parent.finished,
+                          new_prompt_logprobs=prompt_lps, metrics=parent.metrics,
+                          num_cached_tokens=getattr(first, "num_cached_tokens", 0))
 
     # ---- stats -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -1,0 +1,170 @@
+"""The output processor: token ids from the engine core in, ``RequestOutput``s out.
+
+It owns everything textual about a generation: incremental detokenization, stop strings,
+logprob entries with their decoded tokens, and the cumulative outputs (n > 1 choices, offline
+requests that report only when done). It never touches jax, so ``jaxserve serve`` runs it in
+the API process and the core only ever sends ids; ``LLM`` and ``AsyncLLM`` run the same class
+in-process behind ``LLMEngine.step``.
+
+The core decides the stops it can see on ids (EOS, stop token ids, max_tokens, max_model_len,
+a finished grammar). A stop string is only visible here: ``process`` returns those stops, and
+the caller tells the core to finish the sequence (``LLMEngine.finish_sequences``). Ids the core
+produced after the stop string (it keeps stepping until told) are dropped here, never shown.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.core.outputs import (CompletionOutput, CoreOutput, Logprob, RequestOutput,
+                                   TokenLogprobs)
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
+
+
+@dataclass
+class SequenceStop:
+    """A stop string ended sequence ``index`` of ``request_id`` after ``num_kept`` output ids."""
+
+    request_id: str
+    index: int
+    num_kept: int
+
+
+@dataclass
+class _Sequence:
+    index: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence]
+    final_only: bool
+    prompt_logprobs: list | None
+    metrics: object = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, final_only: bool = False) -> None:
+        seqs = []
+        for i in range(params.n):
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                               params.skip_special_tokens,
+                                               params.spaces_between_special_tokens)
+            seqs.append(_Sequence(i, detok, logprobs=[] if params.logprobs is not None else None))
+        self._requests[request_id] = _RequestState(
+            request_id, prompt, list(prompt_token_ids), params, seqs, final_only,
+            [None] if params.prompt_logprobs is not None else None)
+
+    def abort_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput],
+                                                             list[SequenceStop]]:
+        """Apply one step's core outputs. -> (the outputs to hand out, the stop-string stops
+        the core must be told about)."""
+        outputs, stops = [], []
+        for co in core_outputs:
+            st = self._requests.get(co.request_id)
+            if st is None:
+                continue  # aborted, or finished here by a stop string: late ids are dropped
+            if co.metrics is not None:
+                st.metrics = co.metrics
+            st.num_cached_tokens = co.num_cached_tokens
+            if co.new_prompt_logprobs and st.prompt_logprobs is not None:
+                k = st.params.prompt_logprobs
+                st.prompt_logprobs.extend(self._entry(tl, k) for tl in co.new_prompt_logprobs)
+            for cc in co.completions:
+                seq = st.sequences[cc.index]
+                if seq.finish_reason is not None:
+                    continue
+                self._append(st, seq, cc.new_token_ids, cc.new_logprobs)
+                if seq.finish_reason is not None:  # a stop string
+                    stops.append(SequenceStop(st.request_id, seq.index, len(seq.token_ids)))
+                elif cc.finish_reason is not None:
+                    seq.finish_reason, seq.stop_reason = cc.finish_reason, cc.stop_reason
+            finished = st.finished
+            if finished and st.metrics is not None and st.metrics.finished_time is None:
+                st.metrics.finished_time = st.metrics.last_token_time
+            if finished or not st.final_only:
+                outputs.append(self._output(st))
+            if finished:
+                del self._requests[st.request_id]
+        return outputs, stops
+
+    def _append(self, st: _RequestState, seq: _Sequence, ids: list[int],
+                logprobs: list[TokenLogprobs] | None) -> None:
+        """Add ids one at a time; a stop string ends the sequence at the id that completes it."""
+        params = st.params
+        stop = params.stop or []
+        if isinstance(stop, str):
+            stop = [stop]
+        for j, tok in enumerate(ids):
+            seq.token_ids.append(tok)
+            if logprobs is not None and seq.logprobs is not None:
+                tl = logprobs[j]
+                seq.cumulative_logprob += tl.logprob
+                seq.logprobs.append(self._entry(tl, params.logprobs))
+            if seq.detok is None:
+                continue
+            delta = seq.detok.add_tokens([tok])
+            seq.text = seq.detok.text
+            if stop and len(seq.token_ids) >= params.min_tokens:
+                hit = check_stop_strings(seq.text, len(delta), stop,
+                                         params.include_stop_str_in_output)
+                if hit is not None:
+                    stop_str, cut = hit
+                    if cut is not None:
+                        seq.text = seq.text[:cut]
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    return
+
+    def _entry(self, tl: TokenLogprobs, k: int | None) -> dict:
+        """{token id: Logprob} of one position: the chosen token, then the top-k asked for."""
+        tok = self.tokenizer
+        d = {tl.token_id: Logprob(tl.logprob, tl.rank, decode_token(tok, tl.token_id))}
+        for r, (tid, lp) in enumerate(zip(tl.top_ids[:k or 0], tl.top_logprobs)):
+            if tid not in d:
+                d[tid] = Logprob(lp, r + 1, decode_token(tok, tid))
+        return d
+
+    def _output(self, st: _RequestState) -> RequestOutput:
+        comps = [CompletionOutput(
+            index=s.index, text=s.text, token_ids=list(s.token_ids),
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in st.sequences]
+        return RequestOutput(
+            request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
+            outputs=comps, finished=st.finished,
+            prompt_logprobs=list(st.prompt_logprobs) if st.prompt_logprobs else None,
+            metrics=st.metrics, num_cached_tokens=st.num_cached_tokens)
