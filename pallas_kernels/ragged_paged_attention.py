@@ -267,8 +267,10 @@ def _attn_kernel(
             pages = bt_ref[bt_row + col]  # page of every row (cached, tiny)
             pages = jnp.clip(pages, 0, num_pages - 1)  # a bad table must not fault the GPU
             slots = pages * ps + lax.rem(kv_tok, ps)
-            k = k_ref[slots]  # [block_kv, D] rows gathered straight from the pool
-            v = v_ref[slots]
+            # [block_kv, D] rows gathered straight from the pool; float8 pages are upcast
+            # in registers (scale 1.0)
+            k = k_ref[slots].astype(q.dtype)
+            v = v_ref[slots].astype(q.dtype)
             s = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
                 precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
@@ -424,6 +426,9 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
     hkv, _, page_size, dk = k_pages.shape
     if dk != d:
         raise ValueError(f"head_dim of q ({d}) and k_pages ({dk}) differ")
+    kv_dtype = jnp.dtype(k_pages.dtype)
+    if kv_dtype != jnp.dtype(q.dtype) and kv_dtype.itemsize != 1:
+        raise ValueError(f"k/v pages must be q's dtype ({q.dtype}) or a float8, got {kv_dtype}")
     if hq % hkv:
         raise ValueError(f"num query heads {hq} not a multiple of num kv heads {hkv}")
     if not _is_pow2(d) or d < 16:

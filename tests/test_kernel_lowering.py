@@ -39,12 +39,13 @@ def export_for_cuda(fn, *arg_specs):
 
 
 def _specs(*, tokens=64, seqs=16, max_pages=32, pages=128, hq=8, hkv=2, d=128, page_size=16,
-           dtype=jnp.bfloat16):
+           dtype=jnp.bfloat16, kv_dtype=None):
     sds = jax.ShapeDtypeStruct
+    kv_dtype = kv_dtype or dtype
     return (
         sds((tokens, hq, d), dtype),
-        sds((hkv, pages, page_size, d), dtype),
-        sds((hkv, pages, page_size, d), dtype),
+        sds((hkv, pages, page_size, d), kv_dtype),
+        sds((hkv, pages, page_size, d), kv_dtype),
         sds((seqs + 1,), jnp.int32),
         sds((seqs,), jnp.int32),
         sds((seqs, max_pages), jnp.int32),
@@ -121,3 +122,12 @@ def test_lowering_rejects_what_a_gpu_rejects():
     assert TRITON in export_for_cuda(fn, jax.ShapeDtypeStruct((16,), jnp.float32))
     with pytest.raises(Exception, match="power of 2"):
         export_for_cuda(fn, jax.ShapeDtypeStruct((12,), jnp.float32))
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2],
+                         ids=lambda v: v.__name__)
+def test_lowers_with_float8_pages(kv_dtype):
+    """--kv-cache-dtype fp8: the kernels load float8 pages and upcast them in registers."""
+    text = _lower(d=128, dtype=jnp.bfloat16, kv_dtype=kv_dtype,
+                  tiles=dict(decode_num_splits=4))
+    assert text.count(TRITON) == 3

@@ -467,7 +467,7 @@ def test_kv_cache_dtype_flag_and_errors(tiny_llama_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' needs attention_backend"):
-        LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="pallas",
+        LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="mosaic",
             max_model_len=64, num_gpu_blocks_override=8)
     llm = LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="xla",
               dtype="float32", max_model_len=64, num_gpu_blocks_override=8, max_num_seqs=2,

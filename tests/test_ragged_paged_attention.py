@@ -76,6 +76,11 @@ CONFIGS = [
     # Default tiles, but splits allowed down to one page so the run-time split choice is used.
     ("f32_mha_defaults", jnp.float32, 2, 2, 64, 16, {}, dict(decode_min_kv_per_split=16)),
     ("bf16_gqa2_d256_window", jnp.bfloat16, 4, 2, 256, 16, dict(sliding_window=20), SMALL_TILES),
+    # float8 pages (--kv-cache-dtype fp8): read and upcast in the kernel, as the reference does
+    ("bf16_gqa4_fp8e4m3_kv", jnp.bfloat16, 8, 2, 64, 16, dict(kv_dtype=jnp.float8_e4m3fn),
+     SMALL_TILES),
+    ("f32_gqa2_fp8e5m2_kv_window", jnp.float32, 4, 2, 64, 8,
+     dict(kv_dtype=jnp.float8_e5m2, sliding_window=13), SMALL_TILES),
 ]
 NUM_TOKENS, NUM_SEQS, MAX_PAGES = 32, 6, 6
 
@@ -91,6 +96,10 @@ def _check_config(cfg, rows, seed, interpret, num_tokens=NUM_TOKENS, num_seqs=NU
         page_size=page_size, dtype=dtype, padding_tables="random" if seed % 2 else "trash",
     )
     args = [jnp.asarray(a) for a in batch.args()]
+    opts = dict(opts)
+    kv_dtype = opts.pop("kv_dtype", None)
+    if kv_dtype is not None:
+        args[1], args[2] = (reference.to_page_dtype(a, kv_dtype) for a in args[1:3])
     sm_scale = d ** -0.5
     num_seqs_arg = jnp.int32(batch.num_seqs)
     out = ragged_paged_attention(*args, num_seqs_arg, sm_scale=sm_scale, interpret=interpret,

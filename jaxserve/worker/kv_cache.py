@@ -25,9 +25,10 @@ def kv_cache_dtype(cache_dtype: str, serving_dtype, attention_backend: str | Non
     if cache_dtype not in _FP8_KV:
         raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of auto, "
                          f"{', '.join(_FP8_KV)}")
-    if attention_backend not in (None, "reference", "xla"):
-        raise ValueError(f"kv_cache_dtype {cache_dtype!r} needs attention_backend reference or "
-                         f"xla (the {attention_backend!r} kernels read serving-dtype pages)")
+    if attention_backend not in (None, "reference", "xla", "pallas"):
+        raise ValueError(f"kv_cache_dtype {cache_dtype!r} needs attention_backend reference, "
+                         f"xla or pallas (the {attention_backend!r} kernel reads serving-dtype "
+                         "pages)")
     return jnp.dtype(_FP8_KV[cache_dtype])
 
 
