@@ -426,8 +426,8 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
     hkv, _, page_size, dk = k_pages.shape
     if dk != d:
         raise ValueError(f"head_dim of q ({d}) and k_pages ({dk}) differ")
-    kv_dtype = jnp.dtype(k_pages.dtype)
-    if kv_dtype != jnp.dtype(q.dtype) and kv_dtype.itemsize != 1:
+    kv_dtype = k_pages.dtype  # numpy's or torch's (the Triton backend's torch path)
+    if kv_dtype != q.dtype and getattr(kv_dtype, "itemsize", None) != 1:
         raise ValueError(f"k/v pages must be q's dtype ({q.dtype}) or a float8, got {kv_dtype}")
     if hq % hkv:
         raise ValueError(f"num query heads {hq} not a multiple of num kv heads {hkv}")

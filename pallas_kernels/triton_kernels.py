@@ -89,8 +89,9 @@ def kv_step(it, acc, m_i, l_i, q, q_pos, row_ok, seq, h, kv_lo, bt_ptr, k_ptr, v
     page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)  # a bad table must not fault
     slot = (h * (NUM_PAGES * PAGE_SIZE) + page * PAGE_SIZE + kv_tok % PAGE_SIZE).to(tl.int64)
     dcol = tl.arange(0, HEAD_DIM)
-    k_t = tl.load(k_ptr + slot[None, :] * HEAD_DIM + dcol[:, None])  # [D, BLOCK_KV]
-    v = tl.load(v_ptr + slot[:, None] * HEAD_DIM + dcol[None, :])  # [BLOCK_KV, D]
+    # float8 pages (--kv-cache-dtype fp8) are upcast to q's dtype in registers
+    k_t = tl.load(k_ptr + slot[None, :] * HEAD_DIM + dcol[:, None]).to(q.dtype)  # [D, BLOCK_KV]
+    v = tl.load(v_ptr + slot[:, None] * HEAD_DIM + dcol[None, :]).to(q.dtype)  # [BLOCK_KV, D]
     s = tl.dot(q, k_t, input_precision=DOT_PREC) * sm_scale
     if SOFT_CAP:
         # soft_cap * tanh(s / soft_cap), through exp (tanh is not in every Triton).

@@ -92,6 +92,11 @@ CONFIGS = [
      SMALL_TILES),
     # Default tiles; splits allowed down to one page so the run-time split count is used.
     ("f32_mha_defaults", "float32", 2, 2, 64, 16, {}, dict(decode_min_kv_per_split=16)),
+    # float8 pages (--kv-cache-dtype fp8), upcast in the kernel as the reference does
+    ("f16_gqa4_fp8e4m3_kv", "float16", 8, 2, 64, 16, dict(kv_dtype="float8_e4m3fn"),
+     SMALL_TILES),
+    ("f32_gqa2_fp8e5m2_kv_window", "float32", 4, 2, 64, 8,
+     dict(kv_dtype="float8_e5m2", sliding_window=13), SMALL_TILES),
 ]
 NUM_TOKENS, NUM_SEQS, MAX_PAGES = 32, 6, 6
 
@@ -110,6 +115,8 @@ def _reference(batch, cfg):
     _, _, _, _, d, _, opts, _ = cfg
     args = [jnp.asarray(a) for a in batch.args()]
     args[0:3] = [a.astype(jnp.dtype(cfg[1])) for a in args[0:3]]
+    if "kv_dtype" in opts:
+        args[1:3] = [reference.to_page_dtype(a, jnp.dtype(opts["kv_dtype"])) for a in args[1:3]]
     args[5] = args[5].at[batch.num_seqs:].set(0)  # the reference reads every table row
     return _ref_fn(d ** -0.5, opts.get("sliding_window"), opts.get("soft_cap"))(*args)
 
@@ -120,6 +127,12 @@ def _check_torch(cfg, rows, seed, device="cpu"):
     tdt = TORCH_DTYPE[dtype]
     args = [torch.from_numpy(np.asarray(a)).to(device) for a in batch.args()]
     args[0:3] = [a.to(tdt) for a in args[0:3]]
+    opts = dict(opts)
+    if kv_dtype := opts.pop("kv_dtype", None):  # the reference's float8 pages, bit for bit
+        pages = [reference.to_page_dtype(jnp.asarray(a, jnp.dtype(dtype)), jnp.dtype(kv_dtype))
+                 for a in (batch.k_pages, batch.v_pages)]
+        args[1:3] = [torch.from_numpy(np.asarray(p.astype(jnp.float32))).to(
+            getattr(torch, kv_dtype)).to(device) for p in pages]
     out = triton_attention.ragged_paged_attention_torch(
         *args, batch.num_seqs, sm_scale=cfg[4] ** -0.5, **opts, **tiles)
     assert out.shape == args[0].shape and out.dtype == tdt

@@ -25,10 +25,10 @@ def kv_cache_dtype(cache_dtype: str, serving_dtype, attention_backend: str | Non
     if cache_dtype not in _FP8_KV:
         raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of auto, "
                          f"{', '.join(_FP8_KV)}")
-    if attention_backend not in (None, "reference", "xla", "pallas"):
+    if attention_backend not in (None, "reference", "xla", "pallas", "triton"):
         raise ValueError(f"kv_cache_dtype {cache_dtype!r} needs attention_backend reference, "
-                         f"xla or pallas (the {attention_backend!r} kernel reads serving-dtype "
-                         "pages)")
+                         f"xla, pallas or triton (the {attention_backend!r} kernel reads "
+                         "serving-dtype pages)")
     return jnp.dtype(_FP8_KV[cache_dtype])
 
 
