@@ -149,10 +149,12 @@ class OutputProcessor:
                     return
 
     def _entry(self, tl: TokenLogprobs, k: int | None) -> dict:
-        """{token id: Logprob} of one position: the chosen token, then the top-k asked for."""
+        """{token id: Logprob} of one position: the chosen token, then the top-k asked for
+        (k = -1: every entry the core sent, i.e. the whole vocabulary)."""
         tok = self.tokenizer
         d = {tl.token_id: Logprob(tl.logprob, tl.rank, decode_token(tok, tl.token_id))}
-        for r, (tid, lp) in enumerate(zip(tl.top_ids[:k or 0], tl.top_logprobs)):
+        n = len(tl.top_ids) if k is not None and k < 0 else (k or 0)
+        for r, (tid, lp) in enumerate(zip(tl.top_ids[:n], tl.top_logprobs)):
             if tid not in d:
                 d[tid] = Logprob(lp, r + 1, decode_token(tok, tid))
         return d
