@@ -19,18 +19,47 @@ builds either one for warm-up.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from jaxserve.core.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS,
                                       SamplingParams)
 
-SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seeds", "steps", "num_logprobs", "mask_stop", "stop_ids", "bias_ids",
-    "bias_values", "history", "prompt_lens",
-)
+
+class SamplingRow(NamedTuple):
+    """What the sampler needs of one sampled row, beyond its ``SamplingParams``."""
+
+    params: SamplingParams
+    output_token_ids: Sequence[int]
+    prompt_token_ids: Sequence[int]
+    eos_token_ids: Sequence[int] | int | None  # masked with stop_token_ids under min_tokens
+    num_generated: int  # tokens generated so far: the row's key step and min_tokens counter
+
+
+# The sampler's arrays: name -> (dtype, padding value, width: None = [S], "stop" / "bias" /
+# "history" = [S, that layout width], or an int). The device side's SamplingMetadata has exactly
+# these fields (tests/test_sampler.py checks it). Padding rows are greedy and inert.
+_ARRAYS = {
+    "temperature": (np.float32, 0.0, None),
+    "top_p": (np.float32, 1.0, None),
+    "top_k": (np.int32, 0, None),
+    "min_p": (np.float32, 0.0, None),
+    "presence_penalty": (np.float32, 0.0, None),
+    "frequency_penalty": (np.float32, 0.0, None),
+    "repetition_penalty": (np.float32, 1.0, None),
+    "seeds": (np.uint32, 0, 2),
+    "steps": (np.int32, 0, None),
+    "num_logprobs": (np.int32, -1, None),
+    "mask_stop": (np.bool_, False, None),
+    "stop_ids": (np.int32, -1, "stop"),
+    "bias_ids": (np.int32, -1, "bias"),
+    "bias_values": (np.float32, 0.0, "bias"),
+    "history": (np.int32, -1, "history"),
+    "prompt_lens": (np.int32, 0, None),
+}
+SAMPLING_FIELDS = tuple(_ARRAYS)
+
 COMPACT_BIAS_WIDTH = 8
 COMPACT_STOP_WIDTH = 8
 FULL_STOP_WIDTH = MAX_STOP_TOKEN_IDS + 65  # stop_token_ids + EOS ids from the generation config
@@ -56,35 +85,20 @@ def _eos_list(eos) -> list[int]:
 def dummy_sampling_arrays(s_bucket: int, *, full: bool = False, history_len: int = 1) -> dict:
     """All-padding arrays of a layout (greedy rows): what warm-up compiles with."""
     L, B, E = layout_widths(full, history_len)
-    S = s_bucket
-    return dict(
-        temperature=np.zeros(S, np.float32),
-        top_p=np.ones(S, np.float32),
-        top_k=np.zeros(S, np.int32),
-        min_p=np.zeros(S, np.float32),
-        presence_penalty=np.zeros(S, np.float32),
-        frequency_penalty=np.zeros(S, np.float32),
-        repetition_penalty=np.ones(S, np.float32),
-        seeds=np.zeros((S, 2), np.uint32),
-        steps=np.zeros(S, np.int32),
-        num_logprobs=np.full(S, -1, np.int32),
-        mask_stop=np.zeros(S, np.bool_),
-        stop_ids=np.full((S, E), -1, np.int32),
-        bias_ids=np.full((S, B), -1, np.int32),
-        bias_values=np.zeros((S, B), np.float32),
-        history=np.full((S, L), -1, np.int32),
-        prompt_lens=np.zeros(S, np.int32),
-    )
+    widths = {None: (), "stop": (E,), "bias": (B,), "history": (L,)}
+    return {name: np.full((s_bucket,) + (widths[w] if not isinstance(w, int) else (w,)), fill,
+                          dtype)
+            for name, (dtype, fill, w) in _ARRAYS.items()}
 
 
 def build_sampling_arrays(
-    rows: Sequence[tuple | None],
+    rows: Sequence[SamplingRow | tuple | None],
     s_bucket: int,
     *,
     history_len: int,
     rng: np.random.Generator | None = None,
 ) -> dict:
-    """rows[i] = (params, output_token_ids, prompt_token_ids, eos_token_id, num_generated) or None.
+    """rows[i]: a ``SamplingRow`` (or the same 5-tuple), or None for a row that samples nothing.
 
     ``eos_token_id``: int, list of ints or None (min_tokens masks it with stop_token_ids, like
     vLLM's all_stop_token_ids). ``num_generated`` = tokens generated so far (the row's key step

@@ -38,6 +38,7 @@ from jaxserve.core.outputs import (CoreCompletion, CoreOutput, RequestMetrics, R
                                    TokenLogprobs)
 from jaxserve.worker.parallel import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_metadata import SamplingRow
 from jaxserve.worker.runner import (ModelRunner, default_attention_backend, default_scheduler_limits,
                                     enable_compilation_cache)
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
@@ -377,8 +378,8 @@ class LLMEngine:
         hits = [self._child_of[s.request.request_id] for s in sched.scheduled]
         for s, (parent, _) in zip(sched.scheduled, hits):
             r = s.request
-            inputs.append((r.sampling_params, r.output_token_ids, r.prompt_token_ids,
-                           self._eos_list, r.num_output_tokens) if s.sample else None)
+            inputs.append(SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
+                                      self._eos_list, r.num_output_tokens) if s.sample else None)
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
         plan = self.runner.build_plan(sched.to_rows(prev_rows), inputs)
