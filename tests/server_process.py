@@ -1,9 +1,11 @@
-"""Helpers for tests that run ``jaxserve serve`` in a subprocess: a free port, and waiting for
-``/health`` while failing early (with the log tails) when a process dies."""
+"""Helpers for tests that run a server: a free port, waiting for ``/health`` of a ``jaxserve
+serve`` subprocess while failing early (with the log tails) when a process dies, and uvicorn
+with ``jaxserve serve``'s settings in a thread (``ServerThread``) for in-process apps."""
 from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -32,3 +34,37 @@ def wait_healthy(port: int, procs: list[subprocess.Popen], logs: list[Path], tim
             pass
         assert time.time() < deadline, f"no healthy server on port {port} in {timeout} s\n{tails()}"
         time.sleep(poll)
+
+
+class ServerThread:
+    """uvicorn with ``jaxserve serve``'s settings (``uvicorn_config``; ``config_kw`` e.g. a
+    shorter ``header_timeout``) on a free port of 127.0.0.1, in a thread."""
+
+    def __init__(self, app, **config_kw):
+        import uvicorn
+
+        from jaxserve.entrypoints.openai.server import uvicorn_config
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(app, log_level="warning", **config_kw))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
-from jaxserve.entrypoints.openai.server import build_app, uvicorn_config
+from jaxserve.entrypoints.openai.server import build_app
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 
-from tests.server_process import free_port, wait_healthy
+from tests.server_process import ServerThread, free_port, wait_healthy
 
 API_KEY = "sk-abuse"
 MAX_MODEL_LEN = 256
@@ -34,36 +33,6 @@ FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
          "--num-gpu-blocks-override", "96"]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HEADER_TIMEOUT = 1.0
-
-
-class ServerThread:
-    """uvicorn with ``jaxserve serve``'s settings on a free port, in a thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn_config(app, log_level="warning", header_timeout=HEADER_TIMEOUT)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +52,7 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(build_app(engine, api_key=API_KEY)) as srv:
+    with ServerThread(build_app(engine, api_key=API_KEY), header_timeout=HEADER_TIMEOUT) as srv:
         yield srv
 
 

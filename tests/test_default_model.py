@@ -105,7 +105,7 @@ def test_server_chat_answers_paris_with_openai_client(caplog):
     caplog.set_level(logging.INFO, logger="jaxserve.entrypoints.openai.metrics")
 
     openai = pytest.importorskip("openai")
-    from test_server import ServerThread
+    from tests.server_process import ServerThread
 
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.cli import build_parser, engine_config_from_args

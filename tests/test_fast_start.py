@@ -111,7 +111,7 @@ def test_health_reports_starting_then_ready(tiny_model_factory, monkeypatch):
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.server import build_app
     from jaxserve.worker.runner import ModelRunner
-    from tests.test_server import ServerThread
+    from tests.server_process import ServerThread
 
     gate = threading.Event()
     original = ModelRunner._compile_bucket

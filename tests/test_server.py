@@ -6,14 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
 from jaxserve.entrypoints.openai.server import build_app
 from jaxserve.core.sampling_params import SamplingParams
+
+from tests.server_process import ServerThread
 
 API_KEY = "sk-test-key"
 MODEL = "tiny"
@@ -33,35 +32,6 @@ def engine_flags(model: str) -> list[str]:
             # one token bucket: a handful of compiles in warm-up keep the module fast on CPU
             "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
             "--num-gpu-blocks-override", "96"]
-
-
-class ServerThread:
-    """uvicorn on a free port of 127.0.0.1, in a thread with its own event loop."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 @pytest.fixture(scope="module")
