@@ -54,7 +54,7 @@ def _ours(path, prompt, new):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, token_ladder
+    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
     from jaxserve.loaders.model_loader import load_model
     from jaxserve.models.layers import AttentionMetadata
     from jaxserve.worker.kv_cache import allocate_kv_pages
@@ -64,7 +64,7 @@ def _ours(path, prompt, new):
     n_pages = (len(prompt) + new) // BLOCK + 2
     kv = allocate_kv_pages(cfg, n_pages + 1, BLOCK, jnp.float32)
     pages = list(range(n_pages, 0, -1))  # not in order: the block table matters
-    ladder = token_ladder(64, min_bucket=8)
+    ladder = (64,)  # one bucket: one compile per model
     step = _step_fn()
 
     def run(ids, start):
@@ -111,6 +111,7 @@ def converted(tiny_model_factory, tmp_path_factory):
     return make
 
 
+@pytest.mark.slow  # ~50 s for the five families (a compile and an HF model each)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gguf_family_matches_hf(converted, family):
     hf_dir, path = converted(family)
