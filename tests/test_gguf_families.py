@@ -175,3 +175,32 @@ def test_gemma_norms_are_stored_plus_one(converted):
     for name in ("model.norm.weight", "model.layers.2.self_attn.k_norm.weight",
                  "model.layers.2.post_feedforward_layernorm.weight"):
         np.testing.assert_allclose(tensors[name](), orig[name], atol=1e-6)
+
+
+def test_gemma_sliding_window_pattern_metadata(converted, tmp_path):
+    """A file that names its local layers (``attention.sliding_window_pattern``, one bool per
+    layer) gets exactly those; an all-local Gemma is then windowed in every layer (its pages
+    out of the window can be freed)."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.loaders.gguf import load_gguf
+
+    _, path = converted("gemma3")
+    default = ModelConfig.from_hf_config(load_gguf(path)[0])
+    assert default.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert default.attention_window() is None
+    src = gguf.GGUFReader(path)
+    out = tmp_path / "all-local.gguf"
+    w = gguf.GGUFWriter(str(out), "gemma3")
+    for key, f in src.fields.items():
+        if key.startswith("gemma3."):
+            v = f.contents()
+            getattr(w, {int: "add_uint32", float: "add_float32"}[type(v)])(key, v)
+    w.add_array("gemma3.attention.sliding_window_pattern", [True] * 6)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    local = ModelConfig.from_hf_config(load_gguf(out)[0])
+    assert local.layer_types == ("sliding_attention",) * 6 and local.attention_window() == 16

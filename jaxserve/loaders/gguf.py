@@ -247,6 +247,12 @@ def _family_config(reader, arch: str, a, cfg: dict, n_experts: int) -> None:
             cfg[key] = float(v) if v else None
         if arch == "gemma3":
             cfg["rope_local_base_freq"] = _GEMMA_LOCAL_ROPE_BASE
+        pattern = a("attention.sliding_window_pattern")  # absent: the family's own pattern
+        if isinstance(pattern, list) and cfg.get("sliding_window"):  # per layer: True = local
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention"
+                                  for p in pattern]
+        elif pattern:
+            cfg["sliding_window_pattern"] = int(pattern)
     if arch == "phi3":
         if not cfg.get("sliding_window"):  # 0: none (Phi-4)
             cfg["sliding_window"] = None
