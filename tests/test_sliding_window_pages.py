@@ -359,3 +359,69 @@ def test_gemma2_with_global_layers_frees_nothing(tiny_model_factory):
     rng = random.Random(5)
     _, most = _generate(llm, [[rng.randrange(3, 500) for _ in range(PROMPT)]], max_tokens=12)
     assert most == cdiv(PROMPT + 12 - 1, BLOCK)
+
+
+# ---- kernels: dead block-table columns point at the null page --------------------------------
+@pytest.mark.slow  # the Pallas kernel in interpret mode: ~30 s on CPU
+def test_attention_backends_ignore_null_pages_before_the_window():
+    """Each CPU-runnable backend gives the same output whether the columns before every row's
+    window hold the row's own (stale) pages or the null page 0 full of garbage: the jnp
+    reference and the XLA path read and mask them (weight exactly 0 for finite values, and page
+    0 only ever holds padding K/V), the Pallas kernel (interpret mode) starts at the window's
+    first page, so not even NaN there reaches its output (the columns past the context, which
+    it may read at block granularity, hold stale real pages here so that only the dead columns
+    point at page 0)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import reference, xla_attention
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    page, m, d, hkv, group, w = 4, 16, 16, 2, 2, 8
+    rows = [(1, 50), (4, 41), (12, 60), (3, 9), (1, 8)]  # (new tokens, context after the step)
+    rng = np.random.default_rng(0)
+    n_pages = 1 + sum(cdiv(c, page) for _, c in rows)
+    kp = rng.standard_normal((hkv, n_pages, page, d)).astype(np.float32)
+    vp = rng.standard_normal((hkv, n_pages, page, d)).astype(np.float32)
+    t = 32
+    q = jnp.asarray(rng.standard_normal((t, hkv * group, d)), jnp.float32)
+    s = 8
+    qs = np.zeros(s + 1, np.int32)
+    qs[1:len(rows) + 1] = np.cumsum([r[0] for r in rows])
+    qs[len(rows) + 1:] = qs[len(rows)]
+    sl = np.zeros(s, np.int32)
+    sl[:len(rows)] = [c for _, c in rows]
+    own = np.zeros((s, m), np.int32)
+    free = list(rng.permutation(np.arange(1, n_pages)))
+    null = own.copy()
+    n_dead = 0
+    for i, (ql, c) in enumerate(rows):
+        own[i, :cdiv(c, page)] = [free.pop() for _ in range(cdiv(c, page))]
+        own[i, cdiv(c, page):] = rng.integers(1, n_pages, m - cdiv(c, page))  # stale tail
+        dead = max(0, c - ql - w + 1) // page
+        null[i] = own[i]
+        null[i, :dead] = NULL_PAGE
+        n_dead += dead
+    assert n_dead >= 20
+    args = lambda bt, k, v: (q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(qs),  # noqa: E731
+                             jnp.asarray(sl), jnp.asarray(bt))
+    kw = dict(sm_scale=d ** -0.5, sliding_window=w)
+    garbage_k, garbage_v = kp.copy(), vp.copy()
+    garbage_k[:, NULL_PAGE] = 1e4  # huge scores if they were ever unmasked
+    garbage_v[:, NULL_PAGE] = -1e4
+    backends = {
+        "reference": lambda *a: reference.ragged_paged_attention(*a, **kw),
+        "xla": lambda *a: xla_attention.attention(*a, **kw),
+        "pallas": lambda *a: ragged_paged_attention(*a, interpret=True, prefill_block_m=16,
+                                                    prefill_block_kv=16, decode_block_kv=16,
+                                                    decode_num_splits=3,
+                                                    decode_min_kv_per_split=16, **kw),
+    }
+    want = np.asarray(backends["reference"](*args(own, kp, vp)))
+    for name, fn in backends.items():
+        got = np.asarray(fn(*args(null, garbage_k, garbage_v)))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
+    nan_k, nan_v = kp.copy(), vp.copy()
+    nan_k[:, NULL_PAGE] = np.nan
+    nan_v[:, NULL_PAGE] = np.nan
+    got = np.asarray(backends["pallas"](*args(null, nan_k, nan_v)))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg="pallas with NaN")

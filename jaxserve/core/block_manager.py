@@ -284,7 +284,8 @@ class BlockManager:
         for r in requests:
             n_null = next((i for i, p in enumerate(r.block_ids) if p != NULL_PAGE),
                           len(r.block_ids))
-            assert NULL_PAGE not in r.block_ids[n_null:], f"{r.request_id}: a null page after a live one"
+            assert NULL_PAGE not in r.block_ids[n_null:], \
+                f"{r.request_id}: a null page after a live one"
             assert n_null <= self.num_dead_pages(r.num_computed_tokens), \
                 f"{r.request_id}: a page released inside the window"
             for p in r.block_ids[n_null:]:

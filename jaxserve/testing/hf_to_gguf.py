@@ -64,7 +64,8 @@ def hf_to_gguf(model_dir, out_path, qtype: str = "F32") -> str:
     hf: dict[str, np.ndarray] = {}
     for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         hf.update(load_file(f))
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     theta, rope = _rope(cfg)
 
