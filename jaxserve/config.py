@@ -44,6 +44,8 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap"
     min_token_bucket: int = 16
     token_bucket_growth: int = 2  # ladder ratio between token buckets
+    # keep every page of a sequence whose layers are all windowed (vLLM's flag of this name)
+    disable_hybrid_kv_cache_manager: bool = False
     # Limits the user left unset: the engine sets them to its backend's defaults
     # (``worker.runner.default_scheduler_limits``) once it knows the backend.
     backend_defaults: tuple[str, ...] = ()
@@ -241,6 +243,14 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def attention_window(self) -> int | None:
+        """The window every layer attends within (the largest), or None when some layer attends
+        to the whole context: pages before it can be released (``BlockManager``)."""
+        windows = [self.layer_sliding_window(i) for i in range(self.num_layers)]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         e = self.eos_token_id
@@ -339,7 +349,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               min_token_bucket=None, token_bucket_growth=None,
                               async_scheduling=True, generation_config="auto",
                               override_generation_config=None,
-                              speculative_config=None) -> EngineConfig:
+                              speculative_config=None,
+                              disable_hybrid_kv_cache_manager=False) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and filled by the engine, which knows its backend."""
@@ -362,6 +373,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         scheduler=SchedulerConfig(
             **{k: getattr(fallback, k) if v is None else v for k, v in given.items()},
             max_model_len=max_model_len, preemption_mode=preemption_mode,
+            disable_hybrid_kv_cache_manager=bool(disable_hybrid_kv_cache_manager),
             backend_defaults=unset),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                 data_parallel_size=data_parallel_size,

@@ -292,8 +292,8 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
 # ---------------------------------------------------------------- clear errors
 
 def test_unsupported_architecture_is_named(tmp_path):
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     w.write_header_to_file()
@@ -303,7 +303,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(ValueError) as e:
         load_gguf(path)
     msg = str(e.value)
-    assert "phi3" in msg and all(a in msg for a in SUPPORTED_ARCHITECTURES)
+    assert "gpt2" in msg and all(a in msg for a in SUPPORTED_ARCHITECTURES)
 
 
 def test_unsupported_quant_type_is_named(tmp_path):

@@ -9,6 +9,14 @@ same tokens reuses those pages copy-free (ref count > 1). Freed pages keep their
 in the free queue; a cached page is only evicted (hash dropped) when the allocator hands it
 out again, least recently freed first. Pages without a hash go to the front of the free queue
 so cached ones are the last to be reused.
+
+Sliding window: when every attention layer of the model has a window (``sliding_window``, the
+largest of them), no query at or after a request's ``num_computed_tokens`` reads the pages that
+end before ``num_computed_tokens - window + 1``. Those pages are released as soon as the request
+is next allocated (or swapped out), and their ``block_ids`` entries become ``NULL_PAGE`` (the
+trash page), so ``block_ids`` stays indexed by position and the block table points dead columns
+at the page that unused columns already point at. A released page keeps its prefix-cache hash
+like any freed page: its content stays valid until the allocator hands it out again.
 """
 from __future__ import annotations
 
@@ -20,6 +28,8 @@ import xxhash
 
 from jaxserve.core.request import Request
 from jaxserve.core.step_plan import TRASH_PAGE
+
+NULL_PAGE = TRASH_PAGE  # the block-table entry of a page released out of the window
 
 
 def hash_page_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys=None) -> int:
@@ -37,13 +47,18 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_pages = num_pages
         self.block_size = block_size
+        # every layer's window (the largest); None: some layer attends to the whole context
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.page_hash: list[int | None] = [None] * num_pages
@@ -54,6 +69,7 @@ class BlockManager:
         )
         self._cached: dict[int, int] = {}  # hash -> page
         self._num_cached_blocks: dict[str, int] = {}  # request_id -> pages registered so far
+        self._num_released: dict[str, int] = {}  # request_id -> leading pages checked for release
         self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # tokens found
         self.prefix_cache_requests = 0
@@ -133,6 +149,8 @@ class BlockManager:
         hashes = self._ensure_hashes(request, n_full)
         for i in range(start, n_full):
             page = request.block_ids[i]
+            if page == NULL_PAGE:  # released before its tokens were known: not registered
+                continue
             h = hashes[i]
             if self.page_hash[page] is None and h not in self._cached:
                 self.page_hash[page] = h
@@ -149,6 +167,30 @@ class BlockManager:
         self.page_hash = [None] * self.num_pages
         return True
 
+    # -- sliding window -----------------------------------------------------------------------
+    def num_dead_pages(self, first_pos: int) -> int:
+        """Leading pages no query at position >= ``first_pos`` reads (0 without a window): a
+        query at ``q`` reads positions ``> q - window``."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_pos - self.sliding_window + 1) // self.block_size
+
+    def release_out_of_window(self, request: Request) -> int:
+        """Release the request's pages that fell out of every layer's window (their entries become
+        ``NULL_PAGE``). Returns how many leading entries are dead now."""
+        dead = min(self.num_dead_pages(request.num_computed_tokens), len(request.block_ids))
+        start = self._num_released.get(request.request_id, 0)
+        if dead <= start:
+            return start
+        pages = request.block_ids
+        for i in range(dead - 1, start - 1, -1):  # tail first, like free()
+            p = pages[i]
+            if p != NULL_PAGE:
+                self._unref(p)
+                pages[i] = NULL_PAGE
+        self._num_released[request.request_id] = dead
+        return dead
+
     # -- allocation -------------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -160,32 +202,44 @@ class BlockManager:
 
         ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (only on a
         request that owns no pages yet); passing it (even ``[]``) marks a first admission and
-        counts the lookup in the hit-rate stats. Returns False and changes nothing if the free
-        queue is too short.
+        counts the lookup in the hit-rate stats. With a sliding window, pages before the window
+        of the step's first query are released first (always: no later step needs them) and
+        never allocated (hits there are not taken). Returns False and changes nothing else if
+        the free queue is too short.
         """
         computed = list(new_computed_blocks) if new_computed_blocks else []
         if computed and request.block_ids:
             raise ValueError("prefix-cache hits can only be added to a request without pages")
         bs = self.block_size
+        dead = self.num_dead_pages(request.num_computed_tokens + len(computed) * bs)
+        if dead and not computed:
+            self.release_out_of_window(request)
         total = request.num_computed_tokens + len(computed) * bs + num_new_tokens
         n_alloc = -(-total // bs) - len(request.block_ids) - len(computed)
         if n_alloc <= 0 and not computed:  # fast path: a decode inside its last page
             if new_computed_blocks is not None:
                 self._record_query(request, 0)
             return True
-        n_alloc = max(0, n_alloc)
+        # columns before the window (dead) get NULL_PAGE: no page, and hits there are not taken
+        n_null = max(0, dead - len(request.block_ids) - len(computed))
+        n_alloc = max(0, n_alloc - n_null)
+        live_hits = computed[dead:]
         # Hit pages nobody holds are in the free queue; touching them takes them out of it.
-        n_touch_free = sum(1 for p in computed if self.ref_counts[p] == 0)
+        n_touch_free = sum(1 for p in live_hits if self.ref_counts[p] == 0)
         if n_alloc + n_touch_free > len(self._free):
             return False
-        for p in computed:
+        for p in live_hits:
             if self.ref_counts[p] == 0:
                 del self._free[p]
             self.ref_counts[p] += 1
         if computed:
             self._num_cached_blocks[request.request_id] = len(computed)
         pages = request.block_ids
-        pages.extend(computed)
+        pages.extend([NULL_PAGE] * (len(computed) - len(live_hits) + n_null))
+        pages.extend(live_hits)
+        if dead:
+            rid = request.request_id
+            self._num_released[rid] = max(self._num_released.get(rid, 0), min(dead, len(pages)))
         for _ in range(n_alloc):
             p, _ = self._free.popitem(last=False)
             h = self.page_hash[p]
@@ -205,27 +259,38 @@ class BlockManager:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
 
+    def _unref(self, p: int) -> None:
+        rc = self.ref_counts[p] - 1
+        if rc < 0:
+            raise RuntimeError(f"page {p} freed more often than allocated")
+        self.ref_counts[p] = rc
+        if rc == 0:
+            self._free[p] = None
+            if self.page_hash[p] is None:  # worthless: reuse it before any cached page
+                self._free.move_to_end(p, last=False)
+
     def free(self, request: Request) -> None:
         """Release a request's pages, tail first, so the tail of a cached prefix is evicted first."""
         for p in reversed(request.block_ids):
-            rc = self.ref_counts[p] - 1
-            if rc < 0:
-                raise RuntimeError(f"page {p} freed more often than allocated")
-            self.ref_counts[p] = rc
-            if rc == 0:
-                self._free[p] = None
-                if self.page_hash[p] is None:  # worthless: reuse it before any cached page
-                    self._free.move_to_end(p, last=False)
+            if p != NULL_PAGE:
+                self._unref(p)
         request.block_ids = []
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_released.pop(request.request_id, None)
 
     def check_invariants(self, requests: Sequence[Request] = ()) -> None:
         """Assert the pool's bookkeeping is consistent with the given live requests (tests)."""
         owners = [0] * self.num_pages
         for r in requests:
-            for p in r.block_ids:
+            n_null = next((i for i, p in enumerate(r.block_ids) if p != NULL_PAGE),
+                          len(r.block_ids))
+            assert NULL_PAGE not in r.block_ids[n_null:], \
+                f"{r.request_id}: a null page after a live one"
+            assert n_null <= self.num_dead_pages(r.num_computed_tokens), \
+                f"{r.request_id}: a page released inside the window"
+            for p in r.block_ids[n_null:]:
                 owners[p] += 1
-        assert owners[TRASH_PAGE] == 0 and self.ref_counts[TRASH_PAGE] == 0, "trash page handed out"
+        assert self.ref_counts[TRASH_PAGE] == 0, "trash page handed out"
         assert TRASH_PAGE not in self._free
         for p in range(1, self.num_pages):
             assert self.ref_counts[p] == owners[p], f"page {p}: ref {self.ref_counts[p]} != owners {owners[p]}"

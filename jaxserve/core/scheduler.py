@@ -255,14 +255,16 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        n_pages = cdiv(victim.num_computed_tokens, self.block_size)
+        # only the computed pages inside the window are copied (the rest are never read again)
+        dead = self.block_manager.release_out_of_window(victim)
+        n_pages = cdiv(victim.num_computed_tokens, self.block_size) - dead
         swap = (
             self.preemption_mode == "swap"
             and n_pages > 0
             and self.swap_used_pages + n_pages <= self.swap_capacity_pages
         )
         if swap:
-            out.swap_out.append((victim.request_id, list(victim.block_ids[:n_pages])))
+            out.swap_out.append((victim.request_id, list(victim.block_ids[dead:dead + n_pages])))
             self._swapped_pages[victim.request_id] = n_pages
             victim.status = RequestStatus.SWAPPED
             self.num_swap_outs_total += 1
@@ -387,7 +389,8 @@ class Scheduler:
                 self.waiting.pop(j)
                 if resumed_swap:
                     n_pages = self._swapped_pages.pop(req.request_id)
-                    out.swap_in.append((req.request_id, list(req.block_ids[:n_pages])))
+                    dead = bm.num_dead_pages(req.num_computed_tokens)
+                    out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
                 elif hits is not None:
                     req.num_computed_tokens = n_hit
                     if req.num_preemptions == 0:

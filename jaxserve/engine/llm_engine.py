@@ -162,8 +162,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
                                   param_bytes=param_bytes, mesh=self.mesh,
                                   extra_page_bytes=extra_page_bytes)
+        # pages out of every layer's window are freed, unless a draft model (which lags behind
+        # and may attend globally) reads the same page ids
+        window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
+            else mc.attention_window()
         self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
-                                          enable_prefix_caching=config.cache.enable_prefix_caching)
+                                          enable_prefix_caching=config.cache.enable_prefix_caching,
+                                          sliding_window=window)
         from jaxserve.worker.kv_cache import page_bytes
         self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
                                    self.max_model_len,

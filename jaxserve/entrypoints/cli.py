@@ -110,6 +110,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "scale 1.0; reference/xla attention) (default: %(default)s)")
     c.add_argument("--swap-space", type=float, default=CacheConfig.swap_space,
                    help="GiB of host memory for swapped-out pages (default: %(default)s)")
+    c.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep the pages that fall out of the sliding window of a model whose"
+                        " layers are all windowed (default: they are freed)")
 
     s = p.add_argument_group("scheduler")
     s.add_argument("--max-num-seqs", type=_positive_int, default=None,
@@ -319,7 +322,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,
         speculative_config=speculative_config_from_args(args),
         generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config)
+        override_generation_config=args.override_generation_config,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -5,8 +5,12 @@ no torch), so the rest of the loader treats a ``.gguf`` exactly like a safetenso
 llama.cpp stores Q/K projections of the llama architecture with rows permuted for its
 interleaved rotary layout; we undo that here so the weights are HF's again.
 
-Only the llama family is mapped (llama, mistral, qwen2, qwen3) and only quant types we have
-checked against transformers' own GGUF loading; anything else fails early with a clear error.
+Mapped: the llama family (llama, mistral, qwen2, qwen3, and Mixtral, which llama.cpp stores as
+``llama`` with expert tensors), gemma2, gemma3, phi3 and qwen3moe, with the names, layouts and
+metadata llama.cpp's ``convert_hf_to_gguf.py`` writes (Gemma's ``(1 + w)`` norm weights with the
+1 added, Phi-3's fused ``attn_qkv``/``ffn_up`` and LongRoPE factor tensors, experts stacked in
+one 3-D tensor per projection). Only quant types we have checked against transformers' own GGUF
+loading are accepted; anything else fails early with a clear error.
 """
 from __future__ import annotations
 
@@ -27,7 +31,18 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")  # the llama architecture with experts
+# llama.cpp adds 1 to these families' norm weights (their RMSNorm scales by 1 + w)
+_NORM_SHIFTED = ("gemma2", "gemma3")
+# llama.cpp's fixed choices for Gemma (not in the file): local rope base, and the 27B models'
+# query scale of hidden / heads instead of head_dim (recognised by their layer count)
+_GEMMA_LOCAL_ROPE_BASE = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp permutes Q/K rows only for these (its LlamaModel converter).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -49,22 +64,43 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# where a family's layer tensors differ from the llama family's names
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
+}
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+# experts: one [n_expert, out, in] tensor per projection -> per-expert HF tensors
+_EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
+# model_type -> (MoE block, per-expert HF names of gate, up, down)
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_IGNORED_TENSORS = ("rope_freqs.weight",)  # folded into rope_scaling instead
+# folded into rope_scaling instead
+_IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor, or None if the llama family has no such tensor."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama", model_type: str | None = None
+                   ) -> str | None:
+    """The HF parameter name of a (non-expert) GGUF tensor, or None if the family has none."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if not m:
+        return None
+    kind = m.group(2)
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if kind == "ffn_gate_inp" and model_type in _MOE_NAMES:
+        names[kind] = f"{_MOE_NAMES[model_type][0]}.gate"
+    if kind in names:
+        return f"model.layers.{m.group(1)}.{names[kind]}.{m.group(3)}"
     return None
 
 
@@ -137,6 +173,9 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
     theta = float(a("rope.freq_base", 10000.0))
     ctx = int(a("context_length", 2048))
     architectures, model_type = SUPPORTED_ARCHITECTURES[arch]
+    n_experts = int(a("expert_count", 0) or 0)
+    if arch == "llama" and n_experts:
+        architectures, model_type = _MIXTRAL
     cfg = dict(
         architectures=[architectures],
         model_type=model_type,
@@ -184,7 +223,57 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
                                   orig_ctx)
         if rs is not None:
             cfg["rope_scaling"] = rs
+    _family_config(reader, arch, a, cfg, n_experts)
     return cfg
+
+
+def _family_config(reader, arch: str, a, cfg: dict, n_experts: int) -> None:
+    """The HF config fields of the families beyond Llama, from llama.cpp's metadata."""
+    if n_experts:
+        cfg["num_experts_per_tok"] = int(a("expert_used_count"))
+        if cfg["model_type"] == "mixtral":
+            cfg["num_local_experts"] = n_experts
+        else:  # qwen3moe: llama.cpp always renormalises the top-k weights
+            cfg.update(num_experts=n_experts, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[],
+                       moe_intermediate_size=int(a("expert_feed_forward_length")))
+    if arch in ("gemma2", "gemma3"):
+        cfg["hidden_act"] = cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"] if big
+                                        else cfg["head_dim"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            v = a(key)
+            cfg[key] = float(v) if v else None
+        if arch == "gemma3":
+            cfg["rope_local_base_freq"] = _GEMMA_LOCAL_ROPE_BASE
+        pattern = a("attention.sliding_window_pattern")  # absent: the family's own pattern
+        if isinstance(pattern, list) and cfg.get("sliding_window"):  # per layer: True = local
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention"
+                                  for p in pattern]
+        elif pattern:
+            cfg["sliding_window_pattern"] = int(pattern)
+    if arch == "phi3":
+        if not cfg.get("sliding_window"):  # 0: none (Phi-4)
+            cfg["sliding_window"] = None
+        dims = a("rope.dimension_count")
+        if dims is not None and int(dims) != cfg["head_dim"]:
+            cfg["partial_rotary_factor"] = int(dims) / cfg["head_dim"]
+        index = _tensor_index(reader)
+        if "rope_factors_long.weight" in index:
+            def factors(name):
+                return [float(x) for x in np.asarray(reader.tensors[index[name]].data).ravel()]
+
+            rs = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+                  "short_factor": factors("rope_factors_short.weight")}
+            attn = a("rope.scaling.attn_factor")
+            if attn is not None:
+                rs["attention_factor"] = float(attn)
+            orig = a("rope.scaling.original_context_length")
+            if orig:
+                rs["original_max_position_embeddings"] = int(orig)
+                cfg["original_max_position_embeddings"] = int(orig)
+            cfg["rope_scaling"] = rs
 
 
 def _tensor_index(reader) -> dict[str, int]:
@@ -251,31 +340,51 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
             f"supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
         )
     cfg = _config(reader, arch, names)
-    permute = arch in _PERMUTED_ARCHITECTURES
+    return cfg, _hf_tensors(gguf, reader, arch, cfg)
 
-    def thunk(tensor, kind):
+
+def _hf_tensors(gguf, reader, arch: str, cfg: dict) -> dict[str, Callable[[], np.ndarray]]:
+    """HF name -> float32 loader of every tensor (Q/K un-permuted, Gemma norms un-shifted,
+    experts split per expert: each loader dequantizes only its own expert's rows)."""
+    permute = arch in _PERMUTED_ARCHITECTURES
+    shifted = arch in _NORM_SHIFTED
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+
+    def thunk(tensor, kind, name, expert=None):
         def load() -> np.ndarray:
-            w = _dequantize(gguf, tensor.data, tensor.tensor_type)
-            w = np.asarray(w, dtype=np.float32).reshape(tuple(int(x) for x in
-                                                              reversed(tensor.shape)))
-            if permute and kind == "attn_q":
-                w = _unpermute(w, cfg["num_attention_heads"])
-            elif permute and kind == "attn_k":
-                w = _unpermute(w, cfg["num_key_value_heads"])
+            shape = tuple(int(x) for x in reversed(tensor.shape))
+            data = tensor.data
+            if expert is not None:  # [n_expert, out, in]: this expert's rows only
+                n_expert, shape = shape[0], shape[1:]
+                data = np.asarray(data).reshape(n_expert, shape[0], -1)[expert]
+            w = _dequantize(gguf, data, tensor.tensor_type)
+            w = np.asarray(w, dtype=np.float32).reshape(shape)
+            if permute and kind in heads:
+                w = _unpermute(w, heads[kind])
+            if shifted and name.endswith("norm.weight"):
+                w = w - np.float32(1.0)
             return w
 
         return load
 
+    model_type = cfg["model_type"]
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     for t in reader.tensors:
-        hf = hf_tensor_name(t.name)
+        m = _LAYER_RE.match(t.name)
+        if m and m.group(2) in _EXPERT_TENSORS and model_type in _MOE_NAMES:
+            block, per_expert = _MOE_NAMES[model_type]
+            hf_kind = per_expert[_EXPERT_TENSORS.index(m.group(2))]
+            for e in range(int(t.shape[-1])):
+                hf = f"model.layers.{m.group(1)}.{block}.experts.{e}.{hf_kind}.weight"
+                tensors[hf] = thunk(t, None, hf, expert=e)
+            continue
+        hf = hf_tensor_name(t.name, arch, model_type)
         if hf is None:
             if t.name in _IGNORED_TENSORS:
                 continue
             raise ValueError(f"GGUF tensor {t.name!r} has no place in a {arch} model")
-        m = _LAYER_RE.match(t.name)
-        tensors[hf] = thunk(t, m.group(2) if m else None)
-    return cfg, tensors
+        tensors[hf] = thunk(t, m.group(2) if m else None, hf)
+    return tensors
 
 
 def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
@@ -298,8 +407,9 @@ def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
 
     out = {}
     for t in reader.tensors:
-        hf, m = hf_tensor_name(t.name), _LAYER_RE.match(t.name)
-        if hf and hf.endswith("_proj.weight") and t.tensor_type.name in types:
+        hf, m = hf_tensor_name(t.name, arch, cfg["model_type"]), _LAYER_RE.match(t.name)
+        fused = hf and hf.endswith(("qkv_proj.weight", "gate_up_proj.weight"))  # split at load
+        if hf and hf.endswith("_proj.weight") and not fused and t.tensor_type.name in types:
             out[hf] = (t.tensor_type.name, thunk(t, m.group(2)))
     return out
 
