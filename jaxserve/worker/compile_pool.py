@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 
 _LIVE: "weakref.WeakSet[CompilePool]" = weakref.WeakSet()
 
+# Held while a job traces and lowers (``jit(...).lower(...)``): JAX's tracing and lowering are
+# not safe from several threads at once (jax-ml/jax#32354; seen here as a KeyError on a jaxpr
+# variable), while XLA's compile is, and the compile is where the time goes.
+TRACE_LOCK = threading.RLock()
+
 
 @atexit.register
 def _stop_all() -> None:

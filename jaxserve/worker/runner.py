@@ -32,7 +32,7 @@ from jaxserve.worker import parallel
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.worker.compile_pool import CompilePool
+from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
 from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
@@ -510,8 +510,9 @@ class ModelRunner:
         with self._pool_lock:
             kv, last = self.kv_pages, self._scratch_tokens
         t0 = time.perf_counter()
-        lowered = self._forward.lower(self._state_leaves, kv, self._step_inputs(plans[0])[0],
-                                      last)
+        with TRACE_LOCK:
+            lowered = self._forward.lower(self._state_leaves, kv,
+                                          self._step_inputs(plans[0])[0], last)
         t1 = time.perf_counter()
         fwd = lowered.compile()  # or a load from the persistent cache
         t2 = time.perf_counter()
@@ -527,7 +528,9 @@ class ModelRunner:
         own = [(p.sampling, p.history_ref, ones, self._step_inputs(p)[1]) for p in plans]
         with self._sampler_locks.setdefault(s, threading.Lock()):  # once per sequence bucket
             for sampling, history_ref, mask, spec in own + others:
-                self._sample.lower(logits, sampling, history_ref, last, mask, spec).compile()
+                with TRACE_LOCK:
+                    lowered = self._sample.lower(logits, sampling, history_ref, last, mask, spec)
+                lowered.compile()
         with self._pool_lock:  # the runs donate the pool: one step at a time
             for plan in plans:
                 arrays, spec = self._step_inputs(plan)
@@ -550,7 +553,9 @@ class ModelRunner:
         before = _TRACES.n
         hidden = self._warm_hidden.pop(t)
         ids = np.zeros(t, np.int32)
-        self._prompt_logprobs.lower(self._state_leaves, hidden, ids).compile()
+        with TRACE_LOCK:
+            lowered = self._prompt_logprobs.lower(self._state_leaves, hidden, ids)
+        lowered.compile()
         jax.block_until_ready(self._prompt_logprobs(self._state_leaves, hidden, ids))
         self._add_compiles(_TRACES.n - before)
 
