@@ -154,6 +154,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     d.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
+    d.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
+                   help="the most logprobs / top_logprobs / prompt_logprobs a request may ask "
+                        "for; -1 = the whole vocabulary, which a request asks for with -1 "
+                        "(default: %(default)s)")
 
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -319,7 +323,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,
         speculative_config=speculative_config_from_args(args),
         generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config)
+        override_generation_config=args.override_generation_config,
+        max_logprobs=args.max_logprobs)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -605,6 +605,9 @@ class OpenAIServing:
         mc = getattr(self.engine, "model_config", None)
         return int(getattr(mc, "vocab_size", 0) or len(self.engine.tokenizer))
 
+    def _check_logprobs(self, req) -> None:
+        req.check_logprobs(self.engine.config.max_logprobs, self._vocab_size())
+
     def _check_vocab(self, sp) -> None:
         sp.verify_vocab(self._vocab_size())
 
@@ -659,6 +662,7 @@ class OpenAIServing:
                 echo_texts.append(p if isinstance(p, str) else self.engine.tokenizer.decode(ids))
             else:
                 echo_texts.append("")
+        self._check_logprobs(req)
         params = [req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
                   for ids in prompts]
         # One SamplingParams serves all prompts; the tightest max_tokens default applies.
@@ -793,6 +797,7 @@ class OpenAIServing:
         self._check_prompt_bytes(req.content_bytes(), "messages")
         ids = P.truncate_prompt(await self._chat_ids(req), req.truncate_prompt_tokens)
         self._check_prompt_len(ids, "messages")
+        self._check_logprobs(req)
         sp = req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
         self._check_vocab(sp)
         echo = ""
@@ -802,6 +807,8 @@ class OpenAIServing:
         fanin = self._fanin([ids], sp, request_id, req.priority)
         await fanin.prime()
         top_k = (req.top_logprobs or 0) if req.logprobs else None
+        if top_k == -1:
+            top_k = self._vocab_size()
         if req.stream:
             return _SSEResponse(self._chat_stream(req, fanin, model, echo, top_k))
         try:
