@@ -336,3 +336,14 @@ def test_unknown_message_field_names_its_path():
         P.parse_request(P.ChatCompletionRequest, {"messages": [
             {"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "foo": 1}]})
     assert e.value.param == "messages.1.foo"
+
+
+def test_speculative_decoding_opt_out_field():
+    sp = P.parse_request(P.CompletionRequest, {"prompt": "x", "disable_speculative_decoding":
+                                               True}).to_sampling_params(100, 10)
+    assert sp.disable_speculative_decoding is True
+    assert P.parse_request(P.ChatCompletionRequest, {
+        "messages": [{"role": "user", "content": "x"}]}).to_sampling_params(
+            100, 10).disable_speculative_decoding is False
+    assert parse_err(P.CompletionRequest, {"prompt": "x", "disable_speculative_decoding":
+                                           "yes"}).param == "disable_speculative_decoding"

@@ -149,6 +149,9 @@ class SamplingParams:
     # vLLM's token filters: sample only from these ids / never these words
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # this request decodes one token a step even when the engine speculates (its own choice:
+    # e.g. a latency-insensitive batch job that should not spend verify compute)
+    disable_speculative_decoding: bool = False
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -276,7 +279,7 @@ class SamplingParams:
                 if not _is_number(v) or not math.isfinite(v):
                     raise _bad("logit_bias", v, f"values must be finite numbers (token {tok})")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output", "detokenize"):
+                     "include_stop_str_in_output", "detokenize", "disable_speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a boolean")
         if not self.detokenize and self.stop:

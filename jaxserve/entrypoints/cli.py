@@ -218,6 +218,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=_positive_int, default=None,
                    help="with --enable-log-requests, log at most this many prompt tokens "
                         "(default: all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats log line (throughput, queue, KV cache usage and, "
+                        "when speculating, the spec-decode line; every 10 s, "
+                        "JAXSERVE_LOG_STATS_INTERVAL seconds if set)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -359,7 +363,7 @@ def _serve(args) -> int:
                          allowed_headers=args.allowed_headers,
                          allow_credentials=args.allow_credentials),
                log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-               response_role=args.response_role,
+               response_role=args.response_role, log_stats=not args.disable_log_stats,
                enable_auto_tool_choice=args.enable_auto_tool_choice,
                tool_call_parser=args.tool_call_parser,
                reasoning_parser=args.reasoning_parser,

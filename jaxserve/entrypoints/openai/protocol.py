@@ -297,6 +297,8 @@ class _SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # jaxserve's extra: this request is never speculated on (see SamplingParams)
+    disable_speculative_decoding: bool = False
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -331,7 +333,8 @@ class _SamplingFields(RequestModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=_structured_spec(self),
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
+            disable_speculative_decoding=self.disable_speculative_decoding)
         # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)

@@ -1261,9 +1261,9 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                trust_request_chat_template: bool = False, cors: dict | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
-               response_role: str = "assistant") -> None:
+               response_role: str = "assistant", log_stats: bool = True) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
-    uvicorn and the engine cleanly."""
+    uvicorn and the engine cleanly. ``log_stats``: the periodic stats log lines."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
 
     template = load_chat_template(chat_template)  # fail before the slow model load
@@ -1302,9 +1302,16 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     logger.info(startup_message(engine, host, port, names))
 
     async def serve():
+        stats_task = None
+        if log_stats:
+            from jaxserve.entrypoints.openai.stats_log import log_interval_s, log_stats_forever
+
+            stats_task = asyncio.create_task(log_stats_forever(engine.stats, log_interval_s()))
         try:
             await server.serve()
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             logger.info("shutting down the engine")
             await engine.shutdown()
 
