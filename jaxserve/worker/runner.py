@@ -89,6 +89,10 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
         # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
         idx = arrays["logits_indices"]
+        if idx.size > hidden.shape[0]:
+            # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
+            # mostly padding): the vocabulary projection runs once per token, then is gathered
+            return model.compute_logits(hidden)[idx], kv_pages, hidden
         logits = model.compute_logits(hidden[idx.reshape(-1)])
         return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden
 
