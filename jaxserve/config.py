@@ -182,11 +182,18 @@ class EngineConfig:
     # request defaults from the model's generation_config.json: auto | vllm (none) | a directory
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    # vLLM's max_logprobs: the most (prompt) logprobs a request may ask for; -1 = the whole
+    # vocabulary. Also the static top-k width of the sampler's logprobs (compiled once).
+    max_logprobs: int = 20
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self):
+        if (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
+                or self.max_logprobs < -1):
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or an integer >= 0,"
+                             f" got {self.max_logprobs!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {self.quantization!r} is not one of "
                              f"{', '.join(QUANTIZATION_METHODS)} (or None)")
@@ -349,7 +356,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               min_token_bucket=None, token_bucket_growth=None,
                               async_scheduling=True, generation_config="auto",
                               override_generation_config=None,
-                              speculative_config=None,
+                              speculative_config=None, max_logprobs=20,
                               disable_hybrid_kv_cache_manager=False) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
@@ -366,6 +373,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         generation_config=_generation_config_source(generation_config),
         override_generation_config=_override_generation_config(override_generation_config),
         speculative=SpeculativeConfig.from_dict(speculative_config),
+        max_logprobs=max_logprobs,
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,

@@ -154,3 +154,18 @@ def _structured_and_tools(client, model):
     [call] = resp.choices[0].message.tool_calls
     assert resp.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), city)
+    # streamed: the name first, then the arguments in pieces that join to the same JSON
+    deltas, finish = [], None
+    for chunk in client.chat.completions.create(
+            model=model, temperature=0.0, max_tokens=64, tools=tools, tool_choice="required",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            stream=True):
+        for ch in chunk.choices:
+            deltas += [d for d in ch.delta.tool_calls or ()]
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and {d.index for d in deltas} == {0}
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    fragments = [d.function.arguments for d in deltas if d.function.arguments]
+    assert len(fragments) > 1
+    assert json.loads("".join(fragments)) == json.loads(call.function.arguments)

@@ -29,7 +29,8 @@ def parse_err(cls, body) -> InvalidRequestError:
     ({"prompt": "x", "n": P.MAX_N + 1}, "n"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -2}, "logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
@@ -52,7 +53,7 @@ def test_completion_request_errors_name_the_field(body, param):
     ({"messages": [{"role": "", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -3},
      "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
       "add_generation_prompt": True}, "continue_final_message"),
@@ -335,3 +336,14 @@ def test_unknown_message_field_names_its_path():
         P.parse_request(P.ChatCompletionRequest, {"messages": [
             {"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "foo": 1}]})
     assert e.value.param == "messages.1.foo"
+
+
+def test_speculative_decoding_opt_out_field():
+    sp = P.parse_request(P.CompletionRequest, {"prompt": "x", "disable_speculative_decoding":
+                                               True}).to_sampling_params(100, 10)
+    assert sp.disable_speculative_decoding is True
+    assert P.parse_request(P.ChatCompletionRequest, {
+        "messages": [{"role": "user", "content": "x"}]}).to_sampling_params(
+            100, 10).disable_speculative_decoding is False
+    assert parse_err(P.CompletionRequest, {"prompt": "x", "disable_speculative_decoding":
+                                           "yes"}).param == "disable_speculative_decoding"

@@ -8,7 +8,7 @@ from jaxserve.worker.sampler import (SamplingMetadata, apply_logit_bias_and_min_
                               compute_prompt_logprobs, sample)
 from jaxserve.core.sampling_metadata import (COMPACT_BIAS_WIDTH, SAMPLING_FIELDS, build_sampling_arrays,
                                         dummy_sampling_arrays)
-from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
 HIST = 64  # history_len (max_model_len) used by these tests
 S_SMALL, S_BIG, V = 16, 1024, 32  # few shapes: every new shape is a multi-second XLA compile
@@ -243,8 +243,8 @@ def test_logprobs_raw_and_ranks():
     ref = np_log_softmax(logits.astype(np.float64))
     np.testing.assert_allclose(out.logprobs, ref[np.arange(S), out.token_ids], atol=1e-5)
     order = np.argsort(-ref, -1)
-    np.testing.assert_array_equal(out.topk_ids, order[:, :MAX_LOGPROBS])
-    np.testing.assert_allclose(out.topk_logprobs, np.take_along_axis(ref, order[:, :MAX_LOGPROBS], -1),
+    np.testing.assert_array_equal(out.topk_ids, order[:, :DEFAULT_MAX_LOGPROBS])
+    np.testing.assert_allclose(out.topk_logprobs, np.take_along_axis(ref, order[:, :DEFAULT_MAX_LOGPROBS], -1),
                                atol=1e-5)
     want_ranks = (ref >= ref[np.arange(S), out.token_ids][:, None]).sum(-1)
     np.testing.assert_array_equal(out.ranks, want_ranks)

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingType
+from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():
@@ -16,7 +16,7 @@ def test_defaults_match_vllm():
     assert p.logprobs is None and p.prompt_logprobs is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
     assert not p.ignore_eos and not p.include_stop_str_in_output
-    assert MAX_LOGPROBS == 20
+    assert DEFAULT_MAX_LOGPROBS == 20
 
 
 INVALID = [
@@ -25,8 +25,8 @@ INVALID = [
     ("min_p", 1.5), ("presence_penalty", 2.5), ("presence_penalty", -2.01),
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("repetition_penalty", -1.0), ("seed", -1), ("seed", 2**64), ("max_tokens", 0),
-    ("max_tokens", -5), ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1),
-    ("prompt_logprobs", 100), ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5),
+    ("max_tokens", -5), ("min_tokens", -1), ("logprobs", -2), ("logprobs", 2.0),
+    ("prompt_logprobs", -3), ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5),
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop_token_ids", list(range(64))),
     ("logit_bias", {"x": 1.0}), ("logit_bias", {-3: 1.0}), ("logit_bias", {3: float("inf")}),
     ("logit_bias", [1, 2]), ("logit_bias", {i: 1.0 for i in range(1025)}),
@@ -101,3 +101,18 @@ def test_host_module_imports_no_jax():
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_logprobs_limit_is_the_engines_and_minus_one_is_the_vocabulary():
+    p = SamplingParams(logprobs=-1, prompt_logprobs=3)
+    assert p.verify_logprobs(-1, 512).logprobs == 512  # resolved on a copy
+    assert p.logprobs == -1
+    assert p.verify_logprobs(600, 512).logprobs == 512
+    q = SamplingParams(logprobs=5)
+    assert q.verify_logprobs(20, 512) is q
+    for params, limit, field in ((SamplingParams(logprobs=5), 3, "logprobs"),
+                                 (SamplingParams(logprobs=-1), 20, "logprobs"),
+                                 (SamplingParams(prompt_logprobs=21), 20, "prompt_logprobs")):
+        with pytest.raises(ValueError, match="max_logprobs") as e:
+            params.verify_logprobs(limit, 512)
+        assert e.value.param == field

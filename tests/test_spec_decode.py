@@ -276,6 +276,40 @@ def test_greedy_identical_under_preemption_and_mixed_features(engines):
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
 
 
+def test_a_request_can_opt_out_of_speculation(engines, monkeypatch):
+    """disable_speculative_decoding: the request never gets a draft (the scheduler gives its
+    rows none, no drafted token is counted) next to requests that do, and its greedy output
+    is unchanged."""
+    prompts = _repeating_prompts(3, seed=1)  # prompts the first test sees speculated on
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    opted = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                           disable_speculative_decoding=True)
+    want = _rows(engines[0].generate(prompts, plain, use_tqdm=False))
+    for llm in engines[1:]:
+        eng = llm.llm_engine
+        before = eng.spec_stats.as_dict()
+        assert _rows(llm.generate(prompts, opted, use_tqdm=False)) == want
+        assert eng.spec_stats.as_dict() == before  # not one draft
+        # mixed: the rows of the request that opted out carry no drafts, the others' do
+        drafts: dict[tuple, int] = {}
+        schedule = eng.scheduler.schedule
+
+        def counting_schedule():
+            out = schedule()
+            for s in out.scheduled:
+                key = tuple(s.request.prompt_token_ids)
+                drafts[key] = drafts.get(key, 0) + s.num_draft
+            return out
+
+        monkeypatch.setattr(eng.scheduler, "schedule", counting_schedule)
+        rows = _rows(llm.generate(prompts, [opted, plain, plain], use_tqdm=False))
+        monkeypatch.undo()
+        assert rows == want
+        assert drafts[tuple(prompts[0])] == 0
+        assert drafts[tuple(prompts[1])] + drafts[tuple(prompts[2])] > 0
+        assert eng.block_manager.num_used_pages == 0
+
+
 def test_stops_and_max_tokens_inside_an_accepted_run(engines):
     """A stop token or max_tokens falling inside a run of accepted drafts ends the output
     exactly where plain decoding ends it; nothing past it is shown or counted."""
@@ -429,7 +463,11 @@ def test_draft_model_config_errors(llama_dir):
 @pytest.mark.slow
 def test_served_with_speculative_config(tmp_path, llama_dir, engines):
     """`jaxserve serve --speculative-config`: the engine core process speculates, the completion
-    equals the offline greedy one, and /metrics shows the drafts."""
+    equals the offline greedy one, and /metrics shows the drafts; a request with
+    disable_speculative_decoding gets none; the periodic log's spec-decode lines add up to
+    the counters."""
+    import re
+    import time
     import os
     import subprocess
     import sys
@@ -440,6 +478,7 @@ def test_served_with_speculative_config(tmp_path, llama_dir, engines):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("JAXSERVE_API_KEY", None)
+    env["JAXSERVE_LOG_STATS_INTERVAL"] = "0.5"
     port = free_port()
     log = tmp_path / "log.txt"
     proc = subprocess.Popen(
@@ -452,16 +491,34 @@ def test_served_with_speculative_config(tmp_path, llama_dir, engines):
     try:
         wait_healthy(port, [proc], [log], timeout=300)
         prompt = _repeating_prompts(3, seed=1)[0]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-            "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
         want = engines[0].generate([prompt], SamplingParams(temperature=0, max_tokens=30,
                                                             ignore_eos=True), use_tqdm=False)
-        assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-        drafts = [float(ln.split()[-1]) for ln in metrics.splitlines()
-                  if ln.startswith("jaxserve:spec_decode_num_drafts_total")]
-        assert drafts and drafts[0] > 0, metrics[-2000:]
+
+        def counter(name):
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+            [v] = [float(ln.split()[-1]) for ln in metrics.splitlines()
+                   if ln.startswith(f"jaxserve:spec_decode_{name}_total")]
+            return v
+
+        body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+        for opt_out in (True, False):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                           json={**body, "disable_speculative_decoding": opt_out})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+            time.sleep(0.3)  # the core process's stats ride along within 0.05 s
+            assert (counter("num_drafts") == 0) == opt_out
+        time.sleep(1.5)  # the last interval's log line
+        totals = {k: counter(k) for k in ("num_draft_tokens", "num_accepted_tokens")}
+        lines = re.findall(r"SpecDecoding metrics: Mean acceptance length: ([0-9.]+), .*"
+                           r"Accepted: (\d+) tokens, Drafted: (\d+) tokens, Per-position "
+                           r"acceptance rate: ([0-9., ]+), Avg", log.read_text())
+        assert lines, log.read_text()[-3000:]
+        assert sum(int(a) for _, a, _, _ in lines) == totals["num_accepted_tokens"]
+        assert sum(int(d) for _, _, d, _ in lines) == totals["num_draft_tokens"]
+        for mean, _, _, rates in lines:  # mean length = 1 + sum of per-position rates
+            per_pos = [float(x) for x in rates.split(", ")]
+            assert float(mean) == pytest.approx(1 + sum(per_pos), abs=0.02)
     finally:
         proc.terminate()
         try:

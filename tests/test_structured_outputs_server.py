@@ -250,22 +250,37 @@ def tool_client(engine):
     srv.close()
 
 
-def _streamed_calls(stream):
-    """Reassemble streamed tool-call deltas: {index: [id, name, arguments]}, content, finish."""
+def _streamed_calls(stream, pieces=None):
+    """Reassemble streamed tool-call deltas: {index: [id, name, arguments]}, content, finish.
+    ``pieces`` (a dict) receives each index's deltas as (id, name, arguments) in order."""
     calls, content, finish = {}, "", None
     for chunk in stream:
         for ch in chunk.choices:
             content += ch.delta.content or ""
             for d in ch.delta.tool_calls or ():
                 entry = calls.setdefault(d.index, [None, None, ""])
+                fn = d.function
+                if pieces is not None:
+                    pieces.setdefault(d.index, []).append(
+                        (d.id, fn.name if fn else None, fn.arguments if fn else None))
                 if d.id:
                     entry[0] = d.id
-                if d.function and d.function.name:
-                    entry[1] = d.function.name
-                if d.function and d.function.arguments:
-                    entry[2] += d.function.arguments
+                if fn and fn.name:
+                    entry[1] = fn.name
+                if fn and fn.arguments:
+                    entry[2] += fn.arguments
             finish = ch.finish_reason or finish
     return [tuple(calls[k]) for k in sorted(calls)], content, finish
+
+
+def _check_incremental(pieces):
+    """vLLM's streaming shape: each call's first delta has its id and name, the later ones
+    only argument fragments, and there is more than one fragment."""
+    assert pieces
+    for deltas in pieces.values():
+        assert deltas[0][0] and deltas[0][1]
+        assert all(cid is None and name is None for cid, name, _ in deltas[1:])
+        assert sum(1 for *_, args in deltas if args) > 1, deltas
 
 
 def _check_calls(calls, names=None):
@@ -284,7 +299,9 @@ def test_tool_choice_required(tool_client, stream, parallel):
             parallel_tool_calls=parallel, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed,
             stream=stream)
         if stream:
-            calls, content, finish = _streamed_calls(r)
+            pieces = {}
+            calls, content, finish = _streamed_calls(r, pieces)
+            _check_incremental(pieces)
         else:
             m = r.choices[0].message
             calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
@@ -322,7 +339,9 @@ def test_tool_choice_auto_parses_hermes_calls(tool_client, stream):
         model=MODEL, messages=_messages(2), tools=TOOLS, max_tokens=MAX_TOKENS,
         temperature=1.0, seed=5, stream=stream, extra_body={"guided_regex": regex})
     if stream:
-        calls, content, finish = _streamed_calls(r)
+        pieces = {}
+        calls, content, finish = _streamed_calls(r, pieces)
+        _check_incremental(pieces)
     else:
         m = r.choices[0].message
         calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]

@@ -99,3 +99,93 @@ def test_assistant_tool_calls_reach_the_template_as_mappings():
     msgs = req.message_dicts()
     assert msgs[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
     assert msgs[2] == {"role": "tool", "content": "1", "tool_call_id": "c1"}
+
+
+# ---- streaming: calls read from a growing text -------------------------------------------------
+def _stream(partial_calls, text: str, cuts, max_calls=None):
+    """Feed ``text`` cut at ``cuts`` (every prefix a stream could show) to a streamer; return
+    the deltas per call index."""
+    from jaxserve.entrypoints.openai.tool_call_stream import ToolCallStreamer
+
+    ids = iter(range(1000))
+    st = ToolCallStreamer(max_calls=max_calls, new_id=lambda: f"call-{next(ids)}")
+    per_call: dict[int, list] = {}
+    for end in list(cuts) + [len(text)]:
+        for k, cid, name, args in st.update(partial_calls(text[:end])):
+            per_call.setdefault(k, []).append((cid, name, args))
+    return per_call
+
+
+def _check_streamed(per_call, want):
+    """First delta: id, name; later ones: argument fragments only; they join to the arguments
+    JSON the model wrote."""
+    assert len(per_call) == len(want)
+    for k, (name, args) in enumerate(want):
+        deltas = per_call[k]
+        assert deltas[0][0] == f"call-{k}" and deltas[0][1] == name
+        assert all(cid is None and n is None for cid, n, _ in deltas[1:])
+        joined = "".join(a for _, _, a in deltas)
+        assert json.loads(joined) == args
+        assert sum(1 for _, _, a in deltas if a) > 1  # the arguments came in pieces
+
+
+HERMES_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+              '"Pa}ris \\"x\\" {", "days": [1, 2.5e1, {"n": null}], "ok": true}}\n</tool_call>\n'
+              '<tool_call>{"name":"add","arguments":{"a":1,"b":-20}}</tool_call>')
+HERMES_WANT = [("get_weather", {"city": 'Pa}ris "x" {', "days": [1, 25.0, {"n": None}],
+                                "ok": True}), ("add", {"a": 1, "b": -20})]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_hermes_calls_stream_name_first_then_argument_fragments(step):
+    p = get_tool_parser("hermes")
+    per_call = _stream(p.partial_calls, HERMES_TWO, range(1, len(HERMES_TWO), step))
+    _check_streamed(per_call, HERMES_WANT)
+    assert [n for n, _ in p.extract(HERMES_TWO)[1]] == ["get_weather", "add"]
+    # parallel_tool_calls false: only the first call is streamed
+    one = _stream(p.partial_calls, HERMES_TWO, range(1, len(HERMES_TWO), step), max_calls=1)
+    _check_streamed(one, HERMES_WANT[:1])
+
+
+def test_streaming_follows_a_tokenizer_split(tiny_llama_dir):
+    """The same on the pieces a real tokenizer cuts the text into (one token per step)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = tok.encode(HERMES_TWO, add_special_tokens=False)
+    cuts = [len(tok.decode(ids[:n])) for n in range(1, len(ids))]
+    assert tok.decode(ids) == HERMES_TWO
+    _check_streamed(_stream(get_tool_parser("hermes").partial_calls, HERMES_TWO, cuts),
+                    HERMES_WANT)
+
+
+def test_required_llama3_and_mistral_calls_stream():
+    from jaxserve.entrypoints.openai.tool_parsers import partial_required_calls
+
+    text = ('[{"name":"get_weather","parameters":{"city":"Oslo","unit":"celsius"}},'
+            '{"name":"add","parameters":{"a":3,"b":4}}]')
+    want = [("get_weather", {"city": "Oslo", "unit": "celsius"}), ("add", {"a": 3, "b": 4})]
+    _check_streamed(_stream(partial_required_calls, text, range(1, len(text))), want)
+    assert [(n, json.loads(a)) for n, a in parse_required(text)] == want
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}; {"name": "add", "parameters": {"a": 3, "b": 4}}'
+    _check_streamed(_stream(get_tool_parser("llama3_json").partial_calls, text,
+                            range(1, len(text))), want)
+    text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, {"name": "add", "arguments": {"a": 3, "b": 4}}]'
+    _check_streamed(_stream(get_tool_parser("mistral").partial_calls, text,
+                            range(1, len(text))), want)
+
+
+def test_partial_call_edge_cases():
+    from jaxserve.entrypoints.openai.tool_call_stream import partial_call
+
+    assert partial_call('{"name": "ad', 0) == (None, None)  # no call before the name is whole
+    call, end = partial_call('{"name": "f", "arguments": {"x": 12', 0)
+    assert (call.name, call.arguments, call.done, end) == ("f", '{"x": 12', False, None)
+    # arguments written as a JSON string: sent whole and decoded, once complete
+    call, _ = partial_call('{"name": "f", "arguments": "{\\"x\\": 1', 0)
+    assert call.arguments == "" and not call.done
+    text = '{"name": "f", "arguments": "{\\"x\\": 1}"}'
+    call, end = partial_call(text, 0)
+    assert json.loads(call.arguments) == {"x": 1} and call.done and end == len(text)
+    call, _ = partial_call('{"name": "f"}', 0)  # no arguments: an empty object
+    assert call.arguments == "{}" and call.done

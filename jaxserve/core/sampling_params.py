@@ -2,7 +2,8 @@
 
 Host side only (no jax). Every invalid value raises ``InvalidRequestError(msg, param=<field>)``
 whose message names the field and the value. Limits that exist only because the device side works
-on fixed shapes (``MAX_LOGPROBS``, ``MAX_LOGIT_BIAS``, ``MAX_STOP_TOKEN_IDS``) are module constants.
+on fixed shapes (``MAX_LOGIT_BIAS``, ``MAX_STOP_TOKEN_IDS``) are module constants; the logprobs
+limit is the engine's ``max_logprobs`` (checked by :meth:`SamplingParams.verify_logprobs`).
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import Any
 
 from jaxserve.errors import InvalidRequestError
 
-# The sampler returns this many top logprobs per row (a static shape); asking for more is an error.
-MAX_LOGPROBS = 20
+# vLLM's default --max-logprobs: the most top logprobs a request may ask for (the sampler's
+# static top-k width comes from the engine's max_logprobs).
+DEFAULT_MAX_LOGPROBS = 20
 # logit_bias entries per request (the sampler's padded bias table has this width at most).
 MAX_LOGIT_BIAS = 1024
 # stop_token_ids per request (masked on device while min_tokens is not reached).
@@ -87,6 +89,22 @@ def _bad(param: str, value: Any, why: str) -> InvalidRequestError:
     return InvalidRequestError(f"{param} {why}, got {value!r}", param=param)
 
 
+def resolve_num_logprobs(param: str, value: int | None, max_logprobs: int,
+                         vocab_size: int) -> int | None:
+    """vLLM's rule: -1 asks for the whole vocabulary; the count may not exceed ``max_logprobs``
+    (-1 there = the vocabulary size). Returns the count to compute (at most the vocabulary)."""
+    if value is None:
+        return None
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    n = vocab_size if value == -1 else value
+    if n > limit:
+        asked = f"{value} (the whole vocabulary, {vocab_size})" if value == -1 else f"{value}"
+        raise InvalidRequestError(
+            f"{param}: requested {asked} logprobs, more than the server's max_logprobs of "
+            f"{limit} (--max-logprobs / LLM(max_logprobs=...))", param=param)
+    return min(n, vocab_size)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -100,8 +118,10 @@ class SamplingParams:
     """Per-request sampling controls (vLLM semantics; see ``docs`` of vllm.SamplingParams).
 
     ``max_tokens=None`` means "up to max_model_len" (the engine resolves it). ``top_k`` 0 or -1
-    disables top-k. ``logprobs=k`` returns the sampled token's logprob plus the top-k (k<=20);
-    logprobs are those of the raw model distribution (vLLM V1's default ``raw_logprobs``).
+    disables top-k. ``logprobs=k`` returns the sampled token's logprob plus the top-k (k up to the
+    engine's ``max_logprobs``, 20 by default; -1 = the whole vocabulary, allowed when
+    ``max_logprobs`` is -1 or at least the vocabulary size); logprobs are those of the raw model
+    distribution (vLLM V1's default ``raw_logprobs``). ``prompt_logprobs`` likewise.
     """
 
     n: int = 1
@@ -129,6 +149,9 @@ class SamplingParams:
     # vLLM's token filters: sample only from these ids / never these words
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # this request decodes one token a step even when the engine speculates (its own choice:
+    # e.g. a latency-insensitive batch job that should not spend verify compute)
+    disable_speculative_decoding: bool = False
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -234,10 +257,7 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
                 param="min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
-            check_int(name, 0, allow_none=True)
-            v = getattr(self, name)
-            if v is not None and v > MAX_LOGPROBS:
-                raise _bad(name, v, f"must be <= {MAX_LOGPROBS}")
+            check_int(name, -1, allow_none=True)
         for s in self.stop:
             if not isinstance(s, str):
                 raise _bad("stop", s, "must contain only strings")
@@ -259,7 +279,7 @@ class SamplingParams:
                 if not _is_number(v) or not math.isfinite(v):
                     raise _bad("logit_bias", v, f"values must be finite numbers (token {tok})")
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output", "detokenize"):
+                     "include_stop_str_in_output", "detokenize", "disable_speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a boolean")
         if not self.detokenize and self.stop:
@@ -290,6 +310,19 @@ class SamplingParams:
         for t in self.allowed_token_ids or ():
             if t >= vocab_size:
                 raise _bad("allowed_token_ids", t, f"must be < vocab size {vocab_size}")
+
+    def verify_logprobs(self, max_logprobs: int, vocab_size: int) -> SamplingParams:
+        """Check ``logprobs`` / ``prompt_logprobs`` against the engine's ``max_logprobs`` and
+        return the params with -1 resolved to the vocabulary size (a copy if anything changed)."""
+        resolved = {name: resolve_num_logprobs(name, getattr(self, name), max_logprobs,
+                                               vocab_size)
+                    for name in ("logprobs", "prompt_logprobs")}
+        if all(getattr(self, k) == v for k, v in resolved.items()):
+            return self
+        out = self.clone()
+        for k, v in resolved.items():
+            setattr(out, k, v)
+        return out
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -7,7 +7,8 @@ own (``jaxserve.worker.rejection_sampler``). Proposers sit behind ``Proposer``, 
 or EAGLE heads replace the n-gram lookup without touching the scheduler or the step.
 
 Which requests speculate: those whose sampling the verifier reproduces exactly at every
-position (no penalties, no ``min_tokens``, no logprobs); the rest decode one token a step.
+position (no penalties, no ``min_tokens``, no logprobs) and that did not opt out
+(``SamplingParams.disable_speculative_decoding``); the rest decode one token a step.
 """
 from __future__ import annotations
 
@@ -58,11 +59,13 @@ class NgramProposer:
 
 
 def can_speculate(params: Any) -> bool:
-    """The verifier reproduces this request's sampling at every drafted position: no history-
-    dependent logits (penalties, min_tokens), no token mask and no per-token logprobs to report."""
+    """The request did not opt out, and the verifier reproduces its sampling at every drafted
+    position: no history-dependent logits (penalties, min_tokens), no token mask and no
+    per-token logprobs to report."""
     if params is None:
         return True
-    return not (params.uses_penalties or params.min_tokens or params.logprobs is not None
+    return not (getattr(params, "disable_speculative_decoding", False)
+                or params.uses_penalties or params.min_tokens or params.logprobs is not None
                 or getattr(params, "prompt_logprobs", None) is not None
                 # a token mask (grammar, allowed_token_ids, bad_words) holds at the sampled
                 # position only; drafted positions would go unmasked

@@ -219,6 +219,7 @@ class LLMEngine:
                                       param="request_id")
         _, ids = self._tokenize(list(prompt_token_ids))  # its length is checked by the scheduler
         params.verify_vocab(self.model_config.vocab_size)
+        params = params.verify_logprobs(self.config.max_logprobs, self.model_config.vocab_size)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
         now = arrival_time if arrival_time is not None else time.time()

@@ -157,6 +157,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     d.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
+    d.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
+                   help="the most logprobs / top_logprobs / prompt_logprobs a request may ask "
+                        "for; -1 = the whole vocabulary, which a request asks for with -1 "
+                        "(default: %(default)s)")
 
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -217,6 +221,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=_positive_int, default=None,
                    help="with --enable-log-requests, log at most this many prompt tokens "
                         "(default: all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats log line (throughput, queue, KV cache usage and, "
+                        "when speculating, the spec-decode line; every 10 s, "
+                        "JAXSERVE_LOG_STATS_INTERVAL seconds if set)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,7 +331,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         speculative_config=speculative_config_from_args(args),
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
-        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager)
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+        max_logprobs=args.max_logprobs)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -358,7 +367,7 @@ def _serve(args) -> int:
                          allowed_headers=args.allowed_headers,
                          allow_credentials=args.allow_credentials),
                log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-               response_role=args.response_role,
+               response_role=args.response_role, log_stats=not args.disable_log_stats,
                enable_auto_tool_choice=args.enable_auto_tool_choice,
                tool_call_parser=args.tool_call_parser,
                reasoning_parser=args.reasoning_parser,

@@ -36,7 +36,7 @@ from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
 from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from jaxserve.core.spec_decode import add_verify_arrays
 from jaxserve.core.step_plan import (
     TRASH_PAGE,
@@ -89,6 +89,10 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
         # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
         idx = arrays["logits_indices"]
+        if idx.size > hidden.shape[0]:
+            # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
+            # mostly padding): the vocabulary projection runs once per token, then is gathered
+            return model.compute_logits(hidden)[idx], kv_pages, hidden
         logits = model.compute_logits(hidden[idx.reshape(-1)])
         return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden
 
@@ -104,8 +108,9 @@ PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in
 
 
 @lru_cache(maxsize=None)
-def _prompt_logprobs_fn(graphdef, state_treedef):
-    """Logprobs of each prompt token under the step's hidden states (``prompt_logprobs``).
+def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int):
+    """Logprobs of each prompt token under the step's hidden states (``prompt_logprobs``),
+    with the top ``num_top_logprobs`` of each position.
 
     A separate jit per token bucket, run only in steps that carry such a request; logits are
     made ``PROMPT_LOGPROBS_CHUNK`` tokens at a time so a long bucket never holds ``[T, V]``.
@@ -119,7 +124,8 @@ def _prompt_logprobs_fn(graphdef, state_treedef):
 
         def chunk(args):
             h, ids = args
-            return sampler_lib.compute_prompt_logprobs(model.compute_logits(h), ids)
+            return sampler_lib.compute_prompt_logprobs(model.compute_logits(h), ids,
+                                                       num_top_logprobs)
 
         outs = jax.lax.map(chunk, (hidden.reshape(t // c, c, -1), next_ids.reshape(t // c, c)))
         return jax.tree_util.tree_map(lambda x: x.reshape((t,) + x.shape[2:]), outs)
@@ -128,9 +134,10 @@ def _prompt_logprobs_fn(graphdef, state_treedef):
 
 
 @lru_cache(maxsize=None)
-def _sample_fn(mesh=None):
+def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
     """The sampler half: its own jit, so the model graph compiles once per token bucket while
-    the (cheap) sampler compiles once per sequence bucket and sampling-array layout.
+    the (cheap) sampler compiles once per sequence bucket and sampling-array layout. The top
+    logprobs have the static width ``num_top_logprobs`` (see :func:`top_logprobs_width`).
 
     ``history_ref[S, 2]`` (previous-step row, history index) fills a penalty row's pending
     token from ``prev_tokens``. Returns the sampler output and the new ``[max_num_seqs]`` buffer
@@ -148,9 +155,10 @@ def _sample_fn(mesh=None):
         fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
         md = sampler_lib.SamplingMetadata(**fields)
         if spec is None:
-            out = sampler_lib.sample(logits, md, token_bitmask=token_bitmask)
+            out = sampler_lib.sample(logits, md, num_top_logprobs, token_bitmask=token_bitmask)
         else:  # [S, k+1, V]: column 0 is what a row without drafts samples
-            out = sampler_lib.sample(logits[:, 0], md, token_bitmask=token_bitmask)
+            out = sampler_lib.sample(logits[:, 0], md, num_top_logprobs,
+                                     token_bitmask=token_bitmask)
             out = (out, rejection_sampler.verify(logits, md, spec["draft_token_ids"],
                                                  spec["num_draft"], out.token_ids))
         ids = out.token_ids if spec is None else out[0].token_ids
@@ -158,6 +166,13 @@ def _sample_fn(mesh=None):
         return out, jnp.zeros_like(prev_tokens).at[:s].set(ids)
 
     return jax.jit(sample, out_shardings=parallel.replicated(mesh or parallel.default_mesh()))
+
+
+def top_logprobs_width(max_logprobs: int, vocab_size: int) -> int:
+    """The static top-k width of the sampler's logprobs: ``max_logprobs`` (-1: the vocabulary),
+    at most the vocabulary, at least 1."""
+    k = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    return max(1, k)
 
 
 @dataclass
@@ -266,8 +281,11 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh)
-        self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef)
-        self._sample = _sample_fn(mesh)
+        self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
+                                                   model_config.vocab_size)
+        self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef,
+                                                    self.num_top_logprobs)
+        self._sample = _sample_fn(mesh, self.num_top_logprobs)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False  # every bucket compiled and run once
         # One step at a time touches the KV pool: the engine's steps and the warm-up runs of

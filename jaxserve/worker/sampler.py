@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxserve.core.sampling_params import MAX_LOGPROBS, SAMPLING_EPS
+from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SAMPLING_EPS
 
 _NEG_INF = float("-inf")
 
@@ -43,7 +43,7 @@ class SamplingMetadata(NamedTuple):
     repetition_penalty: jax.Array  # [S] f32; 1 = off
     seeds: jax.Array  # [S, 2] u32 (low, high 32 bits of the 64-bit seed; random for unseeded)
     steps: jax.Array  # [S] i32 tokens generated so far (folded into the row's key)
-    num_logprobs: jax.Array  # [S] i32; -1 = no logprobs, else top-k count (<= MAX_LOGPROBS)
+    num_logprobs: jax.Array  # [S] i32; -1 = no logprobs, else top-k count (<= K)
     mask_stop: jax.Array  # [S] bool; min_tokens not reached yet -> stop_ids get -inf
     stop_ids: jax.Array  # [S, E] i32, -1 padded: EOS + stop_token_ids
     bias_ids: jax.Array  # [S, B] i32, -1 padded: logit_bias keys
@@ -166,9 +166,12 @@ def _top_k_padded(logprobs: jax.Array, k: int):
             jnp.pad(lp, pad, constant_values=_NEG_INF))
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int = MAX_LOGPROBS,
+def sample(logits: jax.Array, md: SamplingMetadata,
+           num_top_logprobs: int = DEFAULT_MAX_LOGPROBS,
            token_bitmask: jax.Array | None = None) -> SamplerOutput:
     """Sample one token per row. ``logits`` [S, V] (any float dtype; computed in float32).
+    ``num_top_logprobs`` is the static width K of the top-k logprobs (the engine's
+    ``max_logprobs``, at most V).
     ``token_bitmask`` [S, ceil(V/32)] int32 (structured outputs) masks the logits before
     everything else, logprobs included (as vLLM applies it to the logits); all ones = off."""
     raw = logits.astype(jnp.float32)
@@ -208,7 +211,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, num_top_logprobs: int = MAX_
 
 
 def compute_prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array,
-                            k: int = MAX_LOGPROBS):
+                            k: int = DEFAULT_MAX_LOGPROBS):
     """For prompt_logprobs: logits [T, V] at prompt positions, next_token_ids [T] (the prompt
     token that follows each position). Returns (logprob of that token [T], top-k ids [T, k],
     top-k logprobs [T, k], rank of that token [T], 1 = most likely). Raw distribution."""

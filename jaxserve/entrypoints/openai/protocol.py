@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.core.sampling_params import (SamplingParams, StructuredOutputsParams,
+                                           resolve_num_logprobs)
 
 # OpenAI caps n at 128 for chat; the same bound keeps one request from filling the batch.
 MAX_N = 128
-MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # token ids, top_k, priorities end up in int32 arrays
 
 
@@ -284,7 +284,7 @@ class _SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1: whole vocab
     echo: bool = False
     request_id: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -297,6 +297,8 @@ class _SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # jaxserve's extra: this request is never speculated on (see SamplingParams)
+    disable_speculative_decoding: bool = False
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -307,6 +309,14 @@ class _SamplingFields(RequestModel):
             raise InvalidRequestError("stream_options is only allowed when stream is true",
                                       param="stream_options")
         return self
+
+    def check_logprobs(self, max_logprobs: int, vocab_size: int) -> None:
+        """The logprob counts asked for against the server's ``--max-logprobs`` (vLLM's rule:
+        -1 is the whole vocabulary); a 400 naming the field."""
+        for name in ("prompt_logprobs", self.TOP_LOGPROBS_FIELD):
+            resolve_num_logprobs(name, getattr(self, name), max_logprobs, vocab_size)
+
+    TOP_LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the request field of the top-k count
 
     @property
     def include_usage(self) -> bool:
@@ -323,7 +333,8 @@ class _SamplingFields(RequestModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=_structured_spec(self),
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
+            disable_speculative_decoding=self.disable_speculative_decoding)
         # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -338,7 +349,7 @@ class _SamplingFields(RequestModel):
 class CompletionRequest(_SamplingFields):
     prompt: Union[list[int], list[list[int]], str, list[str]]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1: whole vocabulary
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -505,7 +516,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still accepted
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1: whole vocab
+    TOP_LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

@@ -42,7 +42,9 @@ from jaxserve.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.tokenizer import stop_buffer_length
 from jaxserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
-from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser, parse_required
+from jaxserve.entrypoints.openai.tool_call_stream import ToolCallStreamer
+from jaxserve.entrypoints.openai.tool_parsers import (get_tool_parser, parse_required,
+                                                      partial_required_calls)
 
 logger = logging.getLogger(__name__)
 
@@ -399,9 +401,11 @@ def _chat_logprobs(tokens: _Tokens, token_ids: list[int], positions: list, k: in
 # ---- streamed tool calls ---------------------------------------------------------------------
 class _StreamedToolCalls:
     """Tool calls in a chat stream. A named function streams its arguments as they come (they
-    concatenate to the answer, valid JSON by the grammar); "required" and "auto" show plain
-    content as far as the parser says it is content, and send each call whole (id, name and
-    its complete arguments) when the answer is finished."""
+    concatenate to the answer, valid JSON by the grammar). "required" and "auto" (with a tool
+    call parser) stream like vLLM: plain content as far as the parser says it is content, then
+    per call a delta with its id, type and name once the name is written, then its arguments
+    in fragments that concatenate to the arguments JSON; finish_reason "tool_calls" when the
+    finished answer parses as calls."""
 
     def __init__(self, serving: OpenAIServing, req: P.ChatCompletionRequest, echo: str):
         self.serving, self.req, self.echo = serving, req, echo
@@ -413,6 +417,22 @@ class _StreamedToolCalls:
         self.sent_reasoning = [0] * req.n
         self.named_started = [False] * req.n
         self.call_id = [P.random_id("chatcmpl-tool") for _ in range(req.n)]
+        one = self.parser is not None and req.parallel_tool_calls is False
+        self.streamers = [ToolCallStreamer(max_calls=1 if one else None,
+                                           new_id=lambda: P.random_id("chatcmpl-tool"))
+                          for _ in range(req.n)]
+
+    def _partial_calls(self, text: str):
+        if self.req.tool_mode == "required":
+            return partial_required_calls(text)
+        if self.parser is not None:
+            return self.parser.partial_calls(text)
+        return []
+
+    def _content_end(self, text: str) -> int:
+        if self.req.tool_mode == "required":
+            return 0
+        return self.parser.content_end(text) if self.parser is not None else len(text)
 
     def delta(self, i: int, shown: str, done: bool, finish_reason: str | None
               ) -> tuple[P.DeltaMessage | None, str | None]:
@@ -431,23 +451,25 @@ class _StreamedToolCalls:
         reasoning, text = self.serving._split_reasoning(req, self.echo + shown, done)
         new_reasoning = reasoning[self.sent_reasoning[i]:]
         self.sent_reasoning[i] = len(reasoning)
+        streamer = self.streamers[i]
+        calls = [P.DeltaToolCall(index=k, id=cid, type="function" if cid else None,
+                                 function=P.DeltaFunctionCall(name=name, arguments=args))
+                 for k, cid, name, args in streamer.update(self._partial_calls(text))]
         if not done:
-            end = len(text) if req.tool_mode in ("none", "auto") and self.parser is None \
-                else self.parser.content_end(text) if self.parser is not None else 0
+            end = self._content_end(text)
             new = text[self.sent[i]:end] if end > self.sent[i] else ""
             self.sent[i] = max(self.sent[i], end)
-            if not (new or new_reasoning):
+            if not (new or new_reasoning or calls):
                 return None, None
-            return P.DeltaMessage(content=new or None,
-                                  reasoning_content=new_reasoning or None), None
-        content, calls, finish = self.serving._tool_calls(req, text, finish_reason or "abort")
-        rest = (content or "")[self.sent[i]:] if calls else text[self.sent[i]:]
-        deltas = [P.DeltaToolCall(index=k, id=c.id, type="function",
-                                  function=P.DeltaFunctionCall(name=c.function.name,
-                                                               arguments=c.function.arguments))
-                  for k, c in enumerate(calls)]
+            return P.DeltaMessage(content=new or None, reasoning_content=new_reasoning or None,
+                                  tool_calls=calls), None
+        content, parsed, finish = self.serving._tool_calls(req, text, finish_reason or "abort")
+        if streamer.started:  # what is left before the calls; the calls went as deltas
+            rest = text[self.sent[i]:self._content_end(text)]
+        else:
+            rest = (content or "")[self.sent[i]:] if parsed else text[self.sent[i]:]
         return P.DeltaMessage(content=rest or None, reasoning_content=new_reasoning or None,
-                              tool_calls=deltas), finish
+                              tool_calls=calls), finish
 
 
 # ---- the app ---------------------------------------------------------------------------------
@@ -605,6 +627,9 @@ class OpenAIServing:
         mc = getattr(self.engine, "model_config", None)
         return int(getattr(mc, "vocab_size", 0) or len(self.engine.tokenizer))
 
+    def _check_logprobs(self, req) -> None:
+        req.check_logprobs(self.engine.config.max_logprobs, self._vocab_size())
+
     def _check_vocab(self, sp) -> None:
         sp.verify_vocab(self._vocab_size())
 
@@ -659,6 +684,7 @@ class OpenAIServing:
                 echo_texts.append(p if isinstance(p, str) else self.engine.tokenizer.decode(ids))
             else:
                 echo_texts.append("")
+        self._check_logprobs(req)
         params = [req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
                   for ids in prompts]
         # One SamplingParams serves all prompts; the tightest max_tokens default applies.
@@ -793,6 +819,7 @@ class OpenAIServing:
         self._check_prompt_bytes(req.content_bytes(), "messages")
         ids = P.truncate_prompt(await self._chat_ids(req), req.truncate_prompt_tokens)
         self._check_prompt_len(ids, "messages")
+        self._check_logprobs(req)
         sp = req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
         self._check_vocab(sp)
         echo = ""
@@ -802,6 +829,8 @@ class OpenAIServing:
         fanin = self._fanin([ids], sp, request_id, req.priority)
         await fanin.prime()
         top_k = (req.top_logprobs or 0) if req.logprobs else None
+        if top_k == -1:
+            top_k = self._vocab_size()
         if req.stream:
             return _SSEResponse(self._chat_stream(req, fanin, model, echo, top_k))
         try:
@@ -1232,9 +1261,9 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                trust_request_chat_template: bool = False, cors: dict | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
-               response_role: str = "assistant") -> None:
+               response_role: str = "assistant", log_stats: bool = True) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
-    uvicorn and the engine cleanly."""
+    uvicorn and the engine cleanly. ``log_stats``: the periodic stats log lines."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
 
     template = load_chat_template(chat_template)  # fail before the slow model load
@@ -1273,9 +1302,16 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     logger.info(startup_message(engine, host, port, names))
 
     async def serve():
+        stats_task = None
+        if log_stats:
+            from jaxserve.entrypoints.openai.stats_log import log_interval_s, log_stats_forever
+
+            stats_task = asyncio.create_task(log_stats_forever(engine.stats, log_interval_s()))
         try:
             await server.serve()
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             logger.info("shutting down the engine")
             await engine.shutdown()
 

@@ -3,14 +3,18 @@
 grammar (the model then cannot answer anything but a valid call).
 
 A parser splits a finished text into (content, [(name, arguments JSON)]); ``content_end`` says
-how much of a growing text is surely plain content, so a stream can show that much and hold the
-rest until the call is complete.
+how much of a growing text is surely plain content, so a stream can show that much; and
+``partial_calls`` reads the calls of a growing text as far as they are written, so a stream can
+send each call's name and then its arguments piece by piece (see ``tool_call_stream``).
 """
 from __future__ import annotations
 
 import json
 import re
 from typing import Any
+
+from jaxserve.entrypoints.openai.tool_call_stream import (PartialCall, calls_in_array,
+                                                          partial_call, skip_ws)
 
 ToolCallTuple = tuple[str, str]  # (function name, arguments as a JSON text)
 
@@ -51,6 +55,10 @@ class ToolParser:
     def content_end(self, text: str) -> int:
         raise NotImplementedError
 
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of a growing text, as far as they are written."""
+        raise NotImplementedError
+
 
 class HermesToolParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen, SmolLM2)."""
@@ -76,6 +84,18 @@ class HermesToolParser(ToolParser):
 
     def content_end(self, text):
         return _held(text, self.START)
+
+    def partial_calls(self, text):
+        calls, i = [], text.find(self.START)
+        while i >= 0:
+            call, end = partial_call(text, i + len(self.START))
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            i = text.find(self.START, end)
+        return calls
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -111,6 +131,24 @@ class Llama3JsonToolParser(ToolParser):
             return 0
         return len(text)
 
+    def partial_calls(self, text):
+        i = skip_ws(text, 0)
+        if text.startswith(self.TAG, i):
+            i += len(self.TAG)
+        calls = []
+        while True:
+            while i < len(text) and text[i] in " \n\t\r;":
+                i += 1
+            if i >= len(text) or text[i] != "{":
+                return calls
+            call, end = partial_call(text, i)
+            if call is None:
+                return calls
+            calls.append(call)
+            if end is None:
+                return calls
+            i = end
+
 
 class MistralToolParser(ToolParser):
     """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (Mistral)."""
@@ -135,6 +173,10 @@ class MistralToolParser(ToolParser):
 
     def content_end(self, text):
         return _held(text, self.START)
+
+    def partial_calls(self, text):
+        i = text.find(self.START)
+        return [] if i < 0 else calls_in_array(text, i + len(self.START))
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -171,6 +213,11 @@ def required_tools_schema(tools, parallel: bool) -> dict:
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def partial_required_calls(text: str) -> list[PartialCall]:
+    """The calls of a growing "required" answer (a JSON array of ``{"name", "parameters"}``)."""
+    return calls_in_array(text, 0)
 
 
 def parse_required(text: str) -> list[ToolCallTuple] | None:
