@@ -39,8 +39,8 @@ stage() {  # stage NAME CAP_SECONDS CMD...
 
 stage pytest_gpu "${T_PYTEST:-240}" $PY -m pytest -m gpu -q -p no:cacheprovider \
   --junitxml="$OUT/pytest_gpu.xml" \
-  tests/test_ragged_paged_attention.py tests/test_kv_write.py \
-  tests/test_mosaic_gpu_attention.py tests/test_triton_attention.py
+  tests/kernels/test_ragged_paged_attention.py tests/worker/test_kv_write.py \
+  tests/kernels/test_mosaic_gpu_attention.py tests/kernels/test_triton_attention.py
 
 # shellcheck disable=SC2086
 stage bench "${T_BENCH:-300}" $PY benchmarks/kernels.py --result-dir "$RES" --disable-tqdm \

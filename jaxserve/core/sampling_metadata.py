@@ -39,7 +39,7 @@ class SamplingRow(NamedTuple):
 
 # The sampler's arrays: name -> (dtype, padding value, width: None = [S], "stop" / "bias" /
 # "history" = [S, that layout width], or an int). The device side's SamplingMetadata has exactly
-# these fields (tests/test_sampler.py checks it). Padding rows are greedy and inert.
+# these fields (tests/worker/test_sampler.py checks it). Padding rows are greedy and inert.
 _ARRAYS = {
     "temperature": (np.float32, 0.0, None),
     "top_p": (np.float32, 1.0, None),

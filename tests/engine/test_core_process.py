@@ -23,7 +23,7 @@ FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tok
 
 
 def _env(**extra):
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
     env.pop("JAXSERVE_API_KEY", None)

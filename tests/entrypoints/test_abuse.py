@@ -403,7 +403,7 @@ def test_non_json_content_type_is_rejected(http):
 def _env():
     import os
 
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.pop("JAXSERVE_API_KEY", None)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "kubernetes"
 PROM = DEPLOY / "prometheus"
@@ -489,7 +489,7 @@ def test_dockerfile_stages_copy_run_and_expose_what_the_server_needs():
     assert {"pyproject.toml", "README.md", "jaxserve", "pallas_kernels"} <= copied
     for src in copied:
         assert (ROOT / src).exists() and not dockerignored(src), src
-    assert dockerignored(".git/config") and dockerignored("tests/test_deploy.py")
+    assert dockerignored(".git/config") and dockerignored("tests/deploy/test_deploy.py")
     assert not dockerignored("jaxserve/entrypoints/cli.py")
     assert dockerignored("jaxserve/__pycache__/x.pyc")
     readme = re.search(r'^readme = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)

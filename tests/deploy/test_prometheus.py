@@ -21,7 +21,7 @@ from server_process import free_port, wait_healthy
 from test_deploy import (METRIC_RE, PROM, adapter_names, dashboard_exprs,
                          static_scrape_config)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
         "--min-token-bucket", "32", "--num-gpu-blocks-override", "32",
         # speculation on, so the dashboard's spec-decode panel has series to read

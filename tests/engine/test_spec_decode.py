@@ -474,7 +474,7 @@ def test_served_with_speculative_config(tmp_path, llama_dir, engines):
     import httpx
     from server_process import free_port, wait_healthy
 
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("JAXSERVE_API_KEY", None)

@@ -12,7 +12,7 @@ from jaxserve.testing import tiny_model
 from jaxserve.config import ModelConfig
 from jaxserve.loaders.model_loader import load_model, load_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cli_builds_the_requested_shape(tmp_path):

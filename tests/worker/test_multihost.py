@@ -17,7 +17,7 @@ import httpx
 
 from server_process import free_port, wait_healthy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_FLAGS = ["--max-num-batched-tokens", "32", "--min-token-bucket", "32",
                 "--max-num-seqs", "4", "--max-model-len", "128", "--dtype", "float32"]
 PROMPT, MAX_TOKENS = "The capital of France is", 6

@@ -105,7 +105,7 @@ def test_bench_unknown_name(capsys):
 
 
 def test_bench_forwards_to_the_script(capsys):
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
     if not os.path.isfile(os.path.join(root, "serving.py")):
         pytest.skip("no benchmarks/serving.py in this checkout")
     argv = sys.argv[:]
@@ -119,7 +119,7 @@ def test_bench_forwards_to_the_script(capsys):
 
 
 # ---- the real commands -----------------------------------------------------------------------
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _env():
@@ -170,7 +170,7 @@ def test_serve_starts_answers_and_stops_cleanly(sig, tmp_path, tiny_llama_dir, j
     assert "jaxserve stopped" in text
 
 
-# Same engine shapes as tests/test_server.py, so whichever runs second reuses the compiled step.
+# Same engine shapes as tests/entrypoints/test_server.py, so whichever runs second reuses the compiled step.
 SERVER_FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens",
                 "32", "--min-token-bucket", "32", "--num-gpu-blocks-override", "96"]
 

@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 8
 NUM_PAGES = 48
 MAX_PAGES = 10

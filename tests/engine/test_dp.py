@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "Hello world, my name", "one two three four",
            "The capital of France is", "a b c d e f", "Hello world, my name"]
 

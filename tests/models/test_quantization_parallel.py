@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 13, 21, 34], [100, 200, 300], [42, 43, 44, 45, 46, 47, 48]]
 ENGINE_KW = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
                  max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32)

@@ -19,7 +19,9 @@ import pytest
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
 from jaxserve.entrypoints.openai.server import build_app
-from test_server import MODEL, ServerThread, engine_flags
+from test_server import MODEL, engine_flags
+
+from tests.server_process import ServerThread
 
 VOCAB = 512  # the tiny model's
 PROMPT = [5, 17, 33, 9, 250, 77]

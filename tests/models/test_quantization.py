@@ -389,7 +389,7 @@ def test_gguf_blocks_stay_quantized_and_equal_dequantization(tmp_path, qtype):
     """``quantization="gguf"``: the projections keep their GGUF blocks (uint8 in memory) and
     the in-matmul dequantization equals gguf-py's; logits equal the dequantized-at-load model."""
     gguf = pytest.importorskip("gguf")
-    from test_gguf import write_tiny_gguf
+    from tests.loaders.test_gguf import write_tiny_gguf
 
     path = tmp_path / f"tiny-{qtype}.gguf"
     write_tiny_gguf(path, qtype=getattr(gguf.GGMLQuantizationType, qtype))
