@@ -131,7 +131,7 @@ def _check_torch(cfg, rows, seed, device="cpu"):
     if kv_dtype := opts.pop("kv_dtype", None):  # the reference's float8 pages, bit for bit
         pages = [reference.to_page_dtype(jnp.asarray(a, jnp.dtype(dtype)), jnp.dtype(kv_dtype))
                  for a in (batch.k_pages, batch.v_pages)]
-        args[1:3] = [torch.from_numpy(np.asarray(p.astype(jnp.float32))).to(
+        args[1:3] = [torch.from_numpy(np.array(p.astype(jnp.float32))).to(
             getattr(torch, kv_dtype)).to(device) for p in pages]
     out = triton_attention.ragged_paged_attention_torch(
         *args, batch.num_seqs, sm_scale=cfg[4] ** -0.5, **opts, **tiles)
