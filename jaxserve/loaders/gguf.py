@@ -6,7 +6,7 @@ llama.cpp stores Q/K projections of the llama architecture with rows permuted fo
 interleaved rotary layout; we undo that here so the weights are HF's again.
 
 Mapped: the llama family (llama, mistral, qwen2, qwen3, and Mixtral, which llama.cpp stores as
-``llama`` with expert tensors), gemma2, gemma3, phi3 and qwen3moe, with the names, layouts and
+``llama`` with expert tensors), gemma2, gemma3, phi3, qwen3moe and qwen2moe, with the names, layouts and
 metadata llama.cpp's ``convert_hf_to_gguf.py`` writes (Gemma's ``(1 + w)`` norm weights with the
 1 added, Phi-3's fused ``attn_qkv``/``ffn_up`` and LongRoPE factor tensors, experts stacked in
 one 3-D tensor per projection). Only quant types we have checked against transformers' own GGUF
@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")  # the llama architecture with experts
 # llama.cpp adds 1 to these families' norm weights (their RMSNorm scales by 1 + w)
@@ -70,13 +71,19 @@ _ARCH_LAYER_NAMES = {
                "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
+    # the shared expert beside the routed ones, and its sigmoid gate
+    "qwen2moe": {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                 "ffn_down_shexp": "mlp.shared_expert.down_proj"},
 }
 _ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
 # experts: one [n_expert, out, in] tensor per projection -> per-expert HF tensors
 _EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
 # model_type -> (MoE block, per-expert HF names of gate, up, down)
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+              "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -223,20 +230,30 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
                                   orig_ctx)
         if rs is not None:
             cfg["rope_scaling"] = rs
-    _family_config(reader, arch, a, cfg, n_experts)
+    _family_config(reader, arch, a, cfg, n_experts, tensor_names)
     return cfg
 
 
-def _family_config(reader, arch: str, a, cfg: dict, n_experts: int) -> None:
+def _family_config(reader, arch: str, a, cfg: dict, n_experts: int,
+                   tensor_names: set[str]) -> None:
     """The HF config fields of the families beyond Llama, from llama.cpp's metadata."""
     if n_experts:
         cfg["num_experts_per_tok"] = int(a("expert_used_count"))
         if cfg["model_type"] == "mixtral":
             cfg["num_local_experts"] = n_experts
-        else:  # qwen3moe: llama.cpp always renormalises the top-k weights
-            cfg.update(num_experts=n_experts, norm_topk_prob=True, decoder_sparse_step=1,
-                       mlp_only_layers=[],
+        else:
+            # qwen3moe: llama.cpp always renormalises the top-k weights; qwen2moe: as the
+            # file's expert_weights_norm says (absent: no, HF's Qwen2-MoE default). A layer
+            # without a router is a dense MLP layer.
+            dense = [i for i in range(cfg["num_hidden_layers"])
+                     if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+            norm = True if arch == "qwen3moe" else bool(a("expert_weights_norm", False))
+            cfg.update(num_experts=n_experts, norm_topk_prob=norm, decoder_sparse_step=1,
+                       mlp_only_layers=dense,
                        moe_intermediate_size=int(a("expert_feed_forward_length")))
+            if arch == "qwen2moe":
+                cfg["shared_expert_intermediate_size"] = int(
+                    a("expert_shared_feed_forward_length", 0) or 0)
     if arch in ("gemma2", "gemma3"):
         cfg["hidden_act"] = cfg["hidden_activation"] = "gelu_pytorch_tanh"
         big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]

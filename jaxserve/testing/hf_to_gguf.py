@@ -5,7 +5,8 @@ write itself, against HF running the original checkpoint).
 Covered: Mixtral (architecture ``llama``, Q/K rows permuted for llama.cpp's rotary layout, experts
 stacked into ``ffn_{gate,up,down}_exps``), Gemma 2 / Gemma 3 (norm weights stored as ``1 + w``, no
 ``output`` tensor when tied), Phi-3 (fused ``attn_qkv`` and ``ffn_up``, LongRoPE factors as
-``rope_factors_long/short`` tensors) and Qwen3-MoE. Metadata keys are gguf-py's. Tokenizer
+``rope_factors_long/short`` tensors), Qwen3-MoE and Qwen2-MoE (shared expert as
+``ffn_*_shexp``, its gate as ``ffn_gate_inp_shexp``). Metadata keys are gguf-py's. Tokenizer
 metadata is not written (the tests feed token ids). Needs the ``gguf`` and ``safetensors``
 packages, not torch.
 """
@@ -20,7 +21,7 @@ import numpy as np
 
 # HF model_type -> GGUF architecture
 GGUF_ARCH = {"mixtral": "llama", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3",
-             "phi3": "phi3", "qwen3_moe": "qwen3moe"}
+             "phi3": "phi3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 _LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -28,6 +29,8 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "post_attention_layernorm": "ffn_norm", "block_sparse_moe.gate": "ffn_gate_inp",
     "mlp.gate": "ffn_gate_inp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 _GEMMA_LAYER = {"post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm",
@@ -90,8 +93,12 @@ def hf_to_gguf(model_dir, out_path, qtype: str = "F32") -> str:
     if n_exp:
         w.add_expert_count(n_exp)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        if cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
@@ -151,7 +158,7 @@ def hf_to_gguf(model_dir, out_path, qtype: str = "F32") -> str:
             t = _permute(t, heads)
         elif arch == "llama" and g == "attn_k":
             t = _permute(t, kv)
-        add(f"blk.{layer}.{g}.{kind}", t, keep_f32=g == "ffn_gate_inp")
+        add(f"blk.{layer}.{g}.{kind}", t, keep_f32=g.startswith("ffn_gate_inp"))
     for (layer, g), per in sorted(experts.items()):
         add(f"blk.{layer}.{g}.weight", np.stack([per[e] for e in range(len(per))]))
     w.write_header_to_file()

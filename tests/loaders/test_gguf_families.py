@@ -30,9 +30,10 @@ GGUF_ASSUMES = {
     "gemma3": lambda c: {"query_pre_attn_scalar": c["head_dim"]},
     "qwen3_moe": lambda c: {"norm_topk_prob": True},
 }
-FAMILIES = ["gemma2", "gemma3", "qwen3_moe", "mixtral", "phi3"]
+# qwen2_moe: a shared expert, and a dense layer (a layer without a router)
+FAMILIES = ["gemma2", "gemma3", "qwen3_moe", "mixtral", "phi3", "qwen2_moe"]
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "qwen3_moe": "qwen3moe",
-             "mixtral": "llama", "phi3": "phi3"}
+             "mixtral": "llama", "phi3": "phi3", "qwen2_moe": "qwen2moe"}
 
 
 @functools.lru_cache(maxsize=None)
