@@ -32,7 +32,8 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import decode_message, run_engine_core
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.streams import FINISHED, RequestStreams, next_output
-from jaxserve.errors import EngineDeadError, InvalidRequestError
+from jaxserve.engine.tokenizer import prompt_ids
+from jaxserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class EngineCoreClient:
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.check_health()
         params = sampling_params or SamplingParams()
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt_ids(self.tokenizer, prompt)
         q = self._streams.open(request_id)
         added = asyncio.get_running_loop().create_future()
         self._adds[request_id] = added
@@ -190,17 +191,6 @@ class EngineCoreClient:
             if not finished and self._dead is None and not self._stopping:
                 self._send(("abort", request_id))
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list]:
-        """The input processor's last step: the prompt as token ids (the core checks them)."""
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        try:
-            return None, [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequestError("prompt must be a string or a list of token ids",
-                                      param="prompt") from None
 
     async def abort(self, request_id: str) -> None:
         if self._dead is None and not self._stopping:

@@ -48,6 +48,7 @@ from jaxserve.engine.generation_config import (default_sampling, eos_token_ids,
                                                load_generation_config)
 from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
 from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
+from jaxserve.engine.tokenizer import prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
                                       param="request_id")
-        prompt_text, ids = self._tokenize(prompt)
+        prompt_text, ids = prompt_ids(self.tokenizer, prompt)
         self.add_core_request(request_id, ids, params, arrival_time=arrival_time,
                               priority=priority)
         self.output_processor.add_request(request_id, prompt_text, ids, params, final_only)
@@ -217,7 +218,7 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
                                       param="request_id")
-        _, ids = self._tokenize(list(prompt_token_ids))  # its length is checked by the scheduler
+        ids = self._check_prompt_ids(prompt_token_ids)
         params.verify_vocab(self.model_config.vocab_size)
         params = params.verify_logprobs(self.config.max_logprobs, self.model_config.vocab_size)
         if params.structured_outputs is not None:
@@ -267,18 +268,10 @@ class LLMEngine:
                 self.tokenizer, self.model_config.vocab_size, self._eos_list)
         return self._structured
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
-        else:
-            try:
-                ids, text = [int(t) for t in prompt], None
-            except (TypeError, ValueError):
-                raise InvalidRequestError("prompt must be a string or a list of token ids",
-                                          param="prompt") from None
+    def _check_prompt_ids(self, prompt_token_ids) -> list[int]:
+        """The ids as a list of ints: not empty, in the vocabulary (the length is checked by
+        the scheduler)."""
+        _, ids = prompt_ids(self.tokenizer, list(prompt_token_ids))
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
@@ -286,7 +279,7 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})",
                                       param="prompt")
-        return text, ids
+        return ids
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):

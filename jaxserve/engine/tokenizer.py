@@ -103,6 +103,21 @@ class IncrementalDetokenizer:
         return out
 
 
+def prompt_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """A prompt (text, token ids, or ``{"prompt_token_ids": ..., "prompt": ...}``) as
+    ``(text or None, token ids)``: the input processor's last step, the same in the API process
+    and in-process. The engine core checks the ids."""
+    if isinstance(prompt, str):
+        return prompt, list(tokenizer.encode(prompt))
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    try:
+        return None, [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise InvalidRequestError("prompt must be a string or a list of token ids",
+                                  param="prompt") from None
+
+
 def check_stop_strings(text: str, new_delta_len: int, stop: Sequence[str],
                        include_stop_str_in_output: bool) -> tuple[str, int | None] | None:
     """Did the last ``new_delta_len`` characters of ``text`` complete a stop string?
