@@ -162,21 +162,25 @@ def calls_in_array(text: str, i: int) -> list[PartialCall]:
         return [call] if call is not None else []
     if text[i] != "[":
         return []
-    calls, j = [], i + 1
+    return call_sequence(text, i + 1, ",")
+
+
+def call_sequence(text: str, i: int, separators: str) -> list[PartialCall]:
+    """The call objects from ``i`` on, apart by whitespace and ``separators``, up to the first
+    thing that is not a call; the last one may be partial."""
+    calls = []
     while True:
-        j = skip_ws(text, j)
-        if j < len(text) and text[j] == ",":
-            j += 1
-            continue
-        if j >= len(text) or text[j] != "{":
+        while i < len(text) and (text[i] in _WS or text[i] in separators):
+            i += 1
+        if i >= len(text) or text[i] != "{":
             return calls
-        call, end = partial_call(text, j)
+        call, end = partial_call(text, i)
         if call is None:
             return calls
         calls.append(call)
         if end is None:
             return calls
-        j = end
+        i = end
 
 
 @dataclass

@@ -13,8 +13,8 @@ import json
 import re
 from typing import Any
 
-from jaxserve.entrypoints.openai.tool_call_stream import (PartialCall, calls_in_array,
-                                                          partial_call, skip_ws)
+from jaxserve.entrypoints.openai.tool_call_stream import (PartialCall, call_sequence,
+                                                          calls_in_array, partial_call, skip_ws)
 
 ToolCallTuple = tuple[str, str]  # (function name, arguments as a JSON text)
 
@@ -135,19 +135,7 @@ class Llama3JsonToolParser(ToolParser):
         i = skip_ws(text, 0)
         if text.startswith(self.TAG, i):
             i += len(self.TAG)
-        calls = []
-        while True:
-            while i < len(text) and text[i] in " \n\t\r;":
-                i += 1
-            if i >= len(text) or text[i] != "{":
-                return calls
-            call, end = partial_call(text, i)
-            if call is None:
-                return calls
-            calls.append(call)
-            if end is None:
-                return calls
-            i = end
+        return call_sequence(text, i, ";")
 
 
 class MistralToolParser(ToolParser):
