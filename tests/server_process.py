@@ -18,6 +18,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def wait_healthy(port: int, procs: list[subprocess.Popen], logs: list[Path], timeout: float,
                  poll: float = 0.25) -> None:
     """Poll ``GET /health`` until 200; assert every process stays alive meanwhile."""

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from server_process import free_port, wait_healthy
+from server_process import free_port, stop, wait_healthy
 from test_deploy import (METRIC_RE, PROM, adapter_names, dashboard_exprs,
                          static_scrape_config)
 
@@ -49,11 +49,7 @@ def server(tmp_path_factory):
         wait_healthy(port, [proc], [log_path], timeout=300)
         yield port, f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, timeout=60)
 
 
 def send_requests(base: str, n: int = 3) -> None:
@@ -184,8 +180,4 @@ def test_prometheus_scrapes_records_and_answers_the_dashboard(server, tmp_path):
         exprs, _ = rules()
         assert len(health) == len(exprs) and set(health.values()) == {"ok"}, health
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, timeout=30)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_process import free_port, wait_healthy
+from tests.server_process import free_port, stop, wait_healthy
 
 FLAGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
          "--min-token-bucket", "32", "--num-gpu-blocks-override", "64",
@@ -55,18 +55,11 @@ def server(tiny_model_factory, tmp_path_factory):
         wait_healthy(port, [proc], [log_path], timeout=300)
         yield proc, f"http://127.0.0.1:{port}", log_path
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(proc, timeout=30)
 
 
 def _kv_usage(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    line = next(ln for ln in text.splitlines() if ln.startswith("jaxserve:kv_cache_usage_perc"))
-    return float(line.rsplit(" ", 1)[1])
+    return _metric(url, "jaxserve:kv_cache_usage_perc")
 
 
 def test_the_api_process_never_loads_jax(server):

@@ -472,7 +472,7 @@ def test_served_with_speculative_config(tmp_path, llama_dir, engines):
     import subprocess
     import sys
     import httpx
-    from server_process import free_port, wait_healthy
+    from server_process import free_port, stop, wait_healthy
 
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
@@ -520,11 +520,7 @@ def test_served_with_speculative_config(tmp_path, llama_dir, engines):
             per_pos = [float(x) for x in rates.split(", ")]
             assert float(mean) == pytest.approx(1 + sum(per_pos), abs=0.02)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, timeout=60)
 
 
 @pytest.mark.slow
