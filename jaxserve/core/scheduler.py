@@ -310,10 +310,14 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_limit: int | None = None) -> SchedulerOutput:
+        """Plan one step. ``token_limit`` lowers the token budget for this step only: while
+        the buckets compile, steps are kept to the largest compiled one."""
         out = SchedulerOutput()
         bm = self.block_manager
         budget = self.max_num_batched_tokens
+        if token_limit is not None:
+            budget = max(1, min(budget, token_limit))
 
         # 1. running requests (sorted: the preemption victim is always the last one)
         i = 0

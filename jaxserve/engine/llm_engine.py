@@ -343,7 +343,7 @@ class LLMEngine:
             # a grammar's next mask needs the token in flight: read that step first
             done, self._inflight = self._inflight, None
             self._process(done, touched)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.runner.step_token_limit())
         for rid, pages in getattr(sched, "swap_out", []) or []:
             self._swapped[rid] = (list(pages), self.runner.swap_out(pages))
         for rid, pages in getattr(sched, "swap_in", []) or []:

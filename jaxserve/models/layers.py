@@ -5,6 +5,7 @@ checkpoint's tensor names are exactly the model's state paths and loading needs 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -264,6 +265,21 @@ def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: str, me
                          soft_cap: float | None = None):
     """Write this step's ``k, v [T, Hkv, D]`` into one layer's pages ``kv`` and attend with
     ``q [T, Hq, D]``; under a mesh, one kernel call per shard of heads. -> (out, (k, v pages))."""
+    if mesh is not None:
+        rep = kv[0].shape[0] // num_kv_heads  # the pool repeats KV heads when tp > Hkv
+        if rep > 1:
+            k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+    attend = _write_and_attend(backend, sm_scale, sliding_window, soft_cap, mesh)
+    out, k_pages, v_pages = attend(q, k, v, kv[0], kv[1], md)
+    return out, (k_pages, v_pages)
+
+
+@functools.lru_cache(maxsize=None)
+def _write_and_attend(backend: str, sm_scale: float, sliding_window: int | None,
+                      soft_cap: float | None, mesh):
+    """The KV write and the attention of one layer as a jit of its own: every layer of a step
+    calls the same function, so it is traced and lowered once per step graph, not once per
+    layer (XLA inlines the calls: the compiled step is the same)."""
 
     def attend(q, k, v, k_pages, v_pages, md):
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
@@ -272,9 +288,5 @@ def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: str, me
         return out, k_pages, v_pages
 
     if mesh is not None:
-        rep = kv[0].shape[0] // num_kv_heads  # the pool repeats KV heads when tp > Hkv
-        if rep > 1:
-            k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
         attend = parallel.sharded_attention(attend, mesh)
-    out, k_pages, v_pages = attend(q, k, v, kv[0], kv[1], md)
-    return out, (k_pages, v_pages)
+    return jax.jit(attend)

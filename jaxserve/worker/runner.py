@@ -483,15 +483,24 @@ class ModelRunner:
         top = max(ready, default=0)
         return tuple(t for t in self.ladder if t in ready or t > top)
 
+    def step_token_limit(self) -> int | None:
+        """While buckets compile, the largest compiled token bucket (the smallest one before
+        any is ready): the scheduler keeps each step within it, so steps run on the graphs
+        there are instead of waiting for a bigger one. None once every bucket is compiled."""
+        if self._compiles is None or self.warmed_up:
+            return None
+        ready = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
+        return max(ready, default=self.ladder[0])
+
     def startup_progress(self) -> tuple[bool, int, int]:
-        """(ready to serve, buckets compiled, buckets): ready once the smallest and the largest
-        token buckets are compiled, so every step runs without waiting for a compile."""
+        """(ready to serve, buckets compiled, buckets): ready once the smallest token bucket is
+        compiled; steps then fit the compiled buckets (:meth:`step_token_limit`) while the
+        others compile."""
         n = len(self.ladder)
         if self._compiles is None:
             return self.warmed_up, (n if self.warmed_up else 0), n
         done = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
-        ready = self.ladder[0] in done and self.ladder[-1] in done
-        return ready, len(done), n
+        return self.ladder[0] in done, len(done), n
 
     def _job_done(self, key, seconds: float) -> None:
         kind, t = key
