@@ -472,3 +472,36 @@ def test_smollm2_logits_and_greedy_match_hf(smollm2_hf, smollm2_jax, smollm2_tok
         hf_scores = [s[0].numpy() for s in gen.scores]
         assert_greedy_equal_tie_aware(toks, hf_toks, hf_scores)
     print(f"SmolLM2 prefill logits: max abs diff vs HF {worst:.2e}")
+
+
+def test_metadata_parse_equals_the_gguf_library(tmp_path):
+    """Our bulk metadata parse gives every field's contents exactly as ``gguf.GGUFReader``,
+    for string arrays (with multi-byte UTF-8 and empty strings), numeric arrays, nested
+    arrays and scalars, and the same tensor table."""
+    from jaxserve.loaders.gguf import _cached_reader
+
+    path = tmp_path / "meta.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", ["a", "", "é€", "Ġthe"] * 50 + ["<|im_end|>"])
+    w.add_array("tokenizer.ggml.scores", [float(x) for x in rng.normal(size=201)])
+    w.add_array("tokenizer.ggml.token_type", [int(x) for x in rng.integers(1, 6, 201)])
+    w.add_array("test.empty", [])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_uint32("llama.block_count", 2)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    w.add_tensor("token_embd.weight", rng.normal(size=(8, 4)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    st = os.stat(path)
+    ours = _cached_reader(str(path), st.st_size, st.st_mtime_ns)
+    lib = gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(lib.fields)
+    for key, f in lib.fields.items():
+        assert ours.fields[key].contents() == f.contents(), key
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[2] == "é€"
+    assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == \
+        [(t.name, t.data_offset, t.data.tobytes()) for t in lib.tensors]
