@@ -7,8 +7,13 @@ is the largest error of the prompt's log-probabilities against a float32 KV cach
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +144,49 @@ def test_checkpoint_scale_names_follow_vllm():
         kv_scales.checkpoint_kv_scales({"model.layers.0.self_attn.k_scale": ones([1, 2, 3])},
                                        4, 2)
     assert kv_scales.checkpoint_kv_scales({}, 4, 2) is None
+
+
+def _tp_child(model_dir: str) -> dict:
+    """In a child with 4 fake CPU devices: prompt log-probs at tp 1, 2 and 4 (4 > 2 KV heads:
+    the pool repeats heads) with per-head checkpoint scales, and at tp 1 with the two heads'
+    K scales swapped."""
+    st = next(Path(model_dir).glob("*.safetensors"))
+    out = {}
+    for key, tp, k0 in (("tp1", 1, [1e-3, 0.05]), ("tp2", 2, [1e-3, 0.05]),
+                        ("tp4", 4, [1e-3, 0.05]), ("swapped", 1, [0.05, 1e-3])):
+        t = load_file(st)
+        t["model.layers.0.self_attn.k_scale"] = np.asarray(k0, np.float32)
+        save_file(t, st, metadata={"format": "pt"})
+        llm = LLM(model_dir, kv_cache_dtype="fp8", tensor_parallel_size=tp, **ENGINE_KW)
+        out[key] = _prompt_logprobs(llm).tolist()
+        del llm
+    return out
+
+
+@pytest.mark.slow
+def test_per_head_scales_shard_with_tensor_parallel(tiny_model_factory, tmp_path):
+    """Each shard reads its own KV heads' scales: tp 2 and 4 equal tp 1, while swapping two
+    heads' scales (one saturates its K) changes the result, so the check is live."""
+    src = tiny_model_factory("llama", heads=8, kv_heads=2, init_std=0.1)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    [st] = list(tmp_path.glob("*.safetensors"))
+    t = load_file(st)
+    for layer in range(2):  # head 0's K and head 1's V saturate, the others do not
+        t[f"model.layers.{layer}.self_attn.k_scale"] = np.asarray([1e-3, 0.05], np.float32)
+        t[f"model.layers.{layer}.self_attn.v_scale"] = np.asarray([0.05, 1e-3], np.float32)
+    save_file(t, st, metadata={"format": "pt"})
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = {k: np.asarray(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    assert np.abs(r["tp2"] - r["tp1"]).max() < 1e-4
+    assert np.abs(r["tp4"] - r["tp1"]).max() < 1e-4
+    assert np.abs(r["swapped"] - r["tp1"]).max() > 0.1  # measured 0.59
+
+
+if __name__ == "__main__":
+    print(json.dumps(_tp_child(sys.argv[1])))
