@@ -250,7 +250,8 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
         return (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
 
     transforms, kv_transforms = smem_transforms(dtype), smem_transforms(kv_dtype)
-    wide_tiles = [plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms)] * 2
+    wide_tiles = [plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms)
+                  for _ in range(2)]
     pl.run_scoped(
         body,
         plgpu.SMEM((_META,), jnp.int32),
