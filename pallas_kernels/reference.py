@@ -102,7 +102,8 @@ def ragged_paged_attention(
     length after this step (0 = padding row); block_tables: ``[S, M]``. A row may be a prefill
     chunk whose earlier context is already in the pages, or a single decode token. The new K/V
     must already be written to the pages. Rows of padded tokens come back as zeros. kv_scale:
-    optional ``[Hkv, 2]`` K/V scales of float8 pages (module docstring). Returns ``[T, Hq, D]`` in q's dtype.
+    optional ``[Hkv, 2]`` K/V scales of float8 pages (module docstring).
+    Returns ``[T, Hq, D]`` in q's dtype.
     """
     del num_seqs  # padding rows have seq_lens == 0; the reference needs no count
     t_len, hq, d = q.shape

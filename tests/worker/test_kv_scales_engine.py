@@ -2,7 +2,8 @@
 
 The checkpoint is the tiny random Llama with ``k_proj`` and ``v_proj`` multiplied by ``BIG``
 and ``q_proj`` / ``o_proj`` by ``GAIN / BIG``: its K/V (~1e3) saturate float8 pages at 448
-when stored with scale 1.0, and ``GAIN`` makes attention sharp enough for that to matter. The measured quantity
+when stored with scale 1.0, and ``GAIN`` makes attention sharp enough for that to matter.
+The measured quantity
 is the largest error of the prompt's log-probabilities against a float32 KV cache.
 """
 from __future__ import annotations
@@ -93,7 +94,8 @@ def test_checkpoint_scales_are_loaded_and_used(big_kv_dir, runs, tmp_path, caplo
     t = load_file(st)
     calc = runs["calc_scales"]
     for layer in range(calc.shape[0]):
-        t[f"model.layers.{layer}.self_attn.k_scale"] = np.asarray(calc[layer, :, 0].max(), np.float32)
+        t[f"model.layers.{layer}.self_attn.k_scale"] = np.asarray(calc[layer, :, 0].max(),
+                                                                  np.float32)
         t[f"model.layers.{layer}.self_attn.v_proj.output_scale"] = calc[layer, :, 1].copy()
     save_file(t, st, metadata={"format": "pt"})
 
