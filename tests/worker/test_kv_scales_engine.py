@@ -3,8 +3,8 @@
 The checkpoint is the tiny random Llama with ``k_proj`` and ``v_proj`` multiplied by ``BIG``
 and ``q_proj`` / ``o_proj`` by ``GAIN / BIG``: its K/V (~1e3) saturate float8 pages at 448
 when stored with scale 1.0, and ``GAIN`` makes attention sharp enough for that to matter.
-The measured quantity
-is the largest error of the prompt's log-probabilities against a float32 KV cache.
+The measured quantity is the largest error of the prompt's log-probabilities against a float32
+KV cache.
 """
 from __future__ import annotations
 
