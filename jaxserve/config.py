@@ -18,11 +18,16 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for swapped-out pages
     cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the serving dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    # --calculate-kv-scales: float8 K/V scales from calibration text before serving
+    calculate_kv_scales: bool = False
 
     def __post_init__(self):
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.calculate_kv_scales and self.cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs a float8 kv_cache_dtype (fp8, fp8_e4m3 "
+                             "or fp8_e5m2), got kv_cache_dtype 'auto'")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -357,7 +362,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               async_scheduling=True, generation_config="auto",
                               override_generation_config=None,
                               speculative_config=None, max_logprobs=20,
-                              disable_hybrid_kv_cache_manager=False) -> EngineConfig:
+                              disable_hybrid_kv_cache_manager=False,
+                              calculate_kv_scales=False) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and filled by the engine, which knows its backend."""
@@ -377,7 +383,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
-                          cache_dtype=kv_cache_dtype),
+                          cache_dtype=kv_cache_dtype,
+                          calculate_kv_scales=bool(calculate_kv_scales)),
         scheduler=SchedulerConfig(
             **{k: getattr(fallback, k) if v is None else v for k, v in given.items()},
             max_model_len=max_model_len, preemption_mode=preemption_mode,

@@ -1,7 +1,8 @@
 """Ragged paged attention as a Pallas Mosaic GPU kernel (Hopper: TMA + WGMMA).
 
 Same arguments and result as :func:`pallas_kernels.reference.ragged_paged_attention` for
-bfloat16 / float16 inputs (the tensor cores' WGMMA types) with ``head_dim`` a multiple of 64.
+bfloat16 / float16 inputs (the tensor cores' WGMMA types) with ``head_dim`` a multiple of 64,
+and KV pages in that dtype or float8 (``--kv-cache-dtype fp8``).
 
 How the work is cut:
 
@@ -20,8 +21,11 @@ How the work is cut:
   the rows back in ``[T, Hq, D]`` order.
 
 KV layout: ``[Hkv, num_pages, page_size, D]`` (the Pallas backend's pool), ``page_size`` a
-multiple of 8 dividing ``block_kv``. fp8 KV: the K/V stages would hold fp8 pages and the
-scales enter the scores and ``p``; not implemented.
+multiple of 8 dividing ``block_kv``. fp8 KV: the TMA stages hold float8 pages (half the bytes
+in flight); each step upcasts its K and V tile in registers into one q-dtype tile in shared
+memory that the WGMMAs read (float8 values are exact in bf16/f16). The ``[Hkv, 2]`` scales
+ride on the queries (``q * k_scale``, in the XLA prologue that already lays out the rows) and
+on the output (``* v_scale``, in the split-merge epilogue), so the kernel body is the same.
 
 Known costs outside the kernel (a next step, measured on the GPU first): the query transpose,
 the per-block metadata (a few tiny XLA ops) and the split merge / row gather epilogue.
@@ -36,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.reference import is_fp8
 
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -76,8 +82,9 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: Mosaic
     if dk != d or hq % hkv:
         raise ValueError(f"head_dim {d} vs {dk} / heads {hq} vs {hkv} do not match")
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or \
-            k_pages.dtype != q.dtype:
-        raise ValueError(f"the Mosaic GPU kernel takes bfloat16/float16 q and KV, got {q.dtype}")
+            (k_pages.dtype != q.dtype and not is_fp8(k_pages.dtype)):
+        raise ValueError(f"the Mosaic GPU kernel takes bfloat16/float16 q and KV pages in q's "
+                         f"dtype or float8, got {q.dtype} and {k_pages.dtype}")
     if d % 64:
         raise ValueError(f"head_dim must be a multiple of 64, got {d}")
     if page_size % 8 or cfg.block_kv % 64 or cfg.block_kv % page_size:
@@ -114,9 +121,15 @@ def _block_metadata(query_start, seq_lens, num_seqs, group, nb):
     return jnp.pad(fields, ((0, 0), (0, _META - 5))), seq_first
 
 
+def _widen(x, dtype):
+    """float8 registers -> ``dtype``; through float32, the conversion every ptxas has (float8
+    values are exact in float32, bf16 and f16)."""
+    return x.astype(jnp.float32).astype(dtype)
+
+
 def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, soft_cap,
             sliding_window, group, page_size, block_kv, num_stages, num_splits, min_iters,
-            max_pages, num_pages, dtype):
+            max_pages, num_pages, dtype, kv_dtype):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     head_dim = q_ref.shape[-1]
@@ -126,7 +139,9 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
     sp = lax.axis_index("split")
     bt_w = bt_ref.shape[-1]
 
-    def body(meta_smem, bt_smem, q_smem, k_smem, v_smem, o_smem, lse_smem, bars):
+    upcast = jnp.dtype(kv_dtype) != jnp.dtype(dtype)
+
+    def body(meta_smem, bt_smem, q_smem, k_smem, v_smem, o_smem, lse_smem, bars, *wide):
         meta_bar, q_bar, k_bars, v_bars = bars
         plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_smem, meta_bar)
         plgpu.barrier_wait(meta_bar)
@@ -175,8 +190,14 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
             slot = lax.rem(it - it_lo, jnp.int32(num_stages))
             plgpu.barrier_wait(k_bars.at[slot])
 
+            k_tile = k_smem.at[slot]
+            if upcast:  # float8 stage -> q-dtype tile for the WGMMA (the previous one is done)
+                wide[0][...] = _widen(k_tile[...], dtype)
+                plgpu.commit_smem()
+                k_tile = wide[0]
+
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32)) * sm_scale
@@ -195,9 +216,14 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
             l_new = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bars.at[slot])
+            v_tile = v_smem.at[slot]
+            if upcast:
+                wide[1][...] = _widen(v_tile[...], dtype)
+                plgpu.commit_smem()
+                v_tile = wide[1]
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p.astype(dtype), v_tile)
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             # The stage is free again (both WGMMAs done): refill it.
@@ -218,29 +244,40 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, h])
         plgpu.wait_smem_to_gmem(0)
 
-    swz = 128 if head_dim * jnp.dtype(dtype).itemsize >= 128 else 64
-    transforms = (plgpu.TilingTransform((8, swz // jnp.dtype(dtype).itemsize)),
-                  plgpu.SwizzleTransform(swz))
+    def smem_transforms(dt):
+        itemsize = jnp.dtype(dt).itemsize
+        swz = 128 if head_dim * itemsize >= 128 else 64
+        return (plgpu.TilingTransform((8, swz // itemsize)), plgpu.SwizzleTransform(swz))
+
+    transforms, kv_transforms = smem_transforms(dtype), smem_transforms(kv_dtype)
+    wide_tiles = [plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms)
+                  for _ in range(2)]
     pl.run_scoped(
         body,
         plgpu.SMEM((_META,), jnp.int32),
         plgpu.SMEM(bt_ref.shape[1:], jnp.int32),
         plgpu.SMEM((_ROWS, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=kv_transforms),
+        plgpu.SMEM((num_stages, block_kv, head_dim), kv_dtype, transforms=kv_transforms),
         plgpu.SMEM((_ROWS, head_dim), jnp.float32),
         plgpu.SMEM((_ROWS,), jnp.float32),
         (plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
          plgpu.Barrier(num_arrivals=pps, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=pps, num_barriers=num_stages)),
+        *(wide_tiles if upcast else ()),
     )
 
 
-def fit_stages(cfg: MosaicTileConfig, head_dim, itemsize, bt_entries, budget=220 * 1024):
+def fit_stages(cfg: MosaicTileConfig, head_dim, itemsize, bt_entries, budget=220 * 1024,
+               kv_itemsize=None):
     """The configured stage count, lowered until the kernel's shared memory fits Hopper's
-    227 KB per block (q tile, f32 output tile, block-table row, K and V stages)."""
+    227 KB per block (q tile, f32 output tile, block-table row, K and V stages, and with
+    float8 pages (``kv_itemsize`` 1) the two upcast K/V tiles)."""
+    kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
     fixed = _META * 4 + bt_entries * 4 + _ROWS * head_dim * (itemsize + 4) + _ROWS * 4 + 1024
-    per_stage = 2 * cfg.block_kv * head_dim * itemsize
+    if kv_itemsize != itemsize:
+        fixed += 2 * cfg.block_kv * head_dim * itemsize
+    per_stage = 2 * cfg.block_kv * head_dim * kv_itemsize
     stages = min(cfg.num_stages, (budget - fixed) // per_stage)
     if stages < 1:
         raise ValueError(f"block_kv {cfg.block_kv} x head_dim {head_dim} does not fit shared "
@@ -263,7 +300,8 @@ def call_grid(t, hq, hkv, s_len, max_pages, page_size, cfg: MosaicTileConfig):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "cfg"))
 def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
-                            *, sm_scale, sliding_window, soft_cap, cfg: MosaicTileConfig):
+                            kv_scale, *, sm_scale, sliding_window, soft_cap,
+                            cfg: MosaicTileConfig):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     t, hq, d = q.shape
@@ -280,14 +318,19 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, mp - max_pages)))
     if mp > 256:
         bt = bt.reshape(s_len, mp // 256, 256)
-    cfg = cfg.replace(num_stages=fit_stages(cfg, d, q.dtype.itemsize, mp))
-    q_rows = q.reshape(t, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, t * group, d)
+    cfg = cfg.replace(num_stages=fit_stages(cfg, d, q.dtype.itemsize, mp,
+                                            kv_itemsize=k_pages.dtype.itemsize))
+    q_rows = q.reshape(t, hkv, group, d)
+    if kv_scale is not None:  # scores come out times k_scale (float32, then q's dtype)
+        q_rows = (q_rows.astype(jnp.float32) * kv_scale[:, 0, None, None].astype(jnp.float32)
+                  ).astype(q.dtype)
+    q_rows = q_rows.transpose(1, 0, 2, 3).reshape(hkv, t * group, d)
 
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         group=group, page_size=page_size, block_kv=cfg.block_kv, num_stages=cfg.num_stages,
         num_splits=ns, min_iters=min_iters, max_pages=max_pages, num_pages=num_pages,
-        dtype=q.dtype)
+        dtype=q.dtype, kv_dtype=k_pages.dtype)
     # The kernel's name in profiles and HLO (plgpu.kernel names it after the body).
     kernel.__name__ = f"rpa_mosaic_kv{cfg.block_kv}_st{cfg.num_stages}_s{ns}"
     o_part, lse = plgpu.kernel(
@@ -303,6 +346,8 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     m = jnp.max(lse, axis=0, keepdims=True)
     w = jnp.exp2(lse - m)
     out_blk = jnp.sum(o_part * w[..., None], axis=0) / jnp.maximum(jnp.sum(w, 0), 1e-30)[..., None]
+    if kv_scale is not None:  # [nb, Hkv, rows, D] times each KV head's V scale
+        out_blk = out_blk * kv_scale[None, :, 1, None, None].astype(jnp.float32)
     qs = query_start.astype(jnp.int32)
     tok = jnp.arange(t, dtype=jnp.int32)
     seq_of = jnp.minimum(jnp.searchsorted(qs[1:], tok, side="right"), s_len - 1)
@@ -317,9 +362,10 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
                            num_seqs=None, *, sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, **tile_params):
+                           soft_cap: float | None = None, kv_scale=None, **tile_params):
     """Causal attention of every new token against its sequence's pages (see reference.py),
-    on Hopper's TMA and tensor cores. ``tile_params`` override :class:`MosaicTileConfig`."""
+    on Hopper's TMA and tensor cores. ``kv_scale``: optional ``[Hkv, 2]`` scales of float8
+    pages. ``tile_params`` override :class:`MosaicTileConfig`."""
     cfg = MosaicTileConfig().replace(**tile_params)
     _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg)
     if sliding_window is not None and int(sliding_window) < 1:
@@ -327,7 +373,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
     if soft_cap is not None and float(soft_cap) <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     return _ragged_paged_attention(
-        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
+        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs, kv_scale,
         sm_scale=float(sm_scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap), cfg=cfg)

@@ -234,12 +234,18 @@ def _row_index(q0, qn, h, *, block_m, gp, group, hq, num_rows):
 def _attn_kernel(
     qs_ref, sl_ref, nseq_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     row_fn, kv_kw, block_m, sm_scale, soft_cap, sliding_window, group, gp, hq, page_size,
-    block_kv, max_pages, direct,
+    block_kv, max_pages, direct, scaled,
 ):
-    """One (query block, KV head, split): online softmax over this split's KV pages."""
+    """One (query block, KV head, split): online softmax over this split's KV pages.
+
+    ``scaled``: ``refs[0]`` holds the float8 pages' K/V scales, flat ``[Hkv * 2]``."""
     b = pl.program_id(0)
     h = pl.program_id(1)
     sp = pl.program_id(2)
+    k_scale = v_scale = None
+    if scaled:
+        k_scale, v_scale = refs[0][2 * h], refs[0][2 * h + 1]
+        refs = refs[1:]
     seq, q0, qn, pos0 = row_fn(b, qs_ref, sl_ref, nseq_ref)
     it_lo, it_hi, kv_lo, _ = _kv_range(pos0, qn, sp, nseq_ref, **kv_kw)
 
@@ -256,6 +262,7 @@ def _attn_kernel(
         cols = lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         kv_rows = lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
         bt_row = seq * max_pages
+        qk_scale = sm_scale if k_scale is None else sm_scale * k_scale
 
         def step(it, carry, masked):
             acc, m_i, l_i = carry
@@ -268,13 +275,13 @@ def _attn_kernel(
             pages = jnp.clip(pages, 0, num_pages - 1)  # a bad table must not fault the GPU
             slots = pages * ps + lax.rem(kv_tok, ps)
             # [block_kv, D] rows gathered straight from the pool; float8 pages are upcast
-            # in registers (scale 1.0)
+            # in registers, their K scale rides on the scores and V scale on the output
             k = k_ref[slots].astype(q.dtype)
             v = v_ref[slots].astype(q.dtype)
             s = lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())),
                 precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-            ) * sm_scale
+            ) * qk_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = s * _LOG2E  # base-2 units from here on
@@ -311,6 +318,8 @@ def _attn_kernel(
         acc, m_i, l_i = lax.fori_loop(mid, it_hi, functools.partial(step, masked=True), carry)
         has = l_i > 0.0
         out = acc / jnp.where(has, l_i, 1.0)
+        if v_scale is not None:
+            out = out * v_scale
         if direct:
             # Masked scatter of the real rows into the flat output; refs[0] is its aliased input.
             o_ref = refs[1]
@@ -353,8 +362,8 @@ def _combine_kernel(qs_ref, sl_ref, nseq_ref, o_ref, lse_ref, _alias_ref, out_re
         plgpu.store(out_ref.at[idx[:, None], _col_iota(head_dim)], out, mask=row_ok[:, None])
 
 
-def _run_call(out, step_refs, bt_flat, q_flat, k_flat, v_flat, shape: _CallShape, row_fn,
-              kv_kw, *,
+def _run_call(out, step_refs, bt_flat, q_flat, k_flat, v_flat, scales, shape: _CallShape,
+              row_fn, kv_kw, *,
               page_size, sm_scale, soft_cap, sliding_window, group, gp, hq, max_pages,
               interpret, name):
     """One pallas_call (+ combine when split); writes its rows into ``out`` (aliased, in place)."""
@@ -365,6 +374,7 @@ def _run_call(out, step_refs, bt_flat, q_flat, k_flat, v_flat, shape: _CallShape
         _attn_kernel, row_fn=row_fn, kv_kw=kv_kw, block_m=bm, sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window, group=group, gp=gp, hq=hq,
         page_size=page_size, block_kv=shape.block_kv, max_pages=max_pages, direct=direct,
+        scaled=scales is not None,
     )
     whole = lambda arr: pl.BlockSpec(arr.shape, lambda *_: (0,) * arr.ndim)
     in_specs = [whole(a) for a in step_refs] + [
@@ -375,6 +385,9 @@ def _run_call(out, step_refs, bt_flat, q_flat, k_flat, v_flat, shape: _CallShape
     ]
     params = _TritonParams(num_warps=shape.num_warps, num_stages=shape.num_stages)
     args = (*step_refs, bt_flat, q_flat, k_flat, v_flat)
+    if scales is not None:
+        in_specs.append(whole(scales))
+        args += (scales,)
     if direct:
         return pl.pallas_call(
             kernel, grid=(nb, hkv, 1), in_specs=in_specs + [whole(out)], out_specs=whole(out),
@@ -450,7 +463,8 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "cfg"),
 )
 def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
-                            *, sm_scale, sliding_window, soft_cap, interpret, cfg: TileConfig):
+                            kv_scale, *, sm_scale, sliding_window, soft_cap, interpret,
+                            cfg: TileConfig):
     # Everything per call is free reshapes plus one zero fill and the pallas_calls: each kernel
     # reads the step metadata itself (decode rows by index, prefill blocks by a prefix sum), so
     # no metadata, gathers or layout copies run as separate XLA ops. Each call writes its real
@@ -474,6 +488,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     # The pool as rows of slots (a free reshape): a KV step gathers its rows by slot.
     k_flat = k_pages.reshape(hkv, -1, d)
     v_flat = v_pages.reshape(hkv, -1, d)
+    scales = None if kv_scale is None else kv_scale.astype(jnp.float32).reshape(hkv * 2)
     common = dict(page_size=page_size, sm_scale=sm_scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, group=group, gp=gp, hq=hq, max_pages=max_pages,
                   interpret=interpret)
@@ -487,10 +502,10 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     if pre.num_blocks > 0:
         row_fn = functools.partial(_prefill_row, bq=pre.block_q, bq_dec=dec.block_q,
                                    s_len=s_len)
-        out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, pre, row_fn,
+        out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, scales, pre, row_fn,
                         kv_kw(pre, 0, 1), name="rpa_prefill", **common)
     row_fn = functools.partial(_decode_row, bq=dec.block_q)
-    out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, dec, row_fn,
+    out = _run_call(out, meta, bt_flat, q_flat, k_flat, v_flat, scales, dec, row_fn,
                     kv_kw(dec, split_target, min_iters), name="rpa_decode", **common)
     return out.reshape(t, hq, d)
 
@@ -507,6 +522,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scale=None,
     interpret: bool = False,
     **tile_params,
 ):
@@ -515,7 +531,8 @@ def ragged_paged_attention(
     q: ``[T, Hq, D]``; k_pages/v_pages: ``[Hkv, num_pages, page_size, D]`` with the step's new
     K/V already written; query_start ``[S+1]``; seq_lens ``[S]`` (0 = padding row);
     block_tables ``[S, M]``; num_seqs: optional count of real rows (rows at or past it are
-    padding too). Padded tokens come back as zeros. ``tile_params`` override
+    padding too); kv_scale: optional ``[Hkv, 2]`` scales of float8 pages (see reference.py).
+    Padded tokens come back as zeros. ``tile_params`` override
     :class:`TileConfig` fields (e.g. ``decode_num_splits=4``). Returns ``[T, Hq, D]`` in q's dtype.
     """
     cfg = default_tiles(q.shape[-1], q.dtype).replace(**tile_params)
@@ -529,7 +546,7 @@ def ragged_paged_attention(
         if soft_cap <= 0:
             raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     return _ragged_paged_attention(
-        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
+        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs, kv_scale,
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         interpret=bool(interpret), cfg=cfg,
     )

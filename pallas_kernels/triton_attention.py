@@ -13,8 +13,8 @@ the language the kernel is written in:
 * masked stores into the flat ``[T * Hq, D]`` output, which starts as zeros (padding tokens).
 
 KV layout: ``[Hkv, num_pages, page_size, D]``, one page of one KV head contiguous (the pool the
-engine allocates for the Pallas backend). fp8 KV: the loads of ``k``/``v`` are where a
-per-page scale would be applied; not implemented.
+engine allocates for the Pallas backend). fp8 KV: float8 pages are upcast in registers; the
+``[Hkv, 2]`` K/V scales (reference.py) enter as ``sm_scale * k_scale`` and ``output * v_scale``.
 
 ``triton`` and ``jax_triton`` are imported when a kernel is first built, so ``pallas_kernels``
 imports without them. The kernels run three ways: through ``jax_triton.triton_call`` on a GPU
@@ -50,7 +50,7 @@ def _kernels():
 
 
 def launch_plan(q_shape, kv_shape, s_len, max_pages, dtype, *, sm_scale, sliding_window,
-                soft_cap, cfg: TileConfig):
+                soft_cap, cfg: TileConfig, scaled: bool = False):
     """The kernel launches of one call, in order: ``(kernel name, grid, constexprs, warps,
     stages, combine-of-previous)`` for the prefill call (if the bucket can hold a long row) and
     the decode call, each followed by its combine when split. Shared by the JAX and torch paths
@@ -67,7 +67,7 @@ def launch_plan(q_shape, kv_shape, s_len, max_pages, dtype, *, sm_scale, sliding
                 BQ_DEC=dec.block_q)
     attn_only = dict(MAX_PAGES=max_pages, NUM_PAGES=num_pages, sm_scale=float(sm_scale),
                      soft_cap=float(soft_cap or 0.0), SOFT_CAP=soft_cap is not None,
-                     DOT_PREC="ieee" if f32 else "tf32")
+                     DOT_PREC="ieee" if f32 else "tf32", SCALED=bool(scaled))
     launches = []
     for decode, shape in ((False, pre), (True, dec)):
         if shape.num_blocks == 0:
@@ -102,7 +102,7 @@ def _prepare(q, k_pages, v_pages, query_start, seq_lens, block_tables, sliding_w
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
                            num_seqs=None, *, sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, **tile_params):
+                           soft_cap: float | None = None, kv_scale=None, **tile_params):
     """The Triton kernels through ``jax_triton.triton_call`` (GPU only; jit-compatible).
 
     Arguments and result as :func:`pallas_kernels.ragged_paged_attention.ragged_paged_attention`;
@@ -121,14 +121,16 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
             (jnp.int32(s_len) if num_seqs is None else num_seqs).astype(jnp.int32).reshape(1))
     bt = block_tables.astype(jnp.int32).reshape(-1)
     qf = q.reshape(t * hq, d)
+    # Unscaled launches get a never-read placeholder for the scales pointer.
+    sc = meta[2] if kv_scale is None else kv_scale.astype(jnp.float32).reshape(-1)
     out = jnp.zeros((t * hq, d), q.dtype)
     out_sds = jax.ShapeDtypeStruct(out.shape, out.dtype)
     partial = None
     for kind, name, grid, kw, warps, stages in launch_plan(
             q.shape, k_pages.shape, s_len, max_pages, q.dtype, sm_scale=sm_scale,
-            sliding_window=window, soft_cap=soft_cap, cfg=cfg):
+            sliding_window=window, soft_cap=soft_cap, cfg=cfg, scaled=kv_scale is not None):
         if kind == "direct":
-            args = (*meta, bt, qf, k_pages, v_pages, out)
+            args = (*meta, bt, qf, k_pages, v_pages, sc, out)
             out = jt.triton_call(*args, kernel=kernels["direct"], out_shape=out_sds, grid=grid,
                                  input_output_aliases={len(args) - 1: 0}, num_warps=warps,
                                  num_stages=stages, name=f"rpa_triton_{name}", **kw)
@@ -136,7 +138,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
             ns, nb, hkv = grid[2], grid[0], grid[1]
             bm = kw["BLOCK_M"]
             partial = jt.triton_call(
-                *meta, bt, qf, k_pages, v_pages, kernel=kernels["split"],
+                *meta, bt, qf, k_pages, v_pages, sc, kernel=kernels["split"],
                 out_shape=(jax.ShapeDtypeStruct((ns, nb, hkv, bm, d), jnp.float32),
                            jax.ShapeDtypeStruct((ns, nb, hkv, bm), jnp.float32)),
                 grid=grid, num_warps=warps, num_stages=stages, name=f"rpa_triton_{name}", **kw)
@@ -151,7 +153,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
 def ragged_paged_attention_torch(q, k_pages, v_pages, query_start, seq_lens, block_tables,
                                  num_seqs=None, *, sm_scale: float,
                                  sliding_window: int | None = None,
-                                 soft_cap: float | None = None, **tile_params):
+                                 soft_cap: float | None = None, kv_scale=None, **tile_params):
     """The same launches on torch tensors: Triton's interpreter on the CPU
     (``TRITON_INTERPRET=1``), or a CUDA device without JAX."""
     import torch
@@ -170,13 +172,15 @@ def ragged_paged_attention_torch(q, k_pages, v_pages, query_start, seq_lens, blo
     bt = block_tables.to(torch.int32).reshape(-1).contiguous()
     qf = q.reshape(t * hq, d).contiguous()
     kp, vp = k_pages.contiguous(), v_pages.contiguous()
+    sc = (meta[2] if kv_scale is None else
+          torch.as_tensor(kv_scale, dtype=torch.float32, device=dev).reshape(-1).contiguous())
     out = torch.zeros((t * hq, d), dtype=q.dtype, device=dev)
     partial = None
     for kind, _, grid, kw, warps, stages in launch_plan(
             tuple(q.shape), tuple(k_pages.shape), s_len, max_pages, dtype, sm_scale=sm_scale,
-            sliding_window=window, soft_cap=soft_cap, cfg=cfg):
+            sliding_window=window, soft_cap=soft_cap, cfg=cfg, scaled=kv_scale is not None):
         if kind == "direct":
-            kernels["direct"][grid](*meta, bt, qf, kp, vp, out, out, num_warps=warps,
+            kernels["direct"][grid](*meta, bt, qf, kp, vp, sc, out, out, num_warps=warps,
                                     num_stages=stages, **kw)
         elif kind == "split":
             ns, nb, hkv = grid[2], grid[0], grid[1]
@@ -184,7 +188,7 @@ def ragged_paged_attention_torch(q, k_pages, v_pages, query_start, seq_lens, blo
                                    device=dev),
                        torch.zeros((ns, nb, hkv, kw["BLOCK_M"]), dtype=torch.float32,
                                    device=dev))
-            kernels["split"][grid](*meta, bt, qf, kp, vp, *partial, num_warps=warps,
+            kernels["split"][grid](*meta, bt, qf, kp, vp, sc, *partial, num_warps=warps,
                                    num_stages=stages, **kw)
         else:
             kernels["combine"][grid](*meta, *partial, out, out, num_warps=warps,

@@ -89,7 +89,8 @@ def kv_step(it, acc, m_i, l_i, q, q_pos, row_ok, seq, h, kv_lo, bt_ptr, k_ptr, v
     page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)  # a bad table must not fault
     slot = (h * (NUM_PAGES * PAGE_SIZE) + page * PAGE_SIZE + kv_tok % PAGE_SIZE).to(tl.int64)
     dcol = tl.arange(0, HEAD_DIM)
-    # float8 pages (--kv-cache-dtype fp8) are upcast to q's dtype in registers
+    # float8 pages (--kv-cache-dtype fp8) are upcast to q's dtype in registers; their K scale
+    # is in ``sm_scale`` (the caller's ``qk_scale``), their V scale applied to the output
     k_t = tl.load(k_ptr + slot[None, :] * HEAD_DIM + dcol[:, None]).to(q.dtype)  # [D, BLOCK_KV]
     v = tl.load(v_ptr + slot[:, None] * HEAD_DIM + dcol[None, :]).to(q.dtype)  # [BLOCK_KV, D]
     s = tl.dot(q, k_t, input_precision=DOT_PREC) * sm_scale
@@ -111,6 +112,18 @@ def kv_step(it, acc, m_i, l_i, q, q_pos, row_ok, seq, h, kv_lo, bt_ptr, k_ptr, v
     l_new = alpha * l_i + tl.sum(p, 1)
     pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc * alpha[:, None] + pv, m_new, l_new
+
+
+@triton.jit
+def kv_scales(sc_ptr, h, SCALED: tl.constexpr):
+    """(K scale, V scale) of KV head ``h`` from the flat ``[Hkv * 2]`` scales; 1.0 unscaled."""
+    if SCALED:
+        ks = tl.load(sc_ptr + 2 * h)
+        vs = tl.load(sc_ptr + 2 * h + 1)
+    else:
+        ks = 1.0
+        vs = 1.0
+    return ks, vs
 
 
 @triton.jit
@@ -161,8 +174,8 @@ def attend(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft
 
 
 @triton.jit
-def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, out_in_ptr,
-                       out_ptr, sm_scale: tl.constexpr, soft_cap: tl.constexpr,
+def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_ptr,
+                       out_in_ptr, out_ptr, sm_scale: tl.constexpr, soft_cap: tl.constexpr,
                        DECODE: tl.constexpr, BQ: tl.constexpr, BQ_DEC: tl.constexpr,
                        S_LEN: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
                        GP: tl.constexpr, GROUP: tl.constexpr, HQ: tl.constexpr,
@@ -171,13 +184,14 @@ def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, ou
                        NUM_PAGES: tl.constexpr, WINDOW: tl.constexpr,
                        SOFT_CAP: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        SPLIT_TARGET: tl.constexpr, MIN_ITERS: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr, SCALED: tl.constexpr):
     """Unsplit call: the normalised rows go straight into the output (aliased in place)."""
+    ks, vs = kv_scales(sc_ptr, tl.program_id(1), SCALED)
     acc, m_i, l_i, idx, row_ok, ran = attend(
-        qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft_cap, DECODE,
+        qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale * ks, soft_cap, DECODE,
         BQ, BQ_DEC, S_LEN, SP, BLOCK_M, GP, GROUP, HQ, HKV, HEAD_DIM, PAGE_SIZE, BLOCK_KV,
         MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP, NUM_SPLITS, SPLIT_TARGET, MIN_ITERS, DOT_PREC)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * vs
     dcol = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + idx.to(tl.int64)[:, None] * HEAD_DIM + dcol[None, :],
              out.to(out_ptr.dtype.element_ty),
@@ -185,8 +199,8 @@ def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, ou
 
 
 @triton.jit
-def attn_split_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, o_part_ptr,
-                      lse_ptr, sm_scale: tl.constexpr, soft_cap: tl.constexpr,
+def attn_split_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_ptr,
+                      o_part_ptr, lse_ptr, sm_scale: tl.constexpr, soft_cap: tl.constexpr,
                       DECODE: tl.constexpr, BQ: tl.constexpr, BQ_DEC: tl.constexpr,
                       S_LEN: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
                       GP: tl.constexpr, GROUP: tl.constexpr, HQ: tl.constexpr,
@@ -195,15 +209,16 @@ def attn_split_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, o_p
                       NUM_PAGES: tl.constexpr, WINDOW: tl.constexpr,
                       SOFT_CAP: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       SPLIT_TARGET: tl.constexpr, MIN_ITERS: tl.constexpr,
-                      DOT_PREC: tl.constexpr):
+                      DOT_PREC: tl.constexpr, SCALED: tl.constexpr):
     """Split call: each split's normalised rows and base-2 log-sum-exp, ``[ns, nb, Hkv, bm]``."""
+    ks, vs = kv_scales(sc_ptr, tl.program_id(1), SCALED)
     acc, m_i, l_i, idx, row_ok, ran = attend(
-        qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft_cap, DECODE,
+        qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale * ks, soft_cap, DECODE,
         BQ, BQ_DEC, S_LEN, SP, BLOCK_M, GP, GROUP, HQ, HKV, HEAD_DIM, PAGE_SIZE, BLOCK_KV,
         MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP, NUM_SPLITS, SPLIT_TARGET, MIN_ITERS, DOT_PREC)
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None] * vs
     lse = tl.where(has, m_i + tl.log2(l_safe), -2.3819763e38)
     part = ((tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)) * HKV
             + tl.program_id(1)).to(tl.int64) * BLOCK_M

@@ -23,6 +23,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.reference import scaled_output, scaled_queries
+
 _HI = lax.Precision.HIGHEST
 _NEG = -1e30  # finite "minus infinity": fully masked chunks then contribute exactly zero
 
@@ -171,21 +173,24 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scale=None,
 ):
     """Causal attention of every new token against its sequence's pages.
 
     Same contract as ``reference.ragged_paged_attention``: q ``[T, Hq, D]``; query_start
     ``[S+1]``; seq_lens ``[S]`` (0 = padding row, padding rows last); block_tables ``[S, M]``;
-    ``num_seqs`` the number of real rows (counted from seq_lens when None). The new K/V must
-    already be in the pages. Padded tokens come back as zeros. Returns ``[T, Hq, D]`` in q's
-    dtype.
+    ``num_seqs`` the number of real rows (counted from seq_lens when None); ``kv_scale`` the
+    optional ``[Hkv, 2]`` scales of float8 pages. The new K/V must already be in the pages.
+    Padded tokens come back as zeros. Returns ``[T, Hq, D]`` in q's dtype.
     """
     return attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
-                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                     sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                     kv_scale=kv_scale)
 
 
 def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs=None, *,
-              sm_scale, sliding_window=None, soft_cap=None, short_query=SHORT_QUERY,
+              sm_scale, sliding_window=None, soft_cap=None, kv_scale=None,
+              short_query=SHORT_QUERY,
               token_block=TOKEN_BLOCK, q_block=Q_BLOCK, chunk_tokens=CHUNK_TOKENS,
               short_chunk_tokens=None):
     """``ragged_paged_attention`` with its tuning knobs exposed for tests and timing.
@@ -238,7 +243,8 @@ def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs
 
     # Queries pre-scaled, padded by one block so dynamic slices never clamp; ``out`` has one
     # extra trash row for the per-token loop's padding.
-    qg = q.reshape(t_len, hkv, g, d).astype(jnp.float32) * sm_scale
+    # The K scales ride on the queries (scores come out scaled, before the soft cap).
+    qg = scaled_queries(q.reshape(t_len, hkv, g, d).astype(jnp.float32), kv_scale) * sm_scale
     qg = jnp.pad(qg, ((0, max(qb_rows, 1)), (0, 0), (0, 0), (0, 0)))
     out = jnp.zeros((t_len + max(qb_rows, 1), hkv, g, d), jnp.float32)
     kw = dict(sliding_window=sliding_window, soft_cap=soft_cap)
@@ -247,4 +253,4 @@ def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs
     out = out.at[: t_len + 1].set(out_short)
     out = _long_rows(out, qg, k_pages, v_pages, long_idx, n_long, query_start, seq_lens,
                      block_tables, qb_rows=qb_rows, chunk=chunk, **kw)
-    return out[:t_len].reshape(t_len, hq, d).astype(q.dtype)
+    return scaled_output(out[:t_len], kv_scale).reshape(t_len, hq, d).astype(q.dtype)

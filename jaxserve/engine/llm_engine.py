@@ -39,6 +39,8 @@ from jaxserve.core.outputs import (CoreCompletion, CoreOutput, RequestMetrics, R
 from jaxserve.worker.parallel import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_metadata import SamplingRow
+from jaxserve.worker.kv_cache import kv_cache_dtype
+from jaxserve.worker.kv_calibration import prepare_kv_scales
 from jaxserve.worker.runner import (ModelRunner, default_attention_backend, default_scheduler_limits,
                                     enable_compilation_cache)
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
@@ -160,6 +162,11 @@ class LLMEngine:
                                             self.generation_config.get("eos_token_id"),
                                             getattr(self.tokenizer, "eos_token_id", None)))
         self.eos_token_ids = frozenset(self._eos_list)
+        # float8 KV scales are settled before the runner splits the model (they are static)
+        prepare_kv_scales(self.model, mc, config.cache,
+                          kv_cache_dtype(config.cache.cache_dtype, self.dtype, backend),
+                          serving_dtype=self.dtype, tokenizer=self.tokenizer,
+                          max_model_len=self.max_model_len, mesh=self.mesh)
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
                                   param_bytes=param_bytes, mesh=self.mesh,
                                   extra_page_bytes=extra_page_bytes)

@@ -107,7 +107,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse KV pages of shared prompt prefixes (default: on)")
     c.add_argument("--kv-cache-dtype", default=CacheConfig.cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV page dtype: auto (the serving dtype) or float8 (fp8 = fp8_e4m3; "
-                        "scale 1.0; reference/xla attention) (default: %(default)s)")
+                        "K/V scales from the checkpoint's k_scale/v_scale, else 1.0 or "
+                        "--calculate-kv-scales) (default: %(default)s)")
+    c.add_argument("--calculate-kv-scales", action="store_true",
+                   help="compute the float8 KV cache's per-layer, per-KV-head scales "
+                        "(amax / fp8 max) from calibration text before serving; needs an "
+                        "fp8 --kv-cache-dtype")
     c.add_argument("--swap-space", type=float, default=CacheConfig.swap_space,
                    help="GiB of host memory for swapped-out pages (default: %(default)s)")
     c.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
@@ -325,6 +330,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         enable_expert_parallel=args.enable_expert_parallel,
         load_format=args.load_format, attention_backend=args.attention_backend,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.models import kv_scales
 from jaxserve.models import quantization as quant_lib
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
@@ -140,6 +141,10 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
                          model_config, mesh)
     mesh = mesh or default_mesh()
     expected = _param_names(model)
+    # float8 KV cache scales (k_scale / v_scale): attention settings, not parameters
+    scales = kv_scales.checkpoint_kv_scales(tensors, model_config.num_layers,
+                                            model_config.num_kv_heads)
+    tensors = {n: f for n, f in tensors.items() if not kv_scales.is_scale_tensor(n)}
     tensors = get_model_class(model_config.architecture).checkpoint_tensors(model_config, tensors)
     tensors = quant_lib.checkpoint_tensors(quant, tensors, expected)
     _check_names(model_config, expected, tensors)
@@ -156,6 +161,8 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
         arr = arr.astype(var.get_value().dtype, copy=False)
         placed = jax.device_put(arr, _param_sharding(name, want, mesh, model_config))
         _resolve(model, name).set_value(placed)
+    if scales is not None:
+        kv_scales.set_kv_scales(model, scales)
     return model
 
 

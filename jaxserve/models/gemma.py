@@ -67,6 +67,7 @@ class GemmaAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.layer_type = _layer_type(cfg, layer)
         self.sliding_window = cfg.layer_sliding_window(layer)
+        self.kv_scale = None  # static ((k_scale, v_scale),) * Hkv of float8 pages: kv_scales
         self.sm_scale = float(cfg.hf.get("query_pre_attn_scalar") or d) ** -0.5
         cap = cfg.hf.get("attn_logit_softcapping")
         self.soft_cap = float(cap) if cap else None
@@ -92,7 +93,8 @@ class GemmaAttention(nnx.Module):
         out, kv = paged_self_attention(q, k, v, kv, md, backend=backend, mesh=mesh,
                                        num_kv_heads=self.num_kv_heads, sm_scale=self.sm_scale,
                                        sliding_window=self.sliding_window,
-                                       soft_cap=self.soft_cap)
+                                       soft_cap=self.soft_cap,
+                                       kv_scale=self.kv_scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv
 
 

@@ -234,9 +234,13 @@ ATTENTION_BACKENDS = ("reference", "pallas", "xla", "mosaic", "triton")
 
 
 def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str, sm_scale: float,
-                    sliding_window: int | None = None, soft_cap: float | None = None):
-    """Ragged paged attention of ``q[T, Hq, D]`` through the chosen kernel backend."""
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    kv_scale=None):
+    """Ragged paged attention of ``q[T, Hq, D]`` through the chosen kernel backend;
+    ``kv_scale``: the ``[Hkv, 2]`` scales of float8 pages (``pallas_kernels/reference.py``)."""
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if kv_scale is not None:
+        kwargs["kv_scale"] = kv_scale
     args = (q, k_pages, v_pages, md.query_start, md.seq_lens, md.block_tables, md.num_seqs)
     if backend == "reference":
         return reference.ragged_paged_attention(*args, **kwargs)
@@ -262,29 +266,41 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
 
 def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: str, mesh,
                          num_kv_heads: int, sm_scale: float, sliding_window: int | None = None,
-                         soft_cap: float | None = None):
+                         soft_cap: float | None = None, kv_scale=None):
     """Write this step's ``k, v [T, Hkv, D]`` into one layer's pages ``kv`` and attend with
-    ``q [T, Hq, D]``; under a mesh, one kernel call per shard of heads. -> (out, (k, v pages))."""
-    if mesh is not None:
-        rep = kv[0].shape[0] // num_kv_heads  # the pool repeats KV heads when tp > Hkv
-        if rep > 1:
-            k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    attend = _write_and_attend(backend, sm_scale, sliding_window, soft_cap, mesh)
+    ``q [T, Hq, D]``; under a mesh, one kernel call per shard of heads. -> (out, (k, v pages)).
+
+    ``kv_scale``: the layer's static ``((k_scale, v_scale),) * Hkv`` (see ``kv_scales``), used
+    only when the pages are float8: serving-dtype pages never see a scale."""
+    scales = None
+    if kv_scale is not None and reference.is_fp8(kv[0].dtype):
+        scales = tuple((float(a), float(b)) for a, b in
+                       np.asarray(kv_scale, np.float64).reshape(num_kv_heads, 2))
+    rep = kv[0].shape[0] // num_kv_heads  # the pool repeats KV heads when tp > Hkv
+    if mesh is not None and rep > 1:
+        k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+    attend = _write_and_attend(backend, sm_scale, sliding_window, soft_cap, mesh, scales, rep)
     out, k_pages, v_pages = attend(q, k, v, kv[0], kv[1], md)
     return out, (k_pages, v_pages)
 
 
 @functools.lru_cache(maxsize=None)
 def _write_and_attend(backend: str, sm_scale: float, sliding_window: int | None,
-                      soft_cap: float | None, mesh):
+                      soft_cap: float | None, mesh, scales: tuple | None, rep: int):
     """The KV write and the attention of one layer as a jit of its own: every layer of a step
-    calls the same function, so it is traced and lowered once per step graph, not once per
-    layer (XLA inlines the calls: the compiled step is the same)."""
+    calls the same function (layers with equal settings and scales), so it is traced and
+    lowered once per step graph, not once per layer (XLA inlines the calls: the compiled step
+    is the same)."""
 
     def attend(q, k, v, k_pages, v_pages, md):
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+        sc = None if scales is None else jnp.asarray(scales, jnp.float32)
+        if sc is not None and mesh is not None:  # this shard's heads of the full table
+            n = k_pages.shape[0]
+            sc = jax.lax.dynamic_slice_in_dim(jnp.repeat(sc, rep, axis=0),
+                                              jax.lax.axis_index(parallel.TP_AXIS) * n, n)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, kv_scale=sc)
         out = paged_attention(q, k_pages, v_pages, md, backend=backend, sm_scale=sm_scale,
-                              sliding_window=sliding_window, soft_cap=soft_cap)
+                              sliding_window=sliding_window, soft_cap=soft_cap, kv_scale=sc)
         return out, k_pages, v_pages
 
     if mesh is not None:

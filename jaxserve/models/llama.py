@@ -34,6 +34,7 @@ class Attention(nnx.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.sliding_window = cfg.layer_sliding_window(layer)
+        self.kv_scale = None  # static ((k_scale, v_scale),) * Hkv of float8 pages: kv_scales
         qkv = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.q_proj = Linear(h, cfg.num_heads * d, **qkv)
         self.k_proj = Linear(h, cfg.num_kv_heads * d, **qkv)
@@ -57,7 +58,8 @@ class Attention(nnx.Module):
         out, kv = paged_self_attention(q, k, v, kv, md, backend=backend, mesh=mesh,
                                        num_kv_heads=self.num_kv_heads,
                                        sm_scale=self.head_dim ** -0.5,
-                                       sliding_window=self.sliding_window)
+                                       sliding_window=self.sliding_window,
+                                       kv_scale=self.kv_scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv
 
 

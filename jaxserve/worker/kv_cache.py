@@ -18,17 +18,16 @@ _FP8_KV = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
 
 
 def kv_cache_dtype(cache_dtype: str, serving_dtype, attention_backend: str | None = None):
-    """The pool's dtype: the serving dtype ("auto") or a float8 (scale 1.0: K/V are stored as
-    they are, saturated at the format's maximum, and upcast when attention reads them)."""
+    """The pool's dtype: the serving dtype ("auto") or a float8. Float8 pages hold K/V divided
+    by the layer's scales (``jaxserve.models.kv_scales``; 1.0 without any), saturated at the
+    format's maximum, and every attention backend (``attention_backend``: any of them) upcasts
+    them when it reads them."""
+    del attention_backend  # reference, xla, pallas, triton and mosaic all read float8 pages
     if cache_dtype == "auto":
         return jnp.dtype(serving_dtype)
     if cache_dtype not in _FP8_KV:
         raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of auto, "
                          f"{', '.join(_FP8_KV)}")
-    if attention_backend not in (None, "reference", "xla", "pallas", "triton"):
-        raise ValueError(f"kv_cache_dtype {cache_dtype!r} needs attention_backend reference, "
-                         f"xla, pallas or triton (the {attention_backend!r} kernel reads "
-                         "serving-dtype pages)")
     return jnp.dtype(_FP8_KV[cache_dtype])
 
 

@@ -131,3 +131,12 @@ def test_lowers_with_float8_pages(kv_dtype):
     text = _lower(d=128, dtype=jnp.bfloat16, kv_dtype=kv_dtype,
                   tiles=dict(decode_num_splits=4))
     assert text.count(TRITON) == 3
+
+
+def test_lowers_with_float8_pages_and_kv_scales():
+    """float8 pages with per-KV-head K/V scales, read by every program from a small input."""
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, decode_num_splits=4)
+    specs = _specs(d=128, hq=32, hkv=8, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn)
+    text = export_for_cuda(lambda *a: fn(*a[:-1], kv_scale=a[-1]), *specs,
+                           jax.ShapeDtypeStruct((8, 2), jnp.float32))
+    assert text.count(TRITON) == 3

@@ -32,18 +32,25 @@ needs_plugin = pytest.mark.skipif(not _HAS_PLUGIN, reason="jax CUDA plugin not i
 MOSAIC = "mosaic_gpu_v2"
 
 
-def _specs(*, tokens, seqs, ctx, hq=32, hkv=8, d=128, page_size=16, dtype=jnp.bfloat16):
+def _specs(*, tokens, seqs, ctx, hq=32, hkv=8, d=128, page_size=16, dtype=jnp.bfloat16,
+           kv_dtype=None):
     sds = jax.ShapeDtypeStruct
     mp = -(-ctx // page_size)
     pool = (hkv, 1 + seqs * mp, page_size, d)
-    return (sds((tokens, hq, d), dtype), sds(pool, dtype), sds(pool, dtype),
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    return (sds((tokens, hq, d), dtype), sds(pool, kv_dtype), sds(pool, kv_dtype),
             sds((seqs + 1,), jnp.int32), sds((seqs,), jnp.int32), sds((seqs, mp), jnp.int32),
             sds((), jnp.int32))
 
 
-def _lower(opts=None, **shape):
+def _lower(opts=None, scaled=False, **shape):
+    """``scaled``: float8 pages' ``kv_scale [Hkv, 2]`` as one more argument."""
     fn = functools.partial(ragged_paged_attention, sm_scale=0.1, **(opts or {}))
-    return export.export(jax.jit(fn), platforms=["cuda"])(*_specs(**shape)).mlir_module()
+    specs = _specs(**shape)
+    if scaled:
+        specs += (jax.ShapeDtypeStruct((specs[1].shape[0], 2), jnp.float32),)
+        fn = (lambda f: lambda *a: f(*a[:-1], kv_scale=a[-1]))(fn)
+    return export.export(jax.jit(fn), platforms=["cuda"])(*specs).mlir_module()
 
 
 # benchmarks/kernels.py's shapes: B 64 decodes, 32/8 heads, D 128, page 16, bf16; the mixed
@@ -62,6 +69,31 @@ def test_mosaic_lowers_at_benchmark_shapes(name):
     text = _lower(**BENCH[name])
     assert text.count(MOSAIC) == 1
     assert "rpa_mosaic" in text
+
+
+@needs_plugin
+@pytest.mark.parametrize("name", list(BENCH))
+def test_mosaic_lowers_fp8_pages_at_benchmark_shapes(name):
+    """--kv-cache-dtype fp8: float8 TMA stages, upcast in registers into the WGMMA's bf16 tiles,
+    with the K/V scales; one Mosaic GPU kernel as with bf16 pages."""
+    text = _lower(scaled=True, kv_dtype=jnp.float8_e4m3fn, **BENCH[name])
+    assert text.count(MOSAIC) == 1
+    assert "rpa_mosaic" in text
+
+
+@needs_plugin
+def test_mosaic_lowers_fp8_e5m2_f16_window_softcap_d64():
+    shape = dict(tokens=48, seqs=12, ctx=320, hq=14, hkv=2, d=64, dtype=jnp.float16,
+                 kv_dtype=jnp.float8_e5m2)
+    assert _lower(dict(sliding_window=100, soft_cap=30.0), **shape).count(MOSAIC) == 1
+
+
+def test_mosaic_fp8_stages_fit_shared_memory():
+    """float8 stages take half the bytes, plus two upcast tiles: more stages fit at D 128."""
+    from pallas_kernels import mosaic_gpu_attention as mga
+
+    cfg = mga.MosaicTileConfig(block_kv=64, num_stages=8)
+    assert mga.fit_stages(cfg, 128, 2, 32, kv_itemsize=1) > mga.fit_stages(cfg, 128, 2, 32)
 
 
 @needs_plugin
@@ -94,6 +126,8 @@ def test_mosaic_rejects_bad_arguments():
     meta = (jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((2, 2), jnp.int32))
     with pytest.raises(ValueError, match="bfloat16/float16"):
         ragged_paged_attention(q, kp, kp, *meta, sm_scale=1.0)
+    with pytest.raises(ValueError, match="float8"):  # f32 pages under bf16 queries
+        ragged_paged_attention(q.astype(jnp.bfloat16), kp, kp, *meta, sm_scale=1.0)
     with pytest.raises(ValueError, match="head_dim"):
         ragged_paged_attention(jnp.zeros((8, 4, 32), jnp.bfloat16),
                                jnp.zeros((2, 8, 8, 32), jnp.bfloat16),
@@ -170,6 +204,35 @@ def test_mosaic_matches_reference_gpu(case, dtype):
     out = ragged_paged_attention(*args, jnp.int32(batch.num_seqs), sm_scale=case["d"] ** -0.5,
                                  **opts)
     ref = reference.ragged_paged_attention(*args, sm_scale=case["d"] ** -0.5, **ref_opts)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out))
+    assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) <= 2e-2
+    assert np.all(out[batch.num_tokens:] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (H100/H200)")
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2],
+                         ids=lambda v: v.__name__)
+def test_mosaic_fp8_pages_with_scales_match_reference_gpu(kv_dtype):
+    """float8 pages holding K/V / scale (per KV head), read by the Mosaic kernel == the
+    reference on the same pages and scales."""
+    q_lens, ctx, hq, hkv, d, ps = [1, 17, 2, 9, 1, 64, 1], [40, 48, 2, 30, 1, 300, 3000], 8, 2, \
+        128, 16
+    mp = -(-max(ctx) // ps)
+    batch = make_ragged_batch(np.random.default_rng(1), q_lens, ctx,
+                              num_tokens=sum(q_lens) + 5, num_seqs=len(q_lens) + 2,
+                              max_pages=mp, num_pages=(len(q_lens) + 2) * mp + 1,
+                              num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                              dtype=jnp.bfloat16)
+    args = [jnp.asarray(a) for a in batch.args()]
+    kv_scale = jnp.asarray([[0.5, 2.0], [3.0, 0.25]], jnp.float32)
+    args[1] = reference.to_page_dtype(args[1] * 100.0, kv_dtype, kv_scale[:, 0, None, None, None])
+    args[2] = reference.to_page_dtype(args[2] * 100.0, kv_dtype, kv_scale[:, 1, None, None, None])
+    args[0] = args[0] * 0.01
+    out = ragged_paged_attention(*args, jnp.int32(batch.num_seqs), sm_scale=d ** -0.5,
+                                 kv_scale=kv_scale)
+    ref = reference.ragged_paged_attention(*args, sm_scale=d ** -0.5, kv_scale=kv_scale)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.all(np.isfinite(out))
     assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) <= 2e-2

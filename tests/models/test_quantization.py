@@ -252,14 +252,17 @@ def smol_runs(tmp_path_factory):
     text = quality.HELDOUT_TEXT.read_text()
     runs = {}
     variants = ((None, None, None, "auto"), ("fp8", None, "fp8", "auto"),
-                ("int4", str(int4), None, "auto"), ("kv_fp8", None, None, "fp8"))
+                ("int4", str(int4), None, "auto"), ("kv_fp8", None, None, "fp8"),
+                ("kv_fp8_calc", None, None, "fp8"))
     for key, model, q, kv in variants:
-        llm = LLM(model, quantization=q, kv_cache_dtype=kv, **SMOL_KW)
+        llm = LLM(model, quantization=q, kv_cache_dtype=kv,
+                  calculate_kv_scales=key == "kv_fp8_calc", **SMOL_KW)
         m = llm.llm_engine.model
         runs[key] = dict(bytes=quality.param_bytes(m),
                          proj_bytes=quality.param_bytes(m, lambda n: "_proj." in n),
                          ppl=quality.perplexity(llm, text),
-                         chats=quality.greedy_chats(llm) if key != "int4" else None,
+                         chats=(quality.greedy_chats(llm)
+                                if key not in ("int4", "kv_fp8_calc") else None),
                          pages=llm.llm_engine.runner.num_pages)
         del llm, m
     return runs
@@ -421,6 +424,15 @@ def test_smollm2_fp8_kv_cache_close_to_bf16(smol_runs):
     assert abs(kv["ppl"] / bf16["ppl"] - 1) <= 0.03, (bf16["ppl"], kv["ppl"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(SMOL_TIMEOUT)
+def test_smollm2_fp8_kv_calculated_scales_perplexity(smol_runs):
+    """--calculate-kv-scales on SmolLM2 (whose K/V fit e4m3 at scale 1.0): still within 3 % of
+    bf16 on the held-out text."""
+    bf16, calc = smol_runs[None]["ppl"], smol_runs["kv_fp8_calc"]["ppl"]
+    assert abs(calc / bf16 - 1) <= 0.03, (bf16, calc)
+
+
 # ----------------------------------------------------------------------------- fp8 KV cache
 
 def test_fp8_kv_pool_holds_twice_the_pages_in_the_same_budget():
@@ -459,6 +471,7 @@ def test_fp8_kv_write_saturates_and_attention_reads_upcast(tiny_llama_dir):
 
 def test_kv_cache_dtype_flag_and_errors(tiny_llama_dir):
     from jaxserve.config import CacheConfig
+    from jaxserve.worker.kv_cache import kv_cache_dtype
     from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
     from jaxserve.entrypoints.llm import LLM
 
@@ -466,9 +479,7 @@ def test_kv_cache_dtype_flag_and_errors(tiny_llama_dir):
     assert engine_config_from_args(args).cache.cache_dtype == "fp8_e5m2"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(cache_dtype="int8")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' needs attention_backend"):
-        LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="mosaic",
-            max_model_len=64, num_gpu_blocks_override=8)
+    assert kv_cache_dtype("fp8", jnp.bfloat16, "mosaic") == jnp.float8_e4m3fn  # every backend
     llm = LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="xla",
               dtype="float32", max_model_len=64, num_gpu_blocks_override=8, max_num_seqs=2,
               max_num_batched_tokens=16, min_token_bucket=16)

@@ -1,0 +1,103 @@
+"""The float8 KV cache's scales before serving: the checkpoint's, 1.0, or computed on text.
+
+``--calculate-kv-scales`` runs the model once over calibration text (``jaxserve/data/
+tiny_corpus.txt``) with a serving-dtype page pool of its own, and one jitted pass returns every
+layer's ``amax(|k|)`` and ``amax(|v|)`` per KV head from the pages it wrote (post-RoPE K, as
+attention stores it). The scales are ``amax / fp8_max``. This runs before the step buckets are
+compiled and is its own graph, so the serving steps never recompile for it; the scales then
+enter the steps as constants (:mod:`jaxserve.models.kv_scales`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.models import kv_scales
+from jaxserve.models.layers import AttentionMetadata
+from jaxserve.worker import parallel
+from jaxserve.worker.kv_cache import allocate_kv_pages
+from pallas_kernels.reference import is_fp8
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_TEXT = Path(__file__).parents[1] / "data" / "tiny_corpus.txt"
+CALIBRATION_TOKENS = 1024  # at most this many tokens (and at most max_model_len)
+
+
+def kv_amax(model, model_config: ModelConfig, token_ids, *, block_size: int, dtype,
+            mesh=None) -> np.ndarray:
+    """``[L, Hkv, 2]`` float32: the largest ``|k|`` and ``|v|`` each layer's attention writes
+    for ``token_ids`` (one prefill, one jitted pass)."""
+    n = len(token_ids)
+    tp = parallel.tp_size(mesh)
+    pages = -(-n // block_size)
+    sharding = parallel.kv_pool_sharding(mesh) if mesh is not None else None
+    pool = allocate_kv_pages(model_config, pages + 1, block_size, dtype, sharding=sharding,
+                             tp=tp)
+    md = AttentionMetadata(
+        slot_mapping=jnp.arange(n, dtype=jnp.int32) + block_size,  # page 1 on; 0 is trash
+        query_start=jnp.asarray([0, n], jnp.int32),
+        seq_lens=jnp.asarray([n], jnp.int32),
+        block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
+        num_seqs=jnp.int32(1))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def amax(state, pool, ids, md):
+        m = nnx.merge(graphdef, state)
+        _, pool = m(ids, jnp.arange(ids.shape[0], dtype=jnp.int32), pool, md)
+        return jnp.stack([jnp.stack([jnp.max(jnp.abs(k.astype(jnp.float32)), axis=(1, 2, 3)),
+                                     jnp.max(jnp.abs(v.astype(jnp.float32)), axis=(1, 2, 3))],
+                                    axis=-1) for k, v in pool])
+
+    out = np.asarray(jax.device_get(amax(state, pool, jnp.asarray(token_ids, jnp.int32), md)))
+    hkv = model_config.num_kv_heads
+    # a pool that repeats KV heads (tp > Hkv) holds each head's values rep times
+    return out.reshape(out.shape[0], hkv, out.shape[1] // hkv, 2).max(axis=2)
+
+
+def calibration_ids(tokenizer, max_tokens: int) -> list[int]:
+    ids = tokenizer(CALIBRATION_TEXT.read_text())["input_ids"]
+    return list(ids[:max_tokens])
+
+
+def scales_from_amax(amax: np.ndarray, kv_dtype) -> np.ndarray:
+    """``amax / fp8_max``; a head that saw only zeros keeps 1.0."""
+    fmax = float(jnp.finfo(kv_dtype).max)
+    return np.where(amax > 0, amax / fmax, 1.0).astype(np.float32)
+
+
+def prepare_kv_scales(model, model_config: ModelConfig, cache: CacheConfig, kv_dtype, *,
+                      serving_dtype, tokenizer, max_model_len: int, mesh=None) -> None:
+    """Settle the model's KV scales before its runner is built: ignored (and dropped) with a
+    serving-dtype pool, computed with ``calculate_kv_scales``, else the checkpoint's or 1.0."""
+    loaded = kv_scales.get_kv_scales(model)
+    if not is_fp8(kv_dtype):
+        if loaded is not None:
+            logger.warning("the checkpoint has KV cache scales (k_scale/v_scale) but "
+                           "kv_cache_dtype is %r: the scales are not used", cache.cache_dtype)
+            kv_scales.set_kv_scales(model, None)
+        return
+    if cache.calculate_kv_scales:
+        t0 = time.perf_counter()
+        ids = calibration_ids(tokenizer, min(max_model_len, CALIBRATION_TOKENS))
+        amax = kv_amax(model, model_config, ids, block_size=cache.block_size,
+                       dtype=serving_dtype, mesh=mesh)
+        scales = scales_from_amax(amax, kv_dtype)
+        if loaded is not None:
+            logger.info("calculate_kv_scales: replacing the checkpoint's KV cache scales")
+        kv_scales.set_kv_scales(model, scales)
+        logger.info("KV cache scales calculated on %d tokens in %.1f s: %s", len(ids),
+                    time.perf_counter() - t0, kv_scales.describe(scales))
+    elif loaded is not None:
+        logger.info("KV cache scales from the checkpoint: %s", kv_scales.describe(loaded))
+    else:
+        logger.warning("KV cache dtype %s with scale 1.0 (the checkpoint has no k_scale/v_scale;"
+                       " --calculate-kv-scales computes them)", jnp.dtype(kv_dtype).name)
