@@ -48,6 +48,8 @@ def parse_args(argv=None):
                    "emptied before a cold run)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--extra-args", default="", help="more `jaxserve serve` flags")
+    p.add_argument("--python", default=sys.executable, help="the interpreter that runs "
+                   "`jaxserve serve` (e.g. a fresh venv made by the README's serve command)")
     p.add_argument("--repo", default=REPO, help="the jaxserve checkout to start (e.g. an "
                    "export of an older commit, for a before/after in one session)")
     C.add_output_args(p)
@@ -94,7 +96,7 @@ def load_only(args) -> dict:
     import json
 
     before = _loadavg()
-    out = subprocess.run([sys.executable, "-c", _LOAD_ONLY, args.model or ""], cwd=args.repo,
+    out = subprocess.run([args.python, "-c", _LOAD_ONLY, args.model or ""], cwd=args.repo,
                          capture_output=True, text=True, timeout=args.timeout,
                          env=dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS",
                                                                            "cpu")))
@@ -121,7 +123,7 @@ def one_run(kind: str, cache_dir: str, args) -> dict:
             for d in dirs:
                 os.rmdir(os.path.join(root, d))
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port)]
+    cmd = [args.python, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port)]
     if args.model:
         cmd += ["--model", args.model]
     cmd += args.extra_args.split()
@@ -261,7 +263,8 @@ def main(argv=None) -> dict:
     runs = [one_run(kind, cache_dir, args) for kind in args.runs.split(",")]
     result = dict(benchmark="startup", **C.run_metadata(), nproc=os.cpu_count(),
                   config=dict(model=args.model or "default (SmolLM2-135M-Instruct GGUF)",
-                              runs=args.runs, extra_args=args.extra_args), runs=runs)
+                              runs=args.runs, extra_args=args.extra_args, python=args.python,
+                              repo=args.repo), runs=runs)
     tag = f"-{args.tag}" if args.tag else ""
     path = C.write_json(C.result_path("startup", args, tag), result)
     if not args.no_plot and any(r["kind"] != "load" for r in runs):
