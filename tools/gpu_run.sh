@@ -6,13 +6,16 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (in this order): pytest  kernels  tp11  tp8b  serving
+# Stages (in this order): pytest  kernels  tp11  tp8b  serving  (and, when named in STAGES:
+#   startup  moe)
 #   pytest   pytest -m gpu (short)
 #   kernels  benchmarks/kernels.py (when present)
 #   tp11     throughput, 1.1B shape (tinyllama-1.1b preset, dummy weights, bf16): 1024 prompts,
 #            in 512, out 128, greedy, + HF generate, HF generate_batch and the decode roofline
 #   tp8b     throughput, Llama-3-8B shape (llama3-8b preset), + roofline
 #   serving  serving sweep on the 1.1B shape against a launched `jaxserve serve`
+#   startup  `jaxserve serve` of the 1.1B shape (dummy weights) cold and cached (issue "Fast start")
+#   moe      Mixtral-8x7B shape (8 layers) decode against its dense twin (issue "More model families")
 # Knobs (env): STAGES, BUDGET_S (default 515), N11 (1024), N8B (512), HF_CB_N (256),
 #   HF_BS ("64,128,256"), HF_CB_IMPLS ("sdpa,paged|eager,flash_attention_2"), SERVE_N (256),
 #   SERVE_RATES ("inf,0.8x,0.5x"), T_<stage> caps in seconds (T_tp11=300 ...).
@@ -98,6 +101,15 @@ run_stage serving 75 $PY benchmarks/serving.py --launch --preset tinyllama-1.1b 
   --dtype bfloat16 --num-prompts "$SERVE_N" --input-len 512 --output-len 128 \
   --request-rates "$SERVE_RATES" --goodput ttft:30 tpot:8 --launch-timeout 60 \
   --disable-tqdm --output-json "$RES/serving-tinyllama-1.1b.json"
+
+if [[ " $STAGES " == *" startup "* ]]; then
+  MODEL11=$($PY -c "from benchmarks.baselines import resolve_model; print(resolve_model(None, 'tinyllama-1.1b'))")
+  run_stage startup 150 $PY benchmarks/startup.py --model "$MODEL11" \
+    --extra-args "--load-format dummy --dtype bfloat16" --timeout 70 --result-dir "$RES"
+fi
+
+run_stage moe 120 $PY benchmarks/moe_decode.py --num-layers 8 --batch-sizes 1,8,32,128 \
+  --output-json "$RES/moe_decode-mixtral-8x7b.json"
 
 echo
 echo "== stages"

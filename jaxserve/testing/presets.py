@@ -64,7 +64,47 @@ PRESETS: dict[str, dict] = {
         "initializer_range": 0.02,
         "torch_dtype": "bfloat16",
     },
+    # mistralai/Mixtral-8x7B-v0.1 (8 experts, 2 active per token); 93 GB in bf16 at 32 layers,
+    # so GPU benchmarks cut ``num_hidden_layers``
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
 }
+
+
+def dense_twin(config: dict) -> dict:
+    """The dense Llama with a MoE config's active parameters: the same attention and an MLP
+    ``top_k`` experts wide, so a token costs the same FLOPs and, at batch 1, the same weight
+    bytes as the MoE model."""
+    out = {k: v for k, v in copy.deepcopy(config).items()
+           if k not in ("num_local_experts", "num_experts", "num_experts_per_tok",
+                        "moe_intermediate_size", "norm_topk_prob", "shared_expert_intermediate_size",
+                        "router_aux_loss_coef", "output_router_logits", "decoder_sparse_step",
+                        "mlp_only_layers")}
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    out.update(architectures=["LlamaForCausalLM"], model_type="llama",
+               intermediate_size=int(config.get("num_experts_per_tok", 2)) * int(width))
+    return out
 
 
 def preset_config(name: str) -> dict:
@@ -89,9 +129,10 @@ def param_count(config: dict) -> int:
     return v * h + n_layers * per_layer + h + head
 
 
-def write_preset(name: str, out_dir: str) -> str:
-    """Write config.json, generation_config.json and a small tokenizer (no weights) to out_dir."""
-    config = preset_config(name)
+def write_preset(name: str, out_dir: str, config: dict | None = None) -> str:
+    """Write config.json, generation_config.json and a small tokenizer (no weights) to out_dir
+    (``config``: an edited copy of the preset's, e.g. fewer layers)."""
+    config = preset_config(name) if config is None else config
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

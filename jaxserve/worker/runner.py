@@ -438,20 +438,23 @@ class ModelRunner:
 
     # ---- warm-up: compile every bucket ahead of time -----------------------------------
     def warmup(self) -> float:
-        """Compile and run every bucket (see :meth:`start_warmup`) and wait for all of them."""
-        self.start_warmup()
+        """Compile and run every bucket (see :meth:`start_warmup`) on every core (nothing else
+        runs meanwhile) and wait for all of them."""
+        self.start_warmup(workers=max(1, min(4, os.cpu_count() or 1)))
         self._compiles.wait_all()
         return self._warmup_s
 
     def start_warmup(self, workers: int | None = None) -> None:
         """Compile the buckets ahead of time on a thread pool and return at once.
 
-        Order: the smallest bucket (single-request decode) and the largest (any step fits it),
-        then the rest smallest first, then the prompt-logprobs graphs. Each bucket is lowered
-        and compiled (``jit(...).lower(...).compile()``, which fills jit's own cache and the
-        persistent compilation cache), then run on rows that live in the trash page. Steps pick
-        among the compiled buckets (:meth:`_plan_ladder`) and wait for a bucket still compiling
-        rather than compile it themselves.
+        Order: smallest first, then the prompt-logprobs graphs. The server serves once the
+        smallest bucket is ready, each step kept within the largest compiled one, so the ladder
+        grows while requests run. ``workers`` (default: the cores but one, 1 to 4) leaves a
+        core to those steps. Each bucket is lowered and compiled (``jit(...).lower(...)
+        .compile()``, which fills jit's own cache and the persistent compilation cache), then
+        run on rows that live in the trash page. Steps pick among the compiled buckets
+        (:meth:`_plan_ladder`) and wait for a bucket still compiling rather than compile it
+        themselves.
         """
         if self._compiles is not None:
             return
@@ -459,8 +462,7 @@ class ModelRunner:
         self._warmup_s = None
         self._jobs_done = 0
         self._scratch_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
-        first = [self.ladder[0], self.ladder[-1]]
-        order = list(dict.fromkeys(first + list(self.ladder)))
+        order = list(self.ladder)
         jobs = [(("forward", t), partial(self._compile_bucket, t)) for t in order]
         jobs += [(("prompt_logprobs", t), partial(self._compile_prompt_logprobs, t))
                  for t in order]
@@ -468,7 +470,7 @@ class ModelRunner:
         self._bar = None
         if sys.stderr.isatty():
             self._bar = tqdm(total=len(jobs), desc="Compiling buckets", leave=False)
-        workers = workers or max(1, min(4, os.cpu_count() or 1))
+        workers = workers or max(1, min(4, (os.cpu_count() or 2) - 1))
         if jax.process_count() > 1:  # every host runs the warm-up steps in the same order
             workers = 1
         self._compiles = CompilePool(jobs, workers, on_done=self._job_done)

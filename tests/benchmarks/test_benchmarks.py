@@ -314,3 +314,37 @@ def test_make_tiny_model_preset_flag(tmp_path):
                           "tinyllama-1.1b", "--arch", "llama", "--out", str(out)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "exclude" in bad.stderr
+
+
+@pytest.mark.slow
+def test_moe_decode_against_its_dense_twin(tmp_path):
+    """benchmarks/moe_decode.py on a tiny Mixtral shape: both models decode every batch, the
+    ratio is the two measured rates, the dense twin has the MoE model's active weights (all but
+    the router), and the expected experts per layer go from top_k at batch 1 towards all."""
+    from benchmarks import moe_decode as M
+    from jaxserve.testing.presets import dense_twin, preset_config
+
+    out = tmp_path / "moe.json"
+    res = M.main(["--overrides", json.dumps(dict(hidden_size=64, intermediate_size=96,
+                                                 num_attention_heads=4, num_key_value_heads=2,
+                                                 vocab_size=256)),
+                  "--num-layers", "2", "--batch-sizes", "1,4", "--input-len", "8",
+                  "--output-len", "4", "--max-num-batched-tokens", "32", "--min-token-bucket",
+                  "32", "--output-json", str(out)])
+    saved = json.loads(out.read_text())
+    assert _is_png(str(out)[:-5] + ".png")
+    moe, dense = saved["models"]["moe"], saved["models"]["dense"]
+    for b, m, d in zip((1, 4), moe["rows"], dense["rows"]):
+        assert m["batch"] == d["batch"] == b and m["decode_tok_s"] > 0 and d["decode_tok_s"] > 0
+        assert saved["moe_vs_dense"][str(b)] == pytest.approx(m["decode_tok_s"] / d["decode_tok_s"])
+    assert res["moe_vs_dense"] == saved["moe_vs_dense"]
+    cfg = saved["configs"]["moe"]
+    h, e, nb = cfg["hidden_size"], cfg["num_local_experts"], np.dtype(moe["dtype"]).itemsize
+    router = cfg["num_hidden_layers"] * h * e * nb
+    assert moe["active_weight_bytes"] - dense["total_weight_bytes"] == router
+    assert moe["total_weight_bytes"] > moe["active_weight_bytes"]
+    twin = dense_twin(preset_config("mixtral-8x7b"))
+    assert twin["model_type"] == "llama" and twin["intermediate_size"] == 2 * 14336
+    assert "num_local_experts" not in twin
+    assert M.experts_touched(cfg, 1) == pytest.approx(2.0)
+    assert 2.0 < M.experts_touched(cfg, 4) < M.experts_touched(cfg, 64) <= e
