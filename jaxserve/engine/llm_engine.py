@@ -20,10 +20,12 @@ processor in the API process (engine/core_process.py, engine/core_client.py).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
 import jax
@@ -122,12 +124,19 @@ class LLMEngine:
         self.attention_backend = backend
         t0 = time.perf_counter()
         self.mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
-        self.model, self.model_config, self.model_dir = load_model(
-            config.model, dtype=config.dtype, load_format=config.load_format,
-            attention_backend=backend, mesh=self.mesh,
-            enable_expert_parallel=config.parallel.enable_expert_parallel,
-            quantization=config.quantization)
-        self.tokenizer = _load_tokenizer(self.model_dir, config.tokenizer)
+        local = Path(str(config.model)).expanduser()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            # a local model's tokenizer loads beside its weights (transformers' import and the
+            # vocabulary overlap the dequantization and placement)
+            early = pool.submit(_load_tokenizer, local, config.tokenizer) if local.exists() \
+                else None
+            self.model, self.model_config, self.model_dir = load_model(
+                config.model, dtype=config.dtype, load_format=config.load_format,
+                attention_backend=backend, mesh=self.mesh,
+                enable_expert_parallel=config.parallel.enable_expert_parallel,
+                quantization=config.quantization)
+            self.tokenizer = early.result() if early is not None else \
+                _load_tokenizer(self.model_dir, config.tokenizer)
         param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
                           if hasattr(x, "nbytes"))
         logger.info("loaded %s (%s, %.1f MiB of params) in %.1f s", config.model,
