@@ -294,8 +294,8 @@ def test_a_request_can_opt_out_of_speculation(engines, monkeypatch):
         drafts: dict[tuple, int] = {}
         schedule = eng.scheduler.schedule
 
-        def counting_schedule():
-            out = schedule()
+        def counting_schedule(*args, **kwargs):
+            out = schedule(*args, **kwargs)
             for s in out.scheduled:
                 key = tuple(s.request.prompt_token_ids)
                 drafts[key] = drafts.get(key, 0) + s.num_draft
