@@ -26,6 +26,7 @@ from jaxserve.models.layers import (
     rope_cos_sin,
 )
 from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.quantization import lm_head_logits
 from pallas_kernels.reference import token_metadata
 
 
@@ -133,9 +134,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits."""
-        w = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
-        return jax.lax.dot_general(hidden.astype(w.dtype), w, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return lm_head_logits(head, hidden)
 
 
 def _freeze(d):
