@@ -240,16 +240,18 @@ SMOL_TIMEOUT = 2400
 def smol_runs(tmp_path_factory):
     """SmolLM2 (the default GGUF, dequantized at load) in bf16, fp8 (projections; and with the
     tied embedding/LM head, ``lm_head_quantized``), and int4 (a GPTQ checkpoint made from it by
-    round-to-nearest, group 32): weight bytes, held-out perplexity and (bf16, fp8) greedy answers
-    to 8 chats, one model at a time."""
+    the GPTQ algorithm, group 32, act-order, calibrated on jaxserve/data/tiny_corpus.txt; a few
+    minutes of CPU): weight bytes, held-out perplexity and (bf16, fp8) greedy answers to 8
+    chats, one model at a time."""
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.testing.int4_checkpoint import float_checkpoint_from_gguf, write_int4_checkpoint
+    from jaxserve.testing.gptq import write_gptq_checkpoint
+    from jaxserve.testing.int4_checkpoint import float_checkpoint_from_gguf
 
     path = _smollm2()
     tmp = tmp_path_factory.mktemp("smol")
     int4 = tmp / "gptq"
-    write_int4_checkpoint(float_checkpoint_from_gguf(path, tmp / "float"), int4, "gptq",
-                          group_size=32)
+    write_gptq_checkpoint(float_checkpoint_from_gguf(path, tmp / "float"), int4, group_size=32,
+                          desc_act=True, damp=0.01, num_tokens=8192)
     text = quality.HELDOUT_TEXT.read_text()
     runs = {}
     variants = ((None, None, None, "auto", False), ("fp8", None, "fp8", "auto", False),
