@@ -9,7 +9,6 @@ with ``kv_pages`` one ``(k_pages, v_pages)`` per layer, each ``[Hkv, num_pages, 
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
