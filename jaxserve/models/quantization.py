@@ -119,8 +119,11 @@ def int4_matmul(x, qweight, scales, zeros, perm=None, bits: int = 4,
                 group_size: int | None = None):
     if perm is not None:
         x = jnp.take(x, perm, axis=-1)
+    dtype = x.dtype
+    if perm is not None and dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        x = x.astype(jnp.float32)  # XLA CPU: no bf16 x bf16 -> f32 dot after the gather
     w = int4_dequantize(qweight, scales, zeros, x.dtype, bits, group_size)
-    return _dot(x, w).astype(x.dtype)
+    return _dot(x, w).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- modules
