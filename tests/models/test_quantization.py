@@ -393,10 +393,10 @@ def test_int4_greedy_decoding_equals_reference_weights(tiny_llama_dir, tmp_path)
 @pytest.mark.slow
 @pytest.mark.timeout(SMOL_TIMEOUT)
 def test_smollm2_int4_perplexity_and_bytes(smol_runs):
-    """RTN int4 (no calibration) of weights that are already Q4_1 measured +14.4 % on the
-    held-out text (issue 24 asks 10 % of a calibrated checkpoint); 15 % is the bound here."""
+    """GPTQ int4 (group 32, act-order) measured +9.7 % on the held-out text (35.45 -> 38.91;
+    round-to-nearest at the same group size +14.4 %): issue 24's 10 %."""
     bf16, int4 = smol_runs[None], smol_runs["int4"]
-    assert abs(int4["ppl"] / bf16["ppl"] - 1) <= 0.15, (bf16["ppl"], int4["ppl"])
+    assert abs(int4["ppl"] / bf16["ppl"] - 1) <= 0.10, (bf16["ppl"], int4["ppl"])
     # 4 bits + a bf16 scale and a uint8 zero per 32 weights: ~0.31x the bf16 projections
     assert int4["proj_bytes"] <= 0.35 * bf16["proj_bytes"]
 
