@@ -180,6 +180,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | reference | pallas
     # None: the checkpoint's own quantization_config; fp8 also quantizes a float checkpoint
     quantization: str | None = None
+    # vLLM's lm_head_quantized: with fp8, the LM head (a tied embedding with it) in fp8 too
+    lm_head_quantized: bool = False
     served_model_name: str | None = None
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)
     async_scheduling: bool = True
@@ -202,6 +204,12 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization {self.quantization!r} is not one of "
                              f"{', '.join(QUANTIZATION_METHODS)} (or None)")
+        if not isinstance(self.lm_head_quantized, bool):
+            raise ValueError(f"lm_head_quantized must be true or false, got "
+                             f"{self.lm_head_quantized!r}")
+        if self.lm_head_quantized and self.quantization not in (None, "fp8"):
+            raise ValueError(f"lm_head_quantized needs quantization 'fp8' (got "
+                             f"{self.quantization!r})")
 
 
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")  # qkv bias without an `attention_bias` field in config.json
@@ -355,7 +363,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               max_num_batched_tokens=None, enable_prefix_caching=True,
                               swap_space=4.0, seed=0, tensor_parallel_size=1,
                               data_parallel_size=1, enable_expert_parallel=False,
-                              load_format="auto", quantization=None, kv_cache_dtype="auto",
+                              load_format="auto", quantization=None, lm_head_quantized=False,
+                              kv_cache_dtype="auto",
                               attention_backend="auto", num_gpu_blocks_override=None,
                               preemption_mode="recompute", served_model_name=None,
                               min_token_bucket=None, token_bucket_growth=None,
@@ -373,7 +382,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
     fallback = SchedulerConfig()
     return EngineConfig(
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
-        quantization=quantization,
+        quantization=quantization, lm_head_quantized=lm_head_quantized,
         attention_backend=attention_backend, served_model_name=served_model_name,
         async_scheduling=bool(async_scheduling),
         generation_config=_generation_config_source(generation_config),

@@ -134,7 +134,7 @@ class LLMEngine:
                 config.model, dtype=config.dtype, load_format=config.load_format,
                 attention_backend=backend, mesh=self.mesh,
                 enable_expert_parallel=config.parallel.enable_expert_parallel,
-                quantization=config.quantization)
+                quantization=config.quantization, lm_head_quantized=config.lm_head_quantized)
             self.tokenizer = early.result() if early is not None else \
                 _load_tokenizer(self.model_dir, config.tokenizer)
         param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)

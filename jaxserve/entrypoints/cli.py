@@ -89,6 +89,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "loads an fp8 one), awq, gptq (4-bit checkpoints), gguf (keeps a "
                         "GGUF's Q4_0/Q4_1/Q8_0 weights quantized in memory). Default: the "
                         "checkpoint's own quantization_config, else none")
+    m.add_argument("--lm-head-quantized", action="store_true",
+                   help="with --quantization fp8: the LM head (a tied embedding with it) in fp8 "
+                        "too, one scale per vocabulary entry (default: serving dtype)")
     m.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) the API answers to; the first is reported in responses and "
@@ -329,8 +332,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         load_format=args.load_format, attention_backend=args.attention_backend,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        calculate_kv_scales=args.calculate_kv_scales,
+        quantization=args.quantization, lm_head_quantized=args.lm_head_quantized,
+        kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         preemption_mode=args.preemption_mode, served_model_name=names[0] if names else None,
         min_token_bucket=args.min_token_bucket, async_scheduling=args.async_scheduling,

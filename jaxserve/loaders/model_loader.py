@@ -166,8 +166,8 @@ def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np
     return model
 
 
-def _quant_plan(quantization_method, model_config: ModelConfig):
-    return quant_lib.plan_from_config(quantization_method, model_config.hf)
+def _quant_plan(quantization_method, model_config: ModelConfig, lm_head_quantized=False):
+    return quant_lib.plan_from_config(quantization_method, model_config.hf, lm_head_quantized)
 
 
 def _prefetched(names, tensors, workers: int = 2):
@@ -393,13 +393,15 @@ def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "a
 
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
                attention_backend: str = "reference", enable_expert_parallel: bool = False,
-               quantization: str | None = None):
+               quantization: str | None = None, lm_head_quantized: bool = False):
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
     hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
     experts split whole over the mesh instead of each expert split by tensor parallelism.
     ``quantization``: fp8 | awq | gptq | gguf (None: the checkpoint's own
-    ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized)."""
+    ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized).
+    ``lm_head_quantized``: with fp8, the LM head (or the tied embedding) in fp8 too."""
     quant_lib.validate_method(quantization)
+    quant_lib.validate_lm_head_quantized(lm_head_quantized)
     serving = dict(enable_expert_parallel=enable_expert_parallel)
     formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
     if load_format not in formats:
@@ -411,16 +413,20 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
         hf_config, tensors = gguf_loader.load_gguf(path)
         cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
         if quantization == "gguf":  # Q4_0/Q4_1/Q8_0 projections stay in their blocks
+            if lm_head_quantized:
+                raise ValueError("lm_head_quantized needs quantization 'fp8' (got 'gguf')")
             kept = gguf_loader.raw_blocks(path, tuple(quant_lib.GGUF_KEPT))
             tensors = {**tensors, **{n: (lambda f=fmt, ld=ld: (f, ld()))
                                      for n, (fmt, ld) in kept.items()}}
             quantization = quant_lib.QuantPlan(
                 "gguf", prequantized=True, layer_formats={n: f for n, (f, _) in kept.items()})
+        else:
+            quantization = _quant_plan(quantization, cfg, lm_head_quantized)
         m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend,
                         quantization=quantization)
         return m, cfg, path
     cfg = dataclasses.replace(ModelConfig.from_hf_config(_read_config(path)), **serving)
-    quant = _quant_plan(quantization, cfg)
+    quant = _quant_plan(quantization, cfg, lm_head_quantized)
     if quant is not None and (load_format == "orbax" or (load_format == "auto" and
                                                          _is_orbax_dir(path))):
         raise ValueError("quantization is not supported with orbax checkpoints")
@@ -437,7 +443,7 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
         m = _load_orbax(path, cfg, dtype=dtype, mesh=mesh, attention_backend=attention_backend)
     else:
         m = build_model(cfg, safetensors_tensors(path), dtype=dtype, mesh=mesh,
-                        attention_backend=attention_backend, quantization=quantization)
+                        attention_backend=attention_backend, quantization=quant)
     return m, cfg, path
 
 

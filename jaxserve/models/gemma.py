@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.quantization import lm_head_logits
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
@@ -173,9 +174,8 @@ class GemmaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden):
         """``[N, H]`` -> ``[N, V]`` float32 logits, soft-capped by ``final_logit_softcapping``."""
-        w = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
-        logits = jax.lax.dot_general(hidden.astype(w.dtype), w, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        logits = lm_head_logits(head, hidden)
         if self.final_soft_cap is not None:
             logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
         return logits

@@ -9,7 +9,6 @@ with ``kv_pages`` one ``(k_pages, v_pages)`` per layer, each ``[Hkv, num_pages, 
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -26,6 +25,7 @@ from jaxserve.models.layers import (
     rope_cos_sin,
 )
 from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.quantization import lm_head_logits
 from pallas_kernels.reference import token_metadata
 
 
@@ -135,9 +135,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits."""
-        w = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight[...]
-        return jax.lax.dot_general(hidden.astype(w.dtype), w, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return lm_head_logits(head, hidden)
 
 
 def _freeze(d):

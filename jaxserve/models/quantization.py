@@ -1,15 +1,19 @@
 """Quantized linear layers (fp8, AWQ/GPTQ int4) and the checkpoint conversions that fill them.
 
 A quantized model is the family's ordinary model with its projection ``Linear`` modules
-(``*_proj``) swapped for a quantized module before loading (:func:`quantize_linears`); the LM
-head, embeddings, norms and MoE routers keep the serving dtype. Every quantized tensor is an
-ordinary ``nnx.Param`` of its layer module, so the state tree (and anything that stacks or shards
-it) sees plain leaves.
+(``*_proj``) swapped for a quantized module before loading (:func:`quantize_linears`); norms and
+MoE routers keep the serving dtype, and so do the LM head and embeddings unless the plan asks
+for the head (``lm_head_quantized``, fp8 only, vLLM's name): an untied ``lm_head`` becomes an
+:class:`Fp8Linear`, a tied embedding table an :class:`Fp8Embedding` quantized once for both
+uses. Every quantized tensor is an ordinary ``nnx.Param`` of its layer module, so the state tree
+(and anything that stacks or shards it) sees plain leaves.
 
 Layouts in memory (HF ``[out, in]`` orientation, so tensor-parallel specs follow the weight's):
 
 * fp8: ``weight [out, in]`` float8_e4m3fn and ``weight_scale [out]`` float32 (per output
-  channel); ``W = weight * weight_scale[:, None]``.
+  channel); ``W = weight * weight_scale[:, None]``. A vocabulary table ``[V, H]`` has the same
+  layout: one scale per vocabulary entry, which is the LM head's output channel and the
+  embedding's row.
 * int4 / int8 groups (AWQ, GPTQ, GGUF Q4_0/Q4_1/Q8_0): ``qweight [out, in/2]`` uint8 (two
   4-bit values a byte, low nibble first) or ``[out, in]`` uint8 for 8 bits, ``scales [out, G]``
   serving dtype and ``zeros [out, G]`` zero points (uint8; float32 for GGUF Q4_1, whose
@@ -91,23 +95,35 @@ def fp8_compute_supported(device=None) -> bool:
     return any(k in kind for k in ("H100", "H200"))
 
 
-def int4_dequantize(qweight, scales, zeros, dtype, bits: int = 4):
+def int4_dequantize(qweight, scales, zeros, dtype, bits: int = 4, group_size: int | None = None):
     """``qweight [out, in/2]`` uint8 nibbles (or ``[out, in]`` bytes for 8 bits),
-    ``scales``/``zeros [out, G]`` -> ``[out, in]``. Float zero points are applied in float32."""
+    ``scales``/``zeros [out, G]`` -> ``[out, in]``, input channel ``j`` in group
+    ``j // group_size`` (None: ``in / G``); the last group may be short (GPTQ's when the group
+    size does not divide ``in``). Float zero points are applied in float32."""
     out, groups = scales.shape
     if bits == 4:
-        q = jnp.stack([qweight & 0xF, qweight >> 4], axis=-1).reshape(out, groups, -1)
+        q = jnp.stack([qweight & 0xF, qweight >> 4], axis=-1).reshape(out, -1)
     else:
-        q = qweight.reshape(out, groups, -1)
+        q = qweight
+    n_in = q.shape[1]
+    size = group_size or n_in // groups
+    if groups * size != n_in:  # a short last group: pad it to a whole one, then cut
+        q = jnp.pad(q, ((0, 0), (0, groups * size - n_in)))
+    q = q.reshape(out, groups, size)
     zdt = dtype if zeros.dtype == jnp.uint8 else jnp.float32
     w = (q.astype(zdt) - zeros[..., None].astype(zdt)) * scales[..., None].astype(zdt)
-    return w.astype(dtype).reshape(out, -1)
+    return w.astype(dtype).reshape(out, -1)[:, :n_in]
 
 
-def int4_matmul(x, qweight, scales, zeros, perm=None, bits: int = 4):
+def int4_matmul(x, qweight, scales, zeros, perm=None, bits: int = 4,
+                group_size: int | None = None):
     if perm is not None:
         x = jnp.take(x, perm, axis=-1)
-    return _dot(x, int4_dequantize(qweight, scales, zeros, x.dtype, bits)).astype(x.dtype)
+    dtype = x.dtype
+    if perm is not None and dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        x = x.astype(jnp.float32)  # XLA CPU: no bf16 x bf16 -> f32 dot after the gather
+    w = int4_dequantize(qweight, scales, zeros, x.dtype, bits, group_size)
+    return _dot(x, w).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -136,11 +152,10 @@ class Int4Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype,
                  group_size: int, act_order: bool, bits: int = 4, zero_dtype=jnp.uint8):
-        if in_features % 2 or in_features % group_size:
-            raise ValueError(f"in_features {in_features} is not a multiple of the group size "
-                             f"{group_size} (and of 2)")
-        groups = in_features // group_size
-        self.bits = bits  # static
+        if in_features % 2:
+            raise ValueError(f"in_features {in_features} is not even")
+        groups = -(-in_features // group_size)  # GPTQ: the last group may be short
+        self.bits, self.group_size = bits, group_size  # static
         self.qweight = nnx.Param(jnp.zeros((out_features, in_features * bits // 8), jnp.uint8))
         self.scales = nnx.Param(jnp.ones((out_features, groups), dtype))
         self.zeros = nnx.Param(jnp.zeros((out_features, groups), zero_dtype))
@@ -150,10 +165,38 @@ class Int4Linear(nnx.Module):
     def __call__(self, x):
         perm = None if self.perm is None else self.perm[...]
         y = int4_matmul(x, self.qweight[...], self.scales[...], self.zeros[...], perm,
-                        self.bits)
+                        self.bits, self.group_size)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+class Fp8Embedding(nnx.Module):
+    """A vocabulary table ``[V, H]`` in float8_e4m3fn with one float32 scale per row. The
+    gather dequantizes only the rows it takes; as a tied LM head (:func:`lm_head_logits`) a
+    row's scale is its logit's output-channel scale, so one table serves both."""
+
+    def __init__(self, num_embeddings: int, features: int, *, dtype):
+        self.weight = nnx.Param(jnp.zeros((num_embeddings, features), FP8))
+        self.weight_scale = nnx.Param(jnp.ones((num_embeddings,), jnp.float32))
+        self.dtype_name = jnp.dtype(dtype).name  # static: the serving dtype of the output
+
+    def __call__(self, ids):
+        rows = jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
+        scale = jnp.take(self.weight_scale[...], ids, axis=0)
+        return (rows * scale[..., None]).astype(self.dtype_name)
+
+
+def lm_head_logits(head, hidden):
+    """``[N, H]`` hidden states -> ``[N, V]`` float32 logits through the LM head's (or tied
+    embedding's) ``weight [V, H]``. An fp8 table is upcast to the activation dtype inside the
+    matmul (weight-only on every backend: the logits keep full activation precision) and each
+    logit takes its row's scale."""
+    w = head.weight[...]
+    scale = getattr(head, "weight_scale", None)
+    if scale is None:
+        return _dot(hidden.astype(w.dtype), w)
+    return _dot(hidden, w.astype(hidden.dtype)) * scale[...]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -164,8 +207,9 @@ class QuantPlan:
 
     def __init__(self, method: str, *, prequantized: bool, group_size: int = 128,
                  act_order: bool = False, gptq_v1_zeros: bool = True, fp8_compute: bool = False,
-                 layer_formats: Mapping[str, str] | None = None):
+                 layer_formats: Mapping[str, str] | None = None, lm_head: bool = False):
         self.method, self.prequantized = method, prequantized
+        self.lm_head = lm_head  # fp8: the LM head (a tied embedding with it) quantized too
         # gguf: weight name -> its GGUF type, for the layers kept quantized
         self.layer_formats = dict(layer_formats or {})
         self.group_size, self.act_order = group_size, act_order
@@ -175,12 +219,22 @@ class QuantPlan:
         return f"QuantPlan({self.method}, prequantized={self.prequantized})"
 
 
-def plan_from_config(quantization: str | None, hf_config: Mapping) -> QuantPlan | None:
-    """The plan for ``--quantization`` and the checkpoint's ``quantization_config``.
+def validate_lm_head_quantized(lm_head_quantized) -> bool:
+    if not isinstance(lm_head_quantized, bool):
+        raise ValueError(f"lm_head_quantized must be true or false, got {lm_head_quantized!r}")
+    return lm_head_quantized
+
+
+def plan_from_config(quantization: str | None, hf_config: Mapping,
+                     lm_head_quantized: bool = False) -> QuantPlan | None:
+    """The plan for ``--quantization`` (``--lm-head-quantized``) and the checkpoint's
+    ``quantization_config``.
 
     No flag: the checkpoint's own method (as vLLM). fp8 on an unquantized checkpoint quantizes
-    at load; awq/gptq need a checkpoint in that format."""
+    at load; awq/gptq need a checkpoint in that format. ``lm_head_quantized`` (fp8 only): the
+    LM head too, per vocabulary row, quantized at load unless the checkpoint has its scale."""
     method = validate_method(quantization)
+    lm_head = validate_lm_head_quantized(lm_head_quantized)
     qc = dict(hf_config.get("quantization_config") or {})
     ckpt = qc.get("quant_method")
     if ckpt == "compressed-tensors":
@@ -190,6 +244,8 @@ def plan_from_config(quantization: str | None, hf_config: Mapping) -> QuantPlan 
                          f"supported (supported: {', '.join(QUANTIZATION_METHODS)})")
     if method is None:
         method = ckpt
+    if lm_head and method != "fp8":
+        raise ValueError(f"lm_head_quantized needs quantization 'fp8' (got {method!r})")
     if method is None:
         return None
     if method == "gguf":
@@ -202,10 +258,13 @@ def plan_from_config(quantization: str | None, hf_config: Mapping) -> QuantPlan 
             raise ValueError("quantization fp8 with weight_block_size (block-wise scales) is not "
                              "supported; per-tensor and per-channel scales are")
         return QuantPlan("fp8", prequantized=ckpt is not None,
-                         fp8_compute=fp8_compute_supported())
+                         fp8_compute=fp8_compute_supported(), lm_head=lm_head)
     if ckpt is None:
         raise ValueError(f"quantization {method!r} needs a checkpoint in that format "
                          "(its quantization_config); only fp8 quantizes at load")
+    if qc.get("lm_head"):
+        raise ValueError(f"quantization {method!r}: checkpoints with a quantized LM head "
+                         "(quantization_config lm_head: true) are not supported")
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     if bits != 4:
         raise ValueError(f"quantization {method!r} with {bits} bits is not supported (only 4)")
@@ -265,11 +324,34 @@ def quantize_linears(model, plan: QuantPlan | None, dtype):
             group = in_f if plan.group_size == -1 else plan.group_size
             new = nnx.eval_shape(lambda: Int4Linear(in_f, out_f, bias=bias, dtype=dtype,
                                                     group_size=group, act_order=plan.act_order))
-        parent = model
-        for p in path[:-1]:
-            parent = parent[p] if isinstance(p, int) else getattr(parent, str(p))
-        setattr(parent, str(path[-1]), new)
+        _replace(model, path, new)
+    if plan.lm_head:
+        parent, name, head = lm_head_module(model)
+        rows, cols = head.weight.get_value().shape
+        if name == "lm_head":
+            new = nnx.eval_shape(lambda: Fp8Linear(cols, rows, bias=False, dtype=dtype))
+        else:
+            new = nnx.eval_shape(lambda: Fp8Embedding(rows, cols, dtype=dtype))
+        setattr(parent, name, new)
     return model
+
+
+def _replace(model, path, new) -> None:
+    parent = model
+    for p in path[:-1]:
+        parent = parent[p] if isinstance(p, int) else getattr(parent, str(p))
+    setattr(parent, str(path[-1]), new)
+
+
+def lm_head_module(model):
+    """(parent, attribute, module) of the table the logits use: ``lm_head``, or the embedding
+    it is tied to."""
+    if not hasattr(model, "lm_head") or not hasattr(getattr(model, "model", None),
+                                                    "embed_tokens"):
+        raise ValueError(f"lm_head_quantized is not supported for {type(model).__name__}")
+    if model.lm_head is not None:
+        return model, "lm_head", model.lm_head
+    return model.model, "embed_tokens", model.model.embed_tokens
 
 
 @jax.jit
@@ -295,10 +377,19 @@ def quantize_model_fp8(model, plan: QuantPlan):
         new.weight_scale.set_value(scale)
         if lin.bias is not None:
             new.bias.set_value(lin.bias.get_value())
-        parent = model
-        for p in path[:-1]:
-            parent = parent[p] if isinstance(p, int) else getattr(parent, str(p))
-        setattr(parent, str(path[-1]), new)
+        _replace(model, path, new)
+    if plan.lm_head:
+        parent, name, head = lm_head_module(model)
+        w = head.weight.get_value()
+        if name == "lm_head":
+            new = nnx.eval_shape(lambda: Fp8Linear(w.shape[1], w.shape[0], bias=False,
+                                                   dtype=w.dtype))
+        else:
+            new = nnx.eval_shape(lambda: Fp8Embedding(w.shape[0], w.shape[1], dtype=w.dtype))
+        q, scale = _fp8_rows(w)
+        new.weight.set_value(q)
+        new.weight_scale.set_value(scale)
+        setattr(parent, name, new)
     return model
 
 
@@ -376,7 +467,10 @@ def _int4_from_gptq(t: dict, plan: QuantPlan) -> dict:
         z = (z + 1) & 0xF  # GPTQ v1 stores zero - 1 in 4 bits
     scales = np.asarray(t["scales"]).T  # [out, G]
     n_in, groups = q.shape[1], scales.shape[1]
-    size = n_in // groups
+    size = plan.group_size if plan.group_size != -1 else n_in
+    if -(-n_in // size) != groups:
+        raise ValueError(f"gptq scales have {groups} groups for {n_in} input channels in groups "
+                         f"of {size}")
     g_idx = np.asarray(t["g_idx"]).astype(np.int64) if "g_idx" in t else np.arange(n_in) // size
     out = {"zeros": z.astype(np.uint8), "scales": scales}
     if plan.act_order:
@@ -427,9 +521,9 @@ def _from_gguf(t: dict, plan: QuantPlan) -> dict:
     return decode_gguf_blocks(raw, fmt)
 
 
-def _fp8_from_checkpoint(t: dict, plan: QuantPlan) -> dict:
+def _fp8_from_checkpoint(t: dict, plan: QuantPlan, at_load: bool = False) -> dict:
     w = np.asarray(t["weight"])
-    if not plan.prequantized:
+    if at_load or not plan.prequantized:
         q, s = quantize_fp8_per_channel(w)
         return {"weight": q, "weight_scale": s}
     if w.dtype != ml_dtypes.float8_e4m3fn:
@@ -451,6 +545,9 @@ _SOURCES = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "gguf": ("weight",),
 }
+# The vocabulary tables an fp8 LM head may be: quantized at load even in an fp8 checkpoint
+# unless the checkpoint carries their weight_scale (fp8 checkpoints usually keep them float).
+_HEAD_PREFIXES = ("lm_head", "model.embed_tokens")
 _CONVERT = {"fp8": _fp8_from_checkpoint, "awq": _int4_from_awq, "gptq": _int4_from_gptq,
             "gguf": _from_gguf}
 
@@ -471,6 +568,10 @@ def checkpoint_tensors(plan: QuantPlan | None, tensors: Mapping[str, Callable],
     def converted(prefix):
         srcs = {k: tensors[f"{prefix}.{k}"]() for k in _SOURCES[plan.method]
                 if f"{prefix}.{k}" in tensors}
+        if plan.method == "fp8" and prefix in _HEAD_PREFIXES:
+            if "weight" not in srcs:
+                raise ValueError(f"checkpoint is missing tensor {prefix + '.weight'!r}")
+            return convert(srcs, plan, at_load="weight_scale" not in srcs)
         if plan.method != "fp8" or plan.prequantized:
             missing = [k for k in _SOURCES[plan.method][:2] if k not in srcs]
             if missing:

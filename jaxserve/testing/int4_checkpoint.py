@@ -1,5 +1,6 @@
 """AWQ / GPTQ 4-bit checkpoints made from a float HF checkpoint by round-to-nearest, written in
-each format's documented packing (tests and benchmarks; no calibration, so quality is RTN's).
+each format's documented packing (tests and benchmarks; no calibration, so quality is RTN's;
+:mod:`jaxserve.testing.gptq` writes the same GPTQ format from the GPTQ algorithm).
 
 AWQ (GEMM): ``qweight [in, out/8]`` and ``qzeros [G, out/8]`` int32 packed along the output
 dimension in the interleaved nibble order 0,2,4,6,1,3,5,7; ``scales [G, out]``.
@@ -42,6 +43,15 @@ def dequantize_reference(q, scales, zeros, groups) -> np.ndarray:
     return (q.astype(np.float32) - zeros[:, groups]) * scales[:, groups].astype(np.float32)
 
 
+def gptq_tensors(prefix: str, q, scales, zeros, groups) -> dict:
+    """One layer's GPTQ v1 tensors from ``q [out, in]``, ``scales``/``zeros [out, G]`` and
+    each input channel's group ``groups [in]``."""
+    return {prefix + ".qweight": pack_int32(q.T, 0),
+            prefix + ".qzeros": pack_int32((zeros.astype(np.int32).T - 1) & 0xF, 1),
+            prefix + ".g_idx": np.asarray(groups, np.int32),
+            prefix + ".scales": np.ascontiguousarray(np.asarray(scales, np.float16).T)}
+
+
 def _is_quantized(name: str) -> bool:
     return name.endswith("_proj.weight")
 
@@ -69,7 +79,7 @@ def write_int4_checkpoint(src, dst, method: str, *, group_size: int = 32,
             continue
         prefix = name[:-len(".weight")]
         n_out, n_in = w.shape
-        n_groups = n_in // group_size
+        n_groups = -(-n_in // group_size)  # the last group may be short (GPTQ's layout)
         order = rng.permutation(n_in) if desc_act else np.arange(n_in)
         groups = np.empty(n_in, np.int64)
         groups[order] = np.arange(n_in) // group_size  # channel order[j] is in group j // size
@@ -79,11 +89,9 @@ def write_int4_checkpoint(src, dst, method: str, *, group_size: int = 32,
         if method == "awq":
             out[prefix + ".qweight"] = pack_int32(q.T, 1, AWQ_ORDER)
             out[prefix + ".qzeros"] = pack_int32(zeros.T, 1, AWQ_ORDER)
+            out[prefix + ".scales"] = np.ascontiguousarray(scales.T)
         else:
-            out[prefix + ".qweight"] = pack_int32(q.T, 0)
-            out[prefix + ".qzeros"] = pack_int32((zeros.astype(np.int32).T - 1) & 0xF, 1)
-            out[prefix + ".g_idx"] = groups.astype(np.int32)
-        out[prefix + ".scales"] = np.ascontiguousarray(scales.T)
+            out.update(gptq_tensors(prefix, q, scales, zeros, groups))
     save_file(out, str(dst / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
     if method == "awq":

@@ -1,5 +1,6 @@
 """Quantized weights under tensor parallelism (4 fake CPU devices): fp8 and GPTQ int4 params and
-their scales are sharded with the Megatron specs, and greedy tokens at tp=2 equal tp=1.
+their scales are sharded with the Megatron specs (an fp8 tied embedding/LM head and its per-row
+scales with the vocabulary), and greedy tokens at tp=2 equal tp=1.
 
 The checks run in a child process started with ``--xla_force_host_platform_device_count=4``
 (set before jax is imported); it prints one JSON document, the assertions are made here.
@@ -19,7 +20,7 @@ PROMPTS = [[5, 9, 13, 21, 34], [100, 200, 300], [42, 43, 44, 45, 46, 47, 48]]
 ENGINE_KW = dict(dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
                  max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32)
 WATCH = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
-         "model.layers.0.mlp.down_proj")
+         "model.layers.0.mlp.down_proj", "model.embed_tokens")
 
 
 def _child(cases: dict) -> dict:
@@ -32,9 +33,10 @@ def _child(cases: dict) -> dict:
     assert len(jax.devices()) == 4
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     report = {}
-    for name, (path, quant) in cases.items():
+    for name, (path, quant, lm_head) in cases.items():
         for tp in (1, 2):
-            llm = LLM(path, quantization=quant, tensor_parallel_size=tp, **ENGINE_KW)
+            llm = LLM(path, quantization=quant, lm_head_quantized=lm_head,
+                      tensor_parallel_size=tp, **ENGINE_KW)
             model = llm.llm_engine.model
             shards = {}
             for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -58,7 +60,9 @@ def report(tiny_model_factory, tmp_path_factory):
     src = tiny_model_factory("llama", init_std=0.1, heads=8, kv_heads=4)
     gptq = tmp_path_factory.mktemp("gptq") / "gptq"
     write_int4_checkpoint(src, gptq, "gptq", group_size=32)
-    cases = {"fp8": (str(src), "fp8"), "gptq": (str(gptq), None)}
+    tied = tiny_model_factory("llama", init_std=0.1, heads=8, kv_heads=4, tie_embeddings=True)
+    cases = {"fp8": (str(src), "fp8", False), "gptq": (str(gptq), None, False),
+             "fp8-head": (str(tied), "fp8", True)}
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, __file__, json.dumps(cases)], env=env,
@@ -68,7 +72,7 @@ def report(tiny_model_factory, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fp8", "gptq"])
+@pytest.mark.parametrize("method", ["fp8", "gptq", "fp8-head"])
 def test_tp2_greedy_equals_tp1(report, method):
     assert report[f"{method}-tp2"]["tokens"] == report[f"{method}-tp1"]["tokens"]
 
@@ -85,6 +89,17 @@ def test_fp8_weights_and_scales_are_sharded(report):
     assert s[o + ".weight"]["shard"] == [[out, inp // 2]]  # row parallel: input columns split
     assert s[o + ".weight_scale"]["shard"] == [[out]]  # per-output scales replicated
     assert report["fp8-tp1"]["shards"][q + ".weight"]["shard"] == [s[q + ".weight"]["shape"]]
+
+
+@pytest.mark.slow
+def test_fp8_tied_table_and_row_scales_shard_with_the_vocabulary(report):
+    s = report["fp8-head-tp2"]["shards"]
+    e = "model.embed_tokens"
+    vocab, hidden = s[e + ".weight"]["shape"]
+    assert s[e + ".weight"]["dtype"] == "float8_e4m3fn"
+    assert s[e + ".weight"]["shard"] == [[vocab // 2, hidden]]
+    assert s[e + ".weight_scale"]["shard"] == [[vocab // 2]]
+    assert report["fp8-tp2"]["shards"][e + ".weight"]["dtype"] == "float32"  # not asked
 
 
 @pytest.mark.slow

@@ -1,0 +1,123 @@
+"""fp8 LM head on request (``lm_head_quantized``, vLLM's name): the tied embedding table is
+quantized once, per vocabulary row, and serves both the embedding gather and the logits; an
+untied ``lm_head`` is quantized alone. Tiny random checkpoints; SmolLM2 numbers are in
+test_quantization.py (``smol_runs``)."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.loaders.model_loader import load_model
+from jaxserve.models import quantization as Q
+
+pytest.importorskip("torch")
+from tests.models.test_quantization import _flat, _logits, _write_fp8_checkpoint  # noqa: E402
+
+
+def _set(model, name, value):
+    obj = model
+    for part in name.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    obj.set_value(jnp.asarray(value))
+
+
+def _dequantized_reference(src, flat):
+    """The float model of ``src`` with every fp8 tensor of ``flat`` replaced by its
+    dequantization ``weight * weight_scale[:, None]``."""
+    ref, _, _ = load_model(str(src), dtype="float32")
+    for name, scale in flat.items():
+        if name.endswith(".weight_scale"):
+            prefix = name[:-len(".weight_scale")]
+            w = np.asarray(flat[prefix + ".weight"]).astype(np.float32)
+            _set(ref, prefix + ".weight", w * np.asarray(scale)[:, None])
+    return ref
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_fp8_lm_head_equals_float_model_with_dequantized_table(tiny_model_factory, tied):
+    """The table is float8 with one scale per vocabulary entry, equal to the host per-row
+    quantization of the checkpoint's table; the gathered embeddings and the logits equal a
+    float model carrying the dequantized weights (so the same scales serve gather and head)."""
+    from safetensors.numpy import load_file
+
+    src = tiny_model_factory("llama", tie_embeddings=tied)
+    model, cfg, _ = load_model(str(src), dtype="float32", quantization="fp8",
+                               lm_head_quantized=True)
+    flat = _flat(model)
+    table = "model.embed_tokens" if tied else "lm_head"
+    assert flat[table + ".weight"].dtype == jnp.float8_e4m3fn
+    assert flat[table + ".weight_scale"].shape == (cfg.vocab_size,)
+    if tied:
+        assert "lm_head.weight" not in flat  # one table, quantized once
+    else:  # only the head was asked for
+        assert flat["model.embed_tokens.weight"].dtype == jnp.float32
+    q, s = Q.quantize_fp8_per_channel(load_file(str(src / "model.safetensors"))[table + ".weight"])
+    np.testing.assert_array_equal(np.asarray(flat[table + ".weight"]).astype(np.float32),
+                                  q.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(flat[table + ".weight_scale"]), s, rtol=1e-7)
+
+    ref = _dequantized_reference(src, flat)
+    ids = np.random.default_rng(0).integers(5, cfg.vocab_size, 24).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(model.model.embed_tokens(jnp.asarray(ids))),
+                               np.asarray(ref.model.embed_tokens(jnp.asarray(ids))),
+                               rtol=1e-6, atol=1e-7)
+    a, b = _logits(model, cfg, ids), _logits(ref, cfg, ids)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_fp8_lm_head_dummy_weights_quantize_on_device(tiny_model_factory):
+    """``load_format="dummy"``: the random float table quantized on device equals the host
+    per-row quantization of the same table."""
+    src = tiny_model_factory("llama", tie_embeddings=True)
+    model, _, _ = load_model(str(src), dtype="float32", load_format="dummy")
+    w = np.asarray(model.model.embed_tokens.weight.get_value())
+    model = Q.quantize_model_fp8(model, Q.QuantPlan("fp8", prequantized=False, lm_head=True))
+    emb = model.model.embed_tokens
+    q, s = Q.quantize_fp8_per_channel(w)
+    np.testing.assert_allclose(np.asarray(emb.weight_scale.get_value()), s, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(emb.weight.get_value()).astype(np.float32),
+                                  q.astype(np.float32))
+
+
+def test_fp8_checkpoint_head_is_quantized_at_load(tiny_llama_dir, tmp_path):
+    """An fp8 checkpoint keeps its LM head float (compressed-tensors ``ignore: [lm_head]``);
+    asked for, the head is quantized at load: the same tensors as quantizing the float
+    checkpoint with the flag."""
+    ct = _write_fp8_checkpoint(tiny_llama_dir, tmp_path / "ct", style="compressed-tensors")
+    a = _flat(load_model(str(ct), dtype="float32", lm_head_quantized=True)[0])
+    b = _flat(load_model(str(tiny_llama_dir), dtype="float32", quantization="fp8",
+                         lm_head_quantized=True)[0])
+    assert sorted(a) == sorted(b) and a["lm_head.weight"].dtype == jnp.float8_e4m3fn
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32))
+
+
+def test_lm_head_quantized_errors_name_the_field(tiny_llama_dir, tmp_path):
+    from jaxserve.config import EngineConfig
+    from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.testing.int4_checkpoint import write_int4_checkpoint
+
+    with pytest.raises(ValueError, match="lm_head_quantized must be true or false"):
+        LLM(str(tiny_llama_dir), quantization="fp8", lm_head_quantized="yes")
+    with pytest.raises(ValueError, match="lm_head_quantized needs quantization 'fp8'"):
+        EngineConfig(quantization="awq", lm_head_quantized=True)
+    with pytest.raises(ValueError, match=r"lm_head_quantized needs quantization 'fp8' \(got None"):
+        load_model(str(tiny_llama_dir), lm_head_quantized=True)  # a float checkpoint, no method
+    gptq = tmp_path / "gptq"
+    write_int4_checkpoint(tiny_llama_dir, gptq, "gptq", group_size=32)
+    with pytest.raises(ValueError, match="lm_head_quantized needs quantization 'fp8'"):
+        load_model(str(gptq), lm_head_quantized=True)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"]["lm_head"] = True
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized LM head"):
+        load_model(str(gptq))
+
+    args = build_parser().parse_args(["serve", "demo-random", "-q", "fp8", "--lm-head-quantized"])
+    assert engine_config_from_args(args).lm_head_quantized is True
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).lm_head_quantized is False
