@@ -6,8 +6,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (in this order): pytest  kernels  tp11  tp8b  serving  (and, when named in STAGES:
-#   startup  moe)
+# Stages (in this order): pytest  kernels  tp11  tp8b  serving  startup  moe
 #   pytest   pytest -m gpu (short)
 #   kernels  benchmarks/kernels.py (when present)
 #   tp11     throughput, 1.1B shape (tinyllama-1.1b preset, dummy weights, bf16): 1024 prompts,
@@ -40,7 +39,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels tp11 tp8b serving"}
+STAGES=${STAGES:-"pytest kernels tp11 tp8b serving startup moe"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
