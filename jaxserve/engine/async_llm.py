@@ -137,4 +137,8 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         self._stopping.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._thread.join, 5.0)
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None:  # buckets still compiling: no thread outlives the engine
+            await loop.run_in_executor(None, runner.stop_warmup)

@@ -485,6 +485,13 @@ class ModelRunner:
         top = max(ready, default=0)
         return tuple(t for t in self.ladder if t in ready or t > top)
 
+    def stop_warmup(self) -> None:
+        """Drop the compiles not started and wait for the running one: an engine that shuts
+        down leaves no thread tracing or compiling behind it."""
+        if self._compiles is not None and not self.warmed_up:
+            self._compiles.cancel()
+            self._compiles.join()
+
     def step_token_limit(self) -> int | None:
         """While buckets compile, the largest compiled token bucket (the smallest one before
         any is ready): the scheduler keeps each step within it, so steps run on the graphs

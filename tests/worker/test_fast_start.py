@@ -10,7 +10,8 @@
 * While only the smallest bucket is compiled, steps are kept within it (long prompts go in
   chunks of that size) and every request completes with the tokens of a warmed-up engine.
 * ``/health`` of a server whose engine is compiling answers 503 with the progress, then 200
-  once the smallest bucket is compiled, and requests sent before that complete.
+  once the smallest bucket is compiled, and requests sent before that complete; shutting the
+  engine down drops the compiles still queued (no thread keeps tracing after it).
 """
 from __future__ import annotations
 
@@ -195,6 +196,8 @@ def test_health_reports_starting_then_ready(tiny_model_factory, monkeypatch):
     finally:
         gate.set()
         asyncio.run(engine.shutdown())
+    # the buckets still queued were dropped at shutdown and no compile thread is left running
+    assert not any(t.is_alive() for t in eng.runner._compiles._threads)
 
 
 def test_compile_pool_cancel_drops_queued_jobs():
