@@ -22,13 +22,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 
-from jaxserve.testing.int4_checkpoint import dequantize_reference, gptq_tensors
+from jaxserve.testing.int4_checkpoint import (copy_sidecars_and_load, dequantize_reference,
+                                              gptq_tensors)
 
 logger = logging.getLogger(__name__)
 CALIBRATION_TEXT = Path(__file__).parents[1] / "data" / "tiny_corpus.txt"
@@ -215,18 +215,12 @@ def write_gptq_checkpoint(src, dst, *, group_size: int = 128, desc_act: bool = F
     (the packing :mod:`jaxserve.testing.int4_checkpoint` documents) quantized by GPTQ on the
     calibration text. Returns the reference dequantized ``[out, in]`` weight of every
     quantized projection."""
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     src, dst = Path(src), Path(dst)
     quantized = calibrate_and_quantize(src, group_size=group_size, act_order=desc_act,
                                        num_tokens=num_tokens, seq_len=seq_len, damp=damp)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = copy_sidecars_and_load(src, dst)
     out, reference = {}, {}
     for name, w in tensors.items():
         prefix = name[:-len(".weight")]

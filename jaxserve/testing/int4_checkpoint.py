@@ -52,6 +52,21 @@ def gptq_tensors(prefix: str, q, scales, zeros, groups) -> dict:
             prefix + ".scales": np.ascontiguousarray(np.asarray(scales, np.float16).T)}
 
 
+def copy_sidecars_and_load(src: Path, dst: Path) -> dict[str, np.ndarray]:
+    """Copy a float checkpoint's non-weight files (config, tokenizer) to ``dst`` and return
+    its tensors by name: the start of every int4 writer."""
+    from safetensors.numpy import load_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
 def _is_quantized(name: str) -> bool:
     return name.endswith("_proj.weight")
 
@@ -61,16 +76,10 @@ def write_int4_checkpoint(src, dst, method: str, *, group_size: int = 32,
     """``src`` (float safetensors dir) -> ``dst`` in ``method`` ("awq" | "gptq") format.
 
     Returns the reference dequantized ``[out, in]`` weight of every quantized projection."""
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, dst / f.name)
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = copy_sidecars_and_load(src, dst)
     rng = np.random.default_rng(seed)
     out, reference = {}, {}
     for name, w in tensors.items():
