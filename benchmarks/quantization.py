@@ -3,7 +3,7 @@
 Per variant: live weight bytes (all params, and the quantized projections alone), held-out
 perplexity (tests/data/heldout.txt) and decode tokens/s (a batch of greedy requests, EOS
 ignored). The bf16 baseline is the default GGUF dequantized to bf16; fp8 quantizes its
-projections at load, fp8-lm-head its tied embedding/LM head too (``lm_head_quantized``).
+projections at load, fp8-lm-head its tied embedding/LM head too, in int8 (``lm_head_quantized``).
 int4 variants are GPTQ-format checkpoints made from the float model, per group size: ``rtn``
 by round-to-nearest, ``gptq`` by the GPTQ algorithm (jaxserve/testing/gptq.py) calibrated on
 jaxserve/data/tiny_corpus.txt (sequentially, layer by layer). The GGUF is Q4_1 (4-bit blocks

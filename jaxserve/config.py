@@ -180,7 +180,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | reference | pallas
     # None: the checkpoint's own quantization_config; fp8 also quantizes a float checkpoint
     quantization: str | None = None
-    # vLLM's lm_head_quantized: with fp8, the LM head (a tied embedding with it) in fp8 too
+    # vLLM's lm_head_quantized: with fp8, the LM head (a tied embedding with it) in int8 too
     lm_head_quantized: bool = False
     served_model_name: str | None = None
     # schedule and dispatch step N+1 while step N runs (exact: same tokens as without)

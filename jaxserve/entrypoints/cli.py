@@ -90,8 +90,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "GGUF's Q4_0/Q4_1/Q8_0 weights quantized in memory). Default: the "
                         "checkpoint's own quantization_config, else none")
     m.add_argument("--lm-head-quantized", action="store_true",
-                   help="with --quantization fp8: the LM head (a tied embedding with it) in fp8 "
-                        "too, one scale per vocabulary entry (default: serving dtype)")
+                   help="with --quantization fp8: the LM head (a tied embedding with it) "
+                        "quantized too, int8 with one scale per vocabulary entry (default: "
+                        "serving dtype)")
     m.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
     m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="name(s) the API answers to; the first is reported in responses and "

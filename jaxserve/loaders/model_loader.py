@@ -399,7 +399,7 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
     experts split whole over the mesh instead of each expert split by tensor parallelism.
     ``quantization``: fp8 | awq | gptq | gguf (None: the checkpoint's own
     ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized).
-    ``lm_head_quantized``: with fp8, the LM head (or the tied embedding) in fp8 too."""
+    ``lm_head_quantized``: with fp8, the LM head (or the tied embedding) in int8 (per row) too."""
     quant_lib.validate_method(quantization)
     quant_lib.validate_lm_head_quantized(lm_head_quantized)
     serving = dict(enable_expert_parallel=enable_expert_parallel)

@@ -3,17 +3,17 @@
 A quantized model is the family's ordinary model with its projection ``Linear`` modules
 (``*_proj``) swapped for a quantized module before loading (:func:`quantize_linears`); norms and
 MoE routers keep the serving dtype, and so do the LM head and embeddings unless the plan asks
-for the head (``lm_head_quantized``, fp8 only, vLLM's name): an untied ``lm_head`` becomes an
-:class:`Fp8Linear`, a tied embedding table an :class:`Fp8Embedding` quantized once for both
-uses. Every quantized tensor is an ordinary ``nnx.Param`` of its layer module, so the state tree
-(and anything that stacks or shards it) sees plain leaves.
+for the head (``lm_head_quantized``, with fp8 only, vLLM's name): the head's table (an untied
+``lm_head``, or the embedding tied to it, quantized once for both uses) becomes an
+:class:`Int8Table`. Every quantized tensor is an ordinary ``nnx.Param`` of its layer module,
+so the state tree (and anything that stacks or shards it) sees plain leaves.
 
 Layouts in memory (HF ``[out, in]`` orientation, so tensor-parallel specs follow the weight's):
 
 * fp8: ``weight [out, in]`` float8_e4m3fn and ``weight_scale [out]`` float32 (per output
-  channel); ``W = weight * weight_scale[:, None]``. A vocabulary table ``[V, H]`` has the same
-  layout: one scale per vocabulary entry, which is the LM head's output channel and the
-  embedding's row.
+  channel); ``W = weight * weight_scale[:, None]``.
+* the LM head's table ``[V, H]``: ``weight`` int8 and ``weight_scale [V]`` float32, one scale
+  per vocabulary entry, which is the head's output channel and the embedding's row.
 * int4 / int8 groups (AWQ, GPTQ, GGUF Q4_0/Q4_1/Q8_0): ``qweight [out, in/2]`` uint8 (two
   4-bit values a byte, low nibble first) or ``[out, in]`` uint8 for 8 bits, ``scales [out, G]``
   serving dtype and ``zeros [out, G]`` zero points (uint8; float32 for GGUF Q4_1, whose
@@ -171,13 +171,16 @@ class Int4Linear(nnx.Module):
         return y
 
 
-class Fp8Embedding(nnx.Module):
-    """A vocabulary table ``[V, H]`` in float8_e4m3fn with one float32 scale per row. The
-    gather dequantizes only the rows it takes; as a tied LM head (:func:`lm_head_logits`) a
-    row's scale is its logit's output-channel scale, so one table serves both."""
+class Int8Table(nnx.Module):
+    """A vocabulary table ``[V, H]`` (the LM head, or the embedding tied to it) in int8 with
+    one float32 scale per row. int8 rather than fp8: the head's matmul is weight-only anyway,
+    and at the same bytes int8 has half fp8's rounding error on such a table (SmolLM2: 1.2 % vs
+    2.6 % relative RMS), which the logits of every token see. The gather dequantizes only the
+    rows it takes; as the head (:func:`lm_head_logits`) a row's scale is its logit's scale, so
+    a tied table serves both."""
 
     def __init__(self, num_embeddings: int, features: int, *, dtype):
-        self.weight = nnx.Param(jnp.zeros((num_embeddings, features), FP8))
+        self.weight = nnx.Param(jnp.zeros((num_embeddings, features), jnp.int8))
         self.weight_scale = nnx.Param(jnp.ones((num_embeddings,), jnp.float32))
         self.dtype_name = jnp.dtype(dtype).name  # static: the serving dtype of the output
 
@@ -189,9 +192,9 @@ class Fp8Embedding(nnx.Module):
 
 def lm_head_logits(head, hidden):
     """``[N, H]`` hidden states -> ``[N, V]`` float32 logits through the LM head's (or tied
-    embedding's) ``weight [V, H]``. An fp8 table is upcast to the activation dtype inside the
-    matmul (weight-only on every backend: the logits keep full activation precision) and each
-    logit takes its row's scale."""
+    embedding's) ``weight [V, H]``. An int8 table is upcast to the activation dtype inside the
+    matmul (exactly: |q| <= 127; weight-only on every backend, so the logits keep the full
+    activation precision) and each logit takes its row's scale."""
     w = head.weight[...]
     scale = getattr(head, "weight_scale", None)
     if scale is None:
@@ -328,11 +331,7 @@ def quantize_linears(model, plan: QuantPlan | None, dtype):
     if plan.lm_head:
         parent, name, head = lm_head_module(model)
         rows, cols = head.weight.get_value().shape
-        if name == "lm_head":
-            new = nnx.eval_shape(lambda: Fp8Linear(cols, rows, bias=False, dtype=dtype))
-        else:
-            new = nnx.eval_shape(lambda: Fp8Embedding(rows, cols, dtype=dtype))
-        setattr(parent, name, new)
+        setattr(parent, name, nnx.eval_shape(lambda: Int8Table(rows, cols, dtype=dtype)))
     return model
 
 
@@ -361,6 +360,13 @@ def _fp8_rows(w):
     return jnp.clip(wf / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
+@jax.jit
+def _int8_rows(w):
+    wf = w.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=1) / 127.0, 1e-12)
+    return jnp.clip(jnp.round(wf / scale[:, None]), -127, 127).astype(jnp.int8), scale
+
+
 def quantize_model_fp8(model, plan: QuantPlan):
     """fp8 on device for a model already holding float weights (random ``dummy`` weights):
     each projection ``Linear`` becomes an :class:`Fp8Linear` with the same sharding layout."""
@@ -381,12 +387,8 @@ def quantize_model_fp8(model, plan: QuantPlan):
     if plan.lm_head:
         parent, name, head = lm_head_module(model)
         w = head.weight.get_value()
-        if name == "lm_head":
-            new = nnx.eval_shape(lambda: Fp8Linear(w.shape[1], w.shape[0], bias=False,
-                                                   dtype=w.dtype))
-        else:
-            new = nnx.eval_shape(lambda: Fp8Embedding(w.shape[0], w.shape[1], dtype=w.dtype))
-        q, scale = _fp8_rows(w)
+        new = nnx.eval_shape(lambda: Int8Table(w.shape[0], w.shape[1], dtype=w.dtype))
+        q, scale = _int8_rows(w)
         new.weight.set_value(q)
         new.weight_scale.set_value(scale)
         setattr(parent, name, new)
@@ -421,6 +423,14 @@ def quantize_fp8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w = np.asarray(w, np.float32)
     scale = np.maximum(np.abs(w).max(axis=1) / FP8_MAX, np.float32(1e-12)).astype(np.float32)
     q = np.clip(w / scale[:, None], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_int8_per_row(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w [rows, cols]`` -> (int8 table, float32 per-row scale), symmetric round to nearest."""
+    w = np.asarray(w, np.float32)
+    scale = np.maximum(np.abs(w).max(axis=1) / 127.0, np.float32(1e-12)).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
     return q, scale
 
 
@@ -521,9 +531,9 @@ def _from_gguf(t: dict, plan: QuantPlan) -> dict:
     return decode_gguf_blocks(raw, fmt)
 
 
-def _fp8_from_checkpoint(t: dict, plan: QuantPlan, at_load: bool = False) -> dict:
+def _fp8_from_checkpoint(t: dict, plan: QuantPlan) -> dict:
     w = np.asarray(t["weight"])
-    if at_load or not plan.prequantized:
+    if not plan.prequantized:
         q, s = quantize_fp8_per_channel(w)
         return {"weight": q, "weight_scale": s}
     if w.dtype != ml_dtypes.float8_e4m3fn:
@@ -545,8 +555,20 @@ _SOURCES = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "gguf": ("weight",),
 }
-# The vocabulary tables an fp8 LM head may be: quantized at load even in an fp8 checkpoint
-# unless the checkpoint carries their weight_scale (fp8 checkpoints usually keep them float).
+def _head_from_checkpoint(t: dict) -> dict:
+    """The LM head table (or the embedding tied to it) -> int8 per row, from its float weight
+    or from an fp8 one with its ``weight_scale`` (dequantized first)."""
+    w = np.asarray(t["weight"])
+    if w.dtype == ml_dtypes.float8_e4m3fn:
+        if "weight_scale" not in t:
+            raise ValueError("fp8 checkpoint LM head lacks weight_scale")
+        s = np.asarray(t["weight_scale"], np.float32).reshape(-1)
+        w = w.astype(np.float32) * (s[:, None] if s.size > 1 else s)
+    q, s = quantize_int8_per_row(w)
+    return {"weight": q, "weight_scale": s}
+
+
+# The vocabulary tables a quantized LM head may be: int8 per row, made at load.
 _HEAD_PREFIXES = ("lm_head", "model.embed_tokens")
 _CONVERT = {"fp8": _fp8_from_checkpoint, "awq": _int4_from_awq, "gptq": _int4_from_gptq,
             "gguf": _from_gguf}
@@ -571,7 +593,7 @@ def checkpoint_tensors(plan: QuantPlan | None, tensors: Mapping[str, Callable],
         if plan.method == "fp8" and prefix in _HEAD_PREFIXES:
             if "weight" not in srcs:
                 raise ValueError(f"checkpoint is missing tensor {prefix + '.weight'!r}")
-            return convert(srcs, plan, at_load="weight_scale" not in srcs)
+            return _head_from_checkpoint(srcs)
         if plan.method != "fp8" or plan.prequantized:
             missing = [k for k in _SOURCES[plan.method][:2] if k not in srcs]
             if missing:
