@@ -41,6 +41,22 @@ def pytest_collection_modifyitems(config, items):
             it.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Every XLA:CPU program keeps its machine code in memory maps of its own (about ten for a
+    small one, hundreds for a model step); the whole suite in one process passes the kernel's
+    ``vm.max_map_count`` (65530) and the next compile then dies of a segfault. After each
+    module, the programs that only JAX's caches still hold are dropped."""
+    yield
+    if "jax" in sys.modules:
+        import gc
+
+        import jax
+
+        gc.collect()
+        jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """``(arch="llama", **overrides) -> Path``: a tiny random HF checkpoint, built once per session.
