@@ -24,6 +24,17 @@ def _flat(model) -> dict:
             for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+def _float_model_with(src, weights: dict):
+    """The float32 model of checkpoint ``src`` with the named params replaced by ``weights``."""
+    model, _, _ = load_model(str(src), dtype="float32")
+    for name, w in weights.items():
+        obj = model
+        for part in name.split("."):
+            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+        obj.set_value(jnp.asarray(w))
+    return model
+
+
 def _logits(model, cfg, ids, kv_dtype=jnp.float32):
     """Logits of one sequence through the paged forward (reference attention)."""
     from test_models import BLOCK, PagedRunner  # noqa: F401  (the shared test driver)
@@ -350,12 +361,7 @@ def test_int4_checkpoint_dequantizes_to_its_reference(tiny_llama_dir, tmp_path, 
     assert (model.model.layers[0].self_attn.q_proj.perm is not None) == desc_act
 
     # The float model with the reference weights: same logits, same greedy tokens.
-    float_model, _, _ = load_model(str(tiny_llama_dir), dtype="float32")
-    for name, w in ref.items():
-        obj = float_model
-        for part in name.split("."):
-            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-        obj.set_value(jnp.asarray(w))
+    float_model = _float_model_with(tiny_llama_dir, ref)
     ids = np.arange(7, 40, dtype=np.int32)
     a, b = _logits(model, cfg, ids), _logits(float_model, cfg, ids)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -71,7 +71,7 @@ def test_gptq_checkpoint_loads_and_equals_its_reference(tiny_llama_dir, tmp_path
 
     from jaxserve.loaders.model_loader import load_model
     from jaxserve.testing.gptq import write_gptq_checkpoint
-    from tests.models.test_quantization import _logits
+    from tests.models.test_quantization import _float_model_with, _logits
 
     ckpt = tmp_path / "gptq"
     ref = write_gptq_checkpoint(tiny_llama_dir, ckpt, group_size=32, desc_act=True,
@@ -85,12 +85,7 @@ def test_gptq_checkpoint_loads_and_equals_its_reference(tiny_llama_dir, tmp_path
         w = ref[f"model.layers.1.self_attn.{proj}.weight"]
         np.testing.assert_allclose(np.asarray(mod(jnp.asarray(x))), x @ w.T, rtol=1e-4,
                                    atol=1e-5)
-    float_model, _, _ = load_model(str(tiny_llama_dir), dtype="float32")
-    for name, w in ref.items():
-        obj = float_model
-        for part in name.split("."):
-            obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-        obj.set_value(jnp.asarray(w))
+    float_model = _float_model_with(tiny_llama_dir, ref)
     ids = np.arange(7, 40, dtype=np.int32)
     np.testing.assert_allclose(_logits(model, cfg, ids), _logits(float_model, cfg, ids),
                                rtol=1e-4, atol=1e-4)

@@ -14,26 +14,17 @@ from jaxserve.loaders.model_loader import load_model
 from jaxserve.models import quantization as Q
 
 pytest.importorskip("torch")
-from tests.models.test_quantization import _flat, _logits, _write_fp8_checkpoint  # noqa: E402
-
-
-def _set(model, name, value):
-    obj = model
-    for part in name.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    obj.set_value(jnp.asarray(value))
+from tests.models.test_quantization import (  # noqa: E402
+    _flat, _float_model_with, _logits, _write_fp8_checkpoint)
 
 
 def _dequantized_reference(src, flat):
     """The float model of ``src`` with every quantized tensor of ``flat`` replaced by its
     dequantization ``weight * weight_scale[:, None]``."""
-    ref, _, _ = load_model(str(src), dtype="float32")
-    for name, scale in flat.items():
-        if name.endswith(".weight_scale"):
-            prefix = name[:-len(".weight_scale")]
-            w = np.asarray(flat[prefix + ".weight"]).astype(np.float32)
-            _set(ref, prefix + ".weight", w * np.asarray(scale)[:, None])
-    return ref
+    return _float_model_with(src, {
+        name[:-len("_scale")]: np.asarray(flat[name[:-len("_scale")]]).astype(np.float32)
+        * np.asarray(scale)[:, None]
+        for name, scale in flat.items() if name.endswith(".weight_scale")})
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
