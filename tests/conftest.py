@@ -43,9 +43,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Every XLA:CPU program keeps its machine code in memory maps of its own (about ten for a
-    small one, hundreds for a model step); the whole suite in one process passes the kernel's
-    ``vm.max_map_count`` (65530) and the next compile then dies of a segfault. After each
+    """Every XLA:CPU program keeps its machine code in memory maps of its own (six or more
+    each); the whole suite in one process passes the kernel's ``vm.max_map_count`` (65530),
+    and there LLVM fails ("Cannot allocate memory") and the compile segfaults. After each
     module, the programs that only JAX's caches still hold are dropped."""
     yield
     if "jax" in sys.modules:
