@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -19,7 +20,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import EngineDeadError
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.streams import FINISHED, RequestStreams, next_output
+from jaxserve.engine.streams import FINISHED, RequestStreams
 
 logger = logging.getLogger(__name__)
 
@@ -93,22 +94,15 @@ class AsyncLLM:
         q = self._streams.open(request_id)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, sampling_params, priority), fut))
-        finished = False  # ended here or in the engine: nothing to abort
-        try:
-            try:
-                await asyncio.wrap_future(fut)
-                while (out := await next_output(q)) is not None:
-                    yield out
-                finished = True
-            except (GeneratorExit, asyncio.CancelledError):
-                raise
-            except Exception:
-                finished = True  # rejected, or the engine died
-                raise
-        finally:
-            self._streams.close(request_id)
+
+        def end(finished: bool) -> None:
             if not finished:
                 self._commands.put(("abort", (request_id,), None))
+
+        async with contextlib.aclosing(self._streams.follow(
+                request_id, q, asyncio.wrap_future(fut), end)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", (request_id,), None))

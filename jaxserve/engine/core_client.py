@@ -15,6 +15,7 @@ This module and everything it imports must stay free of jax: that is the point o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -31,7 +32,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import decode_message, run_engine_core
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.streams import FINISHED, RequestStreams, next_output
+from jaxserve.engine.streams import FINISHED, RequestStreams
 from jaxserve.engine.tokenizer import prompt_ids
 from jaxserve.errors import EngineDeadError
 
@@ -171,25 +172,17 @@ class EngineCoreClient:
         with self._processor_lock:
             self._processor.add_request(request_id, text, ids, params)
         self._send(("add", request_id, ids, params, priority))
-        finished = False  # ended here or in the core: nothing to abort
-        try:
-            try:
-                await added
-                while (out := await next_output(q)) is not None:
-                    yield out
-                finished = True
-            except (GeneratorExit, asyncio.CancelledError):
-                raise
-            except Exception:
-                finished = True  # rejected, or the core died
-                raise
-        finally:
-            self._streams.close(request_id)
+
+        def end(finished: bool) -> None:
             self._adds.pop(request_id, None)
             with self._processor_lock:
                 self._processor.abort_request(request_id)
             if not finished and self._dead is None and not self._stopping:
                 self._send(("abort", request_id))
+
+        async with contextlib.aclosing(self._streams.follow(request_id, q, added, end)) as outputs:
+            async for out in outputs:
+                yield out
 
 
     async def abort(self, request_id: str) -> None:

@@ -2,11 +2,14 @@
 
 ``AsyncLLM`` and ``EngineCoreClient`` hand outputs to waiting ``generate`` calls the same way:
 each request owns an asyncio queue on its caller's loop; the feeding thread puts outputs, then
-``FINISHED`` or an exception, with ``call_soon_threadsafe``.
+``FINISHED`` or an exception, with ``call_soon_threadsafe``; ``generate`` reads it through
+``RequestStreams.follow``, which closes it and says whether an abort is due.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import AsyncIterator, Awaitable, Callable
+
 from jaxserve.errors import InvalidRequestError
 
 FINISHED = object()  # the end of a stream
@@ -45,6 +48,28 @@ class RequestStreams:
     def fail_all(self, error: BaseException) -> None:
         for rid in list(self._streams):
             self.put(rid, error)
+
+    async def follow(self, request_id: str, q: asyncio.Queue, accepted: Awaitable,
+                     on_end: Callable[[bool], None]) -> AsyncIterator:
+        """The outputs of an opened stream, once ``accepted`` (the add's acknowledgement)
+        resolves, to its end. Always closes the stream, then calls ``on_end(finished)``:
+        ``finished`` is False when the reader stopped first, so the request is still running
+        and is due an abort. Read it under ``contextlib.aclosing`` so that runs on time."""
+        finished = False  # True once there is nothing to abort: ended, rejected, engine dead
+        try:
+            try:
+                await accepted
+                while (out := await next_output(q)) is not None:
+                    yield out
+                finished = True
+            except (GeneratorExit, asyncio.CancelledError):
+                raise
+            except Exception:
+                finished = True
+                raise
+        finally:
+            self.close(request_id)
+            on_end(finished)
 
 
 async def next_output(q: asyncio.Queue):
