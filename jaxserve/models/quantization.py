@@ -235,7 +235,7 @@ def plan_from_config(quantization: str | None, hf_config: Mapping,
 
     No flag: the checkpoint's own method (as vLLM). fp8 on an unquantized checkpoint quantizes
     at load; awq/gptq need a checkpoint in that format. ``lm_head_quantized`` (fp8 only): the
-    LM head too, per vocabulary row, quantized at load unless the checkpoint has its scale."""
+    LM head too, made int8 per vocabulary row at load (:class:`Int8Table`)."""
     method = validate_method(quantization)
     lm_head = validate_lm_head_quantized(lm_head_quantized)
     qc = dict(hf_config.get("quantization_config") or {})
@@ -547,14 +547,6 @@ def _fp8_from_checkpoint(t: dict, plan: QuantPlan) -> dict:
     return {"weight": w, "weight_scale": np.broadcast_to(s, (w.shape[0],)).copy()}
 
 
-# Checkpoint tensors each layer format reads; `input_scale` (static activation scales) is read
-# and ignored: activation scales are always computed per token.
-_SOURCES = {
-    "fp8": ("weight", "weight_scale", "input_scale"),
-    "awq": ("qweight", "qzeros", "scales"),
-    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
-    "gguf": ("weight",),
-}
 def _head_from_checkpoint(t: dict) -> dict:
     """The LM head table (or the embedding tied to it) -> int8 per row, from its float weight
     or from an fp8 one with its ``weight_scale`` (dequantized first)."""
@@ -568,6 +560,14 @@ def _head_from_checkpoint(t: dict) -> dict:
     return {"weight": q, "weight_scale": s}
 
 
+# Checkpoint tensors each layer format reads; `input_scale` (static activation scales) is read
+# and ignored: activation scales are always computed per token.
+_SOURCES = {
+    "fp8": ("weight", "weight_scale", "input_scale"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "gguf": ("weight",),
+}
 # The vocabulary tables a quantized LM head may be: int8 per row, made at load.
 _HEAD_PREFIXES = ("lm_head", "model.embed_tokens")
 _CONVERT = {"fp8": _fp8_from_checkpoint, "awq": _int4_from_awq, "gptq": _int4_from_gptq,
