@@ -134,7 +134,8 @@ class LLMEngine:
                 config.model, dtype=config.dtype, load_format=config.load_format,
                 attention_backend=backend, mesh=self.mesh,
                 enable_expert_parallel=config.parallel.enable_expert_parallel,
-                quantization=config.quantization, lm_head_quantized=config.lm_head_quantized)
+                quantization=config.quantization, lm_head_quantized=config.lm_head_quantized,
+                **config.model_source())
             self.tokenizer = early.result() if early is not None else \
                 _load_tokenizer(self.model_dir, config.tokenizer)
         param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
@@ -234,6 +235,9 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
                                       param="request_id")
+        if priority and self.config.scheduler.policy == "fcfs":
+            raise InvalidRequestError(f"priority {priority}: priority scheduling is not enabled "
+                                      "(--scheduling-policy fcfs)", param="priority")
         ids = self._check_prompt_ids(prompt_token_ids)
         params.verify_vocab(self.model_config.vocab_size)
         params = params.verify_logprobs(self.config.max_logprobs, self.model_config.vocab_size)

@@ -7,6 +7,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import engine_config_from_kwargs
+from jaxserve.worker.memory_budget import set_allocator_fraction
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import RequestOutput
@@ -18,6 +19,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         self.config = engine_config_from_kwargs(model, **kwargs)
+        # before JAX starts, if it has not: gpu_memory_utilization of the device's total memory
+        set_allocator_fraction(self.config.cache.gpu_memory_utilization)
         self.llm_engine = LLMEngine(self.config)
         self._ids = itertools.count()
 

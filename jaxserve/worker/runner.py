@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.worker import parallel
+from jaxserve.worker import memory_budget, parallel
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
@@ -242,11 +242,14 @@ def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype,
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
     act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
     reserve = 2 * act + (256 << 20)
-    free = limit * cache.gpu_memory_utilization - in_use - reserve
+    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
+    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
+                                         reserve)
     n = int(free // per_page)
     if n < 2:
         raise ValueError(
-            f"no room for the KV cache: {limit / 2**30:.1f} GiB limit, {in_use / 2**30:.1f} GiB in "
+            f"no room for the KV cache: {total / 2**30:.1f} GiB device, "
+            f"gpu_memory_utilization {cache.gpu_memory_utilization}, {in_use / 2**30:.1f} GiB in "
             f"use; raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return n
@@ -288,6 +291,8 @@ class ModelRunner:
         self._sample = _sample_fn(mesh, self.num_top_logprobs)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         self.warmed_up = False  # every bucket compiled and run once
+        # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
+        self.enforce_eager = engine_config.enforce_eager
         # One step at a time touches the KV pool: the engine's steps and the warm-up runs of
         # buckets compiled in the background.
         self._pool_lock = threading.RLock()
@@ -440,6 +445,9 @@ class ModelRunner:
     def warmup(self) -> float:
         """Compile and run every bucket (see :meth:`start_warmup`) on every core (nothing else
         runs meanwhile) and wait for all of them."""
+        if self.enforce_eager:
+            self._skip_warmup()
+            return 0.0
         self.start_warmup(workers=max(1, min(4, os.cpu_count() or 1)))
         self._compiles.wait_all()
         return self._warmup_s
@@ -458,6 +466,9 @@ class ModelRunner:
         """
         if self._compiles is not None:
             return
+        if self.enforce_eager:
+            self._skip_warmup()
+            return
         self._warmup_t0 = time.perf_counter()
         self._warmup_s = None
         self._jobs_done = 0
@@ -475,6 +486,11 @@ class ModelRunner:
             workers = 1
         self._compiles = CompilePool(jobs, workers, on_done=self._job_done)
         self._compiles.start()  # after the assignment: jobs wait on each other through it
+
+    def _skip_warmup(self) -> None:
+        logger.info("enforce_eager: no ahead-of-time warm-up; each of the token buckets %s "
+                    "compiles on the first step that needs it, so the zero-compiles-after-"
+                    "warm-up check is off", list(self.ladder))
 
     def _plan_ladder(self) -> tuple[int, ...]:
         """The buckets a step may use now: the compiled ones, and the ones above the largest
@@ -506,6 +522,8 @@ class ModelRunner:
         compiled; steps then fit the compiled buckets (:meth:`step_token_limit`) while the
         others compile."""
         n = len(self.ladder)
+        if self.enforce_eager:  # ready at once: steps compile what they need
+            return True, 0, n
         if self._compiles is None:
             return self.warmed_up, (n if self.warmed_up else 0), n
         done = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
