@@ -294,15 +294,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jaxserve", description="LLM inference and serving in JAX and Pallas.")
+        allow_abbrev=False, prog="jaxserve",
+        description="LLM inference and serving in JAX and Pallas.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible server",
+    serve = sub.add_parser("serve", allow_abbrev=False,
+                           help="start the OpenAI-compatible server",
                            description="Start the OpenAI-compatible HTTP server.")
     add_serve_args(serve)
 
-    gen = sub.add_parser("generate", help="generate one completion and exit",
+    gen = sub.add_parser("generate", allow_abbrev=False,
+                         help="generate one completion and exit",
                          description="Run one prompt through the offline LLM API.")
     gen.add_argument("model", nargs="?", default=None, metavar="MODEL")
     g = gen.add_argument_group("generation")
@@ -318,13 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
     _add_engine_args(gen)
 
-    bench = sub.add_parser("bench", help="run a benchmark script from benchmarks/",
+    bench = sub.add_parser("bench", allow_abbrev=False,
+                           help="run a benchmark script from benchmarks/",
                            description="Forward to benchmarks/<NAME>.py with the remaining "
                                        "arguments.")
     bench.add_argument("name", metavar="NAME", help="throughput | latency | serving | kernels")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    conv = sub.add_parser("convert", help="save a model as an orbax checkpoint",
+    conv = sub.add_parser("convert", allow_abbrev=False,
+                          help="save a model as an orbax checkpoint",
                           description="Save MODEL's params (in the serving dtype, HF names) as an "
                                       "orbax checkpoint in OUT, with config.json and the "
                                       "tokenizer; `serve OUT` restores it straight into the "
