@@ -350,8 +350,9 @@ def _download_from_hub(repo_id: str, revision: str | None = None,
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(
-            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja",
-                                     "*.model", "*.txt"]))
+            repo_id, revision=revision, cache_dir=download_dir,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja",
+                            "*.model", "*.txt"]))
     except Exception as e:  # offline, unknown repo, gated, ...
         raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
                          f"from the Hugging Face Hub: {type(e).__name__}: {e}") from None
@@ -431,7 +432,8 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
     ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized).
     ``lm_head_quantized``: with fp8, the LM head (or the tied embedding) in int8 (per row) too.
     ``revision``, ``download_dir``: for a Hub id; ``hf_overrides``: laid over config.json;
-    ``trust_remote_code`` is accepted, but remote code is never run (:func:`check_no_remote_code`)."""
+    ``trust_remote_code`` is accepted, but remote code is never run
+    (:func:`check_no_remote_code`)."""
     quant_lib.validate_method(quantization)
     quant_lib.validate_lm_head_quantized(lm_head_quantized)
     serving = dict(enable_expert_parallel=enable_expert_parallel)
