@@ -201,3 +201,89 @@ def test_allocator_fraction_is_set_before_jax_starts(tmp_path):
                          env={**env, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"},
                          check=True).stdout.split()
     assert out == ["0.5", "0.5"]
+
+
+# ---- one real launch through vLLM's entry point, many of its flags at once -------------------
+def _self_signed_cert(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+@pytest.mark.slow
+def test_api_server_entry_point_serves_with_vllm_flags(tmp_path, tiny_llama_dir):
+    """``python -m jaxserve.entrypoints.openai.api_server`` with a YAML config, HTTPS, the
+    vLLM API key variable, ngram speculation and --enforce-eager (no warm-up: the server is
+    ready at once and the first request compiles its bucket): a chat request under the served
+    name answers; --hf-overrides sets the model length; fcfs rejects a priority."""
+    import os
+    import shutil
+    import time
+
+    import httpx
+    import openai
+
+    from server_process import free_port, stop
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed for the self-signed certificate")
+    key, cert = _self_signed_cert(tmp_path)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("served-model-name: [tiny-chat]\nuvicorn-log-level: warning\n"
+                   "enable-prefix-caching: true\nmax-num-seqs: 4\n")
+    port = free_port()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", VLLM_API_KEY="secret",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("JAXSERVE_API_KEY", None)
+    argv = [sys.executable, "-m", "jaxserve.entrypoints.openai.api_server",
+            "--model", str(tiny_llama_dir), "--config", str(cfg), "--port", str(port),
+            "--dtype", "auto", "--load-format", "auto", "--trust-remote-code",
+            "--tokenizer-mode", "auto", "--revision", "main", "--download-dir",
+            str(tmp_path / "dl"), "--hf-overrides", '{"max_position_embeddings": 96}',
+            "--enable-chunked-prefill", "--num-scheduler-steps", "8",
+            "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
+            "--num-gpu-blocks-override", "32", "--gpu-memory-utilization", "0.9",
+            "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--enforce-eager",
+            "--speculative-model", "[ngram]", "--num-speculative-tokens", "2",
+            "--speculative-draft-tensor-parallel-size", "1", "--scheduling-policy", "fcfs",
+            "--disable-log-requests", "--root-path", "/llm", "--ssl-keyfile", str(key),
+            "--ssl-certfile", str(cert)]
+    log_path = tmp_path / "log.txt"
+    proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    base = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            try:
+                if httpx.get(f"{base}/health", verify=False, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.5)
+        http = httpx.Client(verify=False, timeout=120)
+        # VLLM_API_KEY is the key, and --root-path (uvicorn puts it in front of the path the
+        # middleware sees; the proxy strips it) does not open the /v1 routes
+        assert http.get(f"{base}/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="secret", http_client=http)
+        (card,) = client.models.list().data
+        assert card.id == "tiny-chat" and card.model_extra["max_model_len"] == 96
+        r = client.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        assert r.model == "tiny-chat" and r.usage.completion_tokens == 4
+        assert r.choices[0].message.content
+        bad = http.post(f"{base}/v1/completions", headers={"Authorization": "Bearer secret"},
+                        json={"model": "tiny-chat", "prompt": "hi", "max_tokens": 2,
+                              "priority": 3})
+        assert bad.status_code == 400 and "priority" in bad.text
+    finally:
+        stop(proc)
+    log = log_path.read_text()
+    assert "enforce_eager: no ahead-of-time warm-up" in log
+    assert "--num-scheduler-steps 8: ignored" in log
+    assert "this is a bug" not in log and "warm-up:" not in log

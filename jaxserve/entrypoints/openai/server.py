@@ -119,6 +119,12 @@ class _JSON(Response):
 PROTECTED = ("/v1", "/reset_prefix_cache")
 
 
+def _route_path(scope) -> str:
+    """The path the routes see: without ``--root-path``, which uvicorn keeps in ``path``."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class _BearerAuth:
     """Pure ASGI middleware: every protected route needs ``Authorization: Bearer <api_key>``."""
 
@@ -127,7 +133,7 @@ class _BearerAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED):
+        if scope["type"] == "http" and _route_path(scope).startswith(PROTECTED):
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.expected):
                 resp = error_response("missing or invalid API key (Authorization: Bearer ...)",
