@@ -415,6 +415,9 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and filled by the engine, which knows its backend."""
+    if enable_chunked_prefill is False and max_num_batched_tokens is None and max_model_len:
+        # vLLM: without chunked prefill the step budget holds a whole prompt
+        max_num_batched_tokens = max(int(max_model_len), SchedulerConfig.max_num_batched_tokens)
     given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  min_token_bucket=min_token_bucket, token_bucket_growth=token_bucket_growth)
     unset = tuple(k for k, v in given.items() if v is None)

@@ -98,6 +98,11 @@ def test_vllm_flags_map_to_their_meaning(caplog):
     assert c.speculative.draft_tensor_parallel_size == 1
     warned = [r.getMessage() for r in caplog.records if "num-scheduler-steps" in r.getMessage()]
     assert len(warned) == 1 and "single" in warned[0]
+    # vLLM's budget without chunked prefill when none is given: a whole prompt per step
+    e = engine_config_from_args(parse_args(["serve", "m", "--no-enable-chunked-prefill",
+                                            "--max-model-len", "4096"]))
+    assert e.scheduler.max_num_batched_tokens == 4096
+    assert "max_num_batched_tokens" not in e.scheduler.backend_defaults
     d = engine_config_from_args(parse_args(["serve", "m"]))
     assert d.scheduler.enable_chunked_prefill and not d.enforce_eager
 
