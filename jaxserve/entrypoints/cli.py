@@ -423,12 +423,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _serve(args) -> int:
     from jaxserve.entrypoints.openai.server import run_server
+    from jaxserve.worker.memory_budget import set_allocator_fraction
 
+    config = engine_config_from_args(args)  # bad flags fail here, before any work
+    # before JAX starts here (data-parallel replicas and multi-host run in this process; the
+    # core process inherits it): its allocator takes this fraction of the device's memory
+    set_allocator_fraction(config.cache.gpu_memory_utilization)
     if args.num_hosts > 1:  # before anything else touches JAX
         from jaxserve.worker import multihost
 
         multihost.initialize(args.num_hosts, args.host_index, args.coordinator)
-    config = engine_config_from_args(args)
     config.parallel.num_hosts, config.parallel.host_index = args.num_hosts, args.host_index
     config.parallel.coordinator = args.coordinator
     if args.num_hosts > 1 and args.host_index != 0:

@@ -152,7 +152,8 @@ def test_pipeline_parallel_above_one_is_a_start_up_error(capsys):
     assert "pipeline parallelism is not available yet" in err and "pipeline_parallel_size 2" in err
 
 
-def test_ssl_files_are_checked_before_loading(tmp_path, capsys):
+def test_ssl_files_are_checked_before_loading(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # serve sets it otherwise
     key = tmp_path / "k.pem"
     key.write_text("x")
     assert main(["serve", "demo-random", "--ssl-keyfile", str(key)]) == 2
