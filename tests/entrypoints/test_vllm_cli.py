@@ -219,11 +219,13 @@ def _self_signed_cert(tmp_path):
 
 
 @pytest.mark.slow
-def test_api_server_entry_point_serves_with_vllm_flags(tmp_path, tiny_llama_dir):
-    """``python -m jaxserve.entrypoints.openai.api_server`` with a YAML config, HTTPS, the
-    vLLM API key variable, ngram speculation and --enforce-eager (no warm-up: the server is
-    ready at once and the first request compiles its bucket): a chat request under the served
-    name answers; --hf-overrides sets the model length; fcfs rejects a priority."""
+def test_guide_commands_serve_through_the_api_server_entry_point(tmp_path, tiny_llama_dir):
+    """The production guide's command as written (host and port aside) plus the speculative
+    guide's flags, through ``python -m jaxserve.entrypoints.openai.api_server``, with a YAML
+    config, HTTPS and the vLLM API key variable: ready at once (--enforce-eager: the first
+    request compiles its bucket) and a chat request under the served name answers. The tiny
+    checkpoint's 2048-token limit is lifted by --hf-overrides, so --max-model-len 8192 loads;
+    the command line's served name beats the YAML's; fcfs rejects a priority."""
     import os
     import shutil
     import time
@@ -237,28 +239,26 @@ def test_api_server_entry_point_serves_with_vllm_flags(tmp_path, tiny_llama_dir)
         pytest.skip("openssl is needed for the self-signed certificate")
     key, cert = _self_signed_cert(tmp_path)
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("served-model-name: [tiny-chat]\nuvicorn-log-level: warning\n"
+    cfg.write_text("served-model-name: [from-yaml]\nuvicorn-log-level: warning\n"
                    "enable-prefix-caching: true\nmax-num-seqs: 4\n")
     port = free_port()
+    argv = jaxserve_argv(GUIDE_COMMANDS["production"], str(tiny_llama_dir))
+    argv[argv.index("--host") + 1] = "127.0.0.1"
+    argv[argv.index("--port") + 1] = str(port)
+    spec = jaxserve_argv(GUIDE_COMMANDS["speculative"], str(tiny_llama_dir))
+    argv += spec[spec.index("--speculative-model"):]
+    argv += ["--config", str(cfg), "--hf-overrides", '{"max_position_embeddings": 8192}',
+             "--tokenizer-mode", "auto", "--revision", "main", "--download-dir",
+             str(tmp_path / "dl"), "--tensor-parallel-size", "1", "--pipeline-parallel-size",
+             "1", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", VLLM_API_KEY="secret",
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("JAXSERVE_API_KEY", None)
-    argv = [sys.executable, "-m", "jaxserve.entrypoints.openai.api_server",
-            "--model", str(tiny_llama_dir), "--config", str(cfg), "--port", str(port),
-            "--dtype", "auto", "--load-format", "auto", "--trust-remote-code",
-            "--tokenizer-mode", "auto", "--revision", "main", "--download-dir",
-            str(tmp_path / "dl"), "--hf-overrides", '{"max_position_embeddings": 96}',
-            "--enable-chunked-prefill", "--num-scheduler-steps", "8",
-            "--max-num-batched-tokens", "32", "--min-token-bucket", "32",
-            "--num-gpu-blocks-override", "32", "--gpu-memory-utilization", "0.9",
-            "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--enforce-eager",
-            "--speculative-model", "[ngram]", "--num-speculative-tokens", "2",
-            "--speculative-draft-tensor-parallel-size", "1", "--scheduling-policy", "fcfs",
-            "--disable-log-requests", "--root-path", "/llm", "--ssl-keyfile", str(key),
-            "--ssl-certfile", str(cert)]
     log_path = tmp_path / "log.txt"
-    proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.entrypoints.openai.api_server",
+                             *argv[1:]], stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env=env)
     base = f"https://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -277,14 +277,14 @@ def test_api_server_entry_point_serves_with_vllm_flags(tmp_path, tiny_llama_dir)
         assert http.get(f"{base}/v1/models").status_code == 401
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="secret", http_client=http)
         (card,) = client.models.list().data
-        assert card.id == "tiny-chat" and card.model_extra["max_model_len"] == 96
+        assert card.id == "llama-3.1-8b" and card.model_extra["max_model_len"] == 8192
         r = client.chat.completions.create(
-            model="tiny-chat", messages=[{"role": "user", "content": "hello there"}],
+            model="llama-3.1-8b", messages=[{"role": "user", "content": "hello there"}],
             max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
-        assert r.model == "tiny-chat" and r.usage.completion_tokens == 4
+        assert r.model == "llama-3.1-8b" and r.usage.completion_tokens == 4
         assert r.choices[0].message.content
         bad = http.post(f"{base}/v1/completions", headers={"Authorization": "Bearer secret"},
-                        json={"model": "tiny-chat", "prompt": "hi", "max_tokens": 2,
+                        json={"model": "llama-3.1-8b", "prompt": "hi", "max_tokens": 2,
                               "priority": 3})
         assert bad.status_code == 400 and "priority" in bad.text
     finally:
