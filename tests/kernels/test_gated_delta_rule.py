@@ -2,18 +2,24 @@
 
 Random ragged steps mix long prefill rows (several chunks), short chunks continuing from a
 non-zero state, decodes, rows starting from zero and padding rows whose slot holds data that must
-survive. float32 throughout: tolerance 1e-5 relative to the largest output / state entry.
+survive. float32 throughout: tolerance 1e-5 relative to the largest output / state entry. The
+Pallas kernels run in interpret mode with small tiles (chunks of 16, 16 state columns per program,
+decode rows of up to 2 tokens) so CPU shapes still cover multi-chunk rows, several column blocks
+and both calls; one case runs the default tiles. Their CUDA lowering is checked with jax.export.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from pallas_kernels import gated_delta_rule as xla_gdn
+from pallas_kernels import gated_delta_rule_pallas as pallas_gdn
 from pallas_kernels import reference
 from pallas_kernels.ragged_batch import make_state_rows
 
@@ -28,19 +34,25 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def random_rows(rng, *, num_tokens=T, num_seqs=S, num_slots=N, max_real=None):
-    """A mixed step: every kind of row, in random order, with padding rows after."""
-    n = int(rng.integers(1, (max_real or num_seqs - 1) + 1))
+def random_rows(rng, *, num_tokens=T, num_seqs=S, num_slots=N):
+    """A mixed step in random order, padding rows after: at least one long row (several chunks of
+    16), one short chunk continuing from a state and one decode, the rest drawn from every kind."""
+    n = int(rng.integers(3, num_seqs))
+    kinds = ["long", "chunk", "decode"] + list(rng.choice(
+        ["long", "chunk", "decode", "fresh_short"], size=n - 3))
+    rng.shuffle(kinds)
     q_lens, ctx = [], []
-    budget = num_tokens - n
-    for _ in range(n):
-        kind = rng.choice(["long", "chunk", "decode", "fresh_short"])
+    budget = num_tokens - n  # every row keeps >= 1 token
+    for kind in kinds:
         if kind == "long":
-            ql = 1 + int(rng.integers(0, max(1, min(budget, 80)) + 1))
+            ql = 1 + int(rng.integers(min(budget, 16), max(min(budget, 60), 16) + 1))
         elif kind == "chunk":
-            ql = 1 + int(rng.integers(0, max(1, min(budget, 12)) + 1))
+            ql = 2 + int(rng.integers(0, 10))
+        elif kind == "fresh_short":
+            ql = 1 + int(rng.integers(0, 4))
         else:
-            ql = 1 + (int(rng.integers(0, min(budget, 3) + 1)) if kind == "fresh_short" else 0)
+            ql = 1
+        ql = min(ql, budget + 1)
         budget -= ql - 1
         q_lens.append(ql)
         fresh = kind == "fresh_short" or (kind == "long" and rng.random() < 0.5)
@@ -146,6 +158,94 @@ def test_xla_conv_equals_reference_on_random_ragged_steps(seed):
     assert _rel(y, y_ref) < 1e-5
     assert np.all(np.asarray(y)[rows.num_tokens:] == 0)
     check_pool(c, pool, rows, np.asarray(c_ref))
+
+
+
+# ---- the Pallas kernels: interpret mode on CPU --------------------------------------------
+
+DV_P = 32  # two column blocks of 16
+SMALL = dict(chunk_size=16, block_v=16, decode_max_tokens=2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pallas_gdn_equals_reference_on_random_ragged_steps(seed):
+    rng = np.random.default_rng(200 + seed)
+    rows = random_rows(rng)
+    q, k, v, g, beta, state = random_gdn_inputs(rng, dv=DV_P)
+    o_ref, s_ref = _ref_gdn()(q, k, v, g, beta, state, *rows.args())
+    o, s = pallas_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(), interpret=True,
+                                       **SMALL)
+    assert _rel(o, o_ref) < 1e-5
+    assert np.all(np.asarray(o)[rows.num_tokens:] == 0)
+    check_pool(s, state, rows, np.asarray(s_ref))
+
+
+def test_pallas_gdn_default_tiles_long_rows_bf16():
+    """Chunks of 64: a 66-token row continuing from a state (two chunks), a fresh 20-token row,
+    decodes and a 5-token row; bf16 q/k/v (the kernel computes in float32)."""
+    rng = np.random.default_rng(9)
+    rows = make_state_rows(rng, [66, 1, 20, 1, 5], [170, 9, 20, 1, 30], num_tokens=T,
+                           num_seqs=S, num_slots=N)
+    q, k, v, g, beta, state = random_gdn_inputs(rng, dv=DV_P, dtype=jnp.bfloat16)
+    g, beta = g.astype(np.float32), beta.astype(np.float32)
+    o_ref, s_ref = _ref_gdn()(q, k, v, g, beta, state, *rows.args())
+    o, s = pallas_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(), interpret=True)
+    assert o.dtype == jnp.bfloat16
+    assert _rel(o, o_ref) < 1e-2
+    check_pool(s, state, rows, np.asarray(s_ref))
+
+
+def test_rejects_bad_shapes():
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta, state = random_gdn_inputs(rng, dv=DV_P)
+    rows = make_state_rows(rng, [3], [3], num_tokens=T, num_seqs=S, num_slots=N)
+    with pytest.raises(ValueError, match="float32"):
+        pallas_gdn.gated_delta_rule(q, k, v, g, beta, state.astype(np.float16), *rows.args())
+    with pytest.raises(ValueError, match="chunk_size"):
+        pallas_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(), chunk_size=24)
+    with pytest.raises(TypeError):
+        pallas_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(), chunk=16)
+
+
+# ---- CUDA lowering (Pallas -> Triton), checked on CPU ---------------------------------------
+
+_HAS_PLUGIN = any(importlib.util.find_spec(m) is not None
+                  for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def export_for_cuda(fn, *specs):
+    exp = export.export(jax.jit(fn), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*specs)
+    return exp.mlir_module()
+
+
+@pytest.mark.skipif(not _HAS_PLUGIN, reason="jax CUDA plugin not installed")
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # Qwen3.6-27B's linear layers (16 key / 48 value heads of 128), a mixed bucket.
+        dict(t=256, s=32, n=40, hk=16, hv=48, dk=128, dv=128, dtype=jnp.bfloat16),
+        # Decode-only bucket, float32, per-device heads under tp 4, other tiles.
+        dict(t=16, s=16, n=17, hk=4, hv=12, dk=128, dv=128, dtype=jnp.float32,
+             cfg=dict(block_v=32, chunk_size=32, decode_max_tokens=1)),
+        # Nothing a power of two but the head dims.
+        dict(t=48, s=12, n=101, hk=2, hv=6, dk=64, dv=64, dtype=jnp.bfloat16),
+    ],
+    ids=["qwen36_27b", "decode_bucket_tp4", "odd_sizes"],
+)
+def test_gdn_lowers_for_cuda(shape):
+    sds = jax.ShapeDtypeStruct
+    t, s, n, hk, hv, dk, dv, dt = (shape[x] for x in ("t", "s", "n", "hk", "hv", "dk", "dv",
+                                                     "dtype"))
+    specs = (sds((t, hk, dk), dt), sds((t, hk, dk), dt), sds((t, hv, dv), dt),
+             sds((t, hv), jnp.float32), sds((t, hv), jnp.float32),
+             sds((n, hv, dk, dv), jnp.float32), sds((s + 1,), jnp.int32), sds((s,), jnp.int32),
+             sds((s,), jnp.int32))
+    text = export_for_cuda(functools.partial(pallas_gdn.gated_delta_rule,
+                                             **shape.get("cfg", {})), *specs)
+    assert text.count(TRITON) == 2
+    assert "gdn_decode" in text and "gdn_prefill" in text
 
 
 # ---- the reference against Hugging Face's qwen3_5 functions ----------------------------------
