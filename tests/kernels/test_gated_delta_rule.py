@@ -224,7 +224,7 @@ def export_for_cuda(fn, *specs):
 @pytest.mark.parametrize(
     "shape",
     [
-        # Qwen3.6-27B's linear layers (16 key / 48 value heads of 128), a mixed bucket.
+        # Large linear layers (16 key / 48 value heads of 128), a mixed bucket.
         dict(t=256, s=32, n=40, hk=16, hv=48, dk=128, dv=128, dtype=jnp.bfloat16),
         # Decode-only bucket, float32, per-device heads under tp 4, other tiles.
         dict(t=16, s=16, n=17, hk=4, hv=12, dk=128, dv=128, dtype=jnp.float32,
@@ -232,7 +232,7 @@ def export_for_cuda(fn, *specs):
         # Nothing a power of two but the head dims.
         dict(t=48, s=12, n=101, hk=2, hv=6, dk=64, dv=64, dtype=jnp.bfloat16),
     ],
-    ids=["qwen36_27b", "decode_bucket_tp4", "odd_sizes"],
+    ids=["hk16_hv48", "decode_bucket_tp4", "odd_sizes"],
 )
 def test_gdn_lowers_for_cuda(shape):
     sds = jax.ShapeDtypeStruct
