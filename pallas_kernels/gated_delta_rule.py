@@ -4,7 +4,9 @@ Same arguments and results as :func:`pallas_kernels.reference.gated_delta_rule` 
 :func:`pallas_kernels.reference.causal_conv1d` (the state-pool layout and the row rules are
 described there). One fixed-shape graph serves any mix of prefill chunks, decodes and padding:
 
-* **Decode rows** (one new token) take the recurrent update, all rows at once.
+* **Decode rows** (one new token; up to W with ``snapshot_slots [S, W]``, the verify rows of
+  speculative decoding) take the recurrent update, all rows at once, W steps, each token's state
+  snapshotted where asked (see :mod:`pallas_kernels.reference`).
 * **Longer rows** are cut into chunks of ``chunk_size`` (64) tokens, taken one after another by a
   loop whose trip count is the step's real number of chunks (zero in a decode-only step). A
   chunk is the WY/UT form of the rule: with ``gc`` the cumulative decay inside the chunk and
@@ -82,7 +84,7 @@ def chunk_step(s, q, k, v, g, beta):
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "chunk_size"))
 def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots, *,
                      scale: float | None = None, use_qk_l2norm: bool = True,
-                     chunk_size: int = CHUNK_SIZE):
+                     chunk_size: int = CHUNK_SIZE, snapshot_slots=None):
     """The gated delta rule over a ragged step (see :func:`reference.gated_delta_rule`).
 
     Returns ``(o [T, H_v, D_v] in q's dtype, state)``."""
@@ -96,17 +98,23 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots
     states = jnp.where(fresh[:, None, None, None], 0.0, state[slots].astype(jnp.float32))
     row_start = query_start[:-1]
 
-    # Decode rows: the recurrent update of every row at once.
-    is_dec = real & (q_len == 1)
-    t0 = jnp.clip(row_start, 0, t_len - 1)
-    o_dec, s_dec = recurrent_step(states, qf[t0], kf[t0], vf[t0], gf[t0], bf[t0])
-    states = jnp.where(is_dec[:, None, None, None], s_dec, states)
-    dec_tok = jnp.where(is_dec, row_start, t_len)  # out of range: dropped
+    # Decode rows: the recurrent update of every row at once, token j of each in step j.
+    width = 1 if snapshot_slots is None else max(1, snapshot_slots.shape[1])
+    is_dec = real & (q_len <= width)
     out = jnp.zeros((t_len + chunk_size, hv, dv), jnp.float32)
-    out = out.at[dec_tok].set(o_dec, mode="drop")
+    snaps = []
+    for j in range(width):
+        act = is_dec & (q_len > j)
+        tj = jnp.clip(row_start + j, 0, t_len - 1)
+        o_j, s_j = recurrent_step(states, qf[tj], kf[tj], vf[tj], gf[tj], bf[tj])
+        states = jnp.where(act[:, None, None, None], s_j, states)
+        out = out.at[jnp.where(act, row_start + j, t_len + chunk_size)].set(o_j, mode="drop")
+        if snapshot_slots is not None:
+            sj = snapshot_slots[:, j]
+            snaps.append((jnp.where(act & (sj >= 0) & (sj < num_slots), sj, num_slots), s_j))
 
     # Longer rows: their chunks one after another.
-    n_chunks = jnp.where(real & (q_len > 1), (q_len + chunk_size - 1) // chunk_size, 0)
+    n_chunks = jnp.where(real & (q_len > width), (q_len + chunk_size - 1) // chunk_size, 0)
     chunk_end = jnp.cumsum(n_chunks)
     pad = lambda a: jnp.concatenate([a, jnp.zeros((chunk_size,) + a.shape[1:], a.dtype)])
     qp, kp, vp, gp, bp = (pad(a) for a in (qf, kf, vf, gf, bf))
@@ -132,12 +140,14 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots
     out = jnp.where(valid[:, None, None], out[:t_len], 0.0)
     target = jnp.where(real, slots, num_slots)  # out of range: dropped
     state = state.at[target].set(states.astype(state.dtype), mode="drop")
+    for snap, s_j in snaps:
+        state = state.at[snap].set(s_j.astype(state.dtype), mode="drop")
     return out.astype(q.dtype), state
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
 def causal_conv1d(x, weight, bias, conv_state, query_start, seq_lens, state_slots, *,
-                  activation: str | None = "silu"):
+                  activation: str | None = "silu", snapshot_slots=None):
     """Depthwise causal conv with its history in the conv-state pool, every token at once
     (see :func:`reference.causal_conv1d`). Returns ``(y [T, C] in x's dtype, conv_state)``."""
     t_len, _ = x.shape
@@ -166,14 +176,29 @@ def causal_conv1d(x, weight, bias, conv_state, query_start, seq_lens, state_slot
         y = y + bias.astype(jnp.float32)
     y = jnp.where(valid[:, None], apply_activation(y, activation), 0.0)
 
-    # New history: the last K-1 of [history, this step's inputs] per row.
-    c_idx = jnp.arange(km1, dtype=jnp.int32)
-    src = q_len[:, None] + c_idx[None, :]  # [S, K-1] position in the concatenation
-    tok = jnp.clip(query_start[:-1, None] + src - km1, 0, t_len - 1)
-    from_x = jnp.swapaxes(xf[tok], 1, 2)  # [S, C, K-1]
-    from_hist = jnp.take_along_axis(
-        hist, jnp.broadcast_to(jnp.clip(src, 0, max(km1 - 1, 0))[:, None, :], hist.shape), axis=2)
-    new_hist = jnp.where((src >= km1)[:, None, :], from_x, from_hist)
+    # New history: the last K-1 of [history, this step's first n inputs] per row.
+    def history_after(n):  # n: [S, ...] tokens taken -> [S, ..., C, K-1]
+        src = n[..., None] + jnp.arange(km1, dtype=jnp.int32)  # position in the concatenation
+        tok = jnp.clip(query_start[:-1].reshape((-1,) + (1,) * (src.ndim - 1)) + src - km1,
+                       0, t_len - 1)
+        from_x = jnp.swapaxes(xf[tok], -1, -2)
+        col = jnp.clip(src, 0, max(km1 - 1, 0))
+        hist_b = hist.reshape(hist.shape[:1] + (1,) * (src.ndim - 2) + hist.shape[1:])
+        from_hist = jnp.take_along_axis(
+            jnp.broadcast_to(hist_b, src.shape[:-1] + hist.shape[1:]),
+            jnp.broadcast_to(col[..., None, :], src.shape[:-1] + hist.shape[1:]), axis=-1)
+        return jnp.where((src >= km1)[..., None, :], from_x, from_hist)
+
     target = jnp.where(real, slots, num_slots)
-    conv_state = conv_state.at[target].set(new_hist.astype(conv_state.dtype), mode="drop")
+    conv_state = conv_state.at[target].set(history_after(q_len).astype(conv_state.dtype),
+                                           mode="drop")
+    if snapshot_slots is not None:
+        width = snapshot_slots.shape[1]
+        i = jnp.arange(width, dtype=jnp.int32)
+        ok = (real & (q_len <= width))[:, None] & (i[None, :] < q_len[:, None])
+        ok = ok & (snapshot_slots >= 0) & (snapshot_slots < num_slots)
+        snap = jnp.where(ok, snapshot_slots, num_slots).reshape(-1)
+        after = history_after(jnp.broadcast_to(i[None, :] + 1, ok.shape))  # [S, W, C, K-1]
+        conv_state = conv_state.at[snap].set(
+            after.reshape((-1,) + after.shape[2:]).astype(conv_state.dtype), mode="drop")
     return y.astype(x.dtype), conv_state

@@ -10,6 +10,7 @@ its call's:
 
 * **decode** (rows of at most ``decode_max_tokens`` new tokens): the recurrent update, token by
   token (``S = e^g S; S += k (β (v - kᵀS))ᵀ; o = qᵀS``): vector work, the state traffic is the cost.
+  It also writes the per-token snapshots of speculative verify rows (``snapshot_slots``).
 * **prefill** (longer rows): the row's chunks of ``chunk_size`` tokens in order, each in the WY/UT
   form of :mod:`pallas_kernels.gated_delta_rule` (matmuls of ``chunk x D``); the unit lower
   triangular system of a chunk is inverted in registers by forward substitution (one row per
@@ -60,9 +61,14 @@ def _row(b, qs_ref, sl_ref, slot_ref, num_slots):
     return q0, q_len, sl, slot, (sl > 0) & (q_len > 0), sl - q_len <= 0
 
 
-def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, _o_alias,
-                s_in_ref, o_ref, s_ref, *, decode, hk, hv, dk, block_v, chunk,
-                max_dec, scale, l2, num_slots):
+def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *refs, decode, hk,
+                hv, dk, block_v, chunk, max_dec, scale, l2, num_slots, snap_width):
+    """One (row, value head, column block). ``refs``: the snapshot slots ``[S * W]`` when
+    ``snap_width`` (decode call only), then the aliased output and pool, the output and pool."""
+    snap_ref = None
+    if snap_width:
+        snap_ref, refs = refs[0], refs[1:]
+    _o_alias, s_in_ref, o_ref, s_ref = refs
     b = pl.program_id(0)
     h = pl.program_id(1)
     q0, q_len, _, slot, real, fresh = _row(b, qs_ref, sl_ref, slot_ref, num_slots)
@@ -92,6 +98,14 @@ def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, _o_
             s = s + kc * ((vv - kv_mem) * bv[:, None])
             o = jnp.sum(s * qv.T, axis=0, keepdims=True)
             plgpu.store(o_ref.at[vrow[:, None], cols], o.astype(o_ref.dtype))
+            if snap_width:
+                snap = snap_ref[b * snap_width + jnp.minimum(i, snap_width - 1)]
+
+                @pl.when((q_len <= snap_width) & (snap >= 0) & (snap < num_slots))
+                def _():
+                    rows = (snap * hv + h) * dk + lax.broadcasted_iota(jnp.int32, (dk,), 0)
+                    plgpu.store(s_ref.at[rows[:, None], cols], s)
+
             return s
 
         return lax.fori_loop(0, q_len, token, s)
@@ -147,22 +161,27 @@ def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, _o_
         plgpu.store(s_ref.at[s_rows[:, None], cols], s)
 
 
-def _call(out, state, meta, q_flat, k_flat, v_flat, g_flat, b_flat, *, decode, cfg, hk, hv, dk,
-          scale, l2, interpret):
+def _call(out, state, meta, q_flat, k_flat, v_flat, g_flat, b_flat, snap, *, decode, cfg, hk, hv,
+          dk, scale, l2, interpret):
     s_len = meta[1].shape[0]
+    snap_width = 0 if snap is None else snap.shape[0] // s_len
     dv = v_flat.shape[1]
     bv = cfg.block_v
     num_slots = state.shape[0] // (hv * dk)
     kernel = functools.partial(
         _gdn_kernel, decode=decode, hk=hk, hv=hv, dk=dk, block_v=bv, chunk=cfg.chunk_size,
-        max_dec=cfg.decode_max_tokens, scale=scale, l2=l2, num_slots=num_slots)
+        max_dec=cfg.decode_max_tokens, scale=scale, l2=l2, num_slots=num_slots,
+        snap_width=snap_width)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     cols = lambda a: pl.BlockSpec((a.shape[0], bv), lambda b, h, j: (0, j))
     # The pool is read through its aliased input: each program reads and writes only its own
     # row's (slot, head, columns) tile, so no program sees another's write.
-    args = (*meta, q_flat, k_flat, v_flat, g_flat, b_flat, out, state)
+    # A snapshot goes to another slot, which no other program reads.
+    extra = () if snap is None else (snap,)
+    args = (*meta, q_flat, k_flat, v_flat, g_flat, b_flat, *extra, out, state)
     in_specs = [whole(a) for a in meta] + [whole(q_flat), whole(k_flat), cols(v_flat),
-                                           whole(g_flat), whole(b_flat), cols(out), cols(state)]
+                                           whole(g_flat), whole(b_flat)]
+    in_specs += [whole(a) for a in extra] + [cols(out), cols(state)]
     warps = cfg.decode_num_warps if decode else cfg.prefill_num_warps
     name = "gdn_decode" if decode else f"gdn_prefill_c{cfg.chunk_size}"
     return pl.pallas_call(
@@ -178,8 +197,8 @@ def _call(out, state, meta, q_flat, k_flat, v_flat, g_flat, b_flat, *, decode, c
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "cfg", "interpret"),
                    donate_argnames=())
-def _gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots, *, scale,
-                      use_qk_l2norm, cfg, interpret):
+def _gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots,
+                      snapshot_slots, *, scale, use_qk_l2norm, cfg, interpret):
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     n = state.shape[0]
@@ -192,17 +211,20 @@ def _gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slot
                   interpret=interpret)
     out = jnp.zeros((t * hv, dv), q.dtype)
     s_flat = state.reshape(n * hv * dk, dv)
-    out, s_flat = _call(out, s_flat, meta, **flat, decode=False, **common)
-    out, s_flat = _call(out, s_flat, meta, **flat, decode=True, **common)
+    snap = None if snapshot_slots is None else snapshot_slots.astype(jnp.int32).reshape(-1)
+    out, s_flat = _call(out, s_flat, meta, **flat, snap=None, decode=False, **common)
+    out, s_flat = _call(out, s_flat, meta, **flat, snap=snap, decode=True, **common)
     return out.reshape(t, hv, dv), s_flat.reshape(state.shape)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots, *,
                      scale: float | None = None, use_qk_l2norm: bool = True,
-                     interpret: bool = False, **config):
+                     snapshot_slots=None, interpret: bool = False, **config):
     """The gated delta rule over a ragged step (see :func:`reference.gated_delta_rule`).
 
-    ``config`` overrides :class:`GDNConfig` fields. Returns ``(o [T, H_v, D_v] in q's dtype,
+    ``snapshot_slots [S, W]``: per-token state snapshots of rows of at most W tokens (taken by
+    the decode call, whose row limit is raised to W if lower). ``config`` overrides
+    :class:`GDNConfig` fields. Returns ``(o [T, H_v, D_v] in q's dtype,
     state)``; donate ``state`` at the caller's jit boundary for an in-place update."""
     cfg = GDNConfig(**config)
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
@@ -226,7 +248,13 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots
         raise ValueError(f"D_v {dv} not a multiple of block_v {block_v}")
     if cfg.decode_max_tokens < 1:
         raise ValueError(f"decode_max_tokens must be >= 1, got {cfg.decode_max_tokens}")
+    if snapshot_slots is not None:
+        if snapshot_slots.ndim != 2 or snapshot_slots.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"snapshot_slots must be [S, W] with S = {seq_lens.shape[0]}, got "
+                             f"{snapshot_slots.shape}")
+        width = snapshot_slots.shape[1]
+        cfg = dataclasses.replace(cfg, decode_max_tokens=max(cfg.decode_max_tokens, width))
     scale = float(dk ** -0.5 if scale is None else scale)
     return _gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots,
-                             scale=scale, use_qk_l2norm=bool(use_qk_l2norm), cfg=cfg,
+                             snapshot_slots, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), cfg=cfg,
                              interpret=bool(interpret))

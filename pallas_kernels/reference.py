@@ -155,6 +155,12 @@ def ragged_paged_attention(
 # A row whose context before this step is empty (``seq_lens - q_len == 0``: a new request, or
 # one recomputed after preemption) starts from zeros instead. Padding rows (``seq_lens == 0``)
 # neither read nor write the pool, whatever their slot, and their tokens come back as zeros.
+#
+# Snapshots (speculative decoding): with ``snapshot_slots [S, W]``, a real row of at most W new
+# tokens (a decode, or a verify row of k+1 tokens) also writes its state after its i-th new token
+# to slot ``snapshot_slots[b, i]`` (skipped where < 0), so a step that accepts only some draft
+# tokens can resume from the state of the last accepted one. Longer rows write no snapshots.
+# Snapshot slots must differ from every row's state slot.
 # ------------------------------------------------------------------------------------------
 
 
@@ -187,8 +193,22 @@ def gdn_inputs(q, k, v, g, beta, *, scale, use_qk_l2norm):
     return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
 
 
+def snapshot_targets(query_start, seq_lens, snapshot_slots, num_tokens, num_slots):
+    """Per token: the slot its post-token state is snapshotted to, ``num_slots`` (out of range,
+    dropped) where none."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of, _, valid = token_metadata(query_start, seq_lens, num_tokens)
+    width = snapshot_slots.shape[1]
+    q_len, _, _ = row_metadata(query_start, seq_lens)
+    off = t - query_start[seq_of]
+    slot = snapshot_slots[seq_of, jnp.clip(off, 0, width - 1)]
+    ok = valid & (q_len[seq_of] <= width) & (slot >= 0) & (slot < num_slots)
+    return jnp.where(ok, slot, num_slots).astype(jnp.int32)
+
+
 def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots, *,
-                     scale: float | None = None, use_qk_l2norm: bool = True):
+                     scale: float | None = None, use_qk_l2norm: bool = True,
+                     snapshot_slots=None):
     """The gated delta rule over a ragged step, one token at a time (the definition).
 
     q, k: ``[T, H_k, D_k]``; v: ``[T, H_v, D_v]``; g: ``[T, H_v]`` the decay in log space (<= 0);
@@ -199,7 +219,7 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots
 
     with q, k l2-normalised (``use_qk_l2norm``) and q scaled by ``scale`` (default D_k^-0.5).
     Returns ``(o [T, H_v, D_v] in q's dtype, state)`` with each real row's final state written to
-    its slot.
+    its slot (and its snapshots, when ``snapshot_slots`` is given).
     """
     t_len = q.shape[0]
     num_slots = state.shape[0]
@@ -217,23 +237,26 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots
         s = s + kt[:, :, None] * delta[:, None, :]
         o = jnp.einsum("hkv,hk->hv", s, qt, precision=jax.lax.Precision.HIGHEST)
         states = states.at[seq].set(jnp.where(ok, s, states[seq]))
-        return states, jnp.where(ok, o, 0.0)
+        return states, (jnp.where(ok, o, 0.0), None if snapshot_slots is None else s)
 
-    states, out = jax.lax.scan(step, init, (seq_of, valid, qf, kf, vf, gf, bf))
+    states, (out, per_token) = jax.lax.scan(step, init, (seq_of, valid, qf, kf, vf, gf, bf))
     target = jnp.where(real, slots, num_slots)  # out of range: dropped
     state = state.at[target].set(states.astype(state.dtype), mode="drop")
+    if snapshot_slots is not None:
+        snap = snapshot_targets(query_start, seq_lens, snapshot_slots, t_len, num_slots)
+        state = state.at[snap].set(per_token.astype(state.dtype), mode="drop")
     return out.astype(q.dtype), state
 
 
 def causal_conv1d(x, weight, bias, conv_state, query_start, seq_lens, state_slots, *,
-                  activation: str | None = "silu"):
+                  activation: str | None = "silu", snapshot_slots=None):
     """Depthwise causal conv over a ragged step, its history carried in the conv-state pool.
 
     x: ``[T, C]``; weight: ``[C, K]`` (HF's ``conv1d.weight.squeeze(1)``); bias: ``[C]`` or None;
     conv_state: the pool ``[N, C, K-1]``. Token t of a row sees the row's K-1 inputs before it
     (from the pool where they precede this step), ``y = act(sum_j w[:, j] * x[t-K+1+j] + b)``.
     Returns ``(y [T, C] in x's dtype, conv_state)`` with each real row's last K-1 inputs written
-    to its slot.
+    to its slot (and its snapshots, when ``snapshot_slots`` is given).
     """
     t_len = x.shape[0]
     num_slots = conv_state.shape[0]
@@ -248,15 +271,18 @@ def causal_conv1d(x, weight, bias, conv_state, query_start, seq_lens, state_slot
         window = jnp.concatenate([states[seq], xt[:, None]], axis=1)  # [C, K] oldest first
         y = jnp.sum(window * w, axis=1)
         states = states.at[seq].set(jnp.where(ok, window[:, 1:], states[seq]))
-        return states, jnp.where(ok, y, 0.0)
+        return states, (jnp.where(ok, y, 0.0), None if snapshot_slots is None else window[:, 1:])
 
-    states, y = jax.lax.scan(step, init, (seq_of, valid, x.astype(jnp.float32)))
+    states, (y, per_token) = jax.lax.scan(step, init, (seq_of, valid, x.astype(jnp.float32)))
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     y = apply_activation(y, activation)
     y = jnp.where(valid[:, None], y, 0.0)
     target = jnp.where(real, slots, num_slots)
     conv_state = conv_state.at[target].set(states.astype(conv_state.dtype), mode="drop")
+    if snapshot_slots is not None:
+        snap = snapshot_targets(query_start, seq_lens, snapshot_slots, t_len, num_slots)
+        conv_state = conv_state.at[snap].set(per_token.astype(conv_state.dtype), mode="drop")
     return y.astype(x.dtype), conv_state
 
 

@@ -248,6 +248,105 @@ def test_gdn_lowers_for_cuda(shape):
     assert "gdn_decode" in text and "gdn_prefill" in text
 
 
+@pytest.mark.skipif(not _HAS_PLUGIN, reason="jax CUDA plugin not installed")
+def test_gdn_with_snapshots_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    t, s, n, hk, hv, d = 64, 16, 100, 16, 32, 128
+    specs = (sds((t, hk, d), jnp.bfloat16), sds((t, hk, d), jnp.bfloat16),
+             sds((t, hv, d), jnp.bfloat16), sds((t, hv), jnp.float32), sds((t, hv), jnp.float32),
+             sds((n, hv, d, d), jnp.float32), sds((s + 1,), jnp.int32), sds((s,), jnp.int32),
+             sds((s,), jnp.int32), sds((s, 4), jnp.int32))
+    fn = lambda *a: pallas_gdn.gated_delta_rule(*a[:-1], snapshot_slots=a[-1])
+    assert export_for_cuda(fn, *specs).count(TRITON) == 2
+
+
+# ---- per-token snapshots (speculative decoding) ----------------------------------------------
+
+NS, W = 40, 4  # a pool with room for snapshots; verify rows of up to W tokens
+
+
+def rows_with_snapshots(rng):
+    """Verify rows (W tokens, and a shorter one), a decode, a long prefill (no snapshots) and
+    padding; snapshot slots disjoint from the rows' slots, a few left -1."""
+    rows = make_state_rows(rng, [W, 30, 1, 3, W], [W + 20, 30, 7, 10, W + 5], num_tokens=T,
+                           num_seqs=S, num_slots=NS)
+    free = np.setdiff1d(np.arange(1, NS), rows.state_slots[: rows.num_seqs])
+    snap = rng.permutation(free)[: S * W].reshape(S, W).astype(np.int32)
+    snap[4, 2] = -1
+    return rows, snap
+
+
+def test_reference_snapshots_are_the_states_after_each_token():
+    """Snapshot i of a verify row == the row's final state had it stopped after token i: what a
+    step that accepts i draft tokens must resume from (a draft that is always wrong: i = 0)."""
+    rng = np.random.default_rng(21)
+    q, k, v, g, beta, state = random_gdn_inputs(rng, num_slots=NS)
+    rows, snap = rows_with_snapshots(rng)
+    o, s = _ref_gdn()(q, k, v, g, beta, state, *rows.args(), snapshot_slots=snap)
+    s = np.asarray(s)
+    o_plain, s_plain = _ref_gdn()(q, k, v, g, beta, state, *rows.args())
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_plain))
+    written = set()
+    for b in (0, 3, 4):  # verify rows (row 4 skips its snapshot 2)
+        lo, ql, ctx = rows.query_start[b], rows.query_start[b + 1] - rows.query_start[b], \
+            rows.seq_lens[b]
+        for i in range(ql):
+            if snap[b, i] < 0:
+                continue
+            short = make_state_rows(rng, [i + 1], [ctx - ql + i + 1], num_tokens=T,
+                                    num_seqs=S, num_slots=NS)
+            short.state_slots[0] = rows.state_slots[b]
+            shift = lambda a: np.roll(a, -lo, axis=0)
+            _, s_short = _ref_gdn()(*(shift(a) for a in (q, k, v, g, beta)), state,
+                                    *short.args())
+            assert _rel(s[snap[b, i]], np.asarray(s_short)[rows.state_slots[b]]) < 1e-6
+            written.add(int(snap[b, i]))
+    # The last snapshot of a full verify row is its final state; nothing else was written.
+    np.testing.assert_array_equal(s[snap[0, W - 1]], s[rows.state_slots[0]])
+    written.add(int(snap[2, 0]))  # the decode row's one token
+    for slot in range(NS):
+        if slot not in written:
+            np.testing.assert_array_equal(s[slot], np.asarray(s_plain)[slot])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_snapshots_equal_reference(impl):
+    rng = np.random.default_rng(22)
+    q, k, v, g, beta, state = random_gdn_inputs(rng, dv=DV_P, num_slots=NS)
+    rows, snap = rows_with_snapshots(rng)
+    o_ref, s_ref = _ref_gdn()(q, k, v, g, beta, state, *rows.args(), snapshot_slots=snap)
+    if impl == "xla":
+        o, s = xla_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(),
+                                        snapshot_slots=snap, chunk_size=16)
+    else:
+        o, s = pallas_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(),
+                                           snapshot_slots=snap, interpret=True, **SMALL)
+    assert _rel(o, o_ref) < 1e-5
+    assert _rel(s, s_ref) < 1e-5
+    changed = np.flatnonzero(np.any(np.asarray(s_ref) != state, axis=(1, 2, 3)))
+    assert len(changed) == rows.num_seqs + W + 1 + 3 + W - 1  # rows + snapshots taken
+
+
+def test_conv_snapshots_equal_reference_and_shorter_runs():
+    rng = np.random.default_rng(23)
+    rows, snap = rows_with_snapshots(rng)
+    x = rng.standard_normal((T, CONV)).astype(np.float32)
+    w = rng.standard_normal((CONV, K)).astype(np.float32)
+    pool = rng.standard_normal((NS, CONV, K - 1)).astype(np.float32)
+    y_ref, c_ref = _ref_conv()(x, w, None, pool, *rows.args(), snapshot_slots=snap)
+    y, c = xla_gdn.causal_conv1d(x, w, None, pool, *rows.args(), snapshot_slots=snap)
+    assert _rel(y, y_ref) < 1e-5
+    np.testing.assert_allclose(np.asarray(c), np.asarray(c_ref), rtol=0, atol=0)
+    b, lo = 0, rows.query_start[0]
+    for i in range(W):
+        short = make_state_rows(rng, [i + 1], [rows.seq_lens[b] - W + i + 1], num_tokens=T,
+                                num_seqs=S, num_slots=NS)
+        short.state_slots[0] = rows.state_slots[b]
+        _, c_short = _ref_conv()(np.roll(x, -lo, axis=0), w, None, pool, *short.args())
+        np.testing.assert_array_equal(np.asarray(c_ref)[snap[b, i]],
+                                      np.asarray(c_short)[rows.state_slots[b]])
+
+
 # ---- the reference against Hugging Face's qwen3_5 functions ----------------------------------
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
