@@ -195,8 +195,7 @@ def _call(out, state, meta, q_flat, k_flat, v_flat, g_flat, b_flat, snap, *, dec
     )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "cfg", "interpret"),
-                   donate_argnames=())
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "cfg", "interpret"))
 def _gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots,
                       snapshot_slots, *, scale, use_qk_l2norm, cfg, interpret):
     t, hk, dk = q.shape

@@ -347,6 +347,38 @@ def test_conv_snapshots_equal_reference_and_shorter_runs():
                                       np.asarray(c_short)[rows.state_slots[b]])
 
 
+# ---- the same checks natively on a GPU (`-m gpu`) --------------------------------------------
+
+def _gpu_available():
+    try:
+        return any(dev.platform == "gpu" for dev in jax.devices())
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs a GPU backend")
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-4), (jnp.bfloat16, 2e-2)],
+                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("seed", range(3))
+def test_pallas_gdn_gpu(seed, dtype, tol):
+    """Default tiles, head dims of 128, chunks of 64: long rows, chunks, decodes, snapshots."""
+    rng = np.random.default_rng(300 + seed)
+    t, s, n = 512, 16, 64
+    rows = random_rows(rng, num_tokens=t, num_seqs=s, num_slots=n - 2 * s)
+    q, k, v, g, beta, state = random_gdn_inputs(rng, t=t, hk=4, hv=8, dk=128, dv=128,
+                                                num_slots=n, dtype=dtype)
+    g, beta = g.astype(np.float32), beta.astype(np.float32)
+    snap = np.arange(n - 2 * s, n, dtype=np.int32)[: s * 2].reshape(s, 2)
+    o_ref, s_ref = _ref_gdn()(q, k, v, g, beta, state, *rows.args(), snapshot_slots=snap)
+    o, st = pallas_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(),
+                                        snapshot_slots=snap)
+    assert _rel(o, o_ref) < tol
+    assert _rel(st, s_ref) < tol
+    o2, s2 = xla_gdn.gated_delta_rule(q, k, v, g, beta, state, *rows.args(), snapshot_slots=snap)
+    assert _rel(o2, o_ref) < tol and _rel(s2, s_ref) < tol
+
+
 # ---- the reference against Hugging Face's qwen3_5 functions ----------------------------------
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")

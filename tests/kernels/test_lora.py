@@ -141,6 +141,27 @@ def test_rejects_mismatched_shapes():
         lora.lora_delta_pallas(x, a, b, slots, scale, block_k=24)
 
 
+def _gpu_available():
+    try:
+        return any(dev.platform == "gpu" for dev in jax.devices())
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="needs a GPU backend")
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-4), (jnp.bfloat16, 2e-2)],
+                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("seed", range(3))
+def test_pallas_lora_gpu(seed, dtype, tol):
+    rng = np.random.default_rng(40 + seed)
+    args = random_step(rng, num_tokens=512, num_loras=8, d_in=1024, d_out=768, rank=16,
+                       dtype=dtype)
+    ref = naive(*args)
+    assert _rel(lora.lora_delta_pallas(*args), ref) < tol
+    assert _rel(lora.lora_delta(*args), ref) < tol
+
+
 _HAS_PLUGIN = any(importlib.util.find_spec(m) is not None
                   for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 TRITON = "__gpu$xla.gpu.triton"
