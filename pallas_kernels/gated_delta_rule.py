@@ -39,7 +39,17 @@ from pallas_kernels.reference import (
 )
 
 CHUNK_SIZE = 64
+STATE_DTYPE = jnp.float32
 _HI = lax.Precision.HIGHEST
+
+
+def state_shapes(*, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int) -> dict[str, tuple[int, ...]]:
+    """Per-slot shapes of one GDN layer's two state pools (both :data:`STATE_DTYPE`): the conv
+    history over the q/k/v channels (in ``in_proj_qkv``'s order) and the delta-rule state."""
+    conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    return {"conv": (conv_dim, conv_kernel - 1),
+            "recurrent": (num_v_heads, head_k_dim, head_v_dim)}
 
 
 def _mm(spec, a, b):

@@ -42,10 +42,15 @@ class GDNConfig:
     prefill_num_warps: int = 8
     decode_num_warps: int = 4
     num_stages: int = 1
+    # "highest": float32 matmuls (IEEE); "default": the device's fast float32 (TF32 on a GPU).
+    dot_precision: str = "highest"
 
 
-def _dot(a, b, ca, cb):
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=lax.Precision.HIGHEST,
+_PRECISION = {"highest": lax.Precision.HIGHEST, "default": lax.Precision.DEFAULT}
+
+
+def _dot(a, b, ca, cb, precision="highest"):
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=_PRECISION[precision],
                            preferred_element_type=jnp.float32)
 
 
@@ -62,7 +67,7 @@ def _row(b, qs_ref, sl_ref, slot_ref, num_slots):
 
 
 def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *refs, decode, hk,
-                hv, dk, block_v, chunk, max_dec, scale, l2, num_slots, snap_width):
+                hv, dk, block_v, chunk, max_dec, scale, l2, num_slots, snap_width, precision):
     """One (row, value head, column block). ``refs``: the snapshot slots ``[S * W]`` when
     ``snap_width`` (decode call only), then the aliased output and pool, the output and pool."""
     snap_ref = None
@@ -110,6 +115,8 @@ def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *re
 
         return lax.fori_loop(0, q_len, token, s)
 
+    dot = functools.partial(_dot, precision=precision)
+
     def prefill_row(s):
         pos = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
         r2 = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
@@ -131,7 +138,7 @@ def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *re
             decay = jnp.exp(jnp.where(lower, gc[:, None] - gc[None, :], -jnp.inf))
             kb = kv * bv[:, None]
             # M = -(strictly lower part of diag(beta) K K^T o decay); (I - M)^-1 row by row.
-            m = jnp.where(r2 > c2, -_dot(kb, kv, 1, 1) * decay, 0.0)
+            m = jnp.where(r2 > c2, -dot(kb, kv, 1, 1) * decay, 0.0)
 
             def subst(i, m):
                 row = jnp.sum(jnp.where(r2 == i, m, 0.0), axis=0)  # M[i, :]
@@ -140,15 +147,15 @@ def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *re
 
             tinv = lax.fori_loop(1, chunk, subst, m) + jnp.where(r2 == c2, 1.0, 0.0)
             eg = jnp.exp(gc)[:, None]
-            u = _dot(tinv, vv * bv[:, None], 1, 0)  # [C, BV]
-            w = _dot(tinv, kb * eg, 1, 0)  # [C, Dk]
-            v_new = u - _dot(w, s, 1, 0)
-            o = _dot(qv * eg, s, 1, 0) + _dot(_dot(qv, kv, 1, 1) * decay, v_new, 1, 0)
+            u = dot(tinv, vv * bv[:, None], 1, 0)  # [C, BV]
+            w = dot(tinv, kb * eg, 1, 0)  # [C, Dk]
+            v_new = u - dot(w, s, 1, 0)
+            o = dot(qv * eg, s, 1, 0) + dot(dot(qv, kv, 1, 1) * decay, v_new, 1, 0)
             idx = jnp.where(live, vrow, num_rows + pos)  # not real: past the end, dropped
             plgpu.store(o_ref.at[idx[:, None], cols], o.astype(o_ref.dtype),
                         mask=live[:, None])
             k_tail = kv * jnp.exp(g_last - gc)[:, None]
-            return s * jnp.exp(g_last) + _dot(k_tail, v_new, 0, 0)
+            return s * jnp.exp(g_last) + dot(k_tail, v_new, 0, 0)
 
         n_chunks = (q_len + chunk - 1) // chunk
         return lax.fori_loop(0, n_chunks, one_chunk, s)
@@ -171,7 +178,7 @@ def _call(out, state, meta, q_flat, k_flat, v_flat, g_flat, b_flat, snap, *, dec
     kernel = functools.partial(
         _gdn_kernel, decode=decode, hk=hk, hv=hv, dk=dk, block_v=bv, chunk=cfg.chunk_size,
         max_dec=cfg.decode_max_tokens, scale=scale, l2=l2, num_slots=num_slots,
-        snap_width=snap_width)
+        snap_width=snap_width, precision=cfg.dot_precision)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     cols = lambda a: pl.BlockSpec((a.shape[0], bv), lambda b, h, j: (0, j))
     # The pool is read through its aliased input: each program reads and writes only its own
@@ -245,6 +252,9 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
     if dv % block_v:
         raise ValueError(f"D_v {dv} not a multiple of block_v {block_v}")
+    if cfg.dot_precision not in _PRECISION:
+        raise ValueError(f"dot_precision must be one of {sorted(_PRECISION)}, got "
+                         f"{cfg.dot_precision!r}")
     if cfg.decode_max_tokens < 1:
         raise ValueError(f"decode_max_tokens must be >= 1, got {cfg.decode_max_tokens}")
     if snapshot_slots is not None:

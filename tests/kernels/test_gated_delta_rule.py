@@ -228,7 +228,7 @@ def export_for_cuda(fn, *specs):
         dict(t=256, s=32, n=40, hk=16, hv=48, dk=128, dv=128, dtype=jnp.bfloat16),
         # Decode-only bucket, float32, per-device heads under tp 4, other tiles.
         dict(t=16, s=16, n=17, hk=4, hv=12, dk=128, dv=128, dtype=jnp.float32,
-             cfg=dict(block_v=32, chunk_size=32, decode_max_tokens=1)),
+             cfg=dict(block_v=32, chunk_size=32, decode_max_tokens=1, dot_precision="default")),
         # Nothing a power of two but the head dims.
         dict(t=48, s=12, n=101, hk=2, hv=6, dk=64, dv=64, dtype=jnp.bfloat16),
     ],
@@ -439,3 +439,16 @@ def test_conv_reference_equals_hf_prefill_then_decode():
     rows2.state_slots[0] = rows.state_slots[0]
     y1, _ = _ref_conv()(pad(x[n:]), w, None, pool, *rows2.args())
     assert _rel(np.asarray(y1)[:1], hy1) < 1e-5
+
+
+def test_state_shapes_match_hf_layer():
+    cfg = pytest.importorskip("transformers").Qwen3_5TextConfig(
+        hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    layer = hf.Qwen3_5GatedDeltaNet(cfg, layer_idx=0)
+    shapes = xla_gdn.state_shapes(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
+                                  conv_kernel=4)
+    assert shapes["conv"] == (layer.conv1d.in_channels, layer.conv_kernel_size - 1)
+    assert shapes["recurrent"] == (4, 16, 8)
+
