@@ -6,15 +6,19 @@ device as ``A [L, in, r]``, ``B [L, r, out]``, ``scale [L]``. One fixed-shape gr
 adapters: nothing depends on which slots a step uses.
 
 * :func:`lora_delta` (XLA, CPU): every token against every slot's A in one matmul
-  (``x @ A_cat``, ``A_cat [in, L*r]``), the other slots' columns zeroed, then one matmul with
-  ``B_cat [L*r, out]``. Cost ``T * L * r * (in + out)``: small next to the base projection while
-  ``L * r`` is small next to ``in``.
+  (``x @ A_cat``, ``A_cat [in, L*r]``), each token keeping its own slot's columns, then one
+  matmul with ``B_cat [L*r, out]``. Cost ``T * L * r * (in + out)``: small next to the base
+  projection while ``L * r`` is small next to ``in``.
 * :func:`lora_delta_pallas` (GPU; interpret mode on CPU): tokens are grouped by contiguous runs
   of the same slot. Runs of at least ``sgmv_min_len`` tokens (prefill chunks, and decodes the
   scheduler placed side by side) are cut into blocks of ``block_m`` rows: *SGMV*, one matmul per
   block with its slot's A, then with its B, each slot's weights read once per block. Shorter
   runs (isolated decode tokens) go token by token: *BGMV*, a gathered matrix-vector product.
   Each is a *shrink* (``x @ A -> [T, r]``, float32) then an *expand* (``@ B``, times the scale).
+
+Both paths also expose the shrink and the expand on their own (``lora_shrink*``,
+``lora_expand*``): a projection whose input is sharded over devices sums the shards' shrinks
+before one expand.
 """
 from __future__ import annotations
 
@@ -44,20 +48,35 @@ def _check(x, lora_a, lora_b, slot, scale):
 
 
 @jax.jit
+def lora_shrink(x, lora_a, slot):
+    """``x @ A[slot]`` per token (XLA): ``[T, r]`` float32, zeros for base tokens. Linear in x
+    (sum the shards' results when ``in`` is sharded)."""
+    num, d_in, r = lora_a.shape
+    a_cat = jnp.swapaxes(lora_a, 0, 1).reshape(d_in, num * r)
+    prec = _HI if x.dtype == jnp.float32 else None
+    xa = jnp.dot(x, a_cat.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+    pick = slot[:, None] == jnp.arange(num)[None, :]
+    return jnp.sum(jnp.where(pick[:, :, None], xa.reshape(-1, num, r), 0.0), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def lora_expand(xa, lora_b, slot, scale, *, out_dtype=jnp.float32):
+    """``scale[slot] * xa @ B[slot]`` per token (XLA): ``[T, out]``, zeros for base tokens."""
+    num, r, d_out = lora_b.shape
+    b_cat = lora_b.reshape(num * r, d_out)
+    pick = (slot[:, None] == jnp.arange(num)[None, :]) * scale[None, :].astype(jnp.float32)
+    spread = (xa[:, None, :] * pick[:, :, None]).reshape(-1, num * r)  # own slot's block only
+    prec = _HI if b_cat.dtype == jnp.float32 else None
+    out = jnp.dot(spread.astype(b_cat.dtype), b_cat, precision=prec,
+                  preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+@jax.jit
 def lora_delta(x, lora_a, lora_b, slot, scale):
     """The LoRA delta of every token (XLA): ``[T, out]`` in x's dtype."""
     _check(x, lora_a, lora_b, slot, scale)
-    num, d_in, r = lora_a.shape
-    d_out = lora_b.shape[2]
-    a_cat = jnp.swapaxes(lora_a, 0, 1).reshape(d_in, num * r)
-    b_cat = lora_b.reshape(num * r, d_out)
-    prec = _HI if x.dtype == jnp.float32 else None
-    xa = jnp.dot(x, a_cat.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
-    pick = (slot[:, None] == jnp.arange(num)[None, :]) * scale[None, :].astype(jnp.float32)
-    xa = (xa.reshape(-1, num, r) * pick[:, :, None]).reshape(-1, num * r)
-    out = jnp.dot(xa.astype(b_cat.dtype), b_cat, precision=prec,
-                  preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
+    return lora_expand(lora_shrink(x, lora_a, slot), lora_b, slot, scale, out_dtype=x.dtype)
 
 
 # ------------------------------------------------------------------------------------------
@@ -205,48 +224,95 @@ def segment_blocks(slot, num_loras, *, block_m, sgmv_min_len):
     return bt.astype(jnp.int32), block_len.astype(jnp.int32), block_slot, token_slot
 
 
+def _call(kernel, grid, args, out, name, cfg, interpret, **kw):
+    """One pallas_call writing its rows into ``out`` (aliased, in place)."""
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    return pl.pallas_call(
+        functools.partial(kernel, **kw), grid=grid,
+        in_specs=[whole(a) for a in args] + [whole(out)], out_specs=whole(out),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        input_output_aliases={len(args): 0},
+        compiler_params=_TritonParams(num_warps=cfg.num_warps, num_stages=1),
+        interpret=interpret, name=name,
+    )(*args, out)
+
+
+def _padded_rank(r):
+    return max(16, _next_pow2(r))  # Triton's dot needs every dimension >= 16, a power of two
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def _lora_delta_pallas(x, lora_a, lora_b, slot, scale, *, cfg: LoRAConfig, interpret: bool):
+def _shrink(x, lora_a, slot, *, cfg: LoRAConfig, interpret: bool):
     t_len, d_in = x.shape
     num, _, r = lora_a.shape
-    d_out = lora_b.shape[2]
-    rp = max(16, _next_pow2(r))  # Triton's dot needs every dimension >= 16, a power of two
-    if rp != r:
-        lora_a = jnp.pad(lora_a, ((0, 0), (0, 0), (0, rp - r)))
-        lora_b = jnp.pad(lora_b, ((0, 0), (0, rp - r), (0, 0)))
-    a_flat = lora_a.reshape(num * d_in, rp)
-    b_flat = lora_b.reshape(num * rp, d_out)
-    scale = scale.astype(jnp.float32)
-    blocks = segment_blocks(slot, num, block_m=cfg.block_m, sgmv_min_len=cfg.sgmv_min_len)
-    block_tok, block_len, block_slot, token_slot = blocks
-    nb = block_tok.shape[0]
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    params = _TritonParams(num_warps=cfg.num_warps, num_stages=1)
-    n_out = pl.cdiv(d_out, cfg.block_n)
-
-    def call(kernel, grid, args, out, name, **kw):
-        return pl.pallas_call(
-            functools.partial(kernel, **kw), grid=grid,
-            in_specs=[whole(a) for a in args] + [whole(out)], out_specs=whole(out),
-            out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-            input_output_aliases={len(args): 0}, compiler_params=params,
-            interpret=interpret, name=name,
-        )(*args, out)
-
+    rp = _padded_rank(r)
+    a_flat = jnp.pad(lora_a, ((0, 0), (0, 0), (0, rp - r))).reshape(num * d_in, rp)
+    block_tok, block_len, block_slot, token_slot = segment_blocks(
+        slot, num, block_m=cfg.block_m, sgmv_min_len=cfg.sgmv_min_len)
+    common = dict(cfg=cfg, interpret=interpret, block_k=cfg.block_k, d_in=d_in, r=rp)
     xa = jnp.zeros((t_len, rp), jnp.float32)
-    shrink = dict(block_k=cfg.block_k, d_in=d_in, r=rp)
-    xa = call(_sgmv_shrink_kernel, (nb,), (block_tok, block_len, block_slot, x, a_flat), xa,
-              "lora_sgmv_shrink", block_m=cfg.block_m, **shrink)
-    xa = call(_bgmv_shrink_kernel, (t_len,), (token_slot, x, a_flat), xa, "lora_bgmv_shrink",
-              **shrink)
-    out = jnp.zeros((t_len, d_out), x.dtype)
-    expand = dict(block_n=cfg.block_n, d_out=d_out, r=rp)
-    out = call(_sgmv_expand_kernel, (nb, n_out),
-               (block_tok, block_len, block_slot, scale, xa, b_flat), out, "lora_sgmv_expand",
-               block_m=cfg.block_m, **expand)
-    out = call(_bgmv_expand_kernel, (t_len, n_out), (token_slot, scale, xa, b_flat), out,
-               "lora_bgmv_expand", **expand)
-    return out
+    xa = _call(_sgmv_shrink_kernel, (block_tok.shape[0],),
+               (block_tok, block_len, block_slot, x, a_flat), xa, "lora_sgmv_shrink",
+               block_m=cfg.block_m, **common)
+    xa = _call(_bgmv_shrink_kernel, (t_len,), (token_slot, x, a_flat), xa, "lora_bgmv_shrink",
+               **common)
+    return xa[:, :r]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
+def _expand(xa, lora_b, slot, scale, *, cfg: LoRAConfig, interpret: bool, out_dtype):
+    t_len, r = xa.shape
+    num, _, d_out = lora_b.shape
+    rp = _padded_rank(r)
+    xa = jnp.pad(xa.astype(jnp.float32), ((0, 0), (0, rp - r)))
+    b_flat = jnp.pad(lora_b, ((0, 0), (0, rp - r), (0, 0))).reshape(num * rp, d_out)
+    block_tok, block_len, block_slot, token_slot = segment_blocks(
+        slot, num, block_m=cfg.block_m, sgmv_min_len=cfg.sgmv_min_len)
+    common = dict(cfg=cfg, interpret=interpret, block_n=cfg.block_n, d_out=d_out, r=rp)
+    scale = scale.astype(jnp.float32)
+    n_out = pl.cdiv(d_out, cfg.block_n)
+    out = jnp.zeros((t_len, d_out), out_dtype)
+    out = _call(_sgmv_expand_kernel, (block_tok.shape[0], n_out),
+                (block_tok, block_len, block_slot, scale, xa, b_flat), out, "lora_sgmv_expand",
+                block_m=cfg.block_m, **common)
+    return _call(_bgmv_expand_kernel, (t_len, n_out), (token_slot, scale, xa, b_flat), out,
+                 "lora_bgmv_expand", **common)
+
+
+def _config(config) -> LoRAConfig:
+    cfg = LoRAConfig(**config)
+    for name in ("block_m", "block_k", "block_n"):
+        val = getattr(cfg, name)
+        if not _is_pow2(val) or val < 16:
+            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
+    if cfg.sgmv_min_len < 1:
+        raise ValueError(f"sgmv_min_len must be >= 1, got {cfg.sgmv_min_len}")
+    return cfg
+
+
+def lora_shrink_pallas(x, lora_a, slot, *, interpret: bool = False, **config):
+    """``x @ A[slot]`` per token (SGMV + BGMV): ``[T, r]`` float32, zeros for base tokens.
+
+    Linear in x: under tensor parallelism with ``in`` sharded, sum the shards' results before
+    :func:`lora_expand_pallas`."""
+    if x.ndim != 2 or lora_a.ndim != 3 or lora_a.shape[1] != x.shape[1]:
+        raise ValueError(f"x must be [T, in] and A [L, in, r]; got {x.shape}, {lora_a.shape}")
+    if slot.shape != (x.shape[0],):
+        raise ValueError(f"slot {slot.shape} must be [T] = {(x.shape[0],)}")
+    return _shrink(x, lora_a, slot.astype(jnp.int32), cfg=_config(config),
+                   interpret=bool(interpret))
+
+
+def lora_expand_pallas(xa, lora_b, slot, scale, *, out_dtype=jnp.float32,
+                       interpret: bool = False, **config):
+    """``scale[slot] * xa @ B[slot]`` per token (SGMV + BGMV): ``[T, out]`` in ``out_dtype``,
+    zeros for base tokens."""
+    if xa.ndim != 2 or lora_b.ndim != 3 or lora_b.shape[1] != xa.shape[1]:
+        raise ValueError(f"xa must be [T, r] and B [L, r, out]; got {xa.shape}, {lora_b.shape}")
+    if slot.shape != (xa.shape[0],) or scale.shape != (lora_b.shape[0],):
+        raise ValueError(f"slot {slot.shape} must be [T] and scale {scale.shape} [L]")
+    return _expand(xa, lora_b, slot.astype(jnp.int32), scale, cfg=_config(config),
+                   interpret=bool(interpret), out_dtype=jnp.dtype(out_dtype))
 
 
 def lora_delta_pallas(x, lora_a, lora_b, slot, scale, *, interpret: bool = False, **config):
@@ -255,12 +321,6 @@ def lora_delta_pallas(x, lora_a, lora_b, slot, scale, *, interpret: bool = False
     ``config`` overrides :class:`LoRAConfig` fields. Ranks are padded to a power of two >= 16
     inside (zero columns of A, zero rows of B: the same delta)."""
     _check(x, lora_a, lora_b, slot, scale)
-    cfg = LoRAConfig(**config)
-    for name in ("block_m", "block_k", "block_n"):
-        val = getattr(cfg, name)
-        if not _is_pow2(val) or val < 16:
-            raise ValueError(f"{name} must be a power of two >= 16, got {val}")
-    if cfg.sgmv_min_len < 1:
-        raise ValueError(f"sgmv_min_len must be >= 1, got {cfg.sgmv_min_len}")
-    return _lora_delta_pallas(x, lora_a, lora_b, slot.astype(jnp.int32), scale, cfg=cfg,
-                              interpret=bool(interpret))
+    xa = lora_shrink_pallas(x, lora_a, slot, interpret=interpret, **config)
+    return lora_expand_pallas(xa, lora_b, slot, scale, out_dtype=x.dtype, interpret=interpret,
+                              **config)

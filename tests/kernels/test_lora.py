@@ -128,8 +128,25 @@ def test_any_mix_runs_in_one_compiled_graph():
         out = lora.lora_delta_pallas(x, a, b, s, scale, interpret=True, **SMALL)
         ref = naive(x, a, b, s, scale)
         assert _rel(out, ref) < 1e-5 if np.any(s >= 0) else not np.any(np.asarray(out))
-        sizes.append(lora._lora_delta_pallas._cache_size())
+        sizes.append(lora._shrink._cache_size() + lora._expand._cache_size())
     assert sizes == sizes[:1] * len(mixes)  # no compile after the first mix
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_sharded_input_sums_shrinks_before_one_expand(impl):
+    """Tensor parallelism over ``in`` (a row-parallel projection): each shard's shrink of its
+    slice of x and A, summed, then one expand == the unsharded delta."""
+    rng = np.random.default_rng(8)
+    x, a, b, slots, scale = random_step(rng)
+    if impl == "xla":
+        shrink, expand = lora.lora_shrink, lora.lora_expand
+    else:
+        shrink = lambda *v: lora.lora_shrink_pallas(*v, interpret=True, **SMALL)
+        expand = lambda *v: lora.lora_expand_pallas(*v, interpret=True, **SMALL)
+    half = D_IN // 2
+    xa = shrink(x[:, :half], a[:, :half], slots) + shrink(x[:, half:], a[:, half:], slots)
+    assert xa.shape == (T, R) and xa.dtype == jnp.float32
+    assert _rel(expand(xa, b, slots, scale), naive(x, a, b, slots, scale)) < 1e-5
 
 
 def test_rejects_mismatched_shapes():
