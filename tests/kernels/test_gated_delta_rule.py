@@ -34,9 +34,10 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def random_rows(rng, *, num_tokens=T, num_seqs=S, num_slots=N):
-    """A mixed step in random order, padding rows after: at least one long row (several chunks of
-    16), one short chunk continuing from a state and one decode, the rest drawn from every kind."""
+def random_rows(rng, *, num_tokens=T, num_seqs=S, num_slots=N, long_max=60):
+    """A mixed step in random order, padding rows after: at least one long row (17 to
+    ``long_max + 1`` tokens), one short chunk continuing from a state and one decode, the rest
+    drawn from every kind."""
     n = int(rng.integers(3, num_seqs))
     kinds = ["long", "chunk", "decode"] + list(rng.choice(
         ["long", "chunk", "decode", "fresh_short"], size=n - 3))
@@ -45,7 +46,7 @@ def random_rows(rng, *, num_tokens=T, num_seqs=S, num_slots=N):
     budget = num_tokens - n  # every row keeps >= 1 token
     for kind in kinds:
         if kind == "long":
-            ql = 1 + int(rng.integers(min(budget, 16), max(min(budget, 60), 16) + 1))
+            ql = 1 + int(rng.integers(min(budget, 16), max(min(budget, long_max), 16) + 1))
         elif kind == "chunk":
             ql = 2 + int(rng.integers(0, 10))
         elif kind == "fresh_short":
@@ -365,7 +366,7 @@ def test_pallas_gdn_gpu(seed, dtype, tol):
     """Default tiles, head dims of 128, chunks of 64: long rows, chunks, decodes, snapshots."""
     rng = np.random.default_rng(300 + seed)
     t, s, n = 512, 16, 64
-    rows = random_rows(rng, num_tokens=t, num_seqs=s, num_slots=n - 2 * s)
+    rows = random_rows(rng, num_tokens=t, num_seqs=s, num_slots=n - 2 * s, long_max=200)
     q, k, v, g, beta, state = random_gdn_inputs(rng, t=t, hk=4, hv=8, dk=128, dv=128,
                                                 num_slots=n, dtype=dtype)
     g, beta = g.astype(np.float32), beta.astype(np.float32)
