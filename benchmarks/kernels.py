@@ -680,11 +680,12 @@ def lora_cases(args):
     dec = list(rng.integers(-1, nl, size=nd))  # scattered: neighbours rarely share a slot
     runs = [int(i % nl) for i in range(n) for _ in range(length)]
     half = [int(i % nl) for i in range(max(1, n // 2)) for _ in range(length)]
+    # rows: the requests of the step (its sequence count), which bounds the runs of one slot.
     return [
-        dict(name=f"lora_decode_T{nd}", kind="lora", slots=dec),
-        dict(name=f"lora_prefill_{n}x{length}", kind="lora", slots=runs),
+        dict(name=f"lora_decode_T{nd}", kind="lora", slots=dec, rows=nd),
+        dict(name=f"lora_prefill_{n}x{length}", kind="lora", slots=runs, rows=n),
         dict(name=f"lora_mixed_{max(1, n // 2)}x{length}+{nd}dec", kind="lora",
-             slots=half + dec),
+             slots=half + dec, rows=max(1, n // 2) + nd),
     ]
 
 
@@ -705,13 +706,14 @@ def run_lora_case(case, args):
     b = jax.random.normal(ks[3], (nl, r, d_out), dt)
     scale = jnp.full((nl,), 2.0, jnp.float32)
     sl = jnp.asarray(slots)
-    res = dict(case=case["name"], kind="lora", num_tokens=t,
+    rows = case["rows"]
+    res = dict(case=case["name"], kind="lora", num_tokens=t, num_seqs=rows,
                distinct_slots=int(len(set(slots[slots >= 0].tolist()))),
                runs=int(1 + np.count_nonzero(np.diff(slots))))
     if not args.no_check:
         n = min(t, 256)
         ref = reference.lora_delta(x[:n], a, b, sl[:n], scale)
-        for name, fn in (("pallas", functools.partial(lora.lora_delta_pallas,
+        for name, fn in (("pallas", functools.partial(lora.lora_delta_pallas, max_runs=rows,
                                                       interpret=args.interpret)),
                          ("xla", lora.lora_delta)):
             err = rel_err(fn(x[:n], a, b, sl[:n], scale), ref)
@@ -720,7 +722,7 @@ def run_lora_case(case, args):
         res["check"] = res["check_pallas"]
     base = jax.jit(lambda x, w: x @ w)
     with_pallas = jax.jit(lambda x, w, a, b, s, c: x @ w + lora.lora_delta_pallas(
-        x, a, b, s, c, interpret=args.interpret))
+        x, a, b, s, c, max_runs=case["rows"], interpret=args.interpret))
     with_xla = jax.jit(lambda x, w, a, b, s, c: x @ w + lora.lora_delta(x, a, b, s, c))
     res["base"] = timed(base, x, w, args=args)
     for name, fn in (("pallas", with_pallas), ("xla", with_xla)):

@@ -87,12 +87,18 @@ def lora_delta(x, lora_a, lora_b, slot, scale):
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """Tiles (static). ``block_m`` rows per SGMV block, ``block_k`` of ``in`` per shrink step,
-    ``block_n`` of ``out`` per expand program; runs shorter than ``sgmv_min_len`` go to BGMV."""
+    ``block_n`` of ``out`` per expand program; runs shorter than ``sgmv_min_len`` go to BGMV,
+    ``bgmv_tokens`` tokens per BGMV program. ``max_runs`` bounds the runs of one slot a step can
+    hold (the sequence bucket: a run never splits a request), which sizes the SGMV grid;
+    without it the bound is ``T // sgmv_min_len``. Grids are static, so programs past the
+    step's real work exit at once: the bounds keep their number small."""
 
     block_m: int = 16
     block_k: int = 128
     block_n: int = 128
     sgmv_min_len: int = 2
+    bgmv_tokens: int = 16
+    max_runs: int | None = None
     num_warps: int = 4
 
 
@@ -128,27 +134,37 @@ def _sgmv_shrink_kernel(bt_ref, bn_ref, bs_ref, x_ref, a_ref, _alias, xa_ref, *,
         plgpu.store(xa_ref.at[idx[:, None], rc], acc, mask=live[:, None])
 
 
-def _bgmv_shrink_kernel(ts_ref, x_ref, a_ref, _alias, xa_ref, *, block_k, d_in, r):
-    t = pl.program_id(0)
-    sl = ts_ref[t]
+def _bgmv_shrink_kernel(ts_ref, x_ref, a_ref, _alias, xa_ref, *, block_k, d_in, r, tokens):
+    """``tokens`` consecutive tokens, one after another, each with its own slot's A."""
+    t_len = ts_ref.shape[0]
+    rc = lax.broadcasted_iota(jnp.int32, (1, r), 1)
+    t0 = pl.program_id(0) * tokens
 
-    @pl.when(sl >= 0)
-    def _():
-        row = t + lax.broadcasted_iota(jnp.int32, (1,), 0)
-        base = sl * d_in
-        rc = lax.broadcasted_iota(jnp.int32, (1, r), 1)
+    def token(i, carry):
+        t = t0 + i
+        sl = ts_ref[jnp.minimum(t, t_len - 1)]
 
-        def step(kb, acc):
-            cols = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-            cm = cols < d_in
-            cc = jnp.where(cm, cols, 0)
-            xt = plgpu.load(x_ref.at[row[:, None], cc[None, :]], mask=cm[None, :], other=0)
-            at = plgpu.load(a_ref.at[(base + cc)[:, None], rc], mask=cm[:, None], other=0)
-            prod = xt.astype(jnp.float32).T * at.astype(jnp.float32)  # [BK, r]
-            return acc + jnp.sum(prod, axis=0, keepdims=True)
+        @pl.when((t < t_len) & (sl >= 0))
+        def _():
+            row = t + lax.broadcasted_iota(jnp.int32, (1,), 0)
+            base = sl * d_in
 
-        acc = lax.fori_loop(0, pl.cdiv(d_in, block_k), step, jnp.zeros((1, r), jnp.float32))
-        plgpu.store(xa_ref.at[row[:, None], rc], acc)
+            def step(kb, acc):
+                cols = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+                cm = cols < d_in
+                cc = jnp.where(cm, cols, 0)
+                xt = plgpu.load(x_ref.at[row[:, None], cc[None, :]], mask=cm[None, :], other=0)
+                at = plgpu.load(a_ref.at[(base + cc)[:, None], rc], mask=cm[:, None], other=0)
+                prod = xt.astype(jnp.float32).T * at.astype(jnp.float32)  # [BK, r]
+                return acc + jnp.sum(prod, axis=0, keepdims=True)
+
+            acc = lax.fori_loop(0, pl.cdiv(d_in, block_k), step,
+                                jnp.zeros((1, r), jnp.float32))
+            plgpu.store(xa_ref.at[row[:, None], rc], acc)
+
+        return carry
+
+    lax.fori_loop(0, tokens, token, 0)
 
 
 def _sgmv_expand_kernel(bt_ref, bn_ref, bs_ref, sc_ref, xa_ref, b_ref, _alias, o_ref, *,
@@ -178,32 +194,42 @@ def _sgmv_expand_kernel(bt_ref, bn_ref, bs_ref, sc_ref, xa_ref, b_ref, _alias, o
                     mask=live[:, None] & cm[None, :])
 
 
-def _bgmv_expand_kernel(ts_ref, sc_ref, xa_ref, b_ref, _alias, o_ref, *, block_n, d_out, r):
-    t = pl.program_id(0)
+def _bgmv_expand_kernel(ts_ref, sc_ref, xa_ref, b_ref, _alias, o_ref, *, block_n, d_out, r,
+                        tokens):
+    t_len = ts_ref.shape[0]
     j = pl.program_id(1)
-    sl = ts_ref[t]
+    cols = j * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
+    cm = cols < d_out
+    cc = jnp.where(cm, cols, 0)
+    rc = lax.broadcasted_iota(jnp.int32, (r,), 0)
+    t0 = pl.program_id(0) * tokens
 
-    @pl.when(sl >= 0)
-    def _():
-        row = t + lax.broadcasted_iota(jnp.int32, (1,), 0)
-        cols = j * block_n + lax.broadcasted_iota(jnp.int32, (block_n,), 0)
-        cm = cols < d_out
-        cc = jnp.where(cm, cols, 0)
-        rc = lax.broadcasted_iota(jnp.int32, (r,), 0)
-        xa = xa_ref[row]  # [1, r]
-        bt = plgpu.load(b_ref.at[(sl * r + rc)[:, None], cc[None, :]], mask=cm[None, :],
-                        other=0)
-        y = jnp.sum(xa.T * bt.astype(jnp.float32), axis=0, keepdims=True) * sc_ref[sl]
-        plgpu.store(o_ref.at[row[:, None], cols[None, :]], y.astype(o_ref.dtype),
-                    mask=cm[None, :])
+    def token(i, carry):
+        t = t0 + i
+        sl = ts_ref[jnp.minimum(t, t_len - 1)]
+
+        @pl.when((t < t_len) & (sl >= 0))
+        def _():
+            row = t + lax.broadcasted_iota(jnp.int32, (1,), 0)
+            xa = xa_ref[row]  # [1, r]
+            bt = plgpu.load(b_ref.at[(sl * r + rc)[:, None], cc[None, :]], mask=cm[None, :],
+                            other=0)
+            y = jnp.sum(xa.T * bt.astype(jnp.float32), axis=0, keepdims=True) * sc_ref[sl]
+            plgpu.store(o_ref.at[row[:, None], cols[None, :]], y.astype(o_ref.dtype),
+                        mask=cm[None, :])
+
+        return carry
+
+    lax.fori_loop(0, tokens, token, 0)
 
 
-def segment_blocks(slot, num_loras, *, block_m, sgmv_min_len):
+def segment_blocks(slot, num_loras, *, block_m, sgmv_min_len, max_runs=None):
     """Step metadata of the two kernels, from the per-token slots (a few [T] XLA ops).
 
     Returns ``(block_tok, block_len, block_slot)`` of the SGMV blocks (``[NB]``, NB a static
-    bound: ``T // block_m + T // sgmv_min_len``; unused blocks have length 0) and ``token_slot``
-    ``[T]``: each BGMV token's slot, -1 for tokens that are base or in an SGMV block."""
+    bound: ``T // block_m`` + the most runs of ``sgmv_min_len`` tokens the step can hold, or
+    ``max_runs`` when smaller; unused blocks have length 0) and ``token_slot`` ``[T]``: each BGMV
+    token's slot, -1 for tokens that are base or in an SGMV block."""
     t_len = slot.shape[0]
     t = jnp.arange(t_len, dtype=jnp.int32)
     s = jnp.where((slot >= 0) & (slot < num_loras), slot, -1).astype(jnp.int32)
@@ -214,7 +240,7 @@ def segment_blocks(slot, num_loras, *, block_m, sgmv_min_len):
     long = (s >= 0) & (seg_len >= sgmv_min_len)
     off = t - seg_first
     first_of_block = long & (off % block_m == 0)
-    nb = t_len // block_m + t_len // sgmv_min_len
+    nb = t_len // block_m + min(t_len // sgmv_min_len, max_runs or t_len)
     (block_tok,) = jnp.nonzero(first_of_block, size=nb, fill_value=t_len)
     ok = block_tok < t_len
     bt = jnp.minimum(block_tok, t_len - 1)
@@ -246,16 +272,18 @@ def _shrink(x, lora_a, slot, *, cfg: LoRAConfig, interpret: bool):
     t_len, d_in = x.shape
     num, _, r = lora_a.shape
     rp = _padded_rank(r)
-    a_flat = jnp.pad(lora_a, ((0, 0), (0, 0), (0, rp - r))).reshape(num * d_in, rp)
+    if rp != r:  # slots allocated at a power-of-two rank >= 16 need no copy here
+        lora_a = jnp.pad(lora_a, ((0, 0), (0, 0), (0, rp - r)))
+    a_flat = lora_a.reshape(num * d_in, rp)
     block_tok, block_len, block_slot, token_slot = segment_blocks(
-        slot, num, block_m=cfg.block_m, sgmv_min_len=cfg.sgmv_min_len)
+        slot, num, block_m=cfg.block_m, sgmv_min_len=cfg.sgmv_min_len, max_runs=cfg.max_runs)
     common = dict(cfg=cfg, interpret=interpret, block_k=cfg.block_k, d_in=d_in, r=rp)
     xa = jnp.zeros((t_len, rp), jnp.float32)
     xa = _call(_sgmv_shrink_kernel, (block_tok.shape[0],),
                (block_tok, block_len, block_slot, x, a_flat), xa, "lora_sgmv_shrink",
                block_m=cfg.block_m, **common)
-    xa = _call(_bgmv_shrink_kernel, (t_len,), (token_slot, x, a_flat), xa, "lora_bgmv_shrink",
-               **common)
+    xa = _call(_bgmv_shrink_kernel, (pl.cdiv(t_len, cfg.bgmv_tokens),), (token_slot, x, a_flat),
+               xa, "lora_bgmv_shrink", tokens=cfg.bgmv_tokens, **common)
     return xa[:, :r]
 
 
@@ -264,10 +292,13 @@ def _expand(xa, lora_b, slot, scale, *, cfg: LoRAConfig, interpret: bool, out_dt
     t_len, r = xa.shape
     num, _, d_out = lora_b.shape
     rp = _padded_rank(r)
-    xa = jnp.pad(xa.astype(jnp.float32), ((0, 0), (0, rp - r)))
-    b_flat = jnp.pad(lora_b, ((0, 0), (0, rp - r), (0, 0))).reshape(num * rp, d_out)
+    xa = xa.astype(jnp.float32)
+    if rp != r:
+        xa = jnp.pad(xa, ((0, 0), (0, rp - r)))
+        lora_b = jnp.pad(lora_b, ((0, 0), (0, rp - r), (0, 0)))
+    b_flat = lora_b.reshape(num * rp, d_out)
     block_tok, block_len, block_slot, token_slot = segment_blocks(
-        slot, num, block_m=cfg.block_m, sgmv_min_len=cfg.sgmv_min_len)
+        slot, num, block_m=cfg.block_m, sgmv_min_len=cfg.sgmv_min_len, max_runs=cfg.max_runs)
     common = dict(cfg=cfg, interpret=interpret, block_n=cfg.block_n, d_out=d_out, r=rp)
     scale = scale.astype(jnp.float32)
     n_out = pl.cdiv(d_out, cfg.block_n)
@@ -275,8 +306,9 @@ def _expand(xa, lora_b, slot, scale, *, cfg: LoRAConfig, interpret: bool, out_dt
     out = _call(_sgmv_expand_kernel, (block_tok.shape[0], n_out),
                 (block_tok, block_len, block_slot, scale, xa, b_flat), out, "lora_sgmv_expand",
                 block_m=cfg.block_m, **common)
-    return _call(_bgmv_expand_kernel, (t_len, n_out), (token_slot, scale, xa, b_flat), out,
-                 "lora_bgmv_expand", **common)
+    return _call(_bgmv_expand_kernel, (pl.cdiv(t_len, cfg.bgmv_tokens), n_out),
+                 (token_slot, scale, xa, b_flat), out, "lora_bgmv_expand",
+                 tokens=cfg.bgmv_tokens, **common)
 
 
 def _config(config) -> LoRAConfig:
@@ -285,8 +317,11 @@ def _config(config) -> LoRAConfig:
         val = getattr(cfg, name)
         if not _is_pow2(val) or val < 16:
             raise ValueError(f"{name} must be a power of two >= 16, got {val}")
-    if cfg.sgmv_min_len < 1:
-        raise ValueError(f"sgmv_min_len must be >= 1, got {cfg.sgmv_min_len}")
+    for name in ("sgmv_min_len", "bgmv_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_runs is not None and cfg.max_runs < 1:
+        raise ValueError(f"max_runs must be >= 1 or None, got {cfg.max_runs}")
     return cfg
 
 
@@ -319,7 +354,8 @@ def lora_delta_pallas(x, lora_a, lora_b, slot, scale, *, interpret: bool = False
     """The LoRA delta of every token (Pallas SGMV + BGMV): ``[T, out]`` in x's dtype.
 
     ``config`` overrides :class:`LoRAConfig` fields. Ranks are padded to a power of two >= 16
-    inside (zero columns of A, zero rows of B: the same delta)."""
+    inside (zero columns of A, zero rows of B: the same delta; a copy of the slots each call, so
+    allocate them at such a rank)."""
     _check(x, lora_a, lora_b, slot, scale)
     xa = lora_shrink_pallas(x, lora_a, slot, interpret=interpret, **config)
     return lora_expand_pallas(xa, lora_b, slot, scale, out_dtype=x.dtype, interpret=interpret,

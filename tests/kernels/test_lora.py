@@ -19,7 +19,8 @@ from jax import export
 from pallas_kernels import lora, reference
 
 T, D_IN, D_OUT, L, R = 80, 48, 40, 5, 8
-SMALL = dict(block_m=16, block_k=16, block_n=16)  # several k steps and output blocks
+# Several k steps and output blocks; 3 tokens per BGMV program (T is no multiple of it).
+SMALL = dict(block_m=16, block_k=16, block_n=16, bgmv_tokens=3)
 
 
 def random_step(rng, *, num_tokens=T, num_loras=L, d_in=D_IN, d_out=D_OUT, rank=R,
@@ -83,8 +84,12 @@ def test_pallas_sgmv_bgmv_equal_reference(seed):
     rng = np.random.default_rng(20 + seed)
     args = random_step(rng)
     ref = reference.lora_delta(*args)
-    min_len = (2, 4, 1, 100)[seed]  # from every run in SGMV to every token in BGMV
-    out = lora.lora_delta_pallas(*args, interpret=True, sgmv_min_len=min_len, **SMALL)
+    # From every run in SGMV to every token in BGMV; the run bound as tight as the step allows.
+    min_len = (2, 4, 1, 100)[seed]
+    runs = 1 + int(np.count_nonzero(np.diff(args[3])))
+    max_runs = (None, runs, runs, 1)[seed]
+    out = lora.lora_delta_pallas(*args, interpret=True, sgmv_min_len=min_len, max_runs=max_runs,
+                                 **SMALL)
     assert _rel(out, ref) < 1e-5
     np.testing.assert_array_equal(np.asarray(out)[args[3] < 0], 0)
 
@@ -156,6 +161,8 @@ def test_rejects_mismatched_shapes():
         lora.lora_delta(x, a, b[:, :, :-1].swapaxes(1, 2), slots, scale)
     with pytest.raises(ValueError, match="block_k"):
         lora.lora_delta_pallas(x, a, b, slots, scale, block_k=24)
+    with pytest.raises(ValueError, match="max_runs"):
+        lora.lora_delta_pallas(x, a, b, slots, scale, max_runs=0)
 
 
 def _gpu_available():
