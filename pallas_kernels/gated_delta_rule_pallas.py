@@ -5,8 +5,9 @@ state pool is read and written in place through each row's slot (aliased input -
 
 How the work is cut: one program per (row, value head, block of ``block_v`` state columns),
 the state tile ``[D_k, block_v]`` held in registers for the whole row, read from the pool once
-and written back once. Two calls of that grid, each program leaving at once when its row is not
-its call's:
+and written back once. Two calls, each program leaving at once when its row is not its call's
+(the prefill call's programs count only the rows that can be long: ``T // (decode_max_tokens +
+1)``, program b taking the b-th long row):
 
 * **decode** (rows of at most ``decode_max_tokens`` new tokens): the recurrent update, token by
   token (``S = e^g S; S += k (β (v - kᵀS))ᵀ; o = qᵀS``): vector work, the state traffic is the cost.
@@ -29,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention import _TritonParams, _is_pow2
+from pallas_kernels.ragged_paged_attention import _is_pow2, _next_pow2, _TritonParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +77,20 @@ def _gdn_kernel(qs_ref, sl_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, b_ref, *re
     _o_alias, s_in_ref, o_ref, s_ref = refs
     b = pl.program_id(0)
     h = pl.program_id(1)
-    q0, q_len, _, slot, real, fresh = _row(b, qs_ref, sl_ref, slot_ref, num_slots)
-    mine = real & ((q_len <= max_dec) if decode else (q_len > max_dec))
+    if decode:
+        q0, q_len, _, slot, real, fresh = _row(b, qs_ref, sl_ref, slot_ref, num_slots)
+        mine = real & (q_len <= max_dec)
+    else:
+        # Program b takes the b-th long row (a prefix count over the rows in registers): the
+        # grid holds only as many programs as the bucket can have long rows.
+        s_len = sl_ref.shape[0]
+        i = lax.broadcasted_iota(jnp.int32, (max(16, _next_pow2(s_len)),), 0)
+        ic = jnp.minimum(i, s_len - 1)
+        long = (i < s_len) & (sl_ref[ic] > 0) & (qs_ref[ic + 1] - qs_ref[ic] > max_dec)
+        rank = jnp.cumsum(long.astype(jnp.int32))
+        row = jnp.sum(jnp.where(long & (rank == b + 1), i, 0))
+        q0, q_len, _, slot, real, fresh = _row(row, qs_ref, sl_ref, slot_ref, num_slots)
+        mine = real & (q_len > max_dec) & (b < jnp.sum(long.astype(jnp.int32)))
     head_k = h // (hv // hk)
     cols = lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
 
@@ -191,8 +204,10 @@ def _call(out, state, meta, q_flat, k_flat, v_flat, g_flat, b_flat, snap, *, dec
     in_specs += [whole(a) for a in extra] + [cols(out), cols(state)]
     warps = cfg.decode_num_warps if decode else cfg.prefill_num_warps
     name = "gdn_decode" if decode else f"gdn_prefill_c{cfg.chunk_size}"
+    # At most T // (decode_max_tokens + 1) rows of a bucket are long.
+    rows = s_len if decode else min(s_len, q_flat.shape[0] // hk // (cfg.decode_max_tokens + 1))
     return pl.pallas_call(
-        kernel, grid=(s_len, hv, dv // bv), in_specs=in_specs,
+        kernel, grid=(rows, hv, dv // bv), in_specs=in_specs,
         out_specs=[cols(out), cols(state)],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
@@ -218,7 +233,8 @@ def _gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slot
     out = jnp.zeros((t * hv, dv), q.dtype)
     s_flat = state.reshape(n * hv * dk, dv)
     snap = None if snapshot_slots is None else snapshot_slots.astype(jnp.int32).reshape(-1)
-    out, s_flat = _call(out, s_flat, meta, **flat, snap=None, decode=False, **common)
+    if t > cfg.decode_max_tokens:  # else no row can be long
+        out, s_flat = _call(out, s_flat, meta, **flat, snap=None, decode=False, **common)
     out, s_flat = _call(out, s_flat, meta, **flat, snap=snap, decode=True, **common)
     return out.reshape(t, hv, dv), s_flat.reshape(state.shape)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +195,25 @@ def test_pallas_gdn_default_tiles_long_rows_bf16():
     assert o.dtype == jnp.bfloat16
     assert _rel(o, o_ref) < 1e-2
     check_pool(s, state, rows, np.asarray(s_ref))
+
+
+def test_pallas_gdn_prefill_grid_as_small_as_the_bucket_allows():
+    """The prefill call has T // (decode_max_tokens + 1) programs per head: here 9 for 16 rows,
+    and 9 rows of 5 tokens (the most that fit) beside 3 decodes all get theirs."""
+    rng = np.random.default_rng(31)
+    t, s = 48, 16
+    rows = make_state_rows(rng, [5, 1] * 3 + [5] * 6, [5, 3, 9, 4, 20, 1] + [30] * 6,
+                           num_tokens=t, num_seqs=s, num_slots=N + 8)
+    q, k, v, g, beta, state = random_gdn_inputs(rng, t=t, dv=DV_P, num_slots=N + 8)
+    o_ref, s_ref = _ref_gdn()(q, k, v, g, beta, state, *rows.args())
+    fn = functools.partial(pallas_gdn.gated_delta_rule, interpret=True, chunk_size=16,
+                           block_v=32, decode_max_tokens=4)
+    args = (q, k, v, g, beta, state, *rows.args())
+    grids = re.findall(r"grid=\((\d+), ", str(jax.make_jaxpr(fn)(*args)))
+    assert grids == ["9", "16"]  # prefill, decode
+    o, st = fn(*args)
+    assert _rel(o, o_ref) < 1e-5
+    check_pool(st, state, rows, np.asarray(s_ref))
 
 
 def test_rejects_bad_shapes():
