@@ -50,26 +50,41 @@ def _check(x, lora_a, lora_b, slot, scale):
 @jax.jit
 def lora_shrink(x, lora_a, slot):
     """``x @ A[slot]`` per token (XLA): ``[T, r]`` float32, zeros for base tokens. Linear in x
-    (sum the shards' results when ``in`` is sharded)."""
+    (sum the shards' results when ``in`` is sharded). A step of base tokens only skips it."""
     num, d_in, r = lora_a.shape
-    a_cat = jnp.swapaxes(lora_a, 0, 1).reshape(d_in, num * r)
-    prec = _HI if x.dtype == jnp.float32 else None
-    xa = jnp.dot(x, a_cat.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
-    pick = slot[:, None] == jnp.arange(num)[None, :]
-    return jnp.sum(jnp.where(pick[:, :, None], xa.reshape(-1, num, r), 0.0), axis=1)
+
+    def shrink():
+        a_cat = jnp.swapaxes(lora_a, 0, 1).reshape(d_in, num * r)
+        prec = _HI if x.dtype == jnp.float32 else None
+        xa = jnp.dot(x, a_cat.astype(x.dtype), precision=prec,
+                     preferred_element_type=jnp.float32)
+        pick = slot[:, None] == jnp.arange(num)[None, :]
+        return jnp.sum(jnp.where(pick[:, :, None], xa.reshape(-1, num, r), 0.0), axis=1)
+
+    zeros = lambda: jnp.zeros((x.shape[0], r), jnp.float32)
+    return lax.cond(_any_adapter(slot, num), shrink, zeros)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def lora_expand(xa, lora_b, slot, scale, *, out_dtype=jnp.float32):
     """``scale[slot] * xa @ B[slot]`` per token (XLA): ``[T, out]``, zeros for base tokens."""
     num, r, d_out = lora_b.shape
-    b_cat = lora_b.reshape(num * r, d_out)
-    pick = (slot[:, None] == jnp.arange(num)[None, :]) * scale[None, :].astype(jnp.float32)
-    spread = (xa[:, None, :] * pick[:, :, None]).reshape(-1, num * r)  # own slot's block only
-    prec = _HI if b_cat.dtype == jnp.float32 else None
-    out = jnp.dot(spread.astype(b_cat.dtype), b_cat, precision=prec,
-                  preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+
+    def expand():
+        b_cat = lora_b.reshape(num * r, d_out)
+        pick = (slot[:, None] == jnp.arange(num)[None, :]) * scale[None, :].astype(jnp.float32)
+        spread = (xa[:, None, :] * pick[:, :, None]).reshape(-1, num * r)  # own slot's block
+        prec = _HI if b_cat.dtype == jnp.float32 else None
+        out = jnp.dot(spread.astype(b_cat.dtype), b_cat, precision=prec,
+                      preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
+
+    zeros = lambda: jnp.zeros((xa.shape[0], d_out), out_dtype)
+    return lax.cond(_any_adapter(slot, num), expand, zeros)
+
+
+def _any_adapter(slot, num_loras):
+    return jnp.any((slot >= 0) & (slot < num_loras))
 
 
 @jax.jit

@@ -79,6 +79,17 @@ def test_xla_path_equals_reference(seed):
     np.testing.assert_array_equal(np.asarray(out)[args[3] < 0], 0)
 
 
+def test_xla_path_base_only_step_is_zero():
+    rng = np.random.default_rng(9)
+    x, a, b, _, scale = random_step(rng)
+    out = lora.lora_delta(x, a, b, np.full(T, -1, np.int32), scale)
+    assert out.shape == (T, D_OUT) and not np.any(np.asarray(out))
+    one = np.full(T, -1, np.int32)
+    one[5] = 3  # a single adapter token anywhere turns the delta on
+    out = lora.lora_delta(x, a, b, one, scale)
+    assert _rel(out, naive(x, a, b, one, scale)) < 1e-5 and np.any(np.asarray(out)[5])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_pallas_sgmv_bgmv_equal_reference(seed):
     rng = np.random.default_rng(20 + seed)
