@@ -10,7 +10,8 @@ and written back once. Two calls, each program leaving at once when its row is n
 1)``, program b taking the b-th long row):
 
 * **decode** (rows of at most ``decode_max_tokens`` new tokens): the recurrent update, token by
-  token (``S = e^g S; S += k (β (v - kᵀS))ᵀ; o = qᵀS``): vector work, the state traffic is the cost.
+  token (``S = e^g S; S += k (β (v - kᵀS))ᵀ; o = qᵀS``): vector work, the state traffic is the
+  cost.
   It also writes the per-token snapshots of speculative verify rows (``snapshot_slots``).
 * **prefill** (longer rows): the row's chunks of ``chunk_size`` tokens in order, each in the WY/UT
   form of :mod:`pallas_kernels.gated_delta_rule` (matmuls of ``chunk x D``); the unit lower
@@ -281,5 +282,5 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots
         cfg = dataclasses.replace(cfg, decode_max_tokens=max(cfg.decode_max_tokens, width))
     scale = float(dk ** -0.5 if scale is None else scale)
     return _gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots,
-                             snapshot_slots, scale=scale, use_qk_l2norm=bool(use_qk_l2norm), cfg=cfg,
-                             interpret=bool(interpret))
+                             snapshot_slots, scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                             cfg=cfg, interpret=bool(interpret))

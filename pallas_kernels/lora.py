@@ -1,9 +1,9 @@
 """Many LoRA adapters in one batch (Punica's BGMV / SGMV): the XLA path and the Pallas kernels.
 
-Both compute :func:`pallas_kernels.reference.lora_delta`: ``scale[s] * (x @ A[s]) @ B[s]`` for each
-token's adapter slot ``s`` (``-1``: base model, zero delta), with the adapter slots stacked on the
-device as ``A [L, in, r]``, ``B [L, r, out]``, ``scale [L]``. One fixed-shape graph serves any mix of
-adapters: nothing depends on which slots a step uses.
+Both compute :func:`pallas_kernels.reference.lora_delta`: ``scale[s] * (x @ A[s]) @ B[s]`` for
+each token's adapter slot ``s`` (``-1``: base model, zero delta), with the adapter slots stacked
+on the device as ``A [L, in, r]``, ``B [L, r, out]``, ``scale [L]``. One fixed-shape graph serves
+any mix of adapters: nothing depends on which slots a step uses.
 
 * :func:`lora_delta` (XLA, CPU): every token against every slot's A in one matmul
   (``x @ A_cat``, ``A_cat [in, L*r]``), each token keeping its own slot's columns, then one

@@ -60,8 +60,8 @@ def test_gdn_lora_benchmark_tiny(tmp_path, capsys):
         for backend in ("pallas", "xla"):
             assert case[f"check_{backend}"]["ok"] and case[f"check_{backend}"]["rel_err"] <= 2e-2
             assert case[backend]["median_s"] > 0
-        assert 0 < case["bound_s"] == pytest.approx(
-            (case["state_bytes"] + case["io_bytes"]) / res["copy_bandwidth"]["bandwidth_bytes_per_s"])
+        bw = res["copy_bandwidth"]["bandwidth_bytes_per_s"]
+        assert 0 < case["bound_s"] == pytest.approx((case["state_bytes"] + case["io_bytes"]) / bw)
     kinds = {c["case"].split("_")[1]: c for c in res["lora"]}
     assert set(kinds) == {"decode", "prefill", "mixed"}
     assert kinds["prefill"]["runs"] == 2 and kinds["decode"]["runs"] > 2
