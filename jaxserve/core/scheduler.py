@@ -63,10 +63,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def num_scheduled(self) -> int:
-        return len(self.scheduled)
-
     def to_rows(self, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
         """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order. ``prev_rows``:
         request id -> its row in the previous (still running) step, for pending tokens."""
@@ -160,9 +156,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished(self) -> int:
-        return len(self.requests)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)

@@ -38,7 +38,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
 from jaxserve.core.outputs import (CoreCompletion, CoreOutput, RequestMetrics, RequestOutput,
                                    TokenLogprobs)
-from jaxserve.worker.parallel import engine_mesh
+from jaxserve.sharding import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_metadata import SamplingRow
 from jaxserve.worker.kv_cache import kv_cache_dtype
@@ -173,7 +173,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_list)
         # float8 KV scales are settled before the runner splits the model (they are static)
         prepare_kv_scales(self.model, mc, config.cache,
-                          kv_cache_dtype(config.cache.cache_dtype, self.dtype, backend),
+                          kv_cache_dtype(config.cache.cache_dtype, self.dtype),
                           serving_dtype=self.dtype, tokenizer=self.tokenizer,
                           max_model_len=self.max_model_len, mesh=self.mesh)
         self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
@@ -360,6 +360,8 @@ class LLMEngine:
             done, self._inflight = self._inflight, None
             self._process(done, touched)
         sched = self.scheduler.schedule(self.runner.step_token_limit())
+        for rid in sched.finished_req_ids:  # host copies of swapped requests that ended
+            self._swapped.pop(rid, None)
         for rid, pages in getattr(sched, "swap_out", []) or []:
             self._swapped[rid] = (list(pages), self.runner.swap_out(pages))
         for rid, pages in getattr(sched, "swap_in", []) or []:

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.worker.parallel import TP_AXIS
+from jaxserve.sharding import TP_AXIS
 
 TensorLoaders = Mapping[str, Callable[[], np.ndarray]]  # name -> lazy numpy array
 

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxserve.worker import parallel
+from jaxserve import sharding
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
@@ -101,7 +101,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
     # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
     # shards) and the donated pool keeps its head sharding, so every step reuses one program.
     return jax.jit(forward, donate_argnums=(1,), out_shardings=(
-        parallel.replicated(mesh), parallel.kv_pool_sharding(mesh), parallel.replicated(mesh)))
+        sharding.replicated(mesh), sharding.kv_pool_sharding(mesh), sharding.replicated(mesh)))
 
 
 PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in memory
@@ -165,7 +165,7 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
         s = ids.shape[0]
         return out, jnp.zeros_like(prev_tokens).at[:s].set(ids)
 
-    return jax.jit(sample, out_shardings=parallel.replicated(mesh or parallel.default_mesh()))
+    return jax.jit(sample, out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
 
 
 def top_logprobs_width(max_logprobs: int, vocab_size: int) -> int:
@@ -267,13 +267,12 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
-        self.mesh = mesh  # tensor parallel (jaxserve.worker.parallel); None: single device
-        tp = parallel.tp_size(mesh)
+        self.mesh = mesh  # tensor parallel (jaxserve.sharding); None: single device
+        tp = sharding.tp_size(mesh)
         if mesh is not None:
-            kv_sharding = parallel.kv_pool_sharding(mesh)
-        self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype,
-                                       getattr(model, "attention_backend", None))
-        self.num_pages = parallel.agree_across_hosts(num_pages_for(
+            kv_sharding = sharding.kv_pool_sharding(mesh)
+        self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
+        self.num_pages = sharding.agree_across_hosts(num_pages_for(
             model_config, engine_config, self.kv_dtype, max_model_len, param_bytes // tp, tp,
             extra_page_bytes))
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
@@ -307,8 +306,8 @@ class ModelRunner:
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
         the steps that take them see the same input type as later and do not recompile."""
-        mesh = self.mesh or parallel.default_mesh()
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=parallel.replicated(mesh))()
+        mesh = self.mesh or sharding.default_mesh()
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
     def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
@@ -352,7 +351,7 @@ class ModelRunner:
 
     def _put_bitmask(self, mask: np.ndarray) -> jax.Array:
         """On the device, placed one way for every step (so no step compiles for it)."""
-        return jax.device_put(mask, parallel.replicated(self.mesh or parallel.default_mesh()))
+        return jax.device_put(mask, sharding.replicated(self.mesh or sharding.default_mesh()))
 
     def _bitmask(self, plan: StepPlan) -> jax.Array:
         """The plan's structured-output mask, or the all-ones mask kept on the device (per
@@ -647,7 +646,7 @@ class ModelRunner:
             self.kv_pages = _write_pages(self.kv_pages, idx, saved)
             if self.mesh is not None:  # keep the step's input sharding (no recompile under tp)
                 self.kv_pages = jax.device_put(self.kv_pages,
-                                               parallel.kv_pool_sharding(self.mesh))
+                                               sharding.kv_pool_sharding(self.mesh))
 
 
 @jax.jit
