@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Hello world, my name",
            "one two three four five six seven eight nine ten eleven twelve thirteen"]
 MAX_TOKENS = 10
