@@ -23,8 +23,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jaxserve.core.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS,
-                                      SamplingParams)
+from jaxserve.core.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 class SamplingRow(NamedTuple):
@@ -128,13 +127,13 @@ def build_sampling_arrays(
         return a
     L, B, E = layout_widths(full, history_len)
 
+    greedy = np.fromiter((rows[i][0].is_greedy for i in real), bool, len(real))
     cols = np.array([
         (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
          p.repetition_penalty, n_gen, -1 if p.logprobs is None else p.logprobs)
         for p, _, _, _, n_gen in (rows[i] for i in real)
     ], dtype=np.float64)
     idx = np.asarray(real)
-    greedy = cols[:, 0] < SAMPLING_EPS
     a["temperature"][idx] = np.where(greedy, 0.0, cols[:, 0])
     a["top_p"][idx] = np.where(greedy, 1.0, cols[:, 1])
     a["top_k"][idx] = np.where(greedy | (cols[:, 2] < 0), 0, cols[:, 2])

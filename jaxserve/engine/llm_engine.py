@@ -41,6 +41,7 @@ from jaxserve.core.outputs import (CoreCompletion, CoreOutput, RequestMetrics, R
 from jaxserve.sharding import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_metadata import SamplingRow
+from jaxserve.core.step_plan import ScheduledSeq
 from jaxserve.worker.kv_cache import kv_cache_dtype
 from jaxserve.worker.kv_calibration import prepare_kv_scales
 from jaxserve.worker.runner import (ModelRunner, default_attention_backend, default_scheduler_limits,
@@ -391,45 +392,53 @@ class LLMEngine:
         """Build the plan (pending tokens point at the step in flight) and enqueue it."""
         now = time.time()
         prev_rows = self._inflight.sampled_rows if self._inflight is not None else {}
-        inputs = []
         hits = [self._child_of[s.request.request_id] for s in sched.scheduled]
-        for s, (parent, _) in zip(sched.scheduled, hits):
-            r = s.request
-            inputs.append(SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
-                                      self._eos_list, r.num_output_tokens) if s.sample else None)
+        for parent, _ in hits:
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
-        plan = self.runner.build_plan(sched.to_rows(prev_rows), inputs)
+        prompt_rows = self._prompt_logprob_rows(sched, hits)
+        spans = {i: (parent, lo, hi) for i, parent, lo, hi in prompt_rows}
+        rows = [self._plan_row(s, prev_rows, spans.get(i)) for i, s in enumerate(sched.scheduled)]
+        bitmask, constrained = self._token_bitmask(sched)
+        handle = self.runner.dispatch(self.runner.build_plan(rows, bitmask))
+        self.scheduler.update_from_output(sched)  # placeholders until _process
+        return _InFlight(sched, hits, handle, prompt_rows, handle.plan.query_start,
+                         constrained=constrained)
+
+    def _plan_row(self, s, prev_rows: dict[str, int], prompt_span) -> ScheduledSeq:
+        """One scheduled request as a plan row: its tokens and pages, its sampling params, the
+        pending token of a penalty row's history, the next prompt tokens for prompt logprobs."""
+        r = s.request
+        history_ref = None
+        if s.sample and r.num_pending and r.sampling_params.uses_penalties:
+            # the pending id is the last output id in the penalty history
+            history_ref = (prev_rows[r.request_id], r.num_tokens - 1)
+        next_ids = None
+        if prompt_span is not None:
+            parent, lo, hi = prompt_span
+            next_ids = parent.prompt_token_ids[lo + 1:hi + 1]
+        return ScheduledSeq(
+            new_token_ids=s.new_token_ids, start_pos=s.start_pos, block_ids=[r.block_ids],
+            sample=s.sample, prev_row=prev_rows.get(r.request_id, -1), num_draft=s.num_draft,
+            sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
+                                 self._eos_list, r.num_output_tokens) if s.sample else None,
+            history_ref=history_ref, prompt_next_ids=next_ids)
+
+    def _token_bitmask(self, sched) -> tuple[np.ndarray | None, bool]:
+        """The rows' allowed tokens (grammars, allowed_token_ids, bad_words), or None when no
+        row is constrained; and whether a row's next mask needs the token this step samples."""
         constrained = [(i, s.request.grammar) for i, s in enumerate(sched.scheduled)
                        if s.sample and s.request.grammar is not None]
-        if constrained:
-            plan.token_bitmask = self.structured.new_bitmask(plan.seq_bucket)
-            self.structured.fill_bitmask(constrained, plan.token_bitmask)
         filtered = [(i, s.request) for i, s in enumerate(sched.scheduled)
                     if s.sample and s.request.token_filter is not None]
-        if filtered:
-            if plan.token_bitmask is None:
-                plan.token_bitmask = np.full((plan.seq_bucket, self.runner.bitmask_width()), -1,
-                                             np.int32)
-            for i, r in filtered:
-                plan.token_bitmask[i] &= r.token_filter.row(r.output_token_ids)
-        for i, s in enumerate(sched.scheduled):
-            r = s.request
-            if s.sample and r.num_pending and r.sampling_params.uses_penalties:
-                # the pending id is the last output id in the penalty history
-                plan.history_ref[i] = (prev_rows[r.request_id], r.num_tokens - 1)
-        prompt_rows = self._prompt_logprob_rows(sched, hits)
-        next_ids = None
-        if prompt_rows:
-            next_ids = np.zeros(plan.token_bucket, np.int32)
-            for i, parent, lo, hi in prompt_rows:
-                t0 = int(plan.query_start[i])
-                next_ids[t0:t0 + hi - lo] = parent.prompt_token_ids[lo + 1:hi + 1]
-        handle = self.runner.dispatch(plan, next_ids)
-        self.scheduler.update_from_output(sched)  # placeholders until _process
-        return _InFlight(sched, hits, handle, prompt_rows, plan.query_start,
-                         constrained=bool(constrained) or any(
-                             r.needs_known_tokens for _, r in filtered))
+        if not constrained and not filtered:
+            return None, False
+        bitmask = np.full((len(sched.scheduled), self.runner.bitmask_width()), -1, np.int32)
+        if constrained:
+            self.structured.fill_bitmask(constrained, bitmask)
+        for i, r in filtered:
+            bitmask[i] &= r.token_filter.row(r.output_token_ids)
+        return bitmask, bool(constrained) or any(r.needs_known_tokens for _, r in filtered)
 
     def _process(self, done: _InFlight, touched: dict) -> None:
         """Read a dispatched step's ids: resolve the placeholders, record logprobs, stop."""

@@ -35,19 +35,17 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
 from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
 from jaxserve.models.layers import AttentionMetadata
-from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
+from jaxserve.core.sampling_metadata import (SAMPLING_FIELDS, SamplingRow, build_sampling_arrays,
+                                              dummy_sampling_arrays)
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
-from jaxserve.core.spec_decode import add_verify_arrays
-from jaxserve.core.step_plan import (
-    TRASH_PAGE,
-    ScheduledSeq,
-    StepPlan,
-    build_step_plan,
-    seq_bucket,
-    token_ladder,
-)
+from jaxserve.core.step_plan import (ARRAY_FIELDS, TRASH_PAGE, ScheduledSeq, StepPlan,
+                                     build_step_plan, padding_plan, seq_bucket, token_ladder)
 
 logger = logging.getLogger(__name__)
+
+# the StepPlan is a pytree: its arrays are leaves, its counts static (core/ imports no jax)
+jax.tree_util.register_dataclass(StepPlan, data_fields=list(ARRAY_FIELDS),
+                                 meta_fields=["num_seqs", "num_tokens"])
 
 CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's CPU KV space: a fixed budget when memory is unknown
 
@@ -78,11 +76,11 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         ref = arrays["prev_ref"]
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
-        md = AttentionMetadata(
-            slot_mapping=arrays["slot_mapping"],
+        md = AttentionMetadata(  # one paged cache group: group 0's pages
+            slot_mapping=arrays["slot_mapping"][0],
             query_start=arrays["query_start"],
             seq_lens=arrays["seq_lens"],
-            block_tables=arrays["block_tables"],
+            block_tables=arrays["block_tables"][0],
             num_seqs=arrays["num_seqs"],
         )
         hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
@@ -261,6 +259,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = engine_config.cache.block_size
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
+        self.num_cache_groups = 1  # paged cache groups (one block table each in a plan)
         sched = engine_config.scheduler
         self.max_num_seqs = sched.max_num_seqs
         spec = engine_config.speculative
@@ -310,7 +309,8 @@ class ModelRunner:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
-    def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
+    def _run(self, plan: StepPlan):
+        prompt_next_ids = plan.prompt_next_ids
         if self._compiles is not None:  # a bucket still compiling: wait, never compile here
             self._compiles.wait(("forward", plan.token_bucket))
             if prompt_next_ids is not None:
@@ -331,16 +331,14 @@ class ModelRunner:
                                    plan.token_bucket)
         return out
 
-    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
-        """The forward's plan arrays and the verifier's inputs: every step of a speculating
-        engine has the verify shapes (logits at ``[S, k+1]`` positions)."""
-        arrays, spec = plan.device_arrays(), None
-        if self.num_spec_tokens:
-            if plan.num_draft is None:
-                add_verify_arrays(plan, [], self.num_spec_tokens)
-            arrays["logits_indices"] = plan.spec_logits_indices
+    @staticmethod
+    def _step_inputs(plan: StepPlan) -> tuple[dict, dict | None]:
+        """The forward's plan arrays and the verifier's inputs (every step of a speculating
+        engine has the verify shapes: logits at ``[S, k+1]`` positions)."""
+        spec = None
+        if plan.num_draft is not None:
             spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
-        return arrays, spec
+        return plan.forward_arrays(), spec
 
     def _add_compiles(self, n: int) -> None:
         with self._count_lock:
@@ -373,23 +371,21 @@ class ModelRunner:
         m[:, ::2] = 0
         return self._put_bitmask(m)
 
-    def build_plan(self, rows: list[ScheduledSeq], sampling_inputs: list) -> StepPlan:
-        plan = build_step_plan(rows, block_size=self.block_size,
+    def build_plan(self, rows: list[ScheduledSeq], token_bitmask: np.ndarray | None = None
+                   ) -> StepPlan:
+        """The step's plan, in a bucket that is compiled (or compiling) now."""
+        return build_step_plan(rows, block_size=self.block_size,
                                max_pages_per_seq=self.max_pages_per_seq,
-                               ladder=self._plan_ladder(), max_num_seqs=self.max_num_seqs)
-        plan.sampling = build_sampling_arrays(sampling_inputs, plan.seq_bucket,
-                                              history_len=self.max_model_len, rng=self._np_rng)
-        if self.num_spec_tokens:
-            add_verify_arrays(plan, [r.num_draft for r in rows], self.num_spec_tokens)
-        return plan
+                               ladder=self._plan_ladder(), max_num_seqs=self.max_num_seqs,
+                               history_len=self.max_model_len, rng=self._np_rng,
+                               token_bitmask=token_bitmask, num_spec_tokens=self.num_spec_tokens)
 
-    def dispatch(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepHandle:
+    def dispatch(self, plan: StepPlan) -> StepHandle:
         """Enqueue the step and start copying its results to the host; returns at once.
-        ``prompt_next_ids[T]`` (the prompt token after each position, only in steps with a
-        ``prompt_logprobs`` request) also computes the prompt logprobs."""
-        out = self._run(plan, prompt_next_ids)
+        A plan with ``prompt_next_ids`` also computes the prompt logprobs."""
+        out = self._run(plan)
         prompt_lp = verify = None
-        if prompt_next_ids is not None:
+        if plan.prompt_next_ids is not None:
             out, prompt_lp = out
         if self.num_spec_tokens:
             out, verify = out
@@ -424,9 +420,9 @@ class ModelRunner:
             res.spec_token_ids, res.num_emitted = map(np.asarray, jax.device_get(tuple(h.verify)))
         return res
 
-    def execute(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepOutput:
+    def execute(self, plan: StepPlan) -> StepOutput:
         """Run the step and wait for it (``dispatch`` then ``fetch``)."""
-        return self.fetch(self.dispatch(plan, prompt_next_ids))
+        return self.fetch(self.dispatch(plan))
 
     @property
     def num_graphs(self) -> int:
@@ -612,26 +608,25 @@ class ModelRunner:
             add = min(extra, cap - 1)
             lens[i] += add
             extra -= add
+        # the long-rows plan samples with every feature on (the full layout), the other greedy
+        sampling = SamplingRow(_WARMUP_ALL_FEATURES, [0], [0], None, 1) if long_rows else None
         rows = [ScheduledSeq(new_token_ids=np.zeros(q, np.int32), start_pos=0,
-                             block_ids=[TRASH_PAGE] * -(-q // self.block_size)) for q in lens]
+                             block_ids=[[TRASH_PAGE] * -(-q // self.block_size)]
+                             * self.num_cache_groups, sampling=sampling) for q in lens]
         plan = build_step_plan(rows, block_size=self.block_size,
                                max_pages_per_seq=self.max_pages_per_seq, ladder=self.ladder,
-                               max_num_seqs=self.max_num_seqs)
+                               max_num_seqs=self.max_num_seqs, history_len=self.max_model_len,
+                               rng=np.random.default_rng(0),
+                               num_spec_tokens=self.num_spec_tokens)
         if plan.token_bucket != t:
             return self._padding_plan(t, s, long_rows)
-        plan.sampling = (self._warmup_sampling(_WARMUP_ALL_FEATURES, plan.seq_bucket) if long_rows
-                         else dummy_sampling_arrays(plan.seq_bucket,
-                                                    history_len=self.max_model_len))
         return plan
 
     def _padding_plan(self, t: int, s: int, full: bool) -> StepPlan:
-        z = lambda *shape: np.zeros(shape, dtype=np.int32)  # noqa: E731
-        plan = StepPlan(token_ids=z(t), positions=z(t), slot_mapping=z(t), query_start=z(s + 1),
-                        seq_lens=z(s), block_tables=z(s, self.max_pages_per_seq),
-                        logits_indices=z(s), num_seqs=0, num_tokens=0,
-                        sample_mask=np.zeros(s, dtype=bool))
-        plan.sampling = dummy_sampling_arrays(s, full=full, history_len=self.max_model_len)
-        return plan
+        return padding_plan(t, s, self.num_cache_groups, self.max_pages_per_seq,
+                            sampling=dummy_sampling_arrays(s, full=full,
+                                                           history_len=self.max_model_len),
+                            num_spec_tokens=self.num_spec_tokens)
 
     # ---- swap (preemption to host memory) ------------------------------------------------
     def swap_out(self, page_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -68,12 +68,12 @@ class FakeDevice:
         plan = build_step_plan(out.to_rows(), block_size=bs, max_pages_per_seq=self.max_pages,
                                ladder=self.ladder, max_num_seqs=self.s.max_num_seqs)
         n = plan.num_tokens
-        self.kv[plan.slot_mapping[:n]] = plan.token_ids[:n]
+        self.kv[plan.slot_mapping[0, :n]] = plan.token_ids[:n]
         sampled = {}
         for i, s in enumerate(out.scheduled):
             L = int(plan.seq_lens[i])
             pos = np.arange(L)
-            ctx = self.kv[plan.block_tables[i, pos // bs] * bs + pos % bs]
+            ctx = self.kv[plan.block_tables[0, i, pos // bs] * bs + pos % bs]
             expect = np.asarray(s.request.all_token_ids[:L])
             assert np.array_equal(ctx, expect), f"{s.request_id}: KV context corrupted"
             if s.sample:

@@ -254,7 +254,7 @@ def test_warmup_plans_fill_each_bucket_with_trash_page_rows(llama_dir):
         mixed, long_rows = runner._warmup_plan(t, s, False), runner._warmup_plan(t, s, True)
         for plan in (mixed, long_rows):
             assert plan.token_bucket == t and plan.num_tokens == t
-            assert not plan.block_tables[:plan.num_seqs].any()  # every page is the trash page
+            assert not plan.block_tables[:, :plan.num_seqs].any()  # every page is the trash page
             assert np.all(plan.slot_mapping < runner.block_size)
         q = np.diff(long_rows.query_start[:long_rows.num_seqs + 1])
         assert q.max() == min(t, runner.max_pages_per_seq * runner.block_size - 1)

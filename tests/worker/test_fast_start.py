@@ -126,8 +126,8 @@ def test_steps_fit_the_compiled_buckets_while_others_compile(tiny_model_factory,
     buckets = []
     build = eng.runner.build_plan
 
-    def recording(rows, sampling_inputs):
-        plan = build(rows, sampling_inputs)
+    def recording(rows, *args):
+        plan = build(rows, *args)
         buckets.append(plan.token_bucket)
         return plan
 

@@ -192,7 +192,7 @@ def test_engine_step_of_every_bucket_writes_pool_in_place(tiny_llama_dir, max_mo
     for t in runner.ladder:
         plan = runner._padding_plan(t, min(t, runner.max_num_seqs), False)
         compiled = runner._forward.lower(runner._state_leaves, runner.kv_pages,
-                                         plan.device_arrays(), runner._last_tokens).compile()
+                                         plan.forward_arrays(), runner._last_tokens).compile()
         problems = [p for p in pool_copies(compiled, pool.shape, pool_bytes)
                     if "not aliased" not in p]  # aliases: checked by the tests above
         assert problems == [], (t, problems)
