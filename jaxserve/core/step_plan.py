@@ -182,26 +182,9 @@ def build_step_plan(
     positions = np.zeros(t_bucket, dtype=np.int32)
     positions[:n_tok] = starts[row_of_tok] + offs
 
-    n_groups = len(rows[0].block_ids)
-    if any(len(r.block_ids) != n_groups for r in rows):
-        raise ValueError("every row needs one page list per cache group")
-    block_tables = np.zeros((n_groups, s_bucket, max_pages_per_seq), dtype=np.int32)
-    have = np.zeros((n_groups, n_rows), dtype=np.int32)
-    for i, r in enumerate(rows):
-        for g, pages in enumerate(r.block_ids):
-            nb = len(pages)
-            if nb > max_pages_per_seq:
-                raise ValueError(f"sequence {i} needs {nb} pages > max {max_pages_per_seq}")
-            block_tables[g, i, :nb] = pages
-            have[g, i] = nb
-    pos = positions[:n_tok]
-    page_idx = pos // block_size
-    needed = (starts + q_lens - 1) // block_size + 1
-    if np.any(needed > have):
-        g, bad = map(int, np.argwhere(needed > have)[0])
-        raise ValueError(f"sequence {bad} has {have[g, bad]} pages, needs {needed[bad]}")
-    slot_mapping = np.full((n_groups, t_bucket), TRASH_PAGE * block_size, dtype=np.int32)
-    slot_mapping[:, :n_tok] = block_tables[:, row_of_tok, page_idx] * block_size + pos % block_size
+    block_tables, slot_mapping = _pages(rows, positions[:n_tok], row_of_tok,
+                                        (starts + q_lens - 1) // block_size + 1,
+                                        block_size, max_pages_per_seq, s_bucket, t_bucket)
 
     seq_lens = np.zeros(s_bucket, dtype=np.int32)
     seq_lens[:n_rows] = starts + q_lens
@@ -210,16 +193,7 @@ def build_step_plan(
     sample_mask = np.zeros(s_bucket, dtype=bool)
     sample_mask[:n_rows] = [r.sample for r in rows]
 
-    history_ref = np.full((s_bucket, 2), -1, dtype=np.int32)
-    prompt_next_ids = None
-    for i, r in enumerate(rows):
-        if r.history_ref is not None:
-            history_ref[i] = r.history_ref
-        if r.prompt_next_ids is not None:
-            if prompt_next_ids is None:
-                prompt_next_ids = np.zeros(t_bucket, np.int32)
-            t0 = int(query_start[i])
-            prompt_next_ids[t0:t0 + len(r.prompt_next_ids)] = r.prompt_next_ids
+    history_ref, prompt_next_ids = _row_extras(rows, query_start, s_bucket, t_bucket)
     if token_bitmask is not None:
         mask = np.full((s_bucket, token_bitmask.shape[1]), -1, dtype=np.int32)
         mask[:n_rows] = token_bitmask
@@ -251,6 +225,46 @@ def build_step_plan(
         num_seqs=n_rows,
         num_tokens=n_tok,
     )
+
+
+def _pages(rows, pos, row_of_tok, needed, block_size: int, max_pages: int, s_bucket: int,
+           t_bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables ``[G, S, M]`` and slot mapping ``[G, T]``: each row's pages per cache group,
+    and where each new token's K/V goes (``needed[i]`` pages hold row i's last position)."""
+    n_groups = len(rows[0].block_ids)
+    if any(len(r.block_ids) != n_groups for r in rows):
+        raise ValueError("every row needs one page list per cache group")
+    block_tables = np.zeros((n_groups, s_bucket, max_pages), dtype=np.int32)
+    have = np.zeros((n_groups, len(rows)), dtype=np.int32)
+    for i, r in enumerate(rows):
+        for g, pages in enumerate(r.block_ids):
+            nb = len(pages)
+            if nb > max_pages:
+                raise ValueError(f"sequence {i} needs {nb} pages > max {max_pages}")
+            block_tables[g, i, :nb] = pages
+            have[g, i] = nb
+    if np.any(needed > have):
+        g, bad = map(int, np.argwhere(needed > have)[0])
+        raise ValueError(f"sequence {bad} has {have[g, bad]} pages, needs {needed[bad]}")
+    slot_mapping = np.full((n_groups, t_bucket), TRASH_PAGE * block_size, dtype=np.int32)
+    slot_mapping[:, :len(pos)] = (block_tables[:, row_of_tok, pos // block_size] * block_size
+                                  + pos % block_size)
+    return block_tables, slot_mapping
+
+
+def _row_extras(rows, query_start, s_bucket: int, t_bucket: int):
+    """``history_ref[S, 2]`` and ``prompt_next_ids[T]`` (None when no row asks for it)."""
+    history_ref = np.full((s_bucket, 2), -1, dtype=np.int32)
+    prompt_next_ids = None
+    for i, r in enumerate(rows):
+        if r.history_ref is not None:
+            history_ref[i] = r.history_ref
+        if r.prompt_next_ids is not None:
+            if prompt_next_ids is None:
+                prompt_next_ids = np.zeros(t_bucket, np.int32)
+            t0 = int(query_start[i])
+            prompt_next_ids[t0:t0 + len(r.prompt_next_ids)] = r.prompt_next_ids
+    return history_ref, prompt_next_ids
 
 
 def padding_plan(t: int, s: int, num_groups: int, max_pages_per_seq: int, *,
