@@ -130,6 +130,10 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
+    @property
+    def attention_backend(self) -> str:
+        return self.config.attention_backend  # resolved for the platform
+
     def startup_progress(self) -> tuple[bool, int, int]:
         """(ready to serve without waiting for a compile, buckets compiled, buckets)."""
         return self.runner.startup_progress()
