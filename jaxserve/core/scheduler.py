@@ -317,14 +317,13 @@ class Scheduler:
         on the graphs there are instead of waiting for a bigger one."""
         self.token_limit = token_limit
 
-    def schedule(self, token_limit: int | None = None) -> SchedulerOutput:
-        """Plan one step. ``token_limit`` lowers the token budget for this step only."""
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within the token budget (and ``token_limit`` while it is set)."""
         out = SchedulerOutput()
         bm = self.block_manager
         budget = self.max_num_batched_tokens
-        for limit in (token_limit, self.token_limit):
-            if limit is not None:
-                budget = max(1, min(budget, limit))
+        if self.token_limit is not None:
+            budget = max(1, min(budget, self.token_limit))
 
         # 1. running requests (sorted: the preemption victim is always the last one)
         i = 0
