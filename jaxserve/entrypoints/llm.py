@@ -7,7 +7,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.config import engine_config_from_kwargs
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.builder import build_engine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -17,8 +17,8 @@ class LLM:
     """Offline batched generation. Results come back in input order."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.config = engine_config_from_kwargs(model, **kwargs)
-        self.llm_engine = LLMEngine(self.config)
+        self.llm_engine = build_engine(engine_config_from_kwargs(model, **kwargs))
+        self.config = self.llm_engine.config
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -58,13 +58,13 @@ def test_compile_pool_order_bump_and_errors():
 
 def _engine(model_dir, background: bool):
     from jaxserve.config import EngineConfig, SchedulerConfig, CacheConfig
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
 
     cfg = EngineConfig(model=str(model_dir), dtype="float32",
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
                                                  min_token_bucket=4, max_model_len=128),
                        cache=CacheConfig(num_gpu_blocks_override=64))
-    return LLMEngine(cfg, background_warmup=background)
+    return build_engine(cfg, background_warmup=background)
 
 
 def _run_all(engine, prompts, params):
@@ -108,10 +108,10 @@ def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
 
 def test_steps_fit_the_compiled_buckets_while_others_compile(tiny_model_factory, monkeypatch):
     from jaxserve.core.sampling_params import SamplingParams
-    from jaxserve.worker.runner import ModelRunner
+    from jaxserve.worker.warmup import BucketWarmup
 
     gate = threading.Event()
-    original = ModelRunner._compile_bucket
+    original = BucketWarmup._compile_bucket
 
     def held(self, t):  # every bucket but the smallest waits for the test's go
         if t != self.ladder[0]:
@@ -121,13 +121,13 @@ def test_steps_fit_the_compiled_buckets_while_others_compile(tiny_model_factory,
     model_dir = tiny_model_factory("llama")
     prompts = [[7 + i] * n for i, n in enumerate((2, 11, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    monkeypatch.setattr(ModelRunner, "_compile_bucket", held)
+    monkeypatch.setattr(BucketWarmup, "_compile_bucket", held)
     eng = _engine(model_dir, background=True)
     buckets = []
     build = eng.runner.build_plan
 
-    def recording(rows, sampling_inputs):
-        plan = build(rows, sampling_inputs)
+    def recording(rows, *args):
+        plan = build(rows, *args)
         buckets.append(plan.token_bucket)
         return plan
 
@@ -158,17 +158,17 @@ def test_health_reports_starting_then_ready(tiny_model_factory, monkeypatch):
 
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.server import build_app
-    from jaxserve.worker.runner import ModelRunner
+    from jaxserve.worker.warmup import BucketWarmup
     from tests.server_process import ServerThread
 
     gate = threading.Event()
-    original = ModelRunner._compile_bucket
+    original = BucketWarmup._compile_bucket
 
     def held(self, t):  # compiles wait for the test's go
         assert gate.wait(120)
         return original(self, t)
 
-    monkeypatch.setattr(ModelRunner, "_compile_bucket", held)
+    monkeypatch.setattr(BucketWarmup, "_compile_bucket", held)
     eng = _engine(tiny_model_factory("llama"), background=True)
     engine = AsyncLLM(eng.config, engine=eng)
     try:
