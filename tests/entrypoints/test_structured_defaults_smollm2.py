@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 CITY = {"type": "object", "required": ["city", "population"],
         "properties": {"city": {"type": "string", "maxLength": 24},
-                       "population": {"type": "integer", "minimum": 0}}}
+                       "population": {"type": "integer", "minimum": 0, "maximum": 10**9}}}
 TIME = {"type": "object", "required": ["tz"],
         "properties": {"tz": {"type": "string", "maxLength": 24}}}
 WEATHER = {"type": "object", "required": ["city"],
