@@ -9,6 +9,13 @@ Cases (GPU defaults; issue "Pallas ragged paged attention" / "GPU: attention ker
           + 32 decodes at 2048, one call; bound = a dense attention with the chunks' FLOPs
           (`jax.nn.dot_product_attention`, cuDNN when available) + the decodes' KV bytes at copy
           bandwidth.
+  gdn     Gated DeltaNet (Qwen3.5/3.6 linear layers; 16 key / 32 value heads of 128, bf16 q/k/v,
+          float32 state pool): B decodes, prefill chunks continuing from a state, and a mix;
+          the Pallas kernels and the XLA path, against the state-traffic bound (each real
+          row's state read and written once + q/k/v/o at copy bandwidth).
+  lora    multi-LoRA delta on a 4096x4096 projection (8 adapters of rank 16, bf16): scattered
+          decode tokens (BGMV), prefill runs (SGMV) and a mix; base matmul alone vs base + the
+          Pallas delta vs base + the XLA delta (throughput ratio to the base).
 Every case checks the kernel against pallas_kernels/reference.py first (sub-batch when the
 reference would not fit). ``--sweep`` times a grid of tile parameters per case and reports the
 fastest (issue 11). On CPU (or ``--tiny``) it runs tiny shapes in interpret mode.
@@ -16,6 +23,7 @@ fastest (issue 11). On CPU (or ``--tiny``) it runs tiny shapes in interpret mode
     python benchmarks/kernels.py                      # GPU, full sizes
     python benchmarks/kernels.py --tiny               # CPU smoke run (CI)
     python benchmarks/kernels.py --sweep --cases decode --ctx 2048
+    python benchmarks/kernels.py --cases gdn,lora    # state-pool and LoRA kernels
 """
 from __future__ import annotations
 
@@ -46,7 +54,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes in interpret mode (default when no accelerator)")
-    p.add_argument("--cases", default="decode,mixed", help="comma list of decode, mixed")
+    p.add_argument("--cases", default="decode,mixed",
+                   help="comma list of decode, mixed, gdn, lora")
     p.add_argument("--batch", type=int, default=64, help="decode sequences")
     p.add_argument("--ctx", default="512,2048,8192", help="decode context lengths")
     p.add_argument("--num-q-heads", type=int, default=32)
@@ -68,6 +77,19 @@ def parse_args(argv=None):
                    help="comma list of pallas, mosaic, triton, timed side by side (default: all "
                         "three on a GPU, pallas on CPU); the fastest checked one is reported as "
                         "the default")
+    p.add_argument("--gdn-key-heads", type=int, default=16)
+    p.add_argument("--gdn-value-heads", type=int, default=32)
+    p.add_argument("--gdn-head-dim", type=int, default=128)
+    p.add_argument("--gdn-decodes", type=int, default=64, help="decode rows of the gdn cases")
+    p.add_argument("--gdn-prefill", default="4x1024", help="prefill rows x tokens (gdn)")
+    p.add_argument("--gdn-tiles", default=None,
+                   help='JSON dict of GDNConfig overrides, e.g. \'{"block_v": 32}\'')
+    p.add_argument("--lora-in", type=int, default=4096)
+    p.add_argument("--lora-out", type=int, default=4096)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-adapters", type=int, default=8)
+    p.add_argument("--lora-decodes", type=int, default=64)
+    p.add_argument("--lora-prefill", default="4x512", help="prefill runs x tokens (lora)")
     p.add_argument("--sweep", action="store_true", help="time a grid of tile parameters per case")
     p.add_argument("--sweep-budget-s", type=float, default=300.0,
                    help="wall-clock budget of the whole sweep")
@@ -422,6 +444,10 @@ def apply_tiny(args):
     args.mixed_chunks, args.mixed_chunk_len, args.mixed_ctx, args.mixed_decodes = 2, 32, 96, 2
     args.iters, args.warmup = min(args.iters, 2), 1
     args.sweep_budget_s = min(args.sweep_budget_s, 60)
+    args.gdn_key_heads, args.gdn_value_heads, args.gdn_head_dim = 2, 4, 16
+    args.gdn_decodes, args.gdn_prefill = 4, "2x40"
+    args.lora_in, args.lora_out, args.lora_rank, args.lora_adapters = 64, 48, 8, 3
+    args.lora_decodes, args.lora_prefill = 8, "2x24"
 
 
 def plot(results, path, copy_bw):
@@ -531,6 +557,237 @@ def summary_table(results):
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------
+# Gated DeltaNet and multi-LoRA kernels
+# ------------------------------------------------------------------------------------------
+def gdn_cases(args):
+    n, length = (int(v) for v in args.gdn_prefill.split("x"))
+    nd = args.gdn_decodes
+    return [
+        dict(name=f"gdn_decode_B{nd}", kind="gdn", q_lens=[1] * nd),
+        dict(name=f"gdn_prefill_{n}x{length}", kind="gdn", q_lens=[length] * n),
+        dict(name=f"gdn_mixed_{max(1, n // 2)}x{length}+{nd // 2}dec", kind="gdn",
+             q_lens=[length] * max(1, n // 2) + [1] * max(1, nd // 2)),
+    ]
+
+
+def gdn_build(q_lens, args, seed=0):
+    """Device inputs of a GDN step: every row continues from a state (ctx = q_len + 100), one
+    pool slot per row plus slot 0, gates as the model makes them."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_batch import make_state_rows
+
+    t, s = sum(q_lens), len(q_lens)
+    rows = make_state_rows(np.random.default_rng(seed), q_lens, [q + 100 for q in q_lens],
+                           num_tokens=t, num_seqs=s, num_slots=s + 1)
+    hk, hv, d = args.gdn_key_heads, args.gdn_value_heads, args.gdn_head_dim
+    dt = jnp.dtype(args.dtype)
+    ks = jax.random.split(jax.random.key(seed), 6)
+    return dict(
+        q=jax.random.normal(ks[0], (t, hk, d), dt), k=jax.random.normal(ks[1], (t, hk, d), dt),
+        v=jax.random.normal(ks[2], (t, hv, d), dt),
+        g=-jax.nn.softplus(jax.random.normal(ks[3], (t, hv), jnp.float32)),
+        beta=jax.nn.sigmoid(jax.random.normal(ks[4], (t, hv), jnp.float32)),
+        state=jax.random.normal(ks[5], (s + 1, hv, d, d), jnp.float32) * 0.1,
+        query_start=jnp.asarray(rows.query_start), seq_lens=jnp.asarray(rows.seq_lens),
+        state_slots=jnp.asarray(rows.state_slots),
+    )
+
+
+def gdn_fn(args, backend, tiles=None):
+    """jit of one GDN backend with the state pool donated (as the engine runs it)."""
+    import jax
+
+    if backend == "pallas":
+        from pallas_kernels.gated_delta_rule_pallas import gated_delta_rule
+
+        kw = dict(tiles or {}, interpret=args.interpret)
+    elif backend == "xla":
+        from pallas_kernels.gated_delta_rule import gated_delta_rule
+
+        kw = {}
+    else:
+        from pallas_kernels.reference import gated_delta_rule
+
+        kw = {}
+    return jax.jit(lambda *a: gated_delta_rule(*a, **kw), donate_argnums=(5,))
+
+
+def timed_stateful(fn, dev, args):
+    """Median time of ``fn`` over the step's inputs, the donated pool fed back each call."""
+    keys = ("q", "k", "v", "g", "beta", "state", "query_start", "seq_lens", "state_slots")
+    a = [dev[k] for k in keys]
+    a[5] = a[5].copy()
+    box = {"state": a[5]}
+
+    def call():
+        out, box["state"] = fn(*a[:5], box["state"], *a[6:])
+        return out
+
+    return timed(call, args=args)
+
+
+def gdn_bytes_flops(q_lens, args):
+    item = 4 if args.dtype == "float32" else 2
+    hk, hv, d = args.gdn_key_heads, args.gdn_value_heads, args.gdn_head_dim
+    t, s = sum(q_lens), len(q_lens)
+    state = 2 * s * hv * d * d * 4  # each row's state read and written once
+    io = t * (2 * hk * d + 2 * hv * d) * item + t * hv * 8
+    c = 64  # chunk: A, u/w, w@S, q@S, qk, attn@v', state update (per token, per head)
+    per_tok = 2 * (c * d + 2 * c * d + d * d + d * d + c * d + c * d + d * d)
+    flops = sum(hv * (per_tok * q if q > 1 else 8 * d * d) for q in q_lens)
+    return state, io, flops
+
+
+def run_gdn_case(case, args, copy_bw, tiles):
+    q_lens = case["q_lens"]
+    res = dict(case=case["name"], kind="gdn", num_seqs=len(q_lens), num_tokens=sum(q_lens),
+               tiles=tiles)
+    state_b, io_b, flops = gdn_bytes_flops(q_lens, args)
+    res.update(state_bytes=state_b, io_bytes=io_b, flops=flops,
+               bound_s=(state_b + io_b) / copy_bw)
+    if not args.no_check:  # one row of each kind, prefill rows cut to 192 tokens
+        sub = sorted({min(q, 192) for q in q_lens})
+        dev = gdn_build(sub, args, seed=1)
+        keys = ("q", "k", "v", "g", "beta", "state", "query_start", "seq_lens", "state_slots")
+        ref = gdn_fn(args, "reference")(*[dev[k].copy() if k == "state" else dev[k]
+                                          for k in keys])
+        for backend in ("pallas", "xla"):
+            out = gdn_fn(args, backend, tiles)(*[dev[k].copy() if k == "state" else dev[k]
+                                                 for k in keys])
+            err = max(rel_err(out[0], ref[0]), rel_err(out[1], ref[1]))
+            res[f"check_{backend}"] = dict(rel_err=err, tol=TOL[args.dtype],
+                                           ok=err <= TOL[args.dtype], rows=sub)
+        res["check"] = res["check_pallas"]
+    dev = gdn_build(q_lens, args)
+    for backend in ("pallas", "xla"):
+        try:
+            t = timed_stateful(gdn_fn(args, backend, tiles), dev, args)
+            res[backend] = dict(t, x_of_bound=t["median_s"] / res["bound_s"],
+                                frac_copy_bw=res["bound_s"] / t["median_s"],
+                                tflops=flops / t["median_s"] / 1e12)
+        except Exception as e:  # one backend failing must not lose the other's numbers
+            res[backend] = dict(error=f"{type(e).__name__}: {e}"[:500])
+    return res
+
+
+def lora_cases(args):
+    n, length = (int(v) for v in args.lora_prefill.split("x"))
+    rng = np.random.default_rng(0)
+    nl, nd = args.lora_adapters, args.lora_decodes
+    dec = list(rng.integers(-1, nl, size=nd))  # scattered: neighbours rarely share a slot
+    runs = [int(i % nl) for i in range(n) for _ in range(length)]
+    half = [int(i % nl) for i in range(max(1, n // 2)) for _ in range(length)]
+    # rows: the requests of the step (its sequence count), which bounds the runs of one slot.
+    return [
+        dict(name=f"lora_decode_T{nd}", kind="lora", slots=dec, rows=nd),
+        dict(name=f"lora_prefill_{n}x{length}", kind="lora", slots=runs, rows=n),
+        dict(name=f"lora_mixed_{max(1, n // 2)}x{length}+{nd}dec", kind="lora",
+             slots=half + dec, rows=max(1, n // 2) + nd),
+    ]
+
+
+def run_lora_case(case, args):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import lora, reference
+
+    slots = np.asarray(case["slots"], np.int32)
+    t, d_in, d_out = len(slots), args.lora_in, args.lora_out
+    nl, r = args.lora_adapters, args.lora_rank
+    dt = jnp.dtype(args.dtype)
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(ks[0], (t, d_in), dt)
+    w = (jax.random.normal(ks[1], (d_in, d_out), jnp.float32) / np.sqrt(d_in)).astype(dt)
+    a = (jax.random.normal(ks[2], (nl, d_in, r), jnp.float32) / np.sqrt(d_in)).astype(dt)
+    b = jax.random.normal(ks[3], (nl, r, d_out), dt)
+    scale = jnp.full((nl,), 2.0, jnp.float32)
+    sl = jnp.asarray(slots)
+    rows = case["rows"]
+    res = dict(case=case["name"], kind="lora", num_tokens=t, num_seqs=rows,
+               distinct_slots=int(len(set(slots[slots >= 0].tolist()))),
+               runs=int(1 + np.count_nonzero(np.diff(slots))))
+    if not args.no_check:
+        n = min(t, 256)
+        ref = reference.lora_delta(x[:n], a, b, sl[:n], scale)
+        for name, fn in (("pallas", functools.partial(lora.lora_delta_pallas, max_runs=rows,
+                                                      interpret=args.interpret)),
+                         ("xla", lora.lora_delta)):
+            err = rel_err(fn(x[:n], a, b, sl[:n], scale), ref)
+            res[f"check_{name}"] = dict(rel_err=err, tol=TOL[args.dtype],
+                                        ok=err <= TOL[args.dtype], tokens=n)
+        res["check"] = res["check_pallas"]
+    base = jax.jit(lambda x, w: x @ w)
+    with_pallas = jax.jit(lambda x, w, a, b, s, c: x @ w + lora.lora_delta_pallas(
+        x, a, b, s, c, max_runs=case["rows"], interpret=args.interpret))
+    with_xla = jax.jit(lambda x, w, a, b, s, c: x @ w + lora.lora_delta(x, a, b, s, c))
+    res["base"] = timed(base, x, w, args=args)
+    for name, fn in (("pallas", with_pallas), ("xla", with_xla)):
+        try:
+            tt = timed(fn, x, w, a, b, sl, scale, args=args)
+            res[name] = dict(tt, throughput_vs_base=res["base"]["median_s"] / tt["median_s"])
+        except Exception as e:
+            res[name] = dict(error=f"{type(e).__name__}: {e}"[:500])
+    return res
+
+
+def plot_gdn_lora(results, path):
+    plt = common.pyplot()
+    gdn, lo = results.get("gdn", []), results.get("lora", [])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.3))
+    ax = axes[0]
+    for i, (name, key) in enumerate((("pallas", "pallas"), ("xla", "xla"), ("bound", None))):
+        ys = [(r["bound_s"] if key is None else r.get(key, {}).get("median_s") or 0) * 1e3
+              for r in gdn]
+        bars = ax.bar([j + (i - 1) * 0.27 for j in range(len(gdn))], ys, 0.27,
+                      label="state-traffic bound" if key is None else name)
+        ax.bar_label(bars, fmt="%.3g", fontsize=7)
+    ax.set_xticks(range(len(gdn)), [r["case"] for r in gdn], fontsize=7)
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_title("Gated DeltaNet step (lower is better)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for i, name in enumerate(("pallas", "xla")):
+        ys = [r.get(name, {}).get("throughput_vs_base") or 0 for r in lo]
+        bars = ax.bar([j + (i - 0.5) * 0.4 for j in range(len(lo))], ys, 0.4,
+                      label=f"base + {name} LoRA")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="k", linewidth=1)
+    ax.axhline(0.9, color="k", linestyle="--", linewidth=1, label="0.9x target")
+    ax.set_xticks(range(len(lo)), [r["case"] for r in lo], fontsize=7)
+    ax.set_ylabel("throughput / base projection")
+    ax.set_title("multi-LoRA projection (higher is better)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{results['meta']['device']}  {results['meta']['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def gdn_lora_table(results):
+    lines = []
+    for r in results.get("gdn", []):
+        row = f"{r['case']:<32}bound {r['bound_s'] * 1e3:8.3f} ms"
+        for name in ("pallas", "xla"):
+            e = r.get(name, {})
+            row += (f"  {name} {e['median_s'] * 1e3:8.3f} ms (x{e['x_of_bound']:.2f})"
+                    if e.get("median_s") else f"  {name} error")
+        lines.append(row + f"  check {'ok' if r.get('check', {}).get('ok', True) else 'FAIL'}")
+    for r in results.get("lora", []):
+        row = f"{r['case']:<32}base {r['base']['median_s'] * 1e3:8.3f} ms"
+        for name in ("pallas", "xla"):
+            e = r.get(name, {})
+            row += (f"  +{name} {e['median_s'] * 1e3:8.3f} ms ({e['throughput_vs_base']:.2f}x)"
+                    if e.get("median_s") else f"  +{name} error")
+        lines.append(row + f"  check {'ok' if r.get('check', {}).get('ok', True) else 'FAIL'}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
@@ -560,6 +817,17 @@ def main(argv=None) -> int:
                                warmup=args.warmup), cases=[])
     for case in common.progress(cases, disable=args.disable_tqdm, desc="kernels"):
         results["cases"].append(run_case(case, args, tiles, copy_bw))
+    gdn_tiles = json.loads(args.gdn_tiles) if args.gdn_tiles else {}
+    if "gdn" in kinds:
+        results["gdn_config"] = dict(key_heads=args.gdn_key_heads,
+                                     value_heads=args.gdn_value_heads,
+                                     head_dim=args.gdn_head_dim, dtype=args.dtype)
+        results["gdn"] = [run_gdn_case(c, args, copy_bw, gdn_tiles) for c in gdn_cases(args)]
+    if "lora" in kinds:
+        results["lora_config"] = dict(d_in=args.lora_in, d_out=args.lora_out,
+                                      rank=args.lora_rank, adapters=args.lora_adapters,
+                                      dtype=args.dtype)
+        results["lora"] = [run_lora_case(c, args) for c in lora_cases(args)]
     if args.sweep:
         t_sweep = time.time()
         results["sweep"] = []
@@ -571,13 +839,21 @@ def main(argv=None) -> int:
     common.write_json(path, results)
     print(f"wrote {path}")
     if not args.no_plot:
-        print(f"wrote {plot(results, path[:-5] + '.png', copy_bw)}")
+        if results["cases"]:
+            print(f"wrote {plot(results, path[:-5] + '.png', copy_bw)}")
+        if results.get("gdn") or results.get("lora"):
+            print(f"wrote {plot_gdn_lora(results, path[:-5] + '-gdn-lora.png')}")
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s on {meta['device']}")
-    print(summary_table(results))
-    print(backend_table(results))
+    if results["cases"]:
+        print(summary_table(results))
+        print(backend_table(results))
+    if results.get("gdn") or results.get("lora"):
+        print(gdn_lora_table(results))
     bad = [f"{r['case']}:{name}" for r in results["cases"]
            for name, e in r.get("backends", {"pallas": r}).items()
            if e.get("check") and not e["check"]["ok"]]
+    bad += [f"{r['case']}:{k}" for r in results.get("gdn", []) + results.get("lora", [])
+            for k, v in r.items() if k.startswith("check_") and not v["ok"]]
     if bad:
         print(f"REFERENCE CHECK FAILED: {bad}")
         return 1

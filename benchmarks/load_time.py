@@ -72,7 +72,7 @@ def _timed_load(path: str, load_format: str, dtype, mesh) -> tuple[float, int]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from jaxserve.loaders.model_loader import _resolve_model_path, convert_to_orbax
-    from jaxserve.worker.parallel import make_mesh
+    from jaxserve.sharding import make_mesh
 
     mesh = make_mesh(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else None
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

@@ -88,9 +88,9 @@ class StepTimer:
             self._cur["fetch_s"] += time.perf_counter() - t0
         return out
 
-    def _build_plan(self, rows, inputs):
+    def _build_plan(self, rows, *args):
         t0 = time.perf_counter()
-        plan = self._orig[3](rows, inputs)
+        plan = self._orig[3](rows, *args)
         if self._cur is not None:
             self._cur["plan_s"] += time.perf_counter() - t0
             self._cur["rows"] = len(rows)

@@ -4,6 +4,7 @@ Names and defaults follow vLLM. ``ModelConfig`` (HF config.json -> our fields) l
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -56,8 +57,7 @@ class SchedulerConfig:
     token_bucket_growth: int = 2  # ladder ratio between token buckets
     # keep every page of a sequence whose layers are all windowed (vLLM's flag of this name)
     disable_hybrid_kv_cache_manager: bool = False
-    # Limits the user left unset: the engine sets them to its backend's defaults
-    # (``worker.runner.default_scheduler_limits``) once it knows the backend.
+    # Limits the user left unset: ``for_platform`` gives them the platform's defaults.
     backend_defaults: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -75,14 +75,28 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got"
                              f" {self.policy!r}")
 
+    def for_platform(self, platform: str) -> "SchedulerConfig":
+        """This config with the limits left unset at ``platform``'s defaults (a new config)."""
+        defaults = PLATFORM_SCHEDULER_DEFAULTS["gpu" if platform == "gpu" else "cpu"]
+        return dataclasses.replace(self, backend_defaults=(),
+                                   **{name: defaults[name] for name in self.backend_defaults})
 
-    def apply_backend_defaults(self, max_num_seqs: int, max_num_batched_tokens: int,
-                               min_token_bucket: int, token_bucket_growth: int) -> None:
-        given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     min_token_bucket=min_token_bucket, token_bucket_growth=token_bucket_growth)
-        for name in self.backend_defaults:
-            setattr(self, name, given[name])
-        self.backend_defaults = ()
+
+# Scheduler limits a user leaves unset, per platform (``SchedulerConfig.for_platform``).
+# vLLM's defaults on a GPU. On CPU the ladder starts at 1 so single-request decode pays for one
+# row, and doubles so a decode batch of up to 32 rows is padded by less than 2x (a small-M
+# matmul costs nearly in proportion to M there); 256 tokens per step already reach the matmul's
+# peak on a CPU. vLLM's CPU budget (4096 offline, 2048 served) is not taken: each bucket above
+# 256 is compiled and run at warm-up, and a cached start of SmolLM2 on 2 cores took 56 / 75 /
+# 95 / 144 s at 256 / 1024 / 2048 / 4096, to gain ~1 s of prefill on 32 x 128 prompt tokens
+# (7.4-8.0 s in one step against 8.3 s in sixteen); pass ``max_num_batched_tokens`` for long
+# offline batches.
+PLATFORM_SCHEDULER_DEFAULTS = {
+    "gpu": dict(max_num_seqs=256, max_num_batched_tokens=2048, min_token_bucket=16,
+                token_bucket_growth=2),
+    "cpu": dict(max_num_seqs=32, max_num_batched_tokens=256, min_token_bucket=1,
+                token_bucket_growth=2),
+}
 
 
 @dataclass
@@ -219,6 +233,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def for_platform(self, platform: str) -> "EngineConfig":
+        """Everything left to the platform resolved, once (a new config; nothing mutates it
+        afterwards): the scheduler's unset limits and the attention backend (Pallas on GPU,
+        the XLA path elsewhere)."""
+        backend = self.attention_backend
+        if backend in (None, "auto"):
+            backend = "pallas" if platform == "gpu" else "xla"
+        return dataclasses.replace(self, attention_backend=backend,
+                                   scheduler=self.scheduler.for_platform(platform))
 
     def __post_init__(self):
         if (not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool)
@@ -414,7 +438,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               tokenizer_mode="auto") -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
-    ``scheduler.backend_defaults`` and filled by the engine, which knows its backend."""
+    ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
     if enable_chunked_prefill is False and max_num_batched_tokens is None and max_model_len:
         # vLLM: without chunked prefill the step budget holds a whole prompt
         max_num_batched_tokens = max(int(max_model_len), SchedulerConfig.max_num_batched_tokens)

@@ -1,1 +1,3 @@
-"""Attention kernels over the paged KV pool. Imports jax only, never jaxserve."""
+"""Kernels of jaxserve: paged attention, the Gated DeltaNet rule over a state pool, batched LoRA.
+
+Imports jax only, never jaxserve."""

@@ -111,3 +111,39 @@ def naive_attention(batch: RaggedBatch, *, sm_scale, sliding_window=None, soft_c
                 p = np.exp(s - s.max())
                 out[tok, h] = p @ vh / p.sum()
     return out
+
+
+@dataclass
+class StateRows:
+    """Step metadata of a ragged batch over a state pool (the linear-attention layers' view)."""
+
+    query_start: np.ndarray  # [S+1] int32
+    seq_lens: np.ndarray  # [S] int32, 0 = padding row
+    state_slots: np.ndarray  # [S] int32
+    num_seqs: int
+    num_tokens: int
+
+    def args(self):
+        return (self.query_start, self.seq_lens, self.state_slots)
+
+
+def make_state_rows(rng: np.random.Generator, q_lens, ctx_lens, *, num_tokens: int,
+                    num_seqs: int, num_slots: int) -> StateRows:
+    """``q_lens[i]`` new tokens end a context of ``ctx_lens[i]`` tokens (``ctx == q_len``: the row
+    starts from a zero state); each real row gets its own random slot in ``1 .. num_slots-1``,
+    padding rows a random slot (which they must not touch)."""
+    q_lens = np.asarray(q_lens, np.int32)
+    ctx_lens = np.asarray(ctx_lens, np.int32)
+    n = len(q_lens)
+    if n > num_seqs or q_lens.sum() > num_tokens or n > num_slots - 1:
+        raise ValueError(f"{n} rows / {q_lens.sum()} tokens exceed {num_seqs}/{num_tokens}/slots")
+    if np.any(q_lens < 1) or np.any(q_lens > ctx_lens):
+        raise ValueError("need 1 <= q_len <= ctx_len for every row")
+    query_start = np.zeros(num_seqs + 1, np.int32)
+    query_start[1 : n + 1] = np.cumsum(q_lens)
+    query_start[n + 1 :] = query_start[n]
+    seq_lens = np.zeros(num_seqs, np.int32)
+    seq_lens[:n] = ctx_lens
+    slots = rng.integers(0, num_slots, size=num_seqs).astype(np.int32)
+    slots[:n] = rng.permutation(np.arange(1, num_slots, dtype=np.int32))[:n]
+    return StateRows(query_start, seq_lens, slots, n, int(q_lens.sum()))

@@ -143,3 +143,176 @@ def ragged_paged_attention(
         "tkgsc,skcd->tkgd", p, v_ctx.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
     return scaled_output(out, kv_scale).reshape(t_len, hq, d).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# Gated DeltaNet (Qwen3.5 / Qwen3.6 linear-attention layers)
+#
+# State pools, one slot per running request (float32):
+#   delta-rule state ``[num_slots, H_v, D_k, D_v]``; conv state ``[num_slots, conv_dim, K-1]``
+#   (the last K-1 conv inputs, oldest first).
+# A row of the step reads its slot (``state_slots[S]``) and writes it back after its last token.
+# A row whose context before this step is empty (``seq_lens - q_len == 0``: a new request, or
+# one recomputed after preemption) starts from zeros instead. Padding rows (``seq_lens == 0``)
+# neither read nor write the pool, whatever their slot, and their tokens come back as zeros.
+#
+# Snapshots (speculative decoding): with ``snapshot_slots [S, W]``, a real row of at most W new
+# tokens (a decode, or a verify row of k+1 tokens) also writes its state after its i-th new token
+# to slot ``snapshot_slots[b, i]`` (skipped where < 0), so a step that accepts only some draft
+# tokens can resume from the state of the last accepted one. Longer rows write no snapshots.
+# Snapshot slots must differ from every row's state slot.
+# ------------------------------------------------------------------------------------------
+
+
+def row_metadata(query_start, seq_lens):
+    """Per row: number of new tokens, whether it is real, whether it starts from a zero state."""
+    q_len = query_start[1:] - query_start[:-1]
+    real = (seq_lens > 0) & (q_len > 0)
+    fresh = seq_lens - q_len <= 0
+    return q_len, real, fresh
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis, in float32 (the FLA / HF definition)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gdn_inputs(q, k, v, g, beta, *, scale, use_qk_l2norm):
+    """float32 q (normalised, scaled), k (normalised) repeated to the value heads, v, g, beta.
+
+    Key head ``j`` serves value heads ``j*G .. j*G+G-1`` (HF's ``repeat_interleave``)."""
+    hk, hv = q.shape[1], v.shape[1]
+    if hv % hk:
+        raise ValueError(f"value heads {hv} not a multiple of key heads {hk}")
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
+    return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+
+
+def snapshot_targets(query_start, seq_lens, snapshot_slots, num_tokens, num_slots):
+    """Per token: the slot its post-token state is snapshotted to, ``num_slots`` (out of range,
+    dropped) where none."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_of, _, valid = token_metadata(query_start, seq_lens, num_tokens)
+    width = snapshot_slots.shape[1]
+    q_len, _, _ = row_metadata(query_start, seq_lens)
+    off = t - query_start[seq_of]
+    slot = snapshot_slots[seq_of, jnp.clip(off, 0, width - 1)]
+    ok = valid & (q_len[seq_of] <= width) & (slot >= 0) & (slot < num_slots)
+    return jnp.where(ok, slot, num_slots).astype(jnp.int32)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, query_start, seq_lens, state_slots, *,
+                     scale: float | None = None, use_qk_l2norm: bool = True,
+                     snapshot_slots=None):
+    """The gated delta rule over a ragged step, one token at a time (the definition).
+
+    q, k: ``[T, H_k, D_k]``; v: ``[T, H_v, D_v]``; g: ``[T, H_v]`` the decay in log space (<= 0);
+    beta: ``[T, H_v]``; state: the pool ``[N, H_v, D_k, D_v]`` float32; query_start ``[S+1]``,
+    seq_lens ``[S]``, state_slots ``[S]`` as in the step plan. Per token, per value head::
+
+        S = exp(g) * S;  S += k (beta * (v - k^T S))^T;  o = q^T S
+
+    with q, k l2-normalised (``use_qk_l2norm``) and q scaled by ``scale`` (default D_k^-0.5).
+    Returns ``(o [T, H_v, D_v] in q's dtype, state)`` with each real row's final state written to
+    its slot (and its snapshots, when ``snapshot_slots`` is given).
+    """
+    t_len = q.shape[0]
+    num_slots = state.shape[0]
+    qf, kf, vf, gf, bf = gdn_inputs(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm)
+    seq_of, _, valid = token_metadata(query_start, seq_lens, t_len)
+    _, real, fresh = row_metadata(query_start, seq_lens)
+    slots = jnp.clip(state_slots, 0, num_slots - 1)
+    init = jnp.where(fresh[:, None, None, None], 0.0, state[slots].astype(jnp.float32))
+
+    def step(states, xs):
+        seq, ok, qt, kt, vt, gt, bt = xs
+        s = states[seq] * jnp.exp(gt)[:, None, None]
+        kv_mem = jnp.einsum("hkv,hk->hv", s, kt, precision=jax.lax.Precision.HIGHEST)
+        delta = (vt - kv_mem) * bt[:, None]
+        s = s + kt[:, :, None] * delta[:, None, :]
+        o = jnp.einsum("hkv,hk->hv", s, qt, precision=jax.lax.Precision.HIGHEST)
+        states = states.at[seq].set(jnp.where(ok, s, states[seq]))
+        return states, (jnp.where(ok, o, 0.0), None if snapshot_slots is None else s)
+
+    states, (out, per_token) = jax.lax.scan(step, init, (seq_of, valid, qf, kf, vf, gf, bf))
+    target = jnp.where(real, slots, num_slots)  # out of range: dropped
+    state = state.at[target].set(states.astype(state.dtype), mode="drop")
+    if snapshot_slots is not None:
+        snap = snapshot_targets(query_start, seq_lens, snapshot_slots, t_len, num_slots)
+        state = state.at[snap].set(per_token.astype(state.dtype), mode="drop")
+    return out.astype(q.dtype), state
+
+
+def causal_conv1d(x, weight, bias, conv_state, query_start, seq_lens, state_slots, *,
+                  activation: str | None = "silu", snapshot_slots=None):
+    """Depthwise causal conv over a ragged step, its history carried in the conv-state pool.
+
+    x: ``[T, C]``; weight: ``[C, K]`` (HF's ``conv1d.weight.squeeze(1)``); bias: ``[C]`` or None;
+    conv_state: the pool ``[N, C, K-1]``. Token t of a row sees the row's K-1 inputs before it
+    (from the pool where they precede this step), ``y = act(sum_j w[:, j] * x[t-K+1+j] + b)``.
+    Returns ``(y [T, C] in x's dtype, conv_state)`` with each real row's last K-1 inputs written
+    to its slot (and its snapshots, when ``snapshot_slots`` is given).
+    """
+    t_len = x.shape[0]
+    num_slots = conv_state.shape[0]
+    seq_of, _, valid = token_metadata(query_start, seq_lens, t_len)
+    _, real, fresh = row_metadata(query_start, seq_lens)
+    slots = jnp.clip(state_slots, 0, num_slots - 1)
+    init = jnp.where(fresh[:, None, None], 0.0, conv_state[slots].astype(jnp.float32))
+    w = weight.astype(jnp.float32)
+
+    def step(states, xs):
+        seq, ok, xt = xs
+        window = jnp.concatenate([states[seq], xt[:, None]], axis=1)  # [C, K] oldest first
+        y = jnp.sum(window * w, axis=1)
+        states = states.at[seq].set(jnp.where(ok, window[:, 1:], states[seq]))
+        return states, (jnp.where(ok, y, 0.0), None if snapshot_slots is None else window[:, 1:])
+
+    states, (y, per_token) = jax.lax.scan(step, init, (seq_of, valid, x.astype(jnp.float32)))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    y = apply_activation(y, activation)
+    y = jnp.where(valid[:, None], y, 0.0)
+    target = jnp.where(real, slots, num_slots)
+    conv_state = conv_state.at[target].set(states.astype(conv_state.dtype), mode="drop")
+    if snapshot_slots is not None:
+        snap = snapshot_targets(query_start, seq_lens, snapshot_slots, t_len, num_slots)
+        conv_state = conv_state.at[snap].set(per_token.astype(conv_state.dtype), mode="drop")
+    return y.astype(x.dtype), conv_state
+
+
+def apply_activation(y, activation):
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return jax.nn.silu(y)
+    raise ValueError(f"unsupported conv activation {activation!r} (silu or None)")
+
+
+# ------------------------------------------------------------------------------------------
+# LoRA (many adapters in one batch)
+#
+# Adapter slots on the device: ``A [L, in, r]``, ``B [L, r, out]`` (ranks padded with zeros to
+# the slots' ``r``), ``scale [L]`` (lora_alpha / r, or / sqrt(r) with rsLoRA). ``slot [T]`` picks
+# each token's adapter; -1 is the base model (no delta).
+# ------------------------------------------------------------------------------------------
+
+
+def lora_delta(x, lora_a, lora_b, slot, scale):
+    """``scale[slot] * (x @ A[slot]) @ B[slot]`` per token, zeros where ``slot == -1``.
+
+    x: ``[T, in]``; returns ``[T, out]`` in x's dtype (accumulated in float32)."""
+    num_loras = lora_a.shape[0]
+    on = (slot >= 0) & (slot < num_loras)
+    s = jnp.clip(slot, 0, num_loras - 1)
+    hi = jax.lax.Precision.HIGHEST
+    xa = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), lora_a[s].astype(jnp.float32),
+                    precision=hi)
+    out = jnp.einsum("tr,tro->to", xa, lora_b[s].astype(jnp.float32), precision=hi)
+    out = out * jnp.where(on, scale[s].astype(jnp.float32), 0.0)[:, None]
+    return out.astype(x.dtype)

@@ -6,9 +6,11 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (in this order): pytest  kernels  tp11  tp8b  serving  startup  moe
+# Stages (in this order): pytest  kernels  gdnlora  tp11  tp8b  serving  startup  moe
 #   pytest   pytest -m gpu (short)
 #   kernels  benchmarks/kernels.py (when present)
+#   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
+#            bound and the XLA path; multi-LoRA projection against the base matmul
 #   tp11     throughput, 1.1B shape (tinyllama-1.1b preset, dummy weights, bf16): 1024 prompts,
 #            in 512, out 128, greedy, + HF generate, HF generate_batch and the decode roofline
 #   tp8b     throughput, Llama-3-8B shape (llama3-8b preset), + roofline
@@ -39,7 +41,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels tp11 tp8b serving startup moe"}
+STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b serving startup moe"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -82,6 +84,9 @@ if [ -f benchmarks/kernels.py ]; then
   run_stage kernels 35 $PY benchmarks/kernels.py ${KERNEL_ARGS:---ctx 2048} --iters 20 --disable-tqdm \
     --output-json "$RES/kernels.json"
 fi
+
+run_stage gdnlora 120 $PY benchmarks/kernels.py --cases gdn,lora ${GDN_LORA_ARGS:-} --iters 20 \
+  --disable-tqdm --output-json "$RES/kernels-gdn-lora.json"
 
 # HF=0 skips the HF baselines (e.g. when this session already measured them)
 HF_ARGS=(--hf-baseline --hf-batch-sizes "$HF_BS" --hf-cb-baseline --hf-cb-num-prompts "$HF_CB_N"

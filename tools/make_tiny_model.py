@@ -4,7 +4,7 @@
     python tools/make_tiny_model.py --arch qwen3 --out /tmp/tiny-qwen3 --layers 2 --hidden 64
     python tools/make_tiny_model.py --preset tinyllama-1.1b --out /tmp/tinyllama   # no weights
 
-The logic lives in ``jaxserve.testing.tiny_model`` so tests and the ``demo-random`` model share it.
+The logic lives in ``jaxserve.loaders.demo_model`` so tests and the ``demo-random`` model share it.
 """
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jaxserve.core.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SAMPLING_EPS,
-                                      SamplingParams)
+from jaxserve.core.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 class SamplingRow(NamedTuple):
@@ -128,22 +127,24 @@ def build_sampling_arrays(
         return a
     L, B, E = layout_widths(full, history_len)
 
+    idx = np.asarray(real)
+    params = [rows[i][0] for i in real]
+    greedy = np.fromiter((p.is_greedy for p in params), bool, len(params))
+    # greedy rows (decided once, SamplingParams.is_greedy) get temperature 0: the device's rule
+    a["temperature"][idx] = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
     cols = np.array([
-        (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+        (p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
          p.repetition_penalty, n_gen, -1 if p.logprobs is None else p.logprobs)
         for p, _, _, _, n_gen in (rows[i] for i in real)
     ], dtype=np.float64)
-    idx = np.asarray(real)
-    greedy = cols[:, 0] < SAMPLING_EPS
-    a["temperature"][idx] = np.where(greedy, 0.0, cols[:, 0])
-    a["top_p"][idx] = np.where(greedy, 1.0, cols[:, 1])
-    a["top_k"][idx] = np.where(greedy | (cols[:, 2] < 0), 0, cols[:, 2])
-    a["min_p"][idx] = np.where(greedy, 0.0, cols[:, 3])
-    a["presence_penalty"][idx] = cols[:, 4]
-    a["frequency_penalty"][idx] = cols[:, 5]
-    a["repetition_penalty"][idx] = cols[:, 6]
-    a["steps"][idx] = cols[:, 7]
-    a["num_logprobs"][idx] = cols[:, 8]
+    a["top_p"][idx] = np.where(greedy, 1.0, cols[:, 0])
+    a["top_k"][idx] = np.where(greedy | (cols[:, 1] < 0), 0, cols[:, 1])
+    a["min_p"][idx] = np.where(greedy, 0.0, cols[:, 2])
+    a["presence_penalty"][idx] = cols[:, 3]
+    a["frequency_penalty"][idx] = cols[:, 4]
+    a["repetition_penalty"][idx] = cols[:, 5]
+    a["steps"][idx] = cols[:, 6]
+    a["num_logprobs"][idx] = cols[:, 7]
 
     seeds = rng.integers(0, 2**32, size=(s_bucket, 2), dtype=np.uint32)
     seeds[n:] = 0

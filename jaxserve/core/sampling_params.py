@@ -8,7 +8,6 @@ limit is the engine's ``max_logprobs`` (checked by :meth:`SamplingParams.verify_
 from __future__ import annotations
 
 import copy
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,12 +76,6 @@ class StructuredOutputsParams:
     def param(self, kind: str | None = None) -> str:
         """The request field an error about this spec names."""
         return self._origin or f"structured_outputs.{kind or self.kind}"
-
-
-class SamplingType(enum.IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 def _bad(param: str, value: Any, why: str) -> InvalidRequestError:
@@ -287,12 +280,9 @@ class SamplingParams:
 
     # -- derived --------------------------------------------------------------------------------
     @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < SAMPLING_EPS:
-            return SamplingType.GREEDY
-        if self.seed is not None:
-            return SamplingType.RANDOM_SEED
-        return SamplingType.RANDOM
+    def is_greedy(self) -> bool:
+        """The one greedy rule (vLLM's): a temperature below ``SAMPLING_EPS``."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def uses_penalties(self) -> bool:

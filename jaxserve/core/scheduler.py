@@ -9,14 +9,16 @@ Each ``schedule()`` call builds one step:
    (priority, arrival) order while budget, ``max_num_seqs`` and pages last; a new request
    first takes the longest cached prefix from the prefix cache.
 
-The engine feeds the step result back with ``update_from_output`` and decides stopping itself
-(``finish_request``). Progress is counted only there, so ``num_computed_tokens`` never runs
+The engine feeds the step result back with ``update_from_output`` and, as each sampled id
+reaches the host, ``check_stop`` (EOS, stop token ids, max_tokens, max_model_len, a finished
+grammar). Progress is counted only there, so ``num_computed_tokens`` never runs
 ahead of what the device has computed (schedule() only sets it to a prefix-cache hit, or to 0
 on a recompute preemption).
 """
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -28,6 +30,8 @@ from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.core.step_plan import ScheduledSeq
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -63,10 +67,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def num_scheduled(self) -> int:
-        return len(self.scheduled)
-
     def to_rows(self, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
         """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order. ``prev_rows``:
         request id -> its row in the previous (still running) step, for pending tokens."""
@@ -75,7 +75,7 @@ class SchedulerOutput:
             ScheduledSeq(
                 new_token_ids=s.new_token_ids,
                 start_pos=s.start_pos,
-                block_ids=s.request.block_ids,
+                block_ids=[s.request.block_ids],
                 sample=s.sample,
                 prev_row=prev_rows.get(s.request.request_id, -1),
                 num_draft=s.num_draft,
@@ -96,6 +96,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         page_bytes: int | None = None,
+        eos_token_ids: Iterable[int] = (),
     ):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -117,9 +118,12 @@ class Scheduler:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)  # stop ids of every request (ignore_eos)
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.preemption_mode = scheduler_config.preemption_mode
+        # while the runner's buckets compile: the largest compiled token bucket (limit_tokens)
+        self.token_limit: int | None = None
         if page_bytes is None:
             self.swap_capacity_pages: float = float("inf")
         else:
@@ -161,9 +165,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished(self) -> int:
-        return len(self.requests)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -311,14 +312,19 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
 
-    def schedule(self, token_limit: int | None = None) -> SchedulerOutput:
-        """Plan one step. ``token_limit`` lowers the token budget for this step only: while
-        the buckets compile, steps are kept to the largest compiled one."""
+    def limit_tokens(self, token_limit: int | None) -> None:
+        """Keep every step within ``token_limit`` tokens (None: the configured budget). The
+        warm-up sets it to the largest compiled bucket while the others compile, so steps run
+        on the graphs there are instead of waiting for a bigger one."""
+        self.token_limit = token_limit
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within the token budget (and ``token_limit`` while it is set)."""
         out = SchedulerOutput()
         bm = self.block_manager
         budget = self.max_num_batched_tokens
-        if token_limit is not None:
-            budget = max(1, min(budget, token_limit))
+        if self.token_limit is not None:
+            budget = max(1, min(budget, self.token_limit))
 
         # 1. running requests (sorted: the preemption victim is always the last one)
         i = 0
@@ -437,6 +443,36 @@ class Scheduler:
                 got_token.append(req)
             self.block_manager.cache_full_blocks(req)
         return got_token
+
+    def check_stop(self, req: Request, token: int) -> bool:
+        """``token`` became known as ``req``'s latest output id: finish the request (True) when
+        it stops it: a grammar that rejects it or is complete, EOS or one of the request's
+        stop token ids once ``min_tokens`` are out, ``max_tokens``, or ``max_model_len``. Ids
+        sampled after it (still on the device) are dropped."""
+        params = req.sampling_params
+        n_out = req.num_known_output_tokens
+        status, stop_reason = None, None
+        if req.grammar is not None:
+            if not req.grammar.accept(token):
+                logger.warning("request %s: token %d is outside its grammar (%s)",
+                               req.request_id, token, req.grammar.error)
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and n_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
+        if status is None and (n_out >= req.max_tokens
+                               or req.num_tokens - req.num_pending >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        req.stop_reason = stop_reason
+        req.drop_pending()
+        self.finish_request(req.request_id, status)
+        return True
 
     def commit_verified(self, req: Request, num_accepted: int) -> None:
         """A verify step was read and kept ``num_accepted`` drafts: their K/V (already in their

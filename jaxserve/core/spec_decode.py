@@ -1,4 +1,5 @@
-"""Speculative decoding, host side (numpy, no jax): proposers and the verify arrays of a step.
+"""Speculative decoding, host side (numpy, no jax): proposers and their counters (the verify
+arrays of a step are built with the plan, ``core.step_plan.verify_arrays``).
 
 A proposer guesses the next few tokens of a request; the target model scores them all in one
 multi-token row of the next step (positions ``L-1 .. L-1+k`` where ``L`` is the request's
@@ -72,34 +73,6 @@ def can_speculate(params: Any) -> bool:
                 or getattr(params, "structured_outputs", None) is not None
                 or getattr(params, "allowed_token_ids", None) is not None
                 or bool(getattr(params, "bad_words", None)))
-
-
-def add_verify_arrays(plan, num_draft: Sequence[int], k: int) -> None:
-    """Give a plan its fixed-shape verify arrays for ``k`` speculative tokens per row.
-
-    A row with ``d`` drafts ends in ``[last known token, draft_1 .. draft_d]``; its logits are
-    taken at those ``d + 1`` positions (``spec_logits_indices[S, k+1]``, the last one repeated
-    as padding), ``draft_token_ids[S, k]`` holds the drafts and ``num_draft[S]`` their count.
-    Column 0 is the position a row without drafts samples at, so plain rows are unchanged.
-    """
-    S = plan.seq_bucket
-    nd = np.zeros(S, np.int32)
-    nd[:len(num_draft)] = num_draft
-    if np.any(nd > k):
-        raise ValueError(f"a row has more than {k} draft tokens")
-    last = plan.logits_indices.astype(np.int32)
-    j = np.arange(k + 1, dtype=np.int32)[None, :]
-    base = last - nd
-    plan.spec_logits_indices = (base[:, None] + np.minimum(j, nd[:, None])).astype(np.int32)
-    drafts = np.zeros((S, k), np.int32)
-    if k and nd.any():
-        idx = base[:, None] + 1 + np.arange(k, dtype=np.int32)[None, :]
-        valid = np.arange(k)[None, :] < nd[:, None]
-        drafts = np.where(valid, plan.token_ids[np.where(valid, idx, 0)], 0).astype(np.int32)
-        if np.any(plan.prev_ref[np.where(valid, idx, 0)][valid] >= 0):
-            raise ValueError("a draft row holds a pending token")
-    plan.draft_token_ids = drafts
-    plan.num_draft = nd
 
 
 class SpecDecodeStats:

@@ -16,6 +16,7 @@ import threading
 from typing import AsyncIterator
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.builder import build_engine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import EngineDeadError
 from jaxserve.core.outputs import RequestOutput
@@ -28,8 +29,8 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None,
                  background_warmup: bool = False):
-        self.config = config
-        self.engine = engine or LLMEngine(config, background_warmup=background_warmup)
+        self.engine = engine or build_engine(config, background_warmup=background_warmup)
+        self.config = config = self.engine.config  # resolved: the default model named
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
@@ -88,8 +89,9 @@ class AsyncLLM:
                 return
 
     # ---- public API --------------------------------------------------------------------
-    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
+                       request_id: str, *, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         q = self._streams.open(request_id)
         fut: concurrent.futures.Future = concurrent.futures.Future()

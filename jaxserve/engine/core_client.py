@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import tempfile
 import threading
 from typing import AsyncIterator
@@ -30,7 +30,9 @@ import zmq
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.core_process import decode_message, run_engine_core
+from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest, FinishSequences,
+                                          ResetPrefixCache, Shutdown, decode_message,
+                                          encode_request, run_engine_core)
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.streams import FINISHED, RequestStreams
 from jaxserve.engine.tokenizer import prompt_ids
@@ -80,8 +82,9 @@ class EngineCoreClient:
         self.dtype = info["dtype"]
         self.default_sampling = info["default_sampling"]
         self.core_pid = info["pid"]
-        config.model = info["model"]
-        config.served_model_name = info["served_model_name"]
+        # the core resolved the default model: this process's config names it too
+        self.config = config = dataclasses.replace(
+            config, model=info["model"], served_model_name=info["served_model_name"])
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self._stats = info["stats"]
         self._processor = OutputProcessor(self.tokenizer)
@@ -126,7 +129,7 @@ class EngineCoreClient:
             with self._processor_lock:
                 outputs, stops = self._processor.process(core_outputs)
             if stops:
-                self._send(("finish", stops))
+                self._send(FinishSequences(stops))
             for out in outputs:
                 self._streams.put(out.request_id, out)
                 if out.finished:
@@ -155,14 +158,15 @@ class EngineCoreClient:
             fut.get_loop().call_soon_threadsafe(_settle, fut, EngineDeadError(why))
         self._adds.clear()
 
-    def _send(self, msg) -> None:
-        frame = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    def _send(self, msg: CoreRequest) -> None:
+        frame = encode_request(msg)
         with self._send_lock:
             self._to_core.send(frame)
 
     # ---- public API (AsyncLLM's) ---------------------------------------------------------
-    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
+                       request_id: str, *, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         params = sampling_params or SamplingParams()
         text, ids = prompt_ids(self.tokenizer, prompt)
@@ -171,14 +175,14 @@ class EngineCoreClient:
         self._adds[request_id] = added
         with self._processor_lock:
             self._processor.add_request(request_id, text, ids, params)
-        self._send(("add", request_id, ids, params, priority))
+        self._send(AddRequest(request_id, ids, params, priority))
 
         def end(finished: bool) -> None:
             self._adds.pop(request_id, None)
             with self._processor_lock:
                 self._processor.abort_request(request_id)
             if not finished and self._dead is None and not self._stopping:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
 
         async with contextlib.aclosing(self._streams.follow(request_id, q, added, end)) as outputs:
             async for out in outputs:
@@ -187,7 +191,7 @@ class EngineCoreClient:
 
     async def abort(self, request_id: str) -> None:
         if self._dead is None and not self._stopping:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
         with self._processor_lock:
             self._processor.abort_request(request_id)
         self._streams.put(request_id, FINISHED)
@@ -198,7 +202,7 @@ class EngineCoreClient:
         token = f"reset-{next(self._tokens)}"  # never a request id: those come from the server
         fut = asyncio.get_running_loop().create_future()
         self._adds[token] = fut
-        self._send(("reset_prefix_cache", token))
+        self._send(ResetPrefixCache(token))
         try:
             return await fut
         finally:
@@ -233,7 +237,7 @@ class EngineCoreClient:
             return
         if self.process.is_alive():
             try:
-                self._send(("shutdown",))
+                self._send(Shutdown())
             except zmq.ZMQError:
                 pass
             self.process.join(timeout_s)

@@ -2,9 +2,10 @@
 
 ``jaxserve serve`` runs this in a child process so the device loop never waits for HTTP,
 JSON, tokenization or chat templates, and the API process never imports jax. The wire is two
-ZeroMQ sockets on ipc:// paths: requests come in on a PULL socket (``add``/``abort``/
-``finish``/``shutdown``, pickled: they are few and carry ``SamplingParams``), and each step's
-outputs go out on a PUSH socket, msgpack-encoded with msgspec (the hot path). Only token ids
+ZeroMQ sockets on ipc:// paths: requests come in on a PULL socket as typed msgspec structs
+(``AddRequest``, ``AbortRequest``, ``FinishSequences``, ``ResetPrefixCache``, ``Shutdown``:
+msgpack, decoded into exactly those types), and each step's outputs go out on a PUSH socket,
+msgpack-encoded with msgspec (the hot path). Only token ids
 travel: the API process tokenizes (``add`` carries ids) and runs the output processor
 (detokenization, stop strings, logprob text); a stop string comes back as ``finish``.
 Messages out:
@@ -34,6 +35,8 @@ import zmq
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import CoreOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.output_processor import SequenceStop
 from jaxserve.errors import InvalidRequestError
 from jaxserve.worker.memory_budget import set_allocator_fraction
 
@@ -41,6 +44,40 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05  # stats ride along with step outputs at most this often
 POLL_MS = 50  # how long an idle core waits for input before it checks its parent again
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """A tokenized request (the API process validated and tokenized it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class FinishSequences(msgspec.Struct, tag="finish", array_like=True):
+    """Sequences the API process stopped on a stop string."""
+
+    stops: list[SequenceStop]
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    token: str  # the answer carries it back
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+CoreRequest = AddRequest | AbortRequest | FinishSequences | ResetPrefixCache | Shutdown
+
+
+def encode_request(msg: CoreRequest) -> bytes:
+    return _ENCODER.encode(msg)
 
 
 def encode_outputs(outputs: list[CoreOutput], stats: dict | None) -> bytes:
@@ -61,6 +98,7 @@ def _pickled(msg) -> bytes:
 
 _ENCODER = msgspec.msgpack.Encoder()
 _STEP_DECODER = msgspec.msgpack.Decoder(tuple[str, list[CoreOutput], dict | None])
+_REQUEST_DECODER = msgspec.msgpack.Decoder(CoreRequest)
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
@@ -91,11 +129,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
 
 
 def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
 
     # ready once loaded: the buckets compile in the background while requests are taken
     # (a step waits for the bucket it needs); stats carry the progress for /health
-    engine = LLMEngine(config, background_warmup=True)
+    engine = build_engine(config, background_warmup=True)
     outbox.send(_pickled(("ready", _ready_info(engine))))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -108,7 +146,7 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
                     frame = inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if not _handle(engine, pickle.loads(frame), outbox):
+                if not _handle(engine, _REQUEST_DECODER.decode(frame), outbox):
                     return
         if engine.has_unfinished_requests():
             outs = engine.core_step()
@@ -130,26 +168,25 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
                 last_stats = now
 
 
-def _handle(engine, msg, outbox) -> bool:
+def _handle(engine, msg: CoreRequest, outbox) -> bool:
     """Apply one API message; False on shutdown."""
-    kind = msg[0]
-    if kind == "add":
-        _, rid, prompt_token_ids, params, priority = msg
+    if isinstance(msg, AddRequest):
         try:
-            engine.add_core_request(rid, prompt_token_ids, params, priority=priority)
+            engine.add_core_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                    priority=msg.priority)
             err = None
         except InvalidRequestError as e:
             err = e
         except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
             err = InvalidRequestError(str(e))
-        outbox.send(_pickled(("added", rid, err)))
-    elif kind == "abort":
-        engine.abort_request(msg[1])
-    elif kind == "finish":
-        engine.finish_sequences(msg[1])
-    elif kind == "reset_prefix_cache":
-        outbox.send(_pickled(("reset", msg[1], engine.reset_prefix_cache())))
-    elif kind == "shutdown":
+        outbox.send(_pickled(("added", msg.request_id, err)))
+    elif isinstance(msg, AbortRequest):
+        engine.abort_request(msg.request_id)
+    elif isinstance(msg, FinishSequences):
+        engine.finish_sequences(msg.stops)
+    elif isinstance(msg, ResetPrefixCache):
+        outbox.send(_pickled(("reset", msg.token, engine.reset_prefix_cache())))
+    elif isinstance(msg, Shutdown):
         return False
     return True
 

@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.builder import build_engine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -45,12 +45,12 @@ class DataParallelAsyncLLM:
     """The ``AsyncLLM`` interface over ``data_parallel_size`` replicas."""
 
     def __init__(self, config: EngineConfig, devices=None):
-        self.config = config
         p = config.parallel
-        self.replicas = [AsyncLLM(config, engine=LLMEngine(config, devices=d))
+        self.replicas = [AsyncLLM(config, engine=build_engine(config, devices=d))
                          for d in replica_devices(p.data_parallel_size,
                                                   p.tensor_parallel_size, devices)]
         first = self.replicas[0]
+        self.config = first.config  # resolved for the platform
         self.engine = first.engine  # dtype, tokenizer, ... are the same in every replica
         self.tokenizer = first.tokenizer
         self.model_config = first.model_config
@@ -67,8 +67,9 @@ class DataParallelAsyncLLM:
     def _pick(self) -> int:
         return min(range(len(self.replicas)), key=lambda i: (self._inflight[i], i))
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
+                       request_id: str, *, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         if request_id in self._replica_of:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
@@ -110,6 +111,11 @@ class DataParallelAsyncLLM:
                 sum(col) for col in zip(*(s["spec_decode_num_accepted_tokens_per_pos"]
                                           for s in per))]
         return out
+
+    def startup_progress(self) -> tuple[bool, int, int]:
+        """Ready when every replica is; buckets counted over all of them."""
+        per = [r.startup_progress() for r in self.replicas]
+        return all(p[0] for p in per), sum(p[1] for p in per), sum(p[2] for p in per)
 
     async def reset_prefix_cache(self) -> bool:
         results = [await r.reset_prefix_cache() for r in self.replicas]

@@ -1,17 +1,19 @@
 """LLMEngine: requests in, one scheduled device step at a time, RequestOutputs out.
 
-    add_request -> Scheduler.schedule -> StepPlan -> ModelRunner.dispatch -> update
-                -> (one step later with async scheduling) fetch -> stop checks -> outputs
+    add_request -> Scheduler.schedule -> StepPlan (runner.build_plan) -> runner.dispatch
+                -> Scheduler.update_from_output -> (one step later with async scheduling)
+                runner.fetch -> Scheduler.check_stop -> CoreOutputs
 
-Async scheduling (on by default): ``step()`` schedules and dispatches step N+1, then reads step
-N's sampled ids, so the host work of one step runs while the device computes the next. The
-scheduler appends a placeholder for each token in flight; the step that consumes it reads the
-real id on the device. Stopping on ids (EOS, stop token ids, max_tokens, max_model_len, a
-finished grammar) is decided on the host when the ids arrive, one step behind; a token sampled
-after a stop is dropped. Without async scheduling the same step is fetched at once. ``n > 1``
-fans out into child requests; with prefix caching on, the scheduler admits siblings once the
-first child's prompt pages are cached (``prefix_parent``), so they share those pages instead of
-recomputing them.
+Built by ``jaxserve.engine.builder.build_engine``. Async scheduling (on by default): ``step()``
+schedules and dispatches step N+1, then reads step N's sampled ids, so the host work of one
+step runs while the device computes the next. The scheduler appends a placeholder for each
+token in flight; the step that consumes it reads the real id on the device. Stopping on ids
+(EOS, stop token ids, max_tokens, max_model_len, a finished grammar) is the scheduler's
+``check_stop``, run when the ids arrive, one step behind; a token sampled after a stop is
+dropped. Without async scheduling the same step is fetched at once. ``n > 1`` fans out into
+child requests; with prefix caching on, the scheduler admits siblings once the first child's
+prompt pages are cached (``prefix_parent``), so they share those pages instead of recomputing
+them.
 
 The engine core is ``core_step`` (ids in, ``CoreOutput``s out); text (detokenization, stop
 strings, logprob entries) is the ``OutputProcessor``'s. ``step`` runs both in this process (the
@@ -20,43 +22,32 @@ processor in the API process (engine/core_process.py, engine/core_client.py).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
-from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
 from jaxserve.core.outputs import (CoreCompletion, CoreOutput, RequestMetrics, RequestOutput,
                                    TokenLogprobs)
-from jaxserve.worker.parallel import engine_mesh
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_metadata import SamplingRow
-from jaxserve.worker.kv_cache import kv_cache_dtype
-from jaxserve.worker.kv_calibration import prepare_kv_scales
-from jaxserve.worker.runner import (ModelRunner, default_attention_backend, default_scheduler_limits,
-                                    enable_compilation_cache)
+from jaxserve.core.step_plan import ScheduledSeq
+from jaxserve.worker.runner import ModelRunner
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.spec_decode import NgramProposer, SpecDecodeStats, can_speculate
-from jaxserve.engine.generation_config import (default_sampling, eos_token_ids,
-                                               load_generation_config)
+from jaxserve.core.spec_decode import SpecDecodeStats, can_speculate
+from jaxserve.engine.generation_config import default_sampling
 from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
 from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
 from jaxserve.engine.tokenizer import prompt_ids
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `jaxserve serve` / `LLM()` serve by default
 
 
 @dataclass
@@ -102,112 +93,46 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, devices=None, background_warmup: bool = False):
-        """``devices``: the devices of this replica (data parallel); default all visible.
-        ``background_warmup``: return once the model is loaded and compile the buckets on a
-        thread pool (steps wait for the buckets they need; see ``startup_progress``)."""
-        self.config = config
-        if config.scheduler.backend_defaults:
-            config.scheduler.apply_backend_defaults(*default_scheduler_limits())
-        enable_compilation_cache()
-        try:
-            self.dtype = resolve_dtype(config.dtype)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param="dtype") from None
-        if config.model is None:
-            from jaxserve.loaders.gguf import default_model_path
-            config.model = default_model_path()
-            config.served_model_name = config.served_model_name or DEFAULT_MODEL_NAME
-        backend = config.attention_backend
-        if backend in (None, "auto"):
-            backend = default_attention_backend()
-        self.attention_backend = backend
-        t0 = time.perf_counter()
-        self.mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
-        local = Path(str(config.model)).expanduser()
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            # a local model's tokenizer loads beside its weights (transformers' import and the
-            # vocabulary overlap the dequantization and placement)
-            early = pool.submit(_load_tokenizer, local, config.tokenizer) if local.exists() \
-                else None
-            self.model, self.model_config, self.model_dir = load_model(
-                config.model, dtype=config.dtype, load_format=config.load_format,
-                attention_backend=backend, mesh=self.mesh,
-                enable_expert_parallel=config.parallel.enable_expert_parallel,
-                quantization=config.quantization, lm_head_quantized=config.lm_head_quantized,
-                **config.model_source())
-            self.tokenizer = early.result() if early is not None else \
-                _load_tokenizer(self.model_dir, config.tokenizer)
-        param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.model)
-                          if hasattr(x, "nbytes"))
-        logger.info("loaded %s (%s, %.1f MiB of params) in %.1f s", config.model,
-                    jnp.dtype(self.dtype).name, param_bytes / 2**20, time.perf_counter() - t0)
-        mc = self.model_config
-        limit = mc.max_position_embeddings or 2048
-        self.max_model_len = int(config.scheduler.max_model_len or limit)
-        if self.max_model_len > limit:
-            raise InvalidRequestError(
-                f"max_model_len={self.max_model_len} exceeds the model's limit of {limit}",
-                param="max_model_len")
-        spec = config.speculative
-        draft = None
-        extra_page_bytes = 0
-        if spec is not None and spec.method == "draft_model":
-            if config.parallel.num_hosts > 1:  # followers replay only the target's steps
-                raise InvalidRequestError("speculative_config: method 'draft_model' runs on one"
-                                          " host", param="speculative_config")
-            from jaxserve.worker.draft_proposer import DraftModelProposer
-            from jaxserve.worker.kv_cache import page_bytes as _page_bytes
-            draft = DraftModelProposer.load_model(spec, config, backend, mc.vocab_size)
-            extra_page_bytes = _page_bytes(draft[1], config.cache.block_size, self.dtype)
-        try:
-            self.generation_config = load_generation_config(
-                config.generation_config, self.model_dir, config.override_generation_config)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param="generation_config") from None
+    """The engine core's loop over parts made by ``jaxserve.engine.builder.build_engine``."""
+
+    def __init__(self, config: EngineConfig, *, model, model_config, model_dir, tokenizer,
+                 dtype, mesh, max_model_len: int, generation_config: dict, eos_token_ids: list[int],
+                 runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
+                 proposer=None):
+        self.config = config  # resolved for the platform (EngineConfig.for_platform)
+        self.model = model
+        self.model_config = model_config
+        self.model_dir = model_dir
+        self.mesh = mesh  # None: the plain single-device path
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.generation_config = generation_config
         # request defaults for the sampling fields a request leaves unset (server, LLM)
-        self.default_sampling = default_sampling(self.generation_config)
+        self.default_sampling = default_sampling(generation_config)
         # generation stops at any of these (unless ignore_eos); min_tokens masks them all
-        self._eos_list = list(eos_token_ids(mc.eos_token_id,
-                                            self.generation_config.get("eos_token_id"),
-                                            getattr(self.tokenizer, "eos_token_id", None)))
+        self._eos_list = list(eos_token_ids)
         self.eos_token_ids = frozenset(self._eos_list)
-        # float8 KV scales are settled before the runner splits the model (they are static)
-        prepare_kv_scales(self.model, mc, config.cache,
-                          kv_cache_dtype(config.cache.cache_dtype, self.dtype, backend),
-                          serving_dtype=self.dtype, tokenizer=self.tokenizer,
-                          max_model_len=self.max_model_len, mesh=self.mesh)
-        self.runner = ModelRunner(self.model, mc, config, self.max_model_len, self.dtype,
-                                  param_bytes=param_bytes, mesh=self.mesh,
-                                  extra_page_bytes=extra_page_bytes)
-        # pages out of every layer's window are freed, unless a draft model (which lags behind
-        # and may attend globally) reads the same page ids
-        window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
-            else mc.attention_window()
-        self.block_manager = BlockManager(self.runner.num_pages, config.cache.block_size,
-                                          enable_prefix_caching=config.cache.enable_prefix_caching,
-                                          sliding_window=window)
-        from jaxserve.worker.kv_cache import page_bytes
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.block_manager,
-                                   self.max_model_len,
-                                   page_bytes=page_bytes(mc, config.cache.block_size,
-                                                         self.runner.kv_dtype))
+        self.runner = runner
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.proposer = proposer
+        spec = config.speculative
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.async_scheduling = config.async_scheduling
         self._parents: dict[str, _Parent] = {}
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._swapped: dict[str, object] = {}
         self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
-        self.async_scheduling = config.async_scheduling
-        self.proposer = self._make_proposer(spec, draft) if spec is not None else None
-        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self._inflight: _InFlight | None = None
         self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        if background_warmup:
-            self.runner.start_warmup()
-        else:
-            self.runner.warmup()
+
+    @property
+    def attention_backend(self) -> str:
+        return self.config.attention_backend  # resolved for the platform
 
     def startup_progress(self) -> tuple[bool, int, int]:
         """(ready to serve without waiting for a compile, buckets compiled, buckets)."""
@@ -357,29 +282,40 @@ class LLMEngine:
         return outputs
 
     def core_step(self) -> list[CoreOutput]:
-        """Schedule and dispatch one step; read the previous one (async) or this one."""
+        """Schedule -> execute (dispatch) -> update: read the previous step (async) or this
+        one, and report what each touched request gained."""
         touched: dict[str, _Parent] = {}
         if self._inflight is not None and self._inflight.constrained:
             # a grammar's next mask needs the token in flight: read that step first
             done, self._inflight = self._inflight, None
             self._process(done, touched)
-        sched = self.scheduler.schedule(self.runner.step_token_limit())
-        for rid, pages in getattr(sched, "swap_out", []) or []:
+        sched = self.scheduler.schedule()
+        self._move_pages(sched, touched)
+        new = self._dispatch(sched) if sched.scheduled else None
+        done = new
+        if self.async_scheduling:
+            done, self._inflight = self._inflight, new
+        if done is not None:
+            self._process(done, touched)
+        return self._outputs(touched)
+
+    def _move_pages(self, sched, touched: dict) -> None:
+        """Before the step: host copies of swapped pages out and in (the freed pages may be
+        reused by this very step), copies of requests that ended dropped; requests the
+        scheduler aborted are reported."""
+        for rid in sched.finished_req_ids:
+            self._swapped.pop(rid, None)
+        for rid, pages in sched.swap_out:
             self._swapped[rid] = (list(pages), self.runner.swap_out(pages))
-        for rid, pages in getattr(sched, "swap_in", []) or []:
+        for rid, pages in sched.swap_in:
             _, saved = self._swapped.pop(rid)
             self.runner.swap_in(pages, saved)
-        for rid in getattr(sched, "finished_aborted", []) or []:
+        for rid in sched.finished_aborted:
             hit = self._child_of.get(rid)
             if hit:
                 touched[hit[0].request_id] = hit[0]
-        new = self._dispatch(sched) if sched.scheduled else None
-        if self.async_scheduling:
-            done, self._inflight = self._inflight, new
-        else:
-            done = new
-        if done is not None:
-            self._process(done, touched)
+
+    def _outputs(self, touched: dict) -> list[CoreOutput]:
         outputs = []
         for parent in touched.values():
             outputs.append(self._core_output(parent))
@@ -393,45 +329,53 @@ class LLMEngine:
         """Build the plan (pending tokens point at the step in flight) and enqueue it."""
         now = time.time()
         prev_rows = self._inflight.sampled_rows if self._inflight is not None else {}
-        inputs = []
         hits = [self._child_of[s.request.request_id] for s in sched.scheduled]
-        for s, (parent, _) in zip(sched.scheduled, hits):
-            r = s.request
-            inputs.append(SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
-                                      self._eos_list, r.num_output_tokens) if s.sample else None)
+        for parent, _ in hits:
             if parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
-        plan = self.runner.build_plan(sched.to_rows(prev_rows), inputs)
+        prompt_rows = self._prompt_logprob_rows(sched, hits)
+        spans = {i: (parent, lo, hi) for i, parent, lo, hi in prompt_rows}
+        rows = [self._plan_row(s, prev_rows, spans.get(i)) for i, s in enumerate(sched.scheduled)]
+        bitmask, constrained = self._token_bitmask(sched)
+        handle = self.runner.dispatch(self.runner.build_plan(rows, bitmask))
+        self.scheduler.update_from_output(sched)  # placeholders until _process
+        return _InFlight(sched, hits, handle, prompt_rows, handle.plan.query_start,
+                         constrained=constrained)
+
+    def _plan_row(self, s, prev_rows: dict[str, int], prompt_span) -> ScheduledSeq:
+        """One scheduled request as a plan row: its tokens and pages, its sampling params, the
+        pending token of a penalty row's history, the next prompt tokens for prompt logprobs."""
+        r = s.request
+        history_ref = None
+        if s.sample and r.num_pending and r.sampling_params.uses_penalties:
+            # the pending id is the last output id in the penalty history
+            history_ref = (prev_rows[r.request_id], r.num_tokens - 1)
+        next_ids = None
+        if prompt_span is not None:
+            parent, lo, hi = prompt_span
+            next_ids = parent.prompt_token_ids[lo + 1:hi + 1]
+        return ScheduledSeq(
+            new_token_ids=s.new_token_ids, start_pos=s.start_pos, block_ids=[r.block_ids],
+            sample=s.sample, prev_row=prev_rows.get(r.request_id, -1), num_draft=s.num_draft,
+            sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
+                                 self._eos_list, r.num_output_tokens) if s.sample else None,
+            history_ref=history_ref, prompt_next_ids=next_ids)
+
+    def _token_bitmask(self, sched) -> tuple[np.ndarray | None, bool]:
+        """The rows' allowed tokens (grammars, allowed_token_ids, bad_words), or None when no
+        row is constrained; and whether a row's next mask needs the token this step samples."""
         constrained = [(i, s.request.grammar) for i, s in enumerate(sched.scheduled)
                        if s.sample and s.request.grammar is not None]
-        if constrained:
-            plan.token_bitmask = self.structured.new_bitmask(plan.seq_bucket)
-            self.structured.fill_bitmask(constrained, plan.token_bitmask)
         filtered = [(i, s.request) for i, s in enumerate(sched.scheduled)
                     if s.sample and s.request.token_filter is not None]
-        if filtered:
-            if plan.token_bitmask is None:
-                plan.token_bitmask = np.full((plan.seq_bucket, self.runner.bitmask_width()), -1,
-                                             np.int32)
-            for i, r in filtered:
-                plan.token_bitmask[i] &= r.token_filter.row(r.output_token_ids)
-        for i, s in enumerate(sched.scheduled):
-            r = s.request
-            if s.sample and r.num_pending and r.sampling_params.uses_penalties:
-                # the pending id is the last output id in the penalty history
-                plan.history_ref[i] = (prev_rows[r.request_id], r.num_tokens - 1)
-        prompt_rows = self._prompt_logprob_rows(sched, hits)
-        next_ids = None
-        if prompt_rows:
-            next_ids = np.zeros(plan.token_bucket, np.int32)
-            for i, parent, lo, hi in prompt_rows:
-                t0 = int(plan.query_start[i])
-                next_ids[t0:t0 + hi - lo] = parent.prompt_token_ids[lo + 1:hi + 1]
-        handle = self.runner.dispatch(plan, next_ids)
-        self.scheduler.update_from_output(sched)  # placeholders until _process
-        return _InFlight(sched, hits, handle, prompt_rows, plan.query_start,
-                         constrained=bool(constrained) or any(
-                             r.needs_known_tokens for _, r in filtered))
+        if not constrained and not filtered:
+            return None, False
+        bitmask = np.full((len(sched.scheduled), self.runner.bitmask_width()), -1, np.int32)
+        if constrained:
+            self.structured.fill_bitmask(constrained, bitmask)
+        for i, r in filtered:
+            bitmask[i] &= r.token_filter.row(r.output_token_ids)
+        return bitmask, bool(constrained) or any(r.needs_known_tokens for _, r in filtered)
 
     def _process(self, done: _InFlight, touched: dict) -> None:
         """Read a dispatched step's ids: resolve the placeholders, record logprobs, stop."""
@@ -489,14 +433,6 @@ class LLMEngine:
             for req, draft in zip(want, self.proposer.propose(want, room)):
                 req.spec_token_ids = [int(t) for t in draft]
 
-    def _make_proposer(self, spec, draft):
-        if spec.method == "ngram":
-            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                 spec.prompt_lookup_max)
-        from jaxserve.worker.draft_proposer import DraftModelProposer
-        return DraftModelProposer.build(spec, self.config, *draft, self.runner,
-                                        self.block_manager, self.max_model_len, self.dtype)
-
     def _prompt_logprob_rows(self, sched, hits: list) -> list:
         """(row, parent, lo, hi): prompt positions lo..hi-1 of this step whose next prompt token
         still needs its logprob (child 0 only; a recomputed prefix is not recorded twice).
@@ -531,29 +467,8 @@ class LLMEngine:
         m.last_token_time = now
         if child.new_logprobs is not None:
             child.new_logprobs.append(self._position_logprobs(tok, out, row, params.logprobs))
-        n_out = req.num_known_output_tokens
-        status, stop_reason = None, None
-        if req.grammar is not None:
-            if not req.grammar.accept(tok):
-                logger.warning("request %s: token %d is outside its grammar (%s)",
-                               parent.request_id, tok, req.grammar.error)
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.grammar.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and n_out >= params.min_tokens:
-            if tok in self.eos_token_ids and not params.ignore_eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif params.stop_token_ids and tok in params.stop_token_ids:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, tok
-        if status is None:
-            if n_out >= req.max_tokens or req.num_tokens - req.num_pending >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            req.stop_reason = stop_reason
-            req.drop_pending()
-            self.scheduler.finish_request(req.request_id, status)
-            if parent.finished:
-                m.finished_time = now
+        if self.scheduler.check_stop(req, tok) and parent.finished:
+            m.finished_time = now
 
     @staticmethod
     def _position_logprobs(tok: int, out, row: int, k: int) -> TokenLogprobs:
@@ -615,11 +530,3 @@ def child_seed(seed: int, index: int) -> int:
     """The seed of choice ``index`` of an ``n > 1`` request (vLLM's ``seed + index``), kept in
     the sampler's 64-bit range: distinct for distinct indices of one parent."""
     return (seed + index) % (MAX_SEED + 1)
-
-
-def _load_tokenizer(model_path, tokenizer):
-    """A GGUF file carries its own tokenizer and chat template; a HF dir has tokenizer files."""
-    if tokenizer is None and str(model_path).endswith(".gguf"):
-        from jaxserve.loaders.gguf import gguf_tokenizer
-        return gguf_tokenizer(model_path)
-    return load_tokenizer(model_path, tokenizer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.builder import build_engine
 from jaxserve.worker.multihost import Leader, check_config, follow
 
 logger = logging.getLogger(__name__)
@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 def make_leader_async_llm(config):
     """The leader's ``AsyncLLM``, whose shutdown also stops the followers."""
     check_config(config)
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     leader = Leader(engine)
 
     class LeaderAsyncLLM(AsyncLLM):
@@ -29,6 +29,6 @@ def make_leader_async_llm(config):
 
 def run_follower(config) -> int:
     check_config(config)
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     logger.info("follower %d ready; replaying the leader's steps", config.parallel.host_index)
     return follow(engine)

@@ -81,9 +81,6 @@ class OutputProcessor:
     def abort_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     @property
     def num_requests(self) -> int:
         return len(self._requests)

@@ -35,6 +35,10 @@ from jaxserve.errors import InvalidRequestError
 # spend its whole budget on whitespace. Separators are "," and ":" (llguidance's defaults).
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _CACHE_SIZE = 256
+# Keywords whose subschemas describe the same instance or its members: strictness applies there.
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "additionalItems")
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -49,6 +53,128 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     return kind, str(v)
 
 
+def strict_json_schema(schema):
+    """The schema in strict mode, the default of vLLM's grammar backend: an object that lists
+    its properties admits no others, and an array with ``prefixItems`` no items past them,
+    unless the schema says otherwise (an explicit ``additionalProperties`` /
+    ``unevaluatedProperties`` / ``items`` / ``additionalItems`` wins). As with
+    ``unevaluatedProperties: false``, names listed in subschemas of the same object count:
+    ``allOf`` branches stay open and their parent is closed over all their names; ``anyOf`` /
+    ``oneOf`` alternatives that list properties beside the parent's are each closed over
+    theirs and the parent's (a local ``$ref`` there is inlined). Subschemas under ``not``,
+    ``if``/``then``/``else`` and ``contains`` keep their meaning and are not changed.
+    Returns a copy."""
+    return _strict(schema, True, schema)
+
+
+def _explicit(schema: dict) -> bool:
+    return "additionalProperties" in schema or "unevaluatedProperties" in schema
+
+
+def _local_ref(ref, root):
+    """The target of a ``#/$defs/X`` or ``#/definitions/X`` reference, or None."""
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if isinstance(ref, str) and ref.startswith(prefix) and isinstance(root, dict):
+            target = (root.get(prefix[2:-1]) or {}).get(ref[len(prefix):])
+            if isinstance(target, dict) and "$ref" not in target:
+                return target
+    return None
+
+
+def _names(schema) -> list:
+    """The property names an open schema lists, its ``allOf``/``anyOf``/``oneOf`` included."""
+    if not isinstance(schema, dict):
+        return []
+    names = list(schema.get("properties") or ())
+    for key in ("allOf", "anyOf", "oneOf"):
+        for b in schema.get(key) or ():
+            names += _names(b)
+    return names
+
+
+def _inline(branch, root):
+    """A branch with its local ``$ref`` replaced by the target (None: a target we cannot
+    see); other branches as they are."""
+    if not (isinstance(branch, dict) and "$ref" in branch):
+        return branch
+    target = _local_ref(branch["$ref"], root)
+    return None if target is None else {
+        **target, **{k: v for k, v in branch.items() if k != "$ref"}}
+
+
+def _alternatives(alts, names, close: bool, root):
+    """``anyOf``/``oneOf`` beside listed properties, where some alternative lists its own: each
+    alternative closed over its names and the parent's, or all left open when the parent is
+    (None: nothing to do, or an alternative we cannot see)."""
+    if not isinstance(alts, list):
+        return None
+    inlined = [_inline(a, root) for a in alts]
+    if any(a is None for a in inlined) or not any(
+            isinstance(a, dict) and "properties" in a for a in inlined):
+        return None
+    out = []
+    for a in inlined:
+        if not close:
+            a = _strict(a, False, root)
+        elif isinstance(a, dict) and not _explicit(a):
+            a = _strict(a, False, root)
+            a = {**a, "properties": {**{n: {} for n in names}, **(a.get("properties") or {})},
+                 "additionalProperties": False}
+        else:
+            a = _strict(a, True, root)
+        out.append(a)
+    return out
+
+
+def _strict(schema, close: bool, root):
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _strict(v, True, root) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_strict(v, True, root) for v in out[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key], True, root)
+    if isinstance(out.get("items"), list):  # draft 4-7 tuple form
+        out["items"] = [_strict(v, True, root) for v in out["items"]]
+    explicit = _explicit(out)
+    if isinstance(out.get("allOf"), list):
+        branches = []
+        for b in out["allOf"]:
+            b = _inline(b, root)
+            if b is None:
+                explicit = True  # a target we cannot see: leave this object open
+                break
+            branches.append(_strict(b, False, root))
+        else:
+            out["allOf"] = branches
+            if any(isinstance(b, dict) and _explicit(b) for b in branches):
+                explicit = True  # a branch chose its own rule for the object: keep it
+            elif not explicit:
+                names = [n for b in branches for n in _names(b)]
+                if names:
+                    out["properties"] = {**{n: {} for n in names},
+                                         **(out.get("properties") or {})}
+    if not explicit and "properties" in out:
+        for key in ("anyOf", "oneOf"):
+            alts = _alternatives(schema.get(key), out["properties"], close, root)
+            if alts is not None:
+                out[key] = alts
+                explicit = True  # each alternative is closed over its names and the parent's
+    if close and not explicit and ("properties" in out or "patternProperties" in out):
+        out["additionalProperties"] = False
+    if "prefixItems" in out:
+        if "items" not in out and "unevaluatedItems" not in out:
+            out["items"] = False
+    elif isinstance(out.get("items"), list) and "additionalItems" not in out:
+        out["additionalItems"] = False
+    return out
+
+
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """llguidance's grammar for a spec (not yet checked against the tokenizer)."""
     import llguidance
@@ -61,7 +187,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
                 v = json.loads(v)
             if not isinstance(v, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(v, defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(strict_json_schema(v),
+                                                                 defaults=_JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
                                                                  defaults=_JSON_OPTIONS)

@@ -25,7 +25,7 @@ from jaxserve.models import kv_scales
 from jaxserve.models import quantization as quant_lib
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
-from jaxserve.worker.parallel import TP_AXIS, default_mesh  # noqa: F401  (re-exported)
+from jaxserve.sharding import TP_AXIS, default_mesh
 # Checkpoint tensors that carry no parameter (HF buffers saved by old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -58,7 +58,7 @@ def param_partition_spec(name: str, mesh: Mesh | None = None) -> PartitionSpec:
 
 def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | None = None
                     ) -> NamedSharding:
-    from jaxserve.worker import parallel
+    from jaxserve import sharding
 
     def spec_of(name):
         if model_config is not None and TP_AXIS in mesh.axis_names:  # the family's own rules
@@ -68,8 +68,8 @@ def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | No
 
     spec = quant_lib.partition_spec(name, spec_of) or spec_of(name)
     if (model_config is not None and re.search(r"(^|\.)[kv]_proj\.[a-z_]+$", name)
-            and not parallel.shard_kv_projections(model_config.num_kv_heads,
-                                                  parallel.tp_size(mesh))):
+            and not sharding.shard_kv_projections(model_config.num_kv_heads,
+                                                  sharding.tp_size(mesh))):
         spec = PartitionSpec()  # fewer KV heads than devices: replicated, repeated per device
     # A dimension the mesh axis does not divide stays replicated (e.g. a vocab of 50257).
     size = dict(zip(mesh.axis_names, mesh.devices.shape))
@@ -80,12 +80,12 @@ def _param_sharding(name: str, shape, mesh: Mesh, model_config: ModelConfig | No
 
 
 def _attach_mesh(model, model_config: ModelConfig, mesh: Mesh | None):
-    """A model given an explicit mesh runs attention per shard (``parallel.sharded_attention``);
+    """A model given an explicit mesh runs attention per shard (``sharding.sharded_attention``);
     without one it takes the plain single-device path."""
     if mesh is not None:
-        from jaxserve.worker import parallel
+        from jaxserve import sharding
 
-        parallel.check_model(model_config, parallel.tp_size(mesh))
+        sharding.check_model(model_config, sharding.tp_size(mesh))
     model.mesh = mesh
     return model
 
@@ -329,7 +329,7 @@ def _read_float8(path: Path, name: str) -> np.ndarray:
 
 def _resolve_model_path(model: str, revision: str | None = None,
                         download_dir: str | None = None) -> Path:
-    from jaxserve.testing.tiny_model import DEMO_NAME, ensure_demo_random
+    from jaxserve.loaders.demo_model import DEMO_NAME, ensure_demo_random
 
     if model == DEMO_NAME:
         return ensure_demo_random()

@@ -8,10 +8,10 @@ The runner's device step is ``hidden, kv = model(token_ids, positions, kv_pages,
 ``model.compute_logits(hidden[logits_indices])``; the graph (``nnx.split``) is a jit cache key,
 so everything a model keeps besides parameters must be hashable and static.
 
-KV layout: every layer has one ``(k_pages, v_pages)`` of ``[Hkv, pages, block, head_dim]`` with
-the ``ModelConfig``'s ``num_kv_heads`` and ``head_dim``; a layer's sliding window is
-``ModelConfig.layer_sliding_window(i)`` (the page allocator may free what falls out of every
-layer's window). A family whose layers need different page shapes does not fit this contract.
+KV layout: every layer declares what it caches (``cache_specs``: ``FullAttention``,
+``SlidingWindow``, ``SharedKV``, ``LinearState`` from ``jaxserve.core.kv_cache_spec``); the
+runner groups layers by spec and allocates the pools. Today every attention layer has one
+``(k_pages, v_pages)`` of ``[Hkv, pages, block, head_dim]`` in one pool.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.worker.parallel import TP_AXIS
+from jaxserve.sharding import TP_AXIS
 
 TensorLoaders = Mapping[str, Callable[[], np.ndarray]]  # name -> lazy numpy array
 
@@ -42,6 +42,9 @@ class CausalLM(Protocol):
     def __call__(self, token_ids, positions, kv_pages, md):
         """``token_ids[T], positions[T]``, one ``(k, v)`` per layer, ``AttentionMetadata`` ->
         ``(hidden[T, H], kv_pages)`` (the pages written with this step's K/V)."""
+
+    def cache_specs(self, dtype: str) -> list:
+        """One cache spec per layer, pages of ``dtype`` (the KV cache dtype's name)."""
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (soft-capped if the

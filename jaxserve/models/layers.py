@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.worker import parallel
+from jaxserve import sharding
 from pallas_kernels import reference
 from pallas_kernels.reference import write_kv
 
@@ -297,12 +297,12 @@ def _write_and_attend(backend: str, sm_scale: float, sliding_window: int | None,
         if sc is not None and mesh is not None:  # this shard's heads of the full table
             n = k_pages.shape[0]
             sc = jax.lax.dynamic_slice_in_dim(jnp.repeat(sc, rep, axis=0),
-                                              jax.lax.axis_index(parallel.TP_AXIS) * n, n)
+                                              jax.lax.axis_index(sharding.TP_AXIS) * n, n)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, kv_scale=sc)
         out = paged_attention(q, k_pages, v_pages, md, backend=backend, sm_scale=sm_scale,
                               sliding_window=sliding_window, soft_cap=soft_cap, kv_scale=sc)
         return out, k_pages, v_pages
 
     if mesh is not None:
-        attend = parallel.sharded_attention(attend, mesh)
+        attend = sharding.sharded_attention(attend, mesh)
     return jax.jit(attend)

@@ -26,6 +26,7 @@ from jaxserve.models.layers import (
 )
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.quantization import lm_head_logits
+from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from pallas_kernels.reference import token_metadata
 
 
@@ -45,6 +46,10 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
+
+    def cache_spec(self, dtype: str) -> FullAttention | SlidingWindow:
+        """What this layer caches, in pages of ``dtype`` (the KV cache dtype's name)."""
+        return attention_spec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
 
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None):
         t = x.shape[0]
@@ -106,6 +111,10 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, layer_cls=self.decoder_layer)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+
+    def cache_specs(self, dtype: str) -> list:
+        """Each layer's cache spec (``jaxserve.core.kv_cache_spec``), pages of ``dtype``."""
+        return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
 
     def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
         if len(kv_pages) != self.num_layers:

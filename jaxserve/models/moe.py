@@ -28,13 +28,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.worker import parallel
+from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.layers import ACTIVATIONS, MLP, Linear, RMSNorm, _normal, activation
 from jaxserve.models.llama import Attention, LlamaForCausalLM
 
-TP = parallel.TP_AXIS
+TP = sharding.TP_AXIS
 
 
 def num_experts(cfg: ModelConfig) -> int:
@@ -134,8 +134,8 @@ class SparseMoeBlock(nnx.Module):
         if mesh is None:
             out = run(x, weights, ids, *w, first_expert=0)
         else:
-            if self.expert_parallel and self.num_experts % parallel.tp_size(mesh):
-                raise ValueError(f"expert parallelism over {parallel.tp_size(mesh)} devices "
+            if self.expert_parallel and self.num_experts % sharding.tp_size(mesh):
+                raise ValueError(f"expert parallelism over {sharding.tp_size(mesh)} devices "
                                  f"needs num_experts ({self.num_experts}) divisible by it")
             out = _sharded(run, mesh, self.expert_parallel)(x, weights, ids, *w)
         out = out.astype(x.dtype)
@@ -159,7 +159,7 @@ def _sharded(run, mesh, expert_parallel: bool):
         return jax.lax.psum(run(x, weights, ids, wg, wu, wd, first_expert=first), TP)
 
     rep = PartitionSpec()
-    return parallel._shard_map(body, mesh, in_specs=(rep, rep, rep, *_expert_specs(
+    return sharding._shard_map(body, mesh, in_specs=(rep, rep, rep, *_expert_specs(
         expert_parallel)), out_specs=rep)
 
 

@@ -60,7 +60,7 @@ class DraftModelProposer:
         return self.runner.num_compiles
 
     def _run(self, rows: list[ScheduledSeq]) -> list[int]:
-        plan = self.runner.build_plan(rows, [None] * len(rows))  # greedy
+        plan = self.runner.build_plan(rows)  # rows without sampling params: greedy
         return self.runner.execute(plan).token_ids[:len(rows)].tolist()
 
     def propose(self, requests: Sequence[Request], max_len: Sequence[int]) -> list[list[int]]:
@@ -92,7 +92,7 @@ class DraftModelProposer:
                     continue
                 n = min(left, budget)
                 rows.append(ScheduledSeq(req.all_token_ids[pos[i]:pos[i] + n], pos[i],
-                                         req.block_ids))
+                                         [req.block_ids]))
                 who.append((i, n == left))
                 pos[i] += n
                 budget -= n
@@ -111,7 +111,7 @@ class DraftModelProposer:
                 break
             for s in range(0, len(step), self.runner.max_num_seqs):
                 part = step[s:s + self.runner.max_num_seqs]
-                rows = [ScheduledSeq([drafts[i][-1]], req.num_tokens - 1 + j, req.block_ids)
+                rows = [ScheduledSeq([drafts[i][-1]], req.num_tokens - 1 + j, [req.block_ids])
                         for i, req in part]
                 for (i, _), tok in zip(part, self._run(rows)):
                     drafts[i].append(tok)

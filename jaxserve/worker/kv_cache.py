@@ -11,18 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.sharding import default_mesh, pool_kv_heads, replicated
 
 
 _FP8_KV = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
            "fp8_e5m2": jnp.float8_e5m2}
 
 
-def kv_cache_dtype(cache_dtype: str, serving_dtype, attention_backend: str | None = None):
+def kv_cache_dtype(cache_dtype: str, serving_dtype):
     """The pool's dtype: the serving dtype ("auto") or a float8. Float8 pages hold K/V divided
     by the layer's scales (``jaxserve.models.kv_scales``; 1.0 without any), saturated at the
-    format's maximum, and every attention backend (``attention_backend``: any of them) upcasts
+    format's maximum; every attention backend (reference, xla, pallas, triton, mosaic) upcasts
     them when it reads them."""
-    del attention_backend  # reference, xla, pallas, triton and mosaic all read float8 pages
     if cache_dtype == "auto":
         return jnp.dtype(serving_dtype)
     if cache_dtype not in _FP8_KV:
@@ -34,13 +34,13 @@ def kv_cache_dtype(cache_dtype: str, serving_dtype, attention_backend: str | Non
 def kv_page_shape(model_config: ModelConfig, num_pages: int, block_size: int, tp: int = 1
                   ) -> tuple[int, ...]:
     """``tp`` > KV heads repeats each KV head so every device holds one (``parallel``)."""
-    heads = max(model_config.num_kv_heads, tp)
+    heads = pool_kv_heads(model_config.num_kv_heads, tp)
     return (heads, num_pages, block_size, model_config.head_dim)
 
 
 def page_bytes(model_config: ModelConfig, block_size: int, dtype, tp: int = 1) -> int:
     """Bytes of one page across all layers, K and V (all devices together)."""
-    per_layer = max(model_config.num_kv_heads, tp) * block_size * model_config.head_dim
+    per_layer = pool_kv_heads(model_config.num_kv_heads, tp) * block_size * model_config.head_dim
     return 2 * model_config.num_layers * per_layer * np.dtype(jnp.dtype(dtype)).itemsize
 
 
@@ -53,11 +53,7 @@ def allocate_kv_pages(model_config: ModelConfig, num_pages: int, block_size: int
     same input sharding and share one compiled program.
     """
     if sharding is None:
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxserve.loaders.model_loader import default_mesh
-
-        sharding = NamedSharding(default_mesh(), PartitionSpec())
+        sharding = replicated(default_mesh())
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
     shape = kv_page_shape(model_config, num_pages, block_size, tp)

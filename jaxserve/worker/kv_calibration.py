@@ -21,7 +21,7 @@ from flax import nnx
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models import kv_scales
 from jaxserve.models.layers import AttentionMetadata
-from jaxserve.worker import parallel
+from jaxserve import sharding
 from jaxserve.worker.kv_cache import allocate_kv_pages
 from pallas_kernels.reference import is_fp8
 
@@ -36,10 +36,10 @@ def kv_amax(model, model_config: ModelConfig, token_ids, *, block_size: int, dty
     """``[L, Hkv, 2]`` float32: the largest ``|k|`` and ``|v|`` each layer's attention writes
     for ``token_ids`` (one prefill, one jitted pass)."""
     n = len(token_ids)
-    tp = parallel.tp_size(mesh)
+    tp = sharding.tp_size(mesh)
     pages = -(-n // block_size)
-    sharding = parallel.kv_pool_sharding(mesh) if mesh is not None else None
-    pool = allocate_kv_pages(model_config, pages + 1, block_size, dtype, sharding=sharding,
+    pool_sharding = sharding.kv_pool_sharding(mesh) if mesh is not None else None
+    pool = allocate_kv_pages(model_config, pages + 1, block_size, dtype, sharding=pool_sharding,
                              tp=tp)
     md = AttentionMetadata(
         slot_mapping=jnp.arange(n, dtype=jnp.int32) + block_size,  # page 1 on; 0 is trash

@@ -22,9 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxserve.core.sampling_params import SAMPLING_EPS
-from jaxserve.worker.sampler import SamplingMetadata, apply_logit_bias_and_min_tokens, \
-    apply_top_k_top_p
+from jaxserve.worker.sampler import (SamplingMetadata, apply_logit_bias_and_min_tokens,
+                                     apply_top_k_top_p, is_greedy)
 
 _NEG_INF = float("-inf")
 _UNIFORM_TAG, _RESAMPLE_TAG = 0x5EC1, 0x5EC2  # keep the verifier's draws apart from the sampler's
@@ -126,7 +125,7 @@ def target_probs(x: jax.Array, md: SamplingMetadata, K1: int) -> jax.Array:
     S = md.temperature.shape[0]
     V = x.shape[-1]
     rep = lambda a: jnp.repeat(a, K1, axis=0)  # noqa: E731
-    greedy = rep(md.temperature < SAMPLING_EPS)
+    greedy = rep(is_greedy(md))
     x = x / jnp.where(greedy, 1.0, rep(md.temperature))[:, None]
     floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(rep(md.min_p))[:, None]
     x = jnp.where(x < floor, _NEG_INF, x)
@@ -144,7 +143,7 @@ def verify(logits: jax.Array, md: SamplingMetadata, draft_ids: jax.Array, num_dr
     S, K1, V = logits.shape
     k = K1 - 1
     x = target_logits(logits, md)
-    greedy_rows = md.temperature < SAMPLING_EPS
+    greedy_rows = is_greedy(md)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32).reshape(S, K1)
     out = greedy_verify(greedy_ids, draft_ids, num_draft)
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
@@ -26,28 +24,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from jaxserve.worker import memory_budget, parallel
+from jaxserve import sharding
+from jaxserve.worker import memory_budget
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
+from jaxserve.worker.compile_pool import CompilePool
+from jaxserve.worker.warmup import BucketWarmup
 from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
 from jaxserve.models.layers import AttentionMetadata
-from jaxserve.core.sampling_metadata import SAMPLING_FIELDS, build_sampling_arrays, dummy_sampling_arrays
-from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
-from jaxserve.core.spec_decode import add_verify_arrays
-from jaxserve.core.step_plan import (
-    TRASH_PAGE,
-    ScheduledSeq,
-    StepPlan,
-    build_step_plan,
-    seq_bucket,
-    token_ladder,
-)
+from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
+from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
+from jaxserve.core.kv_cache_spec import attention_spec, group_layers, page_pools, split_budget
+from jaxserve.core.step_plan import (ARRAY_FIELDS, ScheduledSeq, StepPlan, build_step_plan,
+                                     seq_bucket, token_ladder)
 
 logger = logging.getLogger(__name__)
+
+# the StepPlan is a pytree: its arrays are leaves, its counts static (core/ imports no jax)
+jax.tree_util.register_dataclass(StepPlan, data_fields=list(ARRAY_FIELDS),
+                                 meta_fields=["num_seqs", "num_tokens"])
 
 CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's CPU KV space: a fixed budget when memory is unknown
 
@@ -78,11 +75,11 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         ref = arrays["prev_ref"]
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
-        md = AttentionMetadata(
-            slot_mapping=arrays["slot_mapping"],
+        md = AttentionMetadata(  # one paged cache group: group 0's pages
+            slot_mapping=arrays["slot_mapping"][0],
             query_start=arrays["query_start"],
             seq_lens=arrays["seq_lens"],
-            block_tables=arrays["block_tables"],
+            block_tables=arrays["block_tables"][0],
             num_seqs=arrays["num_seqs"],
         )
         hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
@@ -101,7 +98,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
     # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
     # shards) and the donated pool keeps its head sharding, so every step reuses one program.
     return jax.jit(forward, donate_argnums=(1,), out_shardings=(
-        parallel.replicated(mesh), parallel.kv_pool_sharding(mesh), parallel.replicated(mesh)))
+        sharding.replicated(mesh), sharding.kv_pool_sharding(mesh), sharding.replicated(mesh)))
 
 
 PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in memory
@@ -165,7 +162,7 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
         s = ids.shape[0]
         return out, jnp.zeros_like(prev_tokens).at[:s].set(ids)
 
-    return jax.jit(sample, out_shardings=parallel.replicated(mesh or parallel.default_mesh()))
+    return jax.jit(sample, out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
 
 
 def top_logprobs_width(max_logprobs: int, vocab_size: int) -> int:
@@ -215,28 +212,37 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-def default_attention_backend() -> str:
-    """Pallas on GPU; the XLA (jnp) path on CPU, never interpret-mode Pallas outside tests."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+def model_cache_specs(model, model_config: ModelConfig, kv_dtype) -> list:
+    """Each layer's cache spec (the family declares them; a model without ``cache_specs``,
+    e.g. a test double, is taken as full or sliding attention from its config)."""
+    name = np.dtype(kv_dtype).name
+    if hasattr(model, "cache_specs"):
+        return model.cache_specs(name)
+    return [attention_spec(model_config.num_kv_heads, model_config.head_dim, name,
+                           model_config.layer_sliding_window(i))
+            for i in range(model_config.num_layers)]
 
 
-def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
-                  param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> int:
-    """Size the page pool from free device memory (or the override), after the weights.
-    ``extra_page_bytes``: what a page costs elsewhere too (a draft model's pool shares the ids)."""
+def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, max_model_len,
+               param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> tuple[int, ...]:
+    """Pages of each pool from one budget: free device memory (or the override), after the
+    weights. ``extra_page_bytes``: what a page costs elsewhere too (a draft model's pool
+    shares the ids)."""
     cache = engine_config.cache
     block = cache.block_size
-    per_page = page_bytes(model_config, block, dtype, tp) // tp + extra_page_bytes
     if cache.num_gpu_blocks_override is not None:
-        return int(cache.num_gpu_blocks_override)
+        return (int(cache.num_gpu_blocks_override),) * len(pools)
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     sched = engine_config.scheduler
+    split = partial(split_budget, pools, block_size=block, max_model_len=max_model_len, tp=tp,
+                    extra_page_bytes=extra_page_bytes)
     if not limit:
         # CPU: enough for every sequence at full length, capped by a fixed budget.
-        want = sched.max_num_seqs * (-(-max_model_len // block)) + 1
-        cap = max(CPU_KV_CACHE_BYTES // per_page, 2 * (-(-max_model_len // block)) + 1)
-        return int(max(2, min(want, cap)))
+        full = -(-max_model_len // block)
+        want = sched.max_num_seqs * full + 1
+        return tuple(int(max(2, min(want, max(n, 2 * full + 1))))
+                     for n in split(CPU_KV_CACHE_BYTES))
     in_use = stats.get("bytes_in_use", param_bytes)
     t_max = sched.max_num_batched_tokens
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
@@ -245,14 +251,23 @@ def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype,
     total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
     free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
                                          reserve)
-    n = int(free // per_page)
-    if n < 2:
+    sizes = split(free)
+    if min(sizes) < 2:
         raise ValueError(
             f"no room for the KV cache: {total / 2**30:.1f} GiB device, "
             f"gpu_memory_utilization {cache.gpu_memory_utilization}, {in_use / 2**30:.1f} GiB in "
             f"use; raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
-    return n
+    return sizes
+
+
+def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
+                  param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> int:
+    """Pages of the one pool of a model whose layers are all attention over ``model_config``'s
+    KV heads (see :func:`pool_sizes`)."""
+    pools = page_pools(group_layers(model_cache_specs(None, model_config, dtype)))
+    return pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp,
+                      extra_page_bytes)[0]
 
 
 class ModelRunner:
@@ -270,15 +285,18 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
-        self.mesh = mesh  # tensor parallel (jaxserve.worker.parallel); None: single device
-        tp = parallel.tp_size(mesh)
+        self.mesh = mesh  # tensor parallel (jaxserve.sharding); None: single device
+        tp = sharding.tp_size(mesh)
         if mesh is not None:
-            kv_sharding = parallel.kv_pool_sharding(mesh)
-        self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype,
-                                       getattr(model, "attention_backend", None))
-        self.num_pages = parallel.agree_across_hosts(num_pages_for(
-            model_config, engine_config, self.kv_dtype, max_model_len, param_bytes // tp, tp,
-            extra_page_bytes))
+            kv_sharding = sharding.kv_pool_sharding(mesh)
+        self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
+        # layers grouped by cache spec; one page pool today (core.kv_cache_spec.page_pools)
+        self.cache_groups = group_layers(model_cache_specs(model, model_config, self.kv_dtype))
+        self.pools = page_pools(self.cache_groups)
+        self.num_cache_groups = len(self.pools)  # block tables per plan row
+        sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
+                           param_bytes // tp, tp, extra_page_bytes)
+        self.num_pages = sharding.agree_across_hosts(sizes[0])
         self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
                                           self.kv_dtype, sharding=kv_sharding, tp=tp)
         self.graphdef, self.state = nnx.split(model)
@@ -290,17 +308,13 @@ class ModelRunner:
                                                     self.num_top_logprobs)
         self._sample = _sample_fn(mesh, self.num_top_logprobs)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
-        self.warmed_up = False  # every bucket compiled and run once
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
         self.enforce_eager = engine_config.enforce_eager
         # One step at a time touches the KV pool: the engine's steps and the warm-up runs of
         # buckets compiled in the background.
         self._pool_lock = threading.RLock()
-        self._compiles: CompilePool | None = None  # the warm-up's jobs, once started
+        self._warmup: BucketWarmup | None = None  # the compile jobs, once started
         self._count_lock = threading.Lock()
-        self._sampler_locks: dict[int, threading.Lock] = {}
-        self._warm_hidden: dict[int, object] = {}
-        self._job_detail: dict = {}
         self._ones_bitmasks: dict[int, jax.Array] = {}  # all-ones masks per sequence bucket
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
@@ -312,15 +326,14 @@ class ModelRunner:
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
         the steps that take them see the same input type as later and do not recompile."""
-        mesh = self.mesh or parallel.default_mesh()
-        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=parallel.replicated(mesh))()
+        mesh = self.mesh or sharding.default_mesh()
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
-    def _run(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None):
-        if self._compiles is not None:  # a bucket still compiling: wait, never compile here
-            self._compiles.wait(("forward", plan.token_bucket))
-            if prompt_next_ids is not None:
-                self._compiles.wait(("prompt_logprobs", plan.token_bucket))
+    def _run(self, plan: StepPlan):
+        prompt_next_ids = plan.prompt_next_ids
+        if self._warmup is not None:  # a bucket still compiling: wait, never compile here
+            self._warmup.wait(plan)
         with self._pool_lock:
             before = _TRACES.n
             arrays, spec = self._step_inputs(plan)
@@ -332,21 +345,19 @@ class ModelRunner:
                 out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
             if _TRACES.n != before:
                 self._add_compiles(_TRACES.n - before)
-                if self._compiles is not None or self.warmed_up:
+                if self._warmup is not None:
                     logger.warning("compile caused by a step (token bucket %d): this is a bug",
                                    plan.token_bucket)
         return out
 
-    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
-        """The forward's plan arrays and the verifier's inputs: every step of a speculating
-        engine has the verify shapes (logits at ``[S, k+1]`` positions)."""
-        arrays, spec = plan.device_arrays(), None
-        if self.num_spec_tokens:
-            if plan.num_draft is None:
-                add_verify_arrays(plan, [], self.num_spec_tokens)
-            arrays["logits_indices"] = plan.spec_logits_indices
+    @staticmethod
+    def _step_inputs(plan: StepPlan) -> tuple[dict, dict | None]:
+        """The forward's plan arrays and the verifier's inputs (every step of a speculating
+        engine has the verify shapes: logits at ``[S, k+1]`` positions)."""
+        spec = None
+        if plan.num_draft is not None:
             spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
-        return arrays, spec
+        return plan.forward_arrays(), spec
 
     def _add_compiles(self, n: int) -> None:
         with self._count_lock:
@@ -357,7 +368,7 @@ class ModelRunner:
 
     def _put_bitmask(self, mask: np.ndarray) -> jax.Array:
         """On the device, placed one way for every step (so no step compiles for it)."""
-        return jax.device_put(mask, parallel.replicated(self.mesh or parallel.default_mesh()))
+        return jax.device_put(mask, sharding.replicated(self.mesh or sharding.default_mesh()))
 
     def _bitmask(self, plan: StepPlan) -> jax.Array:
         """The plan's structured-output mask, or the all-ones mask kept on the device (per
@@ -373,29 +384,21 @@ class ModelRunner:
                 np.full((s, self.bitmask_width()), -1, np.int32))
         return ones
 
-    def _warmup_bitmask(self, s: int) -> jax.Array:
-        """A mask that forbids half the vocabulary: warm-up runs the masking branch too."""
-        m = np.full((s, self.bitmask_width()), -1, np.int32)
-        m[:, ::2] = 0
-        return self._put_bitmask(m)
-
-    def build_plan(self, rows: list[ScheduledSeq], sampling_inputs: list) -> StepPlan:
-        plan = build_step_plan(rows, block_size=self.block_size,
+    def build_plan(self, rows: list[ScheduledSeq], token_bitmask: np.ndarray | None = None
+                   ) -> StepPlan:
+        """The step's plan, in a bucket that is compiled (or compiling) now."""
+        return build_step_plan(rows, block_size=self.block_size,
                                max_pages_per_seq=self.max_pages_per_seq,
-                               ladder=self._plan_ladder(), max_num_seqs=self.max_num_seqs)
-        plan.sampling = build_sampling_arrays(sampling_inputs, plan.seq_bucket,
-                                              history_len=self.max_model_len, rng=self._np_rng)
-        if self.num_spec_tokens:
-            add_verify_arrays(plan, [r.num_draft for r in rows], self.num_spec_tokens)
-        return plan
+                               ladder=self._plan_ladder(), max_num_seqs=self.max_num_seqs,
+                               history_len=self.max_model_len, rng=self._np_rng,
+                               token_bitmask=token_bitmask, num_spec_tokens=self.num_spec_tokens)
 
-    def dispatch(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepHandle:
+    def dispatch(self, plan: StepPlan) -> StepHandle:
         """Enqueue the step and start copying its results to the host; returns at once.
-        ``prompt_next_ids[T]`` (the prompt token after each position, only in steps with a
-        ``prompt_logprobs`` request) also computes the prompt logprobs."""
-        out = self._run(plan, prompt_next_ids)
+        A plan with ``prompt_next_ids`` also computes the prompt logprobs."""
+        out = self._run(plan)
         prompt_lp = verify = None
-        if prompt_next_ids is not None:
+        if plan.prompt_next_ids is not None:
             out, prompt_lp = out
         if self.num_spec_tokens:
             out, verify = out
@@ -430,9 +433,9 @@ class ModelRunner:
             res.spec_token_ids, res.num_emitted = map(np.asarray, jax.device_get(tuple(h.verify)))
         return res
 
-    def execute(self, plan: StepPlan, prompt_next_ids: np.ndarray | None = None) -> StepOutput:
+    def execute(self, plan: StepPlan) -> StepOutput:
         """Run the step and wait for it (``dispatch`` then ``fetch``)."""
-        return self.fetch(self.dispatch(plan, prompt_next_ids))
+        return self.fetch(self.dispatch(plan))
 
     @property
     def num_graphs(self) -> int:
@@ -441,51 +444,32 @@ class ModelRunner:
         seqs = {seq_bucket(t, self.max_num_seqs) for t in self.ladder}
         return 2 * len(self.ladder) + 2 * len(seqs)
 
-    # ---- warm-up: compile every bucket ahead of time -----------------------------------
+    # ---- warm-up (jaxserve.worker.warmup) ----------------------------------------------
     def warmup(self) -> float:
-        """Compile and run every bucket (see :meth:`start_warmup`) on every core (nothing else
-        runs meanwhile) and wait for all of them."""
+        """Compile and run every bucket on every core (nothing else runs meanwhile) and wait
+        for all of them."""
         if self.enforce_eager:
             self._skip_warmup()
             return 0.0
         self.start_warmup(workers=max(1, min(4, os.cpu_count() or 1)))
-        self._compiles.wait_all()
-        return self._warmup_s
+        self._warmup.pool.wait_all()
+        return self._warmup.seconds
 
-    def start_warmup(self, workers: int | None = None) -> None:
-        """Compile the buckets ahead of time on a thread pool and return at once.
-
-        Order: smallest first, then the prompt-logprobs graphs. The server serves once the
-        smallest bucket is ready, each step kept within the largest compiled one, so the ladder
-        grows while requests run. ``workers`` (default: the cores but one, 1 to 4) leaves a
-        core to those steps. Each bucket is lowered and compiled (``jit(...).lower(...)
-        .compile()``, which fills jit's own cache and the persistent compilation cache), then
-        run on rows that live in the trash page. Steps pick among the compiled buckets
-        (:meth:`_plan_ladder`) and wait for a bucket still compiling rather than compile it
-        themselves.
-        """
-        if self._compiles is not None:
-            return
+    def start_warmup(self, workers: int | None = None, on_token_limit=None) -> None:
+        """Compile the buckets ahead of time on a thread pool and return at once;
+        ``on_token_limit(n)`` hears the largest compiled bucket as it grows (None at the end)."""
         if self.enforce_eager:
             self._skip_warmup()
-            return
-        self._warmup_t0 = time.perf_counter()
-        self._warmup_s = None
-        self._jobs_done = 0
-        self._scratch_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
-        order = list(self.ladder)
-        jobs = [(("forward", t), partial(self._compile_bucket, t)) for t in order]
-        jobs += [(("prompt_logprobs", t), partial(self._compile_prompt_logprobs, t))
-                 for t in order]
-        self._num_jobs = len(jobs)
-        self._bar = None
-        if sys.stderr.isatty():
-            self._bar = tqdm(total=len(jobs), desc="Compiling buckets", leave=False)
-        workers = workers or max(1, min(4, (os.cpu_count() or 2) - 1))
-        if jax.process_count() > 1:  # every host runs the warm-up steps in the same order
-            workers = 1
-        self._compiles = CompilePool(jobs, workers, on_done=self._job_done)
-        self._compiles.start()  # after the assignment: jobs wait on each other through it
+        elif self._warmup is None:
+            self._warmup = BucketWarmup(self, workers, on_token_limit).start()
+
+    @property
+    def warmed_up(self) -> bool:
+        return self._warmup is not None and self._warmup.done
+
+    @property
+    def _compiles(self) -> CompilePool | None:
+        return None if self._warmup is None else self._warmup.pool
 
     def _skip_warmup(self) -> None:
         logger.info("enforce_eager: no ahead-of-time warm-up; each of the token buckets %s "
@@ -493,164 +477,30 @@ class ModelRunner:
                     "warm-up check is off", list(self.ladder))
 
     def _plan_ladder(self) -> tuple[int, ...]:
-        """The buckets a step may use now: the compiled ones, and the ones above the largest
-        compiled (a step too big for every compiled bucket waits for the smallest that fits)."""
-        if self._compiles is None or self.warmed_up:
-            return self.ladder
-        ready = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
-        top = max(ready, default=0)
-        return tuple(t for t in self.ladder if t in ready or t > top)
+        return self.ladder if self._warmup is None else self._warmup.plan_ladder()
 
     def stop_warmup(self) -> None:
-        """Drop the compiles not started and wait for the running one: an engine that shuts
-        down leaves no thread tracing or compiling behind it."""
-        if self._compiles is not None and not self.warmed_up:
-            self._compiles.cancel()
-            self._compiles.join()
+        """An engine that shuts down leaves no thread tracing or compiling behind it."""
+        if self._warmup is not None:
+            self._warmup.stop()
 
     def step_token_limit(self) -> int | None:
-        """While buckets compile, the largest compiled token bucket (the smallest one before
-        any is ready): the scheduler keeps each step within it, so steps run on the graphs
-        there are instead of waiting for a bigger one. None once every bucket is compiled."""
-        if self._compiles is None or self.warmed_up:
-            return None
-        ready = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
-        return max(ready, default=self.ladder[0])
+        """While buckets compile, the largest compiled token bucket (what the scheduler hears
+        through ``on_token_limit``). None once every bucket is compiled."""
+        return None if self._warmup is None else self._warmup.token_limit()
 
     def startup_progress(self) -> tuple[bool, int, int]:
-        """(ready to serve, buckets compiled, buckets): ready once the smallest token bucket is
-        compiled; steps then fit the compiled buckets (:meth:`step_token_limit`) while the
-        others compile."""
-        n = len(self.ladder)
+        """(ready to serve, buckets compiled, buckets)."""
         if self.enforce_eager:  # ready at once: steps compile what they need
-            return True, 0, n
-        if self._compiles is None:
-            return self.warmed_up, (n if self.warmed_up else 0), n
-        done = [t for t in self.ladder if self._compiles.is_done(("forward", t))]
-        return self.ladder[0] in done, len(done), n
+            return True, 0, len(self.ladder)
+        if self._warmup is None:
+            return False, 0, len(self.ladder)
+        return self._warmup.progress()
 
-    def _job_done(self, key, seconds: float) -> None:
-        kind, t = key
-        with self._count_lock:
-            self._jobs_done += 1
-            last = self._jobs_done == self._num_jobs
-        if self._bar is not None:
-            self._bar.update(1)
-            self._bar.set_postfix_str(f"{kind} {t}")
-        else:
-            detail = self._job_detail.get(key)
-            logger.info("compiled %s for token bucket %d (%d/%d) in %.1f s%s", kind, t,
-                        self._jobs_done, self._num_jobs, seconds,
-                        f" ({detail})" if detail else "")
-        if last:
-            if self._bar is not None:
-                self._bar.close()
-            self._warmup_s = time.perf_counter() - self._warmup_t0
-            self.warmed_up = True
-            logger.info("warm-up: %d compiles for token buckets %s in %.1f s", self.num_compiles,
-                        list(self.ladder), self._warmup_s)
-
-    def _compile_bucket(self, t: int) -> None:
-        """Compile token bucket ``t`` (model graph, both sampler layouts), then run it.
-
-        Two plans: many short rows next to one long row, and long rows only, so both the decode
-        and the prefill paths of the attention run (and the compact and full sampler layouts).
-        Running real rows matters: XLA:CPU finishes a loop body's code on its first trip, and a
-        padding-only plan never enters the loops, which left ~0.1-0.3 s of that work to the
-        first real step of each bucket."""
-        before = _TRACES.n  # this worker thread's traces
-        s = seq_bucket(t, self.max_num_seqs)
-        plans = [self._warmup_plan(t, s, full) for full in (False, True)]
-        with self._pool_lock:
-            kv, last = self.kv_pages, self._scratch_tokens
-        t0 = time.perf_counter()
-        with TRACE_LOCK:
-            lowered = self._forward.lower(self._state_leaves, kv,
-                                          self._step_inputs(plans[0])[0], last)
-        t1 = time.perf_counter()
-        fwd = lowered.compile()  # or a load from the persistent cache
-        t2 = time.perf_counter()
-        logits = fwd.out_info[0]
-        # the other side of each sampler lax.cond: other sampling modes, a token mask that
-        # forbids half the vocabulary, and drafts in every row (the verifier's random branch)
-        k = self.num_spec_tokens
-        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
-                      num_draft=np.full(s, k, np.int32)) if k else None
-        ones, half = self._ones_bitmask(s), self._warmup_bitmask(s)
-        others = [(self._warmup_sampling(p, s), np.full((s, 2), -1, np.int32), half, drafts)
-                  for p in _WARMUP_OTHER_BRANCHES]
-        own = [(p.sampling, p.history_ref, ones, self._step_inputs(p)[1]) for p in plans]
-        with self._sampler_locks.setdefault(s, threading.Lock()):  # once per sequence bucket
-            for sampling, history_ref, mask, spec in own + others:
-                with TRACE_LOCK:
-                    lowered = self._sample.lower(logits, sampling, history_ref, last, mask, spec)
-                lowered.compile()
-        with self._pool_lock:  # the runs donate the pool: one step at a time
-            for plan in plans:
-                arrays, spec = self._step_inputs(plan)
-                logits, self.kv_pages, hidden = self._forward(
-                    self._state_leaves, self.kv_pages, arrays, last)
-                jax.block_until_ready(self._sample(logits, plan.sampling, plan.history_ref,
-                                                   last, ones, spec))
-            for sampling, history_ref, mask, spec in others:
-                jax.block_until_ready(self._sample(logits, sampling, history_ref, last, mask,
-                                                   spec))
-        self._job_detail[("forward", t)] = (
-            f"trace+lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s, sampler and warm-up runs "
-            f"{time.perf_counter() - t2:.1f} s")
-        self._warm_hidden[t] = hidden
-        self._add_compiles(_TRACES.n - before)
-
-    def _compile_prompt_logprobs(self, t: int) -> None:
-        """The prompt-logprobs graph of bucket ``t``, compiled and run on its warm-up hidden."""
-        self._compiles.wait(("forward", t))
-        before = _TRACES.n
-        hidden = self._warm_hidden.pop(t)
-        ids = np.zeros(t, np.int32)
-        with TRACE_LOCK:
-            lowered = self._prompt_logprobs.lower(self._state_leaves, hidden, ids)
-        lowered.compile()
-        jax.block_until_ready(self._prompt_logprobs(self._state_leaves, hidden, ids))
-        self._add_compiles(_TRACES.n - before)
-
-    def _warmup_sampling(self, params: SamplingParams, s: int) -> dict:
-        """Sampler arrays for ``s`` rows of ``params`` (one token generated so far)."""
-        return build_sampling_arrays([(params, [0], [0], None, 1)] * s, s,
-                                     history_len=self.max_model_len, rng=np.random.default_rng(0))
-
-    def _warmup_plan(self, t: int, s: int, long_rows: bool) -> StepPlan:
-        """Bucket ``t`` filled with rows whose pages are all the trash page: ``s`` rows (one
-        long, the rest single tokens), or as few long rows as fit; padding if neither fits."""
-        cap = self.max_pages_per_seq * self.block_size - 1  # tokens one row may hold
-        n_rows = min(s, -(-t // cap)) if long_rows else s
-        if n_rows * cap < t:
-            return self._padding_plan(t, s, long_rows)
-        lens = [1] * n_rows
-        extra = t - n_rows
-        for i in range(n_rows):
-            add = min(extra, cap - 1)
-            lens[i] += add
-            extra -= add
-        rows = [ScheduledSeq(new_token_ids=np.zeros(q, np.int32), start_pos=0,
-                             block_ids=[TRASH_PAGE] * -(-q // self.block_size)) for q in lens]
-        plan = build_step_plan(rows, block_size=self.block_size,
-                               max_pages_per_seq=self.max_pages_per_seq, ladder=self.ladder,
-                               max_num_seqs=self.max_num_seqs)
-        if plan.token_bucket != t:
-            return self._padding_plan(t, s, long_rows)
-        plan.sampling = (self._warmup_sampling(_WARMUP_ALL_FEATURES, plan.seq_bucket) if long_rows
-                         else dummy_sampling_arrays(plan.seq_bucket,
-                                                    history_len=self.max_model_len))
-        return plan
-
-    def _padding_plan(self, t: int, s: int, full: bool) -> StepPlan:
-        z = lambda *shape: np.zeros(shape, dtype=np.int32)  # noqa: E731
-        plan = StepPlan(token_ids=z(t), positions=z(t), slot_mapping=z(t), query_start=z(s + 1),
-                        seq_lens=z(s), block_tables=z(s, self.max_pages_per_seq),
-                        logits_indices=z(s), num_seqs=0, num_tokens=0,
-                        sample_mask=np.zeros(s, dtype=bool))
-        plan.sampling = dummy_sampling_arrays(s, full=full, history_len=self.max_model_len)
-        return plan
+    @staticmethod
+    def trace_counter() -> _TraceCount:
+        """This thread's count of traces of the step's jitted functions."""
+        return _TRACES
 
     # ---- swap (preemption to host memory) ------------------------------------------------
     def swap_out(self, page_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -665,7 +515,7 @@ class ModelRunner:
             self.kv_pages = _write_pages(self.kv_pages, idx, saved)
             if self.mesh is not None:  # keep the step's input sharding (no recompile under tp)
                 self.kv_pages = jax.device_put(self.kv_pages,
-                                               parallel.kv_pool_sharding(self.mesh))
+                                               sharding.kv_pool_sharding(self.mesh))
 
 
 @jax.jit
@@ -677,34 +527,3 @@ def _scatter_pages(kv_pages, idx, saved):
 def _write_pages(kv_pages, idx, saved):
     saved = [(jnp.asarray(k), jnp.asarray(v)) for k, v in saved]
     return _scatter_pages(kv_pages, idx, saved)
-
-
-# Warm-up sampling: the long-rows plan samples with every feature on (the full layout); then the
-# sampler alone runs the branches the plans leave out: random sampling with top-k/p, min-p, bias,
-# stop masking and logprobs in the compact layout, and greedy with a wide logit_bias (the full
-# layout without a penalty).
-_WARMUP_ALL_FEATURES = SamplingParams(
-    temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, presence_penalty=0.1,
-    frequency_penalty=0.1, repetition_penalty=1.1, logit_bias={0: 0.5})
-_WARMUP_OTHER_BRANCHES = (
-    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
-                   logit_bias={0: 0.5}, min_tokens=2, stop_token_ids=[0]),
-    SamplingParams(temperature=0.0, logit_bias={i: 0.1 for i in range(9)}),
-)
-
-
-def default_scheduler_limits() -> tuple[int, int, int, int]:
-    """(max_num_seqs, max_num_batched_tokens, min_token_bucket, bucket growth) for the backend.
-
-    vLLM's defaults on a GPU. On CPU the ladder starts at 1 so single-request decode pays for
-    one row, and doubles so a decode batch of up to 32 rows is padded by less than 2x (a small-M
-    matmul costs nearly in proportion to M there); 256 tokens per step already reach the
-    matmul's peak on a CPU. vLLM's CPU budget (4096 offline, 2048 served) is not taken: each
-    bucket above 256 is compiled and run at warm-up, and a cached start of SmolLM2 on 2 cores
-    took 56 / 75 / 95 / 144 s at 256 / 1024 / 2048 / 4096, to gain ~1 s of prefill on 32 x 128
-    prompt tokens (7.4-8.0 s in one step against 8.3 s in sixteen); pass
-    ``max_num_batched_tokens`` for long offline batches.
-    """
-    if jax.default_backend() == "gpu":
-        return 256, 2048, 16, 2
-    return 32, 256, 1, 2

@@ -73,6 +73,12 @@ def _oob(ids: jax.Array, valid: jax.Array, V: int) -> jax.Array:
     return jnp.where(valid & (ids >= 0) & (ids < V), ids, V)
 
 
+def is_greedy(md: "SamplingMetadata") -> jax.Array:
+    """[S] bool. The host decided (``SamplingParams.is_greedy``) and wrote temperature 0 for
+    greedy rows; the device reads that one rule back."""
+    return md.temperature < SAMPLING_EPS
+
+
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     """Structured outputs: -inf for every token whose bit is 0 in ``bitmask [S, ceil(V/32)]``
     (int32, bit ``t % 32`` of word ``t // 32``). A row that allows nothing is left as it is
@@ -181,7 +187,7 @@ def sample(logits: jax.Array, md: SamplingMetadata,
     S, V = raw.shape
     lse = jax.nn.logsumexp(raw, axis=-1)
 
-    greedy_rows = md.temperature < SAMPLING_EPS
+    greedy_rows = is_greedy(md)
     any_penalty = jnp.any((md.presence_penalty != 0.0) | (md.frequency_penalty != 0.0)
                           | (md.repetition_penalty != 1.0))
     any_edit = (any_penalty | jnp.any(md.bias_ids >= 0)

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from jaxserve.errors import InvalidRequestError
-from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, SamplingType
+from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -69,11 +69,11 @@ def test_normalisation():
     assert isinstance(p.temperature, float)
 
 
-def test_sampling_type():
-    assert SamplingParams(temperature=0).sampling_type == SamplingType.GREEDY
-    assert SamplingParams(temperature=5e-6).sampling_type == SamplingType.GREEDY
-    assert SamplingParams(temperature=0.7).sampling_type == SamplingType.RANDOM
-    assert SamplingParams(temperature=0.7, seed=1).sampling_type == SamplingType.RANDOM_SEED
+def test_is_greedy():
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=5e-6).is_greedy
+    assert not SamplingParams(temperature=0.7).is_greedy
+    assert not SamplingParams(temperature=0.7, seed=1).is_greedy
 
 
 def test_verify_vocab():

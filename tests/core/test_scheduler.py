@@ -68,12 +68,12 @@ class FakeDevice:
         plan = build_step_plan(out.to_rows(), block_size=bs, max_pages_per_seq=self.max_pages,
                                ladder=self.ladder, max_num_seqs=self.s.max_num_seqs)
         n = plan.num_tokens
-        self.kv[plan.slot_mapping[:n]] = plan.token_ids[:n]
+        self.kv[plan.slot_mapping[0, :n]] = plan.token_ids[:n]
         sampled = {}
         for i, s in enumerate(out.scheduled):
             L = int(plan.seq_lens[i])
             pos = np.arange(L)
-            ctx = self.kv[plan.block_tables[i, pos // bs] * bs + pos % bs]
+            ctx = self.kv[plan.block_tables[0, i, pos // bs] * bs + pos % bs]
             expect = np.asarray(s.request.all_token_ids[:L])
             assert np.array_equal(ctx, expect), f"{s.request_id}: KV context corrupted"
             if s.sample:
@@ -536,3 +536,42 @@ def test_random_workloads_keep_invariants(w):
             assert client_abort or r.abort_reason == ABORT_KV_CACHE_EXHAUSTED
             if r.abort_reason == ABORT_KV_CACHE_EXHAUSTED:  # really could not fit the pool
                 assert -(-r.num_tokens // cfg["block_size"]) > cfg["num_pages"] - 1
+
+
+def test_token_limit_caps_each_step_until_lifted():
+    s = make_sched(budget=64)
+    s.add_request(req("a", range(40)))
+    s.limit_tokens(8)  # what warm-up sets while bigger buckets compile
+    out = s.schedule()
+    assert out.num_batched_tokens == 8
+    s.update_from_output(out)
+    s.limit_tokens(None)
+    assert s.schedule().num_batched_tokens == 32
+
+
+def test_check_stop_on_ids():
+    from jaxserve.core.sampling_params import SamplingParams
+
+    cc, sc = CacheConfig(block_size=4), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    s = Scheduler(sc, cc, BlockManager(64, 4), 256, eos_token_ids=[2])
+    cases = {  # request -> (params, tokens it samples, how it ends)
+        "eos": (SamplingParams(max_tokens=9), [5, 2], ("finished_stopped", None)),
+        # EOS counts once min_tokens are out: the second EOS stops it
+        "min": (SamplingParams(max_tokens=9, min_tokens=2), [2, 2], ("finished_stopped", None)),
+        "ign": (SamplingParams(max_tokens=3, ignore_eos=True), [2, 2, 2], ("finished_length", None)),
+        "ids": (SamplingParams(max_tokens=9, stop_token_ids=[7]), [5, 7], ("finished_stopped", 7)),
+    }
+    reqs = {rid: Request(rid, [1, 3], p) for rid, (p, _, _) in cases.items()}
+    for r in reqs.values():
+        s.add_request(r)
+    for step in range(3):
+        out = s.schedule()
+        s.update_from_output(out, {sr.request_id: cases[sr.request_id][1][step]
+                                   for sr in out.scheduled})
+        for sr in out.scheduled:
+            r = sr.request
+            stopped = s.check_stop(r, r.output_token_ids[-1])
+            assert stopped == (step == len(cases[r.request_id][1]) - 1), (r.request_id, step)
+    for rid, r in reqs.items():
+        assert (r.status.value, r.stop_reason) == cases[rid][2], rid
+        assert r.output_token_ids == cases[rid][1] and not r.block_ids

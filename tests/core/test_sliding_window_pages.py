@@ -72,13 +72,13 @@ class WindowDevice:
                                max_pages_per_seq=self.s.max_pages_per_seq, ladder=self.ladder,
                                max_num_seqs=self.s.max_num_seqs)
         n = plan.num_tokens
-        assert np.all(plan.slot_mapping[:n] // bs != NULL_PAGE), "a new token written to null"
-        self.kv[plan.slot_mapping[:n]] = plan.token_ids[:n]
+        assert np.all(plan.slot_mapping[0, :n] // bs != NULL_PAGE), "a new token written to null"
+        self.kv[plan.slot_mapping[0, :n]] = plan.token_ids[:n]
         sampled = {}
         for i, s in enumerate(out.scheduled):
             L = int(plan.seq_lens[i])
             pos = np.arange(max(0, s.start_pos - self.w + 1), L)  # what this step's queries read
-            ctx = self.kv[plan.block_tables[i, pos // bs] * bs + pos % bs]
+            ctx = self.kv[plan.block_tables[0, i, pos // bs] * bs + pos % bs]
             expect = np.asarray(s.request.all_token_ids[:L])[pos]
             assert np.array_equal(ctx, expect), f"{s.request_id}: windowed KV context corrupted"
             if s.sample:

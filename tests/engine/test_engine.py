@@ -246,15 +246,16 @@ def test_token_ids_outside_vocab_name_the_field(llama_dir):
 def test_warmup_plans_fill_each_bucket_with_trash_page_rows(llama_dir):
     """Warm-up runs real rows (both attention paths: single-token rows and long rows), all on
     the trash page, so no loop body is first entered by a request and no live page is written."""
+    from jaxserve.worker.warmup import warmup_plan
     from pallas_kernels.xla_attention import SHORT_QUERY
 
     runner = _llm(llama_dir, max_num_seqs=8).llm_engine.runner
     for t in runner.ladder:
         s = min(t, runner.max_num_seqs)
-        mixed, long_rows = runner._warmup_plan(t, s, False), runner._warmup_plan(t, s, True)
+        mixed, long_rows = warmup_plan(runner, t, s, False), warmup_plan(runner, t, s, True)
         for plan in (mixed, long_rows):
             assert plan.token_bucket == t and plan.num_tokens == t
-            assert not plan.block_tables[:plan.num_seqs].any()  # every page is the trash page
+            assert not plan.block_tables[:, :plan.num_seqs].any()  # every page is the trash page
             assert np.all(plan.slot_mapping < runner.block_size)
         q = np.diff(long_rows.query_start[:long_rows.num_seqs + 1])
         assert q.max() == min(t, runner.max_pages_per_seq * runner.block_size - 1)

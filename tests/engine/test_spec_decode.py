@@ -16,8 +16,8 @@ from scipy import stats
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
-from jaxserve.core.spec_decode import NgramProposer, add_verify_arrays
-from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
+from jaxserve.core.spec_decode import NgramProposer
+from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, verify_arrays
 from jaxserve.worker import rejection_sampler as rs
 from jaxserve.worker.sampler import SamplingMetadata
 from jaxserve.core.sampling_metadata import build_sampling_arrays
@@ -66,12 +66,11 @@ def test_speculative_config_defaults_like_vllm():
 
 
 def test_verify_arrays_point_at_the_drafted_positions():
-    rows = [ScheduledSeq([11, 21, 22], 7, [1]), ScheduledSeq([1, 2, 3, 4], 0, [2]),
-            ScheduledSeq([31], 5, [3])]
+    rows = [ScheduledSeq([11, 21, 22], 7, [[1]]), ScheduledSeq([1, 2, 3, 4], 0, [[2]]),
+            ScheduledSeq([31], 5, [[3]])]
     rows[0].num_draft = 2
     plan = build_step_plan(rows, block_size=16, max_pages_per_seq=2, ladder=(8, 16),
-                           max_num_seqs=4)
-    add_verify_arrays(plan, [2, 0, 0], K)
+                           max_num_seqs=4, num_spec_tokens=K)
     assert plan.spec_logits_indices.shape == (plan.seq_bucket, K + 1)
     assert plan.spec_logits_indices[0].tolist() == [0, 1, 2, 2]
     assert plan.spec_logits_indices[1].tolist() == [6] * 4  # a prefill row: its last token
@@ -79,7 +78,7 @@ def test_verify_arrays_point_at_the_drafted_positions():
     assert plan.draft_token_ids[0].tolist() == [21, 22, 0]
     assert plan.num_draft[:3].tolist() == [2, 0, 0]
     with pytest.raises(ValueError, match="more than"):
-        add_verify_arrays(plan, [K + 1], K)
+        verify_arrays(plan.logits_indices, plan.token_ids, plan.prev_ref, [K + 1], K)
 
 
 def test_scheduler_lookahead_slots_and_rollback():

@@ -43,3 +43,29 @@ def test_flop_count_matches_brute_force():
     q_lens, ctx = [4, 1], [10, 7]
     keys = sum(c - ql + i + 1 for ql, c in zip(q_lens, ctx) for i in range(ql))
     assert kernels.attention_flops(q_lens, ctx, A) == 4 * keys * 3 * 8
+
+
+@pytest.mark.slow
+def test_gdn_lora_benchmark_tiny(tmp_path, capsys):
+    """--cases gdn,lora: both kernels checked against the reference, timed beside their XLA
+    path and their bound / base, written to JSON + PNG."""
+    rc = kernels.main(["--tiny", "--cases", "gdn,lora", "--iters", "1", "--result-dir",
+                       str(tmp_path), "--disable-tqdm"])
+    assert rc == 0
+    (path,) = glob.glob(str(tmp_path / "kernels-tiny-*.json"))
+    assert os.path.exists(path[:-5] + "-gdn-lora.png")
+    res = json.load(open(path))
+    assert res["cases"] == [] and len(res["gdn"]) == 3 and len(res["lora"]) == 3
+    for case in res["gdn"]:
+        for backend in ("pallas", "xla"):
+            assert case[f"check_{backend}"]["ok"] and case[f"check_{backend}"]["rel_err"] <= 2e-2
+            assert case[backend]["median_s"] > 0
+        bw = res["copy_bandwidth"]["bandwidth_bytes_per_s"]
+        assert 0 < case["bound_s"] == pytest.approx((case["state_bytes"] + case["io_bytes"]) / bw)
+    kinds = {c["case"].split("_")[1]: c for c in res["lora"]}
+    assert set(kinds) == {"decode", "prefill", "mixed"}
+    assert kinds["prefill"]["runs"] == 2 and kinds["decode"]["runs"] > 2
+    for case in res["lora"]:
+        assert case["check_pallas"]["ok"] and case["check_xla"]["ok"]
+        assert case["pallas"]["throughput_vs_base"] > 0
+    assert "gdn_decode_B4" in capsys.readouterr().out

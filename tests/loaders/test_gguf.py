@@ -406,8 +406,8 @@ def _paged_generate(smollm2_jax, prompts, new_tokens):
     def run(rows):
         plan = build_step_plan(rows, block_size=BLOCK, max_pages_per_seq=pages_per_seq,
                                ladder=ladder, max_num_seqs=4)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables),
+        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
+                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
                                jnp.int32(plan.num_seqs))
         nonlocal kv
         all_rows = jnp.arange(plan.token_bucket)
@@ -417,10 +417,10 @@ def _paged_generate(smollm2_jax, prompts, new_tokens):
         qs = plan.query_start
         return [logits[qs[i]:qs[i + 1]] for i in range(len(rows))]
 
-    prefill = run([ScheduledSeq(np.asarray(p), 0, pages[i]) for i, p in enumerate(prompts)])
+    prefill = run([ScheduledSeq(np.asarray(p), 0, [pages[i]]) for i, p in enumerate(prompts)])
     out = [[int(np.argmax(lg[-1]))] for lg in prefill]
     for _ in range(new_tokens - 1):
-        rows = [ScheduledSeq([o[-1]], len(p) + len(o) - 1, pages[i])
+        rows = [ScheduledSeq([o[-1]], len(p) + len(o) - 1, [pages[i]])
                 for i, (p, o) in enumerate(zip(prompts, out))]
         for o, lg in zip(out, run(rows)):
             o.append(int(np.argmax(lg[-1])))

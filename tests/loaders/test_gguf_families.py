@@ -70,11 +70,11 @@ def _ours(path, prompt, new):
 
     def run(ids, start):
         nonlocal kv
-        plan = build_step_plan([ScheduledSeq(np.asarray(ids, np.int32), start, pages)],
+        plan = build_step_plan([ScheduledSeq(np.asarray(ids, np.int32), start, [pages])],
                                block_size=BLOCK, max_pages_per_seq=n_pages, ladder=ladder,
                                max_num_seqs=1)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables),
+        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
+                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
                                jnp.int32(plan.num_seqs))
         logits, kv = step(graphdef, state, jnp.asarray(plan.token_ids),
                           jnp.asarray(plan.positions), kv, md)

@@ -53,15 +53,15 @@ class Driver:
         import jax.numpy as jnp
         from flax import nnx
 
-        from jaxserve.worker import parallel
+        from jaxserve import sharding
         from jaxserve.worker.kv_cache import allocate_kv_pages
         from jaxserve.loaders.model_loader import load_model
 
         self.model, self.cfg, _ = load_model(str(path), dtype="float32", mesh=mesh, **load_kw)
         self.graphdef, self.state = nnx.split(self.model)
-        tp = parallel.tp_size(mesh)
-        sharding = parallel.kv_pool_sharding(mesh) if mesh is not None else None
-        self.kv = allocate_kv_pages(self.cfg, NUM_PAGES, BLOCK, jnp.float32, sharding=sharding,
+        tp = sharding.tp_size(mesh)
+        pool_sharding = sharding.kv_pool_sharding(mesh) if mesh is not None else None
+        self.kv = allocate_kv_pages(self.cfg, NUM_PAGES, BLOCK, jnp.float32, sharding=pool_sharding,
                                     tp=tp)
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, NUM_PAGES)))
         self.pages: dict[int, list[int]] = {}
@@ -78,11 +78,11 @@ class Driver:
             pages = self.pages.setdefault(sid, [])
             while len(pages) * BLOCK < start + len(ids):
                 pages.append(int(self.free.pop()))
-            sched.append(ScheduledSeq(np.asarray(ids), start, pages))
+            sched.append(ScheduledSeq(np.asarray(ids), start, [pages]))
         plan = build_step_plan(sched, block_size=BLOCK, max_pages_per_seq=MAX_PAGES,
                                ladder=token_ladder(64, min_bucket=8), max_num_seqs=4)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables),
+        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
+                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
                                jnp.int32(plan.num_seqs))
         logits, self.kv = _step(self.graphdef, self.state, jnp.asarray(plan.token_ids),
                                 jnp.asarray(plan.positions), self.kv, md)
@@ -200,7 +200,7 @@ def test_chunked_prefill_and_ragged_batch_match_hf(refs, family):
 
 def _child(cases: dict) -> dict:
     """In a process with 2 CPU devices: every case's prompt logits and greedy tokens."""
-    from jaxserve.worker.parallel import make_mesh
+    from jaxserve.sharding import make_mesh
 
     from flax import nnx
 

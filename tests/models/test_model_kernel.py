@@ -44,7 +44,7 @@ def _mixed_rows(rng, vocab):
     for start, n in ((20, 13), (0, 5), (37, 1), (15, 1), (0, 1), (100, 1)):
         need = (start + n - 1) // BLOCK + 1
         ids = rng.integers(1, vocab, size=n).astype(np.int32)
-        rows.append(ScheduledSeq(ids, start, [next(pages) for _ in range(need)]))
+        rows.append(ScheduledSeq(ids, start, [[next(pages) for _ in range(need)]]))
     return rows
 
 
@@ -68,7 +68,7 @@ def _step(path, backend, pool_seed=1):
     assert plan.token_bucket == 32 and plan.num_seqs == 6 < plan.seq_bucket  # padding rows too
     pool = _random_pool(cfg, np.random.default_rng(pool_seed))
     prev_tokens = jnp.zeros((plan.seq_bucket,), jnp.int32)  # no row refers to a pending token
-    logits, pool, _ = forward(leaves, pool, plan.device_arrays(), prev_tokens)
+    logits, pool, _ = forward(leaves, pool, plan.forward_arrays(), prev_tokens)
     return np.asarray(logits)[: plan.num_seqs], [np.asarray(a) for kv in pool for a in kv]
 
 
@@ -122,8 +122,8 @@ def _export_step(path, dtype, tokens, seqs):
     pool_shape = (cfg.num_kv_heads, 64, BLOCK, cfg.head_dim)
     pool = [(sds(pool_shape, dtype), sds(pool_shape, dtype)) for _ in range(cfg.num_layers)]
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
-    arrays = dict(token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
-                  query_start=i32(seqs + 1), seq_lens=i32(seqs), block_tables=i32(seqs, 16),
+    arrays = dict(token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(1, tokens),
+                  query_start=i32(seqs + 1), seq_lens=i32(seqs), block_tables=i32(1, seqs, 16),
                   logits_indices=i32(seqs), num_seqs=i32(), prev_ref=i32(tokens))
     exp = export.export(forward, platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(

@@ -51,12 +51,12 @@ class PagedRunner:
 
     def run(self, rows):
         """rows: (seq_id, new_token_ids, start_pos) -> per-row logits of every new token."""
-        sched = [ScheduledSeq(np.asarray(ids), start, self._pages_for(sid, start + len(ids)))
+        sched = [ScheduledSeq(np.asarray(ids), start, [self._pages_for(sid, start + len(ids))])
                  for sid, ids, start in rows]
         plan = build_step_plan(sched, block_size=BLOCK, max_pages_per_seq=MAX_PAGES,
                                ladder=LADDER, max_num_seqs=8)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables),
+        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
+                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
                                jnp.int32(plan.num_seqs))
         logits, self.kv = _step(self.graphdef, self.state, jnp.asarray(plan.token_ids),
                                 jnp.asarray(plan.positions), self.kv, md)

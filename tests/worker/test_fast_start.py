@@ -69,9 +69,9 @@ def _engine_config(model_dir):
 
 
 def _engine(model_dir, background: bool):
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
 
-    return LLMEngine(_engine_config(model_dir), background_warmup=background)
+    return build_engine(_engine_config(model_dir), background_warmup=background)
 
 
 def _run_all(engine, prompts, params):
@@ -120,12 +120,12 @@ def test_enforce_eager_compiles_each_bucket_on_first_use(tiny_model_factory, cap
     import logging
 
     from jaxserve.core.sampling_params import SamplingParams
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
 
     caplog.set_level(logging.INFO, logger="jaxserve")
     model_dir = tiny_model_factory("llama", vocab=524, intermediate=140)  # graphs not yet built
     cfg = dataclasses.replace(_engine_config(model_dir), enforce_eager=True)
-    eng = LLMEngine(cfg, background_warmup=True)
+    eng = build_engine(cfg, background_warmup=True)
     runner = eng.runner
     n = len(runner.ladder)
     assert runner.num_compiles == 0 and eng.startup_progress() == (True, 0, n)
@@ -142,10 +142,10 @@ def test_enforce_eager_compiles_each_bucket_on_first_use(tiny_model_factory, cap
 
 def test_steps_fit_the_compiled_buckets_while_others_compile(tiny_model_factory, monkeypatch):
     from jaxserve.core.sampling_params import SamplingParams
-    from jaxserve.worker.runner import ModelRunner
+    from jaxserve.worker.warmup import BucketWarmup
 
     gate = threading.Event()
-    original = ModelRunner._compile_bucket
+    original = BucketWarmup._compile_bucket
 
     def held(self, t):  # every bucket but the smallest waits for the test's go
         if t != self.ladder[0]:
@@ -155,13 +155,13 @@ def test_steps_fit_the_compiled_buckets_while_others_compile(tiny_model_factory,
     model_dir = tiny_model_factory("llama")
     prompts = [[7 + i] * n for i, n in enumerate((2, 11, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    monkeypatch.setattr(ModelRunner, "_compile_bucket", held)
+    monkeypatch.setattr(BucketWarmup, "_compile_bucket", held)
     eng = _engine(model_dir, background=True)
     buckets = []
     build = eng.runner.build_plan
 
-    def recording(rows, sampling_inputs):
-        plan = build(rows, sampling_inputs)
+    def recording(rows, *args):
+        plan = build(rows, *args)
         buckets.append(plan.token_bucket)
         return plan
 
@@ -192,17 +192,17 @@ def test_health_reports_starting_then_ready(tiny_model_factory, monkeypatch):
 
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.server import build_app
-    from jaxserve.worker.runner import ModelRunner
+    from jaxserve.worker.warmup import BucketWarmup
     from tests.server_process import ServerThread
 
     gate = threading.Event()
-    original = ModelRunner._compile_bucket
+    original = BucketWarmup._compile_bucket
 
     def held(self, t):  # compiles wait for the test's go
         assert gate.wait(120)
         return original(self, t)
 
-    monkeypatch.setattr(ModelRunner, "_compile_bucket", held)
+    monkeypatch.setattr(BucketWarmup, "_compile_bucket", held)
     eng = _engine(tiny_model_factory("llama"), background=True)
     engine = AsyncLLM(eng.config, engine=eng)
     try:

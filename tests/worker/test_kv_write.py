@@ -180,19 +180,20 @@ def test_gpu_kernel_step_writes_pool_in_place():
 def test_engine_step_of_every_bucket_writes_pool_in_place(tiny_llama_dir, max_model_len):
     """The runner's own compiled forward (tiny Llama, CPU XLA attention), bucket by bucket:
     no layer's pool is copied, for a short and a long block table."""
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.builder import build_engine
     from jaxserve.entrypoints.llm import engine_config_from_kwargs
+    from jaxserve.worker.warmup import warmup_padding_plan
 
-    engine = LLMEngine(engine_config_from_kwargs(
+    engine = build_engine(engine_config_from_kwargs(
         str(tiny_llama_dir), max_model_len=max_model_len, max_num_seqs=4,
         max_num_batched_tokens=16, min_token_bucket=1, num_gpu_blocks_override=2048))
     runner = engine.runner
     pool = runner.kv_pages[0][0]
     pool_bytes = pool.size * pool.dtype.itemsize
     for t in runner.ladder:
-        plan = runner._padding_plan(t, min(t, runner.max_num_seqs), False)
+        plan = warmup_padding_plan(runner, t, min(t, runner.max_num_seqs), False)
         compiled = runner._forward.lower(runner._state_leaves, runner.kv_pages,
-                                         plan.device_arrays(), runner._last_tokens).compile()
+                                         plan.forward_arrays(), runner._last_tokens).compile()
         problems = [p for p in pool_copies(compiled, pool.shape, pool_bytes)
                     if "not aliased" not in p]  # aliases: checked by the tests above
         assert problems == [], (t, problems)

@@ -180,6 +180,10 @@ def get_tool_parser(name: str) -> ToolParser:
 
 
 # ---- grammars for tool_choice ---------------------------------------------------------------
+# The most calls one "required" answer may hold when parallel calls are allowed.
+MAX_PARALLEL_TOOL_CALLS = 8
+
+
 def _parameters(tool) -> dict:
     p = tool.function.parameters
     return p if p else {"type": "object", "properties": {}}
@@ -192,15 +196,15 @@ def named_tool_schema(tool) -> dict:
 
 def required_tools_schema(tools, parallel: bool) -> dict:
     """tool_choice = "required": a JSON array of calls ``{"name", "parameters"}`` (vLLM's
-    shape), one call unless ``parallel``."""
+    shape): exactly one call unless ``parallel``, else at most ``MAX_PARALLEL_TOOL_CALLS``, so
+    the array closes even when a model would repeat calls. The parameters are compiled in
+    strict mode like every JSON schema (structured_output.strict_json_schema)."""
     items = {"anyOf": [{"type": "object", "additionalProperties": False,
                         "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                        "parameters": _parameters(t)},
                         "required": ["name", "parameters"]} for t in tools]}
-    schema: dict = {"type": "array", "minItems": 1, "items": items}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "minItems": 1, "items": items,
+            "maxItems": MAX_PARALLEL_TOOL_CALLS if parallel else 1}
 
 
 def partial_required_calls(text: str) -> list[PartialCall]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Hello world, my name",
            "one two three four five six seven eight nine ten eleven twelve thirteen"]
 MAX_TOKENS = 10
@@ -48,7 +48,7 @@ def _orbax_vs_safetensors(src: str, orbax_dir: str) -> dict:
     from flax import nnx
 
     from jaxserve.loaders.model_loader import load_model
-    from jaxserve.worker.parallel import make_mesh
+    from jaxserve.sharding import make_mesh
 
     mesh = make_mesh(2)
     flat = lambda m: {".".join(map(str, k)): v.get_value()  # noqa: E731

@@ -1,4 +1,5 @@
-"""Tensor parallelism over a ``jax.sharding.Mesh``: the mesh, the KV pool layout, and the
+"""Mesh and partition specs (a leaf: models, loaders and worker import it). Tensor parallelism
+over a ``jax.sharding.Mesh``: the mesh, the KV pool layout, and the
 ``shard_map`` that runs the attention kernel once per shard.
 
 One mesh axis, ``tp`` (tensor parallel), spans the devices of one engine replica; data-parallel

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.testing import tiny_model
+from jaxserve.loaders import demo_model as tiny_model
 from jaxserve.config import ModelConfig
 from jaxserve.loaders.model_loader import load_model, load_tokenizer
 

@@ -1,0 +1,174 @@
+"""What each layer caches (a small frozen spec), the groups layers form, and the page budget
+each group gets. Host side only (numpy dtypes, no jax).
+
+Every model layer declares one spec (``CausalLM.cache_specs``); layers with equal specs form a
+**group**. A paged group has its own page pool, free list and block-table row per request
+(``StepPlan.block_tables[G, S, M]``); a state group (``LinearState``) has one slot per running
+request. All pools are sized from one byte budget, in proportion to what each needs per
+request, so every group holds the same number of full-length requests.
+
+Today's engine serves one **pool**: the paged groups that share a page shape (full and sliding
+layers of one model) share its pages, and the block manager frees a request's early pages only
+when every layer is windowed. A model that adds a page shape (``SharedKV`` producers of another
+size, several head dims) or a ``LinearState`` group gets a clear error here until the pools and
+the block manager grow per-group free lists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype.startswith("float8"):
+        return 1
+    return _ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """K and V of every position: ``max_model_len / block_size`` pages per request."""
+
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def page_bytes(self, block_size: int, tp: int = 1) -> int:
+        """K and V of one page of this layer (all devices together)."""
+        return 2 * max(self.kv_heads, tp) * block_size * self.head_dim * _itemsize(self.dtype)
+
+    def max_pages(self, max_model_len: int, block_size: int) -> int:
+        return -(-max_model_len // block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """K and V of the last ``window`` positions: at most ``window / block_size + 1`` pages."""
+
+    window: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    page_bytes = FullAttention.page_bytes
+
+    def max_pages(self, max_model_len: int, block_size: int) -> int:
+        return min(-(-max_model_len // block_size), self.window // block_size + 1)
+
+
+@dataclass(frozen=True)
+class SharedKV:
+    """Reads the pages of ``producer_layer`` and owns none."""
+
+    producer_layer: int
+
+
+@dataclass(frozen=True)
+class LinearState:
+    """A fixed-size recurrent state per request (e.g. Gated DeltaNet's conv and delta-rule
+    states): ``shapes`` of one request's arrays, one slot each in a state pool."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: str
+
+    def slot_bytes(self) -> int:
+        return sum(int(np.prod(s)) for s in self.shapes) * _itemsize(self.dtype)
+
+
+CacheSpec = Union[FullAttention, SlidingWindow, SharedKV, LinearState]
+
+
+def attention_spec(kv_heads: int, head_dim: int, dtype: str, sliding_window: int | None
+                   ) -> FullAttention | SlidingWindow:
+    """The spec of an attention layer (``sliding_window`` None: full attention)."""
+    if sliding_window is None:
+        return FullAttention(kv_heads, head_dim, dtype)
+    return SlidingWindow(sliding_window, kv_heads, head_dim, dtype)
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """Layers with one spec; ``readers``: the ``SharedKV`` layers that read this group's pages."""
+
+    spec: CacheSpec
+    layers: tuple[int, ...]
+    readers: tuple[int, ...] = ()
+
+    @property
+    def paged(self) -> bool:
+        return isinstance(self.spec, (FullAttention, SlidingWindow))
+
+
+def group_layers(specs: Sequence[CacheSpec]) -> tuple[CacheGroup, ...]:
+    """Layers with equal specs form a group (groups in the order of their first layer); a
+    ``SharedKV`` layer joins its producer's group as a reader."""
+    order: dict[CacheSpec, list[int]] = {}
+    shared: list[tuple[int, int]] = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, SharedKV):
+            shared.append((i, spec.producer_layer))
+        else:
+            order.setdefault(spec, []).append(i)
+    readers: dict[CacheSpec, list[int]] = {s: [] for s in order}
+    for i, producer in shared:
+        if not 0 <= producer < len(specs) or isinstance(specs[producer], SharedKV):
+            raise ValueError(f"layer {i} shares the KV of layer {producer}, which owns none")
+        readers[specs[producer]].append(i)
+    return tuple(CacheGroup(s, tuple(ls), tuple(readers[s])) for s, ls in order.items())
+
+
+@dataclass(frozen=True)
+class PagePool:
+    """One page pool: the paged groups that share its page shape (ids index every one of
+    their layers' arrays). ``window``: the largest window when every layer is windowed, else
+    None (early pages are freed only when no layer reads them again)."""
+
+    groups: tuple[CacheGroup, ...]
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    window: int | None
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(i for g in self.groups for i in g.layers))
+
+    def page_bytes(self, block_size: int, tp: int = 1) -> int:
+        """One page id across every layer that owns pages in this pool."""
+        return sum(g.spec.page_bytes(block_size, tp) * len(g.layers) for g in self.groups)
+
+    def max_pages(self, max_model_len: int, block_size: int) -> int:
+        return max(g.spec.max_pages(max_model_len, block_size) for g in self.groups)
+
+
+def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
+    """The page pools the engine allocates for these groups (one today, see the module doc)."""
+    if any(not g.paged for g in groups):
+        raise NotImplementedError("LinearState cache groups need a state pool (not built yet)")
+    shapes = {(g.spec.kv_heads, g.spec.head_dim, g.spec.dtype) for g in groups}
+    if len(shapes) != 1:
+        raise NotImplementedError(f"layers with different page shapes {sorted(shapes)} need one "
+                                  "page pool per group (not built yet)")
+    (kv_heads, head_dim, dtype), = shapes
+    windows = [g.spec.window if isinstance(g.spec, SlidingWindow) else None for g in groups]
+    window = None if any(w is None for w in windows) else max(windows)
+    return (PagePool(tuple(groups), kv_heads, head_dim, dtype, window),)
+
+
+def split_budget(pools: Sequence[PagePool], budget_bytes: int, *, block_size: int,
+                 max_model_len: int, tp: int = 1, extra_page_bytes: int = 0) -> tuple[int, ...]:
+    """Pages per pool from one byte budget, in proportion to what a full-length request needs
+    in each (so every pool runs out at the same number of requests). ``extra_page_bytes``: what
+    a page of the first pool costs elsewhere too (a draft model's pool shares its ids)."""
+    per_page = [p.page_bytes(block_size, tp) // tp for p in pools]
+    per_page[0] += extra_page_bytes
+    if len(pools) == 1:
+        return (int(budget_bytes // per_page[0]),)
+    need = [p.max_pages(max_model_len, block_size) for p in pools]
+    per_request = sum(n * b for n, b in zip(need, per_page))
+    return tuple(int(budget_bytes * n // per_request) for n in need)

@@ -1,0 +1,144 @@
+"""``build_engine(config)``: everything an ``LLMEngine`` is made of, loaded and sized once.
+
+Order matters and is written once here: the config resolved for the platform; the mesh; model
+and tokenizer (side by side); max_model_len against the model's limit; a draft model; the
+generation config and EOS ids; float8 KV scales (static, so before the runner splits the
+model); the runner (cache groups, page pools, compiled steps); block manager and scheduler;
+the proposer; then warm-up, in the background or waited for.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.spec_decode import NgramProposer
+from jaxserve.engine.generation_config import eos_token_ids, load_generation_config
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.errors import InvalidRequestError
+from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
+from jaxserve.sharding import engine_mesh
+from jaxserve.worker.kv_cache import kv_cache_dtype, page_bytes
+from jaxserve.worker.kv_calibration import prepare_kv_scales
+from jaxserve.worker.runner import ModelRunner, enable_compilation_cache
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `jaxserve serve` / `LLM()` serve by default
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """The config an engine runs with: the default model named when none is, and what the
+    platform decides (``EngineConfig.for_platform``). The caller's config is left as it is."""
+    if config.model is None:
+        from jaxserve.loaders.gguf import default_model_path
+        config = dataclasses.replace(
+            config, model=default_model_path(),
+            served_model_name=config.served_model_name or DEFAULT_MODEL_NAME)
+    return config.for_platform(jax.default_backend())
+
+
+def build_engine(config: EngineConfig, devices=None, background_warmup: bool = False
+                 ) -> LLMEngine:
+    """Load, size and warm up an engine. ``devices``: this replica's devices (data parallel;
+    default all visible). ``background_warmup``: return once the model is loaded and compile
+    the buckets on a thread pool (steps wait for the buckets they need; the scheduler keeps
+    each step within the compiled ones)."""
+    config = resolve_config(config)
+    enable_compilation_cache()
+    try:
+        dtype = resolve_dtype(config.dtype)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="dtype") from None
+    t0 = time.perf_counter()
+    mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
+    local = Path(str(config.model)).expanduser()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # a local model's tokenizer loads beside its weights (transformers' import and the
+        # vocabulary overlap the dequantization and placement)
+        early = pool.submit(_load_tokenizer, local, config.tokenizer) if local.exists() else None
+        model, mc, model_dir = load_model(
+            config.model, dtype=config.dtype, load_format=config.load_format,
+            attention_backend=config.attention_backend, mesh=mesh,
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
+            quantization=config.quantization, lm_head_quantized=config.lm_head_quantized,
+            **config.model_source())
+        tokenizer = early.result() if early is not None else \
+            _load_tokenizer(model_dir, config.tokenizer)
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model) if hasattr(x, "nbytes"))
+    logger.info("loaded %s (%s, %.1f MiB of params) in %.1f s", config.model,
+                jnp.dtype(dtype).name, param_bytes / 2**20, time.perf_counter() - t0)
+    limit = mc.max_position_embeddings or 2048
+    max_model_len = int(config.scheduler.max_model_len or limit)
+    if max_model_len > limit:
+        raise InvalidRequestError(
+            f"max_model_len={max_model_len} exceeds the model's limit of {limit}",
+            param="max_model_len")
+    spec = config.speculative
+    draft = None
+    extra_page_bytes = 0
+    if spec is not None and spec.method == "draft_model":
+        if config.parallel.num_hosts > 1:  # followers replay only the target's steps
+            raise InvalidRequestError("speculative_config: method 'draft_model' runs on one"
+                                      " host", param="speculative_config")
+        from jaxserve.worker.draft_proposer import DraftModelProposer
+        draft = DraftModelProposer.load_model(spec, config, config.attention_backend,
+                                              mc.vocab_size)
+        extra_page_bytes = page_bytes(draft[1], config.cache.block_size, dtype)
+    try:
+        generation_config = load_generation_config(
+            config.generation_config, model_dir, config.override_generation_config)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="generation_config") from None
+    eos = list(eos_token_ids(mc.eos_token_id, generation_config.get("eos_token_id"),
+                             getattr(tokenizer, "eos_token_id", None)))
+    # float8 KV scales are settled before the runner splits the model (they are static)
+    prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
+                      serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
+                      mesh=mesh)
+    runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
+                         mesh=mesh, extra_page_bytes=extra_page_bytes)
+    # pages out of every layer's window are freed, unless a draft model (which lags behind
+    # and may attend globally) reads the same page ids
+    window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
+        else runner.pools[0].window
+    block_manager = BlockManager(runner.num_pages, config.cache.block_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 sliding_window=window)
+    scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
+                          page_bytes=page_bytes(mc, config.cache.block_size, runner.kv_dtype),
+                          eos_token_ids=eos)
+    proposer = None
+    if spec is not None and spec.method == "ngram":
+        proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                 spec.prompt_lookup_max)
+    elif spec is not None:
+        from jaxserve.worker.draft_proposer import DraftModelProposer
+        proposer = DraftModelProposer.build(spec, config, *draft, runner, block_manager,
+                                            max_model_len, dtype)
+    engine = LLMEngine(config, model=model, model_config=mc, model_dir=model_dir,
+                       tokenizer=tokenizer, dtype=dtype, mesh=mesh, max_model_len=max_model_len,
+                       generation_config=generation_config, eos_token_ids=eos, runner=runner,
+                       block_manager=block_manager, scheduler=scheduler, proposer=proposer)
+    if background_warmup:
+        # while buckets compile, each step stays within the largest compiled one
+        runner.start_warmup(on_token_limit=scheduler.limit_tokens)
+    else:
+        runner.warmup()
+    return engine
+
+
+def _load_tokenizer(model_path, tokenizer):
+    """A GGUF file carries its own tokenizer and chat template; a HF dir has tokenizer files."""
+    if tokenizer is None and str(model_path).endswith(".gguf"):
+        from jaxserve.loaders.gguf import gguf_tokenizer
+        return gguf_tokenizer(model_path)
+    return load_tokenizer(model_path, tokenizer)

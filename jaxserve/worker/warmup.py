@@ -1,0 +1,257 @@
+"""Warm-up: every token bucket of a runner compiled ahead of time, on a thread pool.
+
+Order: smallest first, then the prompt-logprobs graphs. The server serves once the smallest
+bucket is ready, each step kept within the largest compiled one, so the ladder grows while
+requests run. Each bucket is lowered and compiled (``jit(...).lower(...).compile()``, which
+fills jit's own cache and the persistent compilation cache), then run on rows that live in the
+trash page. Steps pick among the compiled buckets (:meth:`BucketWarmup.plan_ladder`) and wait
+for a bucket still compiling rather than compile it themselves.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from functools import partial
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.core.sampling_metadata import (SamplingRow, build_sampling_arrays,
+                                              dummy_sampling_arrays)
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.step_plan import (TRASH_PAGE, ScheduledSeq, StepPlan, build_step_plan,
+                                     padding_plan, seq_bucket)
+from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
+
+logger = logging.getLogger(__name__)
+
+# Warm-up sampling: the long-rows plan samples with every feature on (the full layout); then the
+# sampler alone runs the branches the plans leave out: random sampling with top-k/p, min-p, bias,
+# stop masking and logprobs in the compact layout, and greedy with a wide logit_bias (the full
+# layout without a penalty).
+_WARMUP_ALL_FEATURES = SamplingParams(
+    temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, presence_penalty=0.1,
+    frequency_penalty=0.1, repetition_penalty=1.1, logit_bias={0: 0.5})
+_WARMUP_OTHER_BRANCHES = (
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
+                   logit_bias={0: 0.5}, min_tokens=2, stop_token_ids=[0]),
+    SamplingParams(temperature=0.0, logit_bias={i: 0.1 for i in range(9)}),
+)
+
+
+class BucketWarmup:
+    """The compile jobs of one runner: a ``CompilePool`` keyed ``("forward", t)`` and
+    ``("prompt_logprobs", t)``, its progress, and what the steps may use meanwhile."""
+
+    def __init__(self, runner, workers: int | None = None, on_token_limit=None):
+        self.runner = runner
+        self._on_token_limit = on_token_limit
+        self.ladder = runner.ladder
+        self.done = False  # every bucket compiled and run once
+        self.seconds: float | None = None
+        self._t0 = time.perf_counter()
+        self._jobs_done = 0
+        self._lock = threading.Lock()
+        self._sampler_locks: dict[int, threading.Lock] = {}
+        self._warm_hidden: dict[int, object] = {}
+        self._job_detail: dict = {}
+        self._scratch_tokens = runner._device_zeros((runner.max_num_seqs,), np.int32)
+        jobs = [(("forward", t), partial(self._compile_bucket, t)) for t in self.ladder]
+        jobs += [(("prompt_logprobs", t), partial(self._compile_prompt_logprobs, t))
+                 for t in self.ladder]
+        self._num_jobs = len(jobs)
+        self._bar = None
+        if sys.stderr.isatty():
+            self._bar = tqdm(total=len(jobs), desc="Compiling buckets", leave=False)
+        # default: the cores but one, 1 to 4, leaving a core to the steps that run meanwhile
+        workers = workers or max(1, min(4, (os.cpu_count() or 2) - 1))
+        if jax.process_count() > 1:  # every host runs the warm-up steps in the same order
+            workers = 1
+        self.pool = CompilePool(jobs, workers, on_done=self._job_done)
+
+    def start(self) -> "BucketWarmup":
+        if self._on_token_limit is not None:
+            self._on_token_limit(self.token_limit())
+        self.pool.start()  # after the assignment: jobs wait on each other through it
+        return self
+
+    def ready(self) -> list[int]:
+        return [t for t in self.ladder if self.pool.is_done(("forward", t))]
+
+    def plan_ladder(self) -> tuple[int, ...]:
+        """The buckets a step may use now: the compiled ones, and the ones above the largest
+        compiled (a step too big for every compiled bucket waits for the smallest that fits)."""
+        if self.done:
+            return self.ladder
+        ready = self.ready()
+        top = max(ready, default=0)
+        return tuple(t for t in self.ladder if t in ready or t > top)
+
+    def token_limit(self) -> int | None:
+        """While buckets compile, the largest compiled token bucket (the smallest one before
+        any is ready); None once every bucket is compiled."""
+        if self.done:
+            return None
+        return max(self.ready(), default=self.ladder[0])
+
+    def progress(self) -> tuple[bool, int, int]:
+        """(ready to serve, buckets compiled, buckets): ready once the smallest is compiled."""
+        done = self.ready()
+        return self.ladder[0] in done, len(done), len(self.ladder)
+
+    def wait(self, plan: StepPlan) -> None:
+        """Wait for the graphs a plan needs: a step never compiles."""
+        self.pool.wait(("forward", plan.token_bucket))
+        if plan.prompt_next_ids is not None:
+            self.pool.wait(("prompt_logprobs", plan.token_bucket))
+
+    def stop(self) -> None:
+        """Drop the compiles not started and wait for the running one."""
+        if not self.done:
+            self.pool.cancel()
+            self.pool.join()
+
+    def _job_done(self, key, seconds: float) -> None:
+        kind, t = key
+        with self._lock:
+            self._jobs_done += 1
+            last = self._jobs_done == self._num_jobs
+            if last:
+                self.done = True
+            if self._on_token_limit is not None:  # under the lock: the latest value wins
+                # (the pool marks this job done after this callback: count it here)
+                ready = self.ready() + ([t] if kind == "forward" else [])
+                self._on_token_limit(None if self.done else max(ready))
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(f"{kind} {t}")
+        else:
+            detail = self._job_detail.get(key)
+            logger.info("compiled %s for token bucket %d (%d/%d) in %.1f s%s", kind, t,
+                        self._jobs_done, self._num_jobs, seconds,
+                        f" ({detail})" if detail else "")
+        if last:
+            if self._bar is not None:
+                self._bar.close()
+            self.seconds = time.perf_counter() - self._t0
+            logger.info("warm-up: %d compiles for token buckets %s in %.1f s",
+                        self.runner.num_compiles, list(self.ladder), self.seconds)
+
+    def _compile_bucket(self, t: int) -> None:
+        """Compile token bucket ``t`` (model graph, both sampler layouts), then run it.
+
+        Two plans: many short rows next to one long row, and long rows only, so both the decode
+        and the prefill paths of the attention run (and the compact and full sampler layouts).
+        Running real rows matters: XLA:CPU finishes a loop body's code on its first trip, and a
+        padding-only plan never enters the loops, which left ~0.1-0.3 s of that work to the
+        first real step of each bucket."""
+        r = self.runner
+        traces = r.trace_counter()
+        before = traces.n  # this worker thread's traces
+        s = seq_bucket(t, r.max_num_seqs)
+        plans = [warmup_plan(r, t, s, full) for full in (False, True)]
+        with r._pool_lock:
+            kv, last = r.kv_pages, self._scratch_tokens
+        t0 = time.perf_counter()
+        with TRACE_LOCK:
+            lowered = r._forward.lower(r._state_leaves, kv, r._step_inputs(plans[0])[0], last)
+        t1 = time.perf_counter()
+        fwd = lowered.compile()  # or a load from the persistent cache
+        t2 = time.perf_counter()
+        logits = fwd.out_info[0]
+        # the other side of each sampler lax.cond: other sampling modes, a token mask that
+        # forbids half the vocabulary, and drafts in every row (the verifier's random branch)
+        k = r.num_spec_tokens
+        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                      num_draft=np.full(s, k, np.int32)) if k else None
+        ones, half = r._ones_bitmask(s), warmup_bitmask(r, s)
+        others = [(warmup_sampling(r, p, s), np.full((s, 2), -1, np.int32), half, drafts)
+                  for p in _WARMUP_OTHER_BRANCHES]
+        own = [(p.sampling, p.history_ref, ones, r._step_inputs(p)[1]) for p in plans]
+        with self._sampler_locks.setdefault(s, threading.Lock()):  # once per sequence bucket
+            for sampling, history_ref, mask, spec in own + others:
+                with TRACE_LOCK:
+                    lowered = r._sample.lower(logits, sampling, history_ref, last, mask, spec)
+                lowered.compile()
+        with r._pool_lock:  # the runs donate the pool: one step at a time
+            for plan in plans:
+                arrays, spec = r._step_inputs(plan)
+                logits, r.kv_pages, hidden = r._forward(r._state_leaves, r.kv_pages, arrays,
+                                                        last)
+                jax.block_until_ready(r._sample(logits, plan.sampling, plan.history_ref,
+                                                last, ones, spec))
+            for sampling, history_ref, mask, spec in others:
+                jax.block_until_ready(r._sample(logits, sampling, history_ref, last, mask,
+                                                spec))
+        self._job_detail[("forward", t)] = (
+            f"trace+lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s, sampler and warm-up runs "
+            f"{time.perf_counter() - t2:.1f} s")
+        self._warm_hidden[t] = hidden
+        r._add_compiles(traces.n - before)
+
+    def _compile_prompt_logprobs(self, t: int) -> None:
+        """The prompt-logprobs graph of bucket ``t``, compiled and run on its warm-up hidden."""
+        r = self.runner
+        self.pool.wait(("forward", t))
+        traces = r.trace_counter()
+        before = traces.n
+        hidden = self._warm_hidden.pop(t)
+        ids = np.zeros(t, np.int32)
+        with TRACE_LOCK:
+            lowered = r._prompt_logprobs.lower(r._state_leaves, hidden, ids)
+        lowered.compile()
+        jax.block_until_ready(r._prompt_logprobs(r._state_leaves, hidden, ids))
+        r._add_compiles(traces.n - before)
+
+
+def warmup_sampling(runner, params: SamplingParams, s: int) -> dict:
+    """Sampler arrays for ``s`` rows of ``params`` (one token generated so far)."""
+    return build_sampling_arrays([(params, [0], [0], None, 1)] * s, s,
+                                 history_len=runner.max_model_len, rng=np.random.default_rng(0))
+
+
+def warmup_bitmask(runner, s: int) -> jax.Array:
+    """A mask that forbids half the vocabulary: warm-up runs the masking branch too."""
+    m = np.full((s, runner.bitmask_width()), -1, np.int32)
+    m[:, ::2] = 0
+    return runner._put_bitmask(m)
+
+
+def warmup_plan(runner, t: int, s: int, long_rows: bool) -> StepPlan:
+    """Bucket ``t`` filled with rows whose pages are all the trash page: ``s`` rows (one
+    long, the rest single tokens), or as few long rows as fit; padding if neither fits."""
+    bs = runner.block_size
+    cap = runner.max_pages_per_seq * bs - 1  # tokens one row may hold
+    n_rows = min(s, -(-t // cap)) if long_rows else s
+    if n_rows * cap < t:
+        return warmup_padding_plan(runner, t, s, long_rows)
+    lens = [1] * n_rows
+    extra = t - n_rows
+    for i in range(n_rows):
+        add = min(extra, cap - 1)
+        lens[i] += add
+        extra -= add
+    # the long-rows plan samples with every feature on (the full layout), the other greedy
+    sampling = SamplingRow(_WARMUP_ALL_FEATURES, [0], [0], None, 1) if long_rows else None
+    rows = [ScheduledSeq(new_token_ids=np.zeros(q, np.int32), start_pos=0,
+                         block_ids=[[TRASH_PAGE] * -(-q // bs)] * runner.num_cache_groups,
+                         sampling=sampling) for q in lens]
+    plan = build_step_plan(rows, block_size=bs, max_pages_per_seq=runner.max_pages_per_seq,
+                           ladder=runner.ladder, max_num_seqs=runner.max_num_seqs,
+                           history_len=runner.max_model_len, rng=np.random.default_rng(0),
+                           num_spec_tokens=runner.num_spec_tokens)
+    if plan.token_bucket != t:
+        return warmup_padding_plan(runner, t, s, long_rows)
+    return plan
+
+
+def warmup_padding_plan(runner, t: int, s: int, full: bool) -> StepPlan:
+    """Bucket (t, s) with no real row, in the compact or ``full`` sampler layout."""
+    return padding_plan(t, s, runner.num_cache_groups, runner.max_pages_per_seq,
+                        sampling=dummy_sampling_arrays(s, full=full,
+                                                       history_len=runner.max_model_len),
+                        num_spec_tokens=runner.num_spec_tokens)
