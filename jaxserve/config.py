@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+TOKENIZER_MODES = ("auto", "hf")  # both load the checkpoint's Hugging Face tokenizer
 
 
 @dataclass
@@ -48,6 +50,9 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
+    # --scheduling-policy: priority orders waiting requests by (priority, arrival); fcfs by
+    # arrival only, and a request that names a priority is an error (vLLM)
+    policy: str = "priority"
     min_token_bucket: int = 16
     token_bucket_growth: int = 2  # ladder ratio between token buckets
     # keep every page of a sequence whose layers are all windowed (vLLM's flag of this name)
@@ -66,6 +71,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
             )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got"
+                             f" {self.policy!r}")
 
     def for_platform(self, platform: str) -> "SchedulerConfig":
         """This config with the limits left unset at ``platform``'s defaults (a new config)."""
@@ -99,10 +107,16 @@ class ParallelConfig:
     num_hosts: int = 1
     host_index: int = 0
     coordinator: str | None = None
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallelism is "
+                "not available yet; use --pipeline-parallel-size 1 with --tensor-parallel-size "
+                "to shard the model")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
@@ -206,6 +220,16 @@ class EngineConfig:
     # vLLM's max_logprobs: the most (prompt) logprobs a request may ask for; -1 = the whole
     # vocabulary. Also the static top-k width of the sampler's logprobs (compiled once).
     max_logprobs: int = 20
+    # --enforce-eager: no ahead-of-time bucket warm-up; each bucket compiles on its first step
+    enforce_eager: bool = False
+    # where the checkpoint comes from: a Hub revision, a download directory, and keys laid over
+    # its config.json (--hf-overrides); remote code is never run (a config that needs it is an
+    # error, trust_remote_code or not)
+    revision: str | None = None
+    download_dir: str | None = None
+    hf_overrides: dict | None = None
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -234,6 +258,17 @@ class EngineConfig:
         if self.lm_head_quantized and self.quantization not in (None, "fp8"):
             raise ValueError(f"lm_head_quantized needs quantization 'fp8' (got "
                              f"{self.quantization!r})")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {TOKENIZER_MODES}, got"
+                             f" {self.tokenizer_mode!r}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict (JSON object), got"
+                             f" {self.hf_overrides!r}")
+
+    def model_source(self) -> dict:
+        """The loader's keyword arguments that say where the checkpoint comes from."""
+        return dict(revision=self.revision, download_dir=self.download_dir,
+                    hf_overrides=self.hf_overrides, trust_remote_code=self.trust_remote_code)
 
 
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")  # qkv bias without an `attention_bias` field in config.json
@@ -396,10 +431,17 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               override_generation_config=None,
                               speculative_config=None, max_logprobs=20,
                               disable_hybrid_kv_cache_manager=False,
-                              calculate_kv_scales=False) -> EngineConfig:
+                              calculate_kv_scales=False, enable_chunked_prefill=None,
+                              scheduling_policy="priority", pipeline_parallel_size=1,
+                              enforce_eager=False, revision=None, download_dir=None,
+                              hf_overrides=None, trust_remote_code=False,
+                              tokenizer_mode="auto") -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
+    if enable_chunked_prefill is False and max_num_batched_tokens is None and max_model_len:
+        # vLLM: without chunked prefill the step budget holds a whole prompt
+        max_num_batched_tokens = max(int(max_model_len), SchedulerConfig.max_num_batched_tokens)
     given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                  min_token_bucket=min_token_bucket, token_bucket_growth=token_bucket_growth)
     unset = tuple(k for k, v in given.items() if v is None)
@@ -412,7 +454,9 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         generation_config=_generation_config_source(generation_config),
         override_generation_config=_override_generation_config(override_generation_config),
         speculative=SpeculativeConfig.from_dict(speculative_config),
-        max_logprobs=max_logprobs,
+        max_logprobs=max_logprobs, enforce_eager=bool(enforce_eager), revision=revision,
+        download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
+        trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
@@ -422,8 +466,11 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
             **{k: getattr(fallback, k) if v is None else v for k, v in given.items()},
             max_model_len=max_model_len, preemption_mode=preemption_mode,
             disable_hybrid_kv_cache_manager=bool(disable_hybrid_kv_cache_manager),
-            backend_defaults=unset),
+            enable_chunked_prefill=True if enable_chunked_prefill is None
+            else bool(enable_chunked_prefill),
+            policy=scheduling_policy, backend_defaults=unset),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size,
                                 data_parallel_size=data_parallel_size,
                                 enable_expert_parallel=enable_expert_parallel),
     )
@@ -436,6 +483,10 @@ def _generation_config_source(value) -> str:
 
 
 def _override_generation_config(value) -> dict | None:
+    return _json_object(value, "override_generation_config")
+
+
+def _json_object(value, name: str) -> dict | None:
     """A dict, or its JSON text (the CLI's form)."""
     if value is None:
         return None
@@ -445,7 +496,7 @@ def _override_generation_config(value) -> dict | None:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config is not JSON: {e}") from None
+            raise ValueError(f"{name} is not JSON: {e}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {value!r}")
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
     return dict(value)

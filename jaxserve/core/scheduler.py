@@ -108,9 +108,10 @@ class Scheduler:
         if (not scheduler_config.enable_chunked_prefill
                 and scheduler_config.max_num_batched_tokens < max_model_len):
             raise ValueError(
-                f"max_num_batched_tokens ({scheduler_config.max_num_batched_tokens}) is smaller"
-                f" than max_model_len ({max_model_len}) with chunked prefill disabled: long prompts"
-                " could never be scheduled"
+                f"--max-num-batched-tokens ({scheduler_config.max_num_batched_tokens}) is smaller"
+                f" than --max-model-len ({max_model_len}) with --no-enable-chunked-prefill: a"
+                " longer prompt could never be scheduled; raise --max-num-batched-tokens, lower"
+                " --max-model-len or enable chunked prefill (--enable-chunked-prefill)"
             )
         self.config = scheduler_config
         self.cache_config = cache_config

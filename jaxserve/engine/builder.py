@@ -69,7 +69,8 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
             config.model, dtype=config.dtype, load_format=config.load_format,
             attention_backend=config.attention_backend, mesh=mesh,
             enable_expert_parallel=config.parallel.enable_expert_parallel,
-            quantization=config.quantization, lm_head_quantized=config.lm_head_quantized)
+            quantization=config.quantization, lm_head_quantized=config.lm_head_quantized,
+            **config.model_source())
         tokenizer = early.result() if early is not None else \
             _load_tokenizer(model_dir, config.tokenizer)
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model) if hasattr(x, "nbytes"))

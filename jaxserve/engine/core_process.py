@@ -38,6 +38,7 @@ from jaxserve.core.outputs import CoreOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.output_processor import SequenceStop
 from jaxserve.errors import InvalidRequestError
+from jaxserve.worker.memory_budget import set_allocator_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int) -> None:
     """Entry point of the core process (``multiprocessing`` spawn target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    # before JAX starts: its allocator takes --gpu-memory-utilization of the device's total memory
+    set_allocator_fraction(config.cache.gpu_memory_utilization)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

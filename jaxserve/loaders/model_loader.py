@@ -235,11 +235,36 @@ def _path_name(path) -> str:
     return ".".join(parts)
 
 
-def _read_config(model_dir: Path) -> dict:
+def _read_config(model_dir: Path, hf_overrides: dict | None = None) -> dict:
     path = model_dir / "config.json"
     if not path.exists():
         raise ValueError(f"{model_dir} has no config.json")
-    return json.loads(path.read_text())
+    return apply_hf_overrides(json.loads(path.read_text()), hf_overrides)
+
+
+def apply_hf_overrides(hf_config: dict, hf_overrides: dict | None) -> dict:
+    """``--hf-overrides``: keys laid over config.json (nested dicts merged, as vLLM)."""
+    if not hf_overrides:
+        return hf_config
+    out = dict(hf_config)
+    for k, v in hf_overrides.items():
+        out[k] = apply_hf_overrides(out[k], v) if isinstance(v, dict) and \
+            isinstance(out.get(k), dict) else v
+    return out
+
+
+def check_no_remote_code(hf_config: dict, model: str) -> None:
+    """A config whose architecture only exists as code in its repository (``auto_map``) cannot
+    be served: jaxserve runs its own model implementations and never the checkpoint's code."""
+    from jaxserve.models.registry import MODEL_REGISTRY
+
+    archs = hf_config.get("architectures") or []
+    if hf_config.get("auto_map") and not any(a in MODEL_REGISTRY for a in archs):
+        raise ValueError(
+            f"model {model!r} needs remote code (config.json auto_map "
+            f"{sorted(hf_config['auto_map'])}, architectures {archs}); jaxserve runs only its own "
+            f"model implementations, so --trust-remote-code cannot load it (supported: "
+            f"{', '.join(sorted(MODEL_REGISTRY))})")
 
 
 def safetensors_tensors(model_dir: Path) -> dict[str, Callable[[], np.ndarray]]:
@@ -302,7 +327,8 @@ def _read_float8(path: Path, name: str) -> np.ndarray:
     return raw.view(getattr(ml_dtypes, _FLOAT8[info["dtype"]])).reshape(info["shape"])
 
 
-def _resolve_model_path(model: str) -> Path:
+def _resolve_model_path(model: str, revision: str | None = None,
+                        download_dir: str | None = None) -> Path:
     from jaxserve.loaders.demo_model import DEMO_NAME, ensure_demo_random
 
     if model == DEMO_NAME:
@@ -311,19 +337,22 @@ def _resolve_model_path(model: str) -> Path:
     if path.exists():
         return path
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        return _download_from_hub(model)
+        return _download_from_hub(model, revision, download_dir)
     raise ValueError(f"model {model!r} is neither a local path, a Hugging Face repo id nor "
                      f"a known model name ({DEMO_NAME!r})")
 
 
-def _download_from_hub(repo_id: str) -> Path:
-    """An ``org/name`` from the Hugging Face Hub (or its local cache), weights as safetensors."""
+def _download_from_hub(repo_id: str, revision: str | None = None,
+                       download_dir: str | None = None) -> Path:
+    """An ``org/name`` from the Hugging Face Hub (or its local cache), weights as safetensors;
+    ``revision`` (branch, tag or commit) and ``download_dir`` (the cache) as vLLM's flags."""
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(
-            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja",
-                                     "*.model", "*.txt"]))
+            repo_id, revision=revision, cache_dir=download_dir,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja",
+                            "*.model", "*.txt"]))
     except Exception as e:  # offline, unknown repo, gated, ...
         raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
                          f"from the Hugging Face Hub: {type(e).__name__}: {e}") from None
@@ -393,24 +422,30 @@ def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "a
 
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
                attention_backend: str = "reference", enable_expert_parallel: bool = False,
-               quantization: str | None = None, lm_head_quantized: bool = False):
+               quantization: str | None = None, lm_head_quantized: bool = False,
+               revision: str | None = None, download_dir: str | None = None,
+               hf_overrides: dict | None = None, trust_remote_code: bool = False):
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
     hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
     experts split whole over the mesh instead of each expert split by tensor parallelism.
     ``quantization``: fp8 | awq | gptq | gguf (None: the checkpoint's own
     ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized).
-    ``lm_head_quantized``: with fp8, the LM head (or the tied embedding) in int8 (per row) too."""
+    ``lm_head_quantized``: with fp8, the LM head (or the tied embedding) in int8 (per row) too.
+    ``revision``, ``download_dir``: for a Hub id; ``hf_overrides``: laid over config.json;
+    ``trust_remote_code`` is accepted, but remote code is never run
+    (:func:`check_no_remote_code`)."""
     quant_lib.validate_method(quantization)
     quant_lib.validate_lm_head_quantized(lm_head_quantized)
     serving = dict(enable_expert_parallel=enable_expert_parallel)
     formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
     if load_format not in formats:
         raise ValueError(f"load_format {load_format!r} not one of {formats}")
-    path = _resolve_model_path(model)
+    path = _resolve_model_path(model, revision, download_dir)
     if load_format == "gguf" or (load_format == "auto" and path.suffix == ".gguf"):
         from jaxserve.loaders import gguf as gguf_loader
 
         hf_config, tensors = gguf_loader.load_gguf(path)
+        hf_config = apply_hf_overrides(hf_config, hf_overrides)
         cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
         if quantization == "gguf":  # Q4_0/Q4_1/Q8_0 projections stay in their blocks
             if lm_head_quantized:
@@ -425,7 +460,9 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
         m = build_model(cfg, tensors, dtype=dtype, mesh=mesh, attention_backend=attention_backend,
                         quantization=quantization)
         return m, cfg, path
-    cfg = dataclasses.replace(ModelConfig.from_hf_config(_read_config(path)), **serving)
+    hf_config = _read_config(path, hf_overrides)
+    check_no_remote_code(hf_config, model)
+    cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
     quant = _quant_plan(quantization, cfg, lm_head_quantized)
     if quant is not None and (load_format == "orbax" or (load_format == "auto" and
                                                          _is_orbax_dir(path))):

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
+from jaxserve.worker import memory_budget
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
@@ -247,11 +248,14 @@ def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, ma
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
     act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
     reserve = 2 * act + (256 << 20)
-    free = limit * cache.gpu_memory_utilization - in_use - reserve
+    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
+    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
+                                         reserve)
     sizes = split(free)
     if min(sizes) < 2:
         raise ValueError(
-            f"no room for the KV cache: {limit / 2**30:.1f} GiB limit, {in_use / 2**30:.1f} GiB in "
+            f"no room for the KV cache: {total / 2**30:.1f} GiB device, "
+            f"gpu_memory_utilization {cache.gpu_memory_utilization}, {in_use / 2**30:.1f} GiB in "
             f"use; raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return sizes
@@ -304,6 +308,8 @@ class ModelRunner:
                                                     self.num_top_logprobs)
         self._sample = _sample_fn(mesh, self.num_top_logprobs)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
+        # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
+        self.enforce_eager = engine_config.enforce_eager
         # One step at a time touches the KV pool: the engine's steps and the warm-up runs of
         # buckets compiled in the background.
         self._pool_lock = threading.RLock()
@@ -442,6 +448,9 @@ class ModelRunner:
     def warmup(self) -> float:
         """Compile and run every bucket on every core (nothing else runs meanwhile) and wait
         for all of them."""
+        if self.enforce_eager:
+            self._skip_warmup()
+            return 0.0
         self.start_warmup(workers=max(1, min(4, os.cpu_count() or 1)))
         self._warmup.pool.wait_all()
         return self._warmup.seconds
@@ -449,7 +458,9 @@ class ModelRunner:
     def start_warmup(self, workers: int | None = None, on_token_limit=None) -> None:
         """Compile the buckets ahead of time on a thread pool and return at once;
         ``on_token_limit(n)`` hears the largest compiled bucket as it grows (None at the end)."""
-        if self._warmup is None:
+        if self.enforce_eager:
+            self._skip_warmup()
+        elif self._warmup is None:
             self._warmup = BucketWarmup(self, workers, on_token_limit).start()
 
     @property
@@ -459,6 +470,11 @@ class ModelRunner:
     @property
     def _compiles(self) -> CompilePool | None:
         return None if self._warmup is None else self._warmup.pool
+
+    def _skip_warmup(self) -> None:
+        logger.info("enforce_eager: no ahead-of-time warm-up; each of the token buckets %s "
+                    "compiles on the first step that needs it, so the zero-compiles-after-"
+                    "warm-up check is off", list(self.ladder))
 
     def _plan_ladder(self) -> tuple[int, ...]:
         return self.ladder if self._warmup is None else self._warmup.plan_ladder()
@@ -475,6 +491,8 @@ class ModelRunner:
 
     def startup_progress(self) -> tuple[bool, int, int]:
         """(ready to serve, buckets compiled, buckets)."""
+        if self.enforce_eager:  # ready at once: steps compile what they need
+            return True, 0, len(self.ladder)
         if self._warmup is None:
             return False, 0, len(self.ladder)
         return self._warmup.progress()

@@ -7,6 +7,9 @@
   for the one they need, and never compile in the stepping thread (the thread-local trace count
   of the test's thread stays put), also for prompt logprobs; the results equal a blocking
   warm-up's engine, and the pool compiled every graph exactly once.
+* With ``enforce_eager`` nothing compiles ahead of time: the engine is ready at once, a step
+  compiles the buckets it uses (only those, once each) and no compile-after-warm-up warning
+  is logged.
 * While only the smallest bucket is compiled, steps are kept within it (long prompts go in
   chunks of that size) and every request completes with the tokens of a warmed-up engine.
 * ``/health`` of a server whose engine is compiling answers 503 with the progress, then 200
@@ -56,15 +59,19 @@ def test_compile_pool_order_bump_and_errors():
         pool.wait("nope")
 
 
-def _engine(model_dir, background: bool):
+def _engine_config(model_dir):
     from jaxserve.config import EngineConfig, SchedulerConfig, CacheConfig
+
+    return EngineConfig(model=str(model_dir), dtype="float32",
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                                  min_token_bucket=4, max_model_len=128),
+                        cache=CacheConfig(num_gpu_blocks_override=64))
+
+
+def _engine(model_dir, background: bool):
     from jaxserve.engine.builder import build_engine
 
-    cfg = EngineConfig(model=str(model_dir), dtype="float32",
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
-                                                 min_token_bucket=4, max_model_len=128),
-                       cache=CacheConfig(num_gpu_blocks_override=64))
-    return build_engine(cfg, background_warmup=background)
+    return build_engine(_engine_config(model_dir), background_warmup=background)
 
 
 def _run_all(engine, prompts, params):
@@ -104,6 +111,33 @@ def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [None if d is None else sorted(d) for d in a.prompt_logprobs] == \
             [None if d is None else sorted(d) for d in b.prompt_logprobs]
+
+
+def test_enforce_eager_compiles_each_bucket_on_first_use(tiny_model_factory, caplog):
+    """--enforce-eager: no warm-up, ready at once; the steps compile the buckets they use (and
+    only those), without the compile-after-warm-up warning; a second round compiles nothing."""
+    import dataclasses
+    import logging
+
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.builder import build_engine
+
+    caplog.set_level(logging.INFO, logger="jaxserve")
+    model_dir = tiny_model_factory("llama", vocab=524, intermediate=140)  # graphs not yet built
+    cfg = dataclasses.replace(_engine_config(model_dir), enforce_eager=True)
+    eng = build_engine(cfg, background_warmup=True)
+    runner = eng.runner
+    n = len(runner.ladder)
+    assert runner.num_compiles == 0 and eng.startup_progress() == (True, 0, n)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    _run_all(eng, [[7, 8, 9]], params)  # prefill and decodes: the smallest buckets only
+    first = runner.num_compiles
+    assert 0 < first < runner.num_graphs
+    _run_all(eng, [[7, 8, 10]], params)
+    assert runner.num_compiles == first
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("enforce_eager: no ahead-of-time warm-up" in m for m in msgs)
+    assert not any("this is a bug" in m for m in msgs)
 
 
 def test_steps_fit_the_compiled_buckets_while_others_compile(tiny_model_factory, monkeypatch):

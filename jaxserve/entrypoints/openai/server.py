@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 import math
 import secrets
 import signal
@@ -118,6 +119,12 @@ class _JSON(Response):
 PROTECTED = ("/v1", "/reset_prefix_cache")
 
 
+def _route_path(scope) -> str:
+    """The path the routes see: without ``--root-path``, which uvicorn keeps in ``path``."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class _BearerAuth:
     """Pure ASGI middleware: every protected route needs ``Authorization: Bearer <api_key>``."""
 
@@ -126,7 +133,7 @@ class _BearerAuth:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").startswith(PROTECTED):
+        if scope["type"] == "http" and _route_path(scope).startswith(PROTECTED):
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.expected):
                 resp = error_response("missing or invalid API key (Authorization: Bearer ...)",
@@ -1243,14 +1250,28 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def check_ssl_files(ssl_keyfile: str | None, ssl_certfile: str | None) -> None:
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+    for name, f in (("--ssl-keyfile", ssl_keyfile), ("--ssl-certfile", ssl_certfile)):
+        if f is not None and not os.path.isfile(f):
+            raise ValueError(f"{name} {f!r} is not a file")
+
+
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
                    timeout_graceful_shutdown: int = 5,
-                   header_timeout: float = HEADER_TIMEOUT_S) -> uvicorn.Config:
-    """The uvicorn settings of ``jaxserve serve`` (the header deadline, keep-alive)."""
+                   header_timeout: float = HEADER_TIMEOUT_S, root_path: str = "",
+                   ssl_keyfile: str | None = None,
+                   ssl_certfile: str | None = None) -> uvicorn.Config:
+    """The uvicorn settings of ``jaxserve serve`` (the header deadline, keep-alive; behind a
+    path-prefixing proxy ``root_path``; HTTPS with ``ssl_keyfile`` + ``ssl_certfile``)."""
+    check_ssl_files(ssl_keyfile, ssl_certfile)
     protocol = type("H11Protocol", (_HeaderTimeoutH11,), {"header_timeout": header_timeout})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                           timeout_keep_alive=KEEP_ALIVE_S,
-                          timeout_graceful_shutdown=timeout_graceful_shutdown)
+                          timeout_graceful_shutdown=timeout_graceful_shutdown,
+                          root_path=root_path, ssl_keyfile=ssl_keyfile,
+                          ssl_certfile=ssl_certfile)
 
 
 def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
@@ -1261,7 +1282,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                trust_request_chat_template: bool = False, cors: dict | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
-               response_role: str = "assistant", log_stats: bool = True) -> None:
+               response_role: str = "assistant", log_stats: bool = True, root_path: str = "",
+               ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly. ``log_stats``: the periodic stats log lines."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
@@ -1273,6 +1295,7 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
         get_reasoning_parser(reasoning_parser)
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    check_ssl_files(ssl_keyfile, ssl_certfile)
     t0 = time.perf_counter()
     if use_core_process(engine_config):
         # the device loop in its own process; it serves while its buckets compile (/health
@@ -1293,7 +1316,9 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                     log_requests=log_requests, max_log_len=max_log_len,
                     response_role=response_role)
     names = app.state.served_model_names
-    config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown)
+    config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown,
+                            root_path=root_path, ssl_keyfile=ssl_keyfile,
+                            ssl_certfile=ssl_certfile)
     server = _DrainingServer(config, app.state.serving, shutdown_timeout)
     # uvicorn re-raises the signal that stopped it; with these handlers in place that re-raise
     # is a no-op, so the engine is shut down below and the process exits with status 0.
