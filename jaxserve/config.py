@@ -94,7 +94,7 @@ class ParallelConfig:
 
 
 # --quantization methods (vLLM's names) jaxserve implements; see jaxserve/models/quantization.py.
-QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "gguf")
+QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq", "gguf")
 
 SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
