@@ -207,8 +207,8 @@ class EngineConfig:
         if not isinstance(self.lm_head_quantized, bool):
             raise ValueError(f"lm_head_quantized must be true or false, got "
                              f"{self.lm_head_quantized!r}")
-        if self.lm_head_quantized and self.quantization not in (None, "fp8"):
-            raise ValueError(f"lm_head_quantized needs quantization 'fp8' (got "
+        if self.lm_head_quantized and self.quantization not in (None, "fp8", "int8"):
+            raise ValueError(f"lm_head_quantized needs quantization 'fp8' or 'int8' (got "
                              f"{self.quantization!r})")
 
 
