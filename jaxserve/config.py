@@ -122,7 +122,7 @@ class ParallelConfig:
 
 
 # --quantization methods (vLLM's names) jaxserve implements; see jaxserve/models/quantization.py.
-QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "gguf")
+QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq", "gguf")
 
 SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -255,8 +255,8 @@ class EngineConfig:
         if not isinstance(self.lm_head_quantized, bool):
             raise ValueError(f"lm_head_quantized must be true or false, got "
                              f"{self.lm_head_quantized!r}")
-        if self.lm_head_quantized and self.quantization not in (None, "fp8"):
-            raise ValueError(f"lm_head_quantized needs quantization 'fp8' (got "
+        if self.lm_head_quantized and self.quantization not in (None, "fp8", "int8"):
+            raise ValueError(f"lm_head_quantized needs quantization 'fp8' or 'int8' (got "
                              f"{self.quantization!r})")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {TOKENIZER_MODES}, got"

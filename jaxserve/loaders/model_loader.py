@@ -428,11 +428,11 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
     hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
     experts split whole over the mesh instead of each expert split by tensor parallelism.
-    ``quantization``: fp8 | awq | gptq | gguf (None: the checkpoint's own
+    ``quantization``: fp8 | int8 | awq | gptq | gguf (None: the checkpoint's own
     ``quantization_config``; gguf keeps a GGUF's Q4_0/Q4_1/Q8_0 projections quantized).
-    ``lm_head_quantized``: with fp8, the LM head (or the tied embedding) in int8 (per row) too.
-    ``revision``, ``download_dir``: for a Hub id; ``hf_overrides``: laid over config.json;
-    ``trust_remote_code`` is accepted, but remote code is never run
+    ``lm_head_quantized``: with fp8 or int8, the LM head (or the tied embedding) in int8 (per
+    row) too. ``revision``, ``download_dir``: for a Hub id; ``hf_overrides``: laid over
+    config.json; ``trust_remote_code`` is accepted, but remote code is never run
     (:func:`check_no_remote_code`)."""
     quant_lib.validate_method(quantization)
     quant_lib.validate_lm_head_quantized(lm_head_quantized)

@@ -125,7 +125,7 @@ def test_lm_head_quantized_errors_name_the_field(tiny_llama_dir, tmp_path):
         LLM(str(tiny_llama_dir), quantization="fp8", lm_head_quantized="yes")
     with pytest.raises(ValueError, match="lm_head_quantized needs quantization 'fp8'"):
         EngineConfig(quantization="awq", lm_head_quantized=True)
-    with pytest.raises(ValueError, match=r"lm_head_quantized needs quantization 'fp8' \(got None"):
+    with pytest.raises(ValueError, match=r"lm_head_quantized needs quantization 'fp8' or 'int8' \(got None"):
         load_model(str(tiny_llama_dir), lm_head_quantized=True)  # a float checkpoint, no method
     gptq = tmp_path / "gptq"
     write_int4_checkpoint(tiny_llama_dir, gptq, "gptq", group_size=32)
