@@ -98,11 +98,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint format (default: %(default)s)")
     m.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weight quantization: fp8 (quantizes a float checkpoint at load, or "
-                        "loads an fp8 one), awq, gptq (4-bit checkpoints), gguf (keeps a "
+                        "loads an fp8 one), int8 (int8 weights and per-token int8 activations, "
+                        "for CPU), awq, gptq (4-bit checkpoints), gguf (keeps a "
                         "GGUF's Q4_0/Q4_1/Q8_0 weights quantized in memory). Default: the "
                         "checkpoint's own quantization_config, else none")
     m.add_argument("--lm-head-quantized", action="store_true",
-                   help="with --quantization fp8: the LM head (a tied embedding with it) "
+                   help="with --quantization fp8 or int8: the LM head (a tied embedding with it) "
                         "quantized too, int8 with one scale per vocabulary entry (default: "
                         "serving dtype)")
     m.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")

@@ -291,8 +291,10 @@ def test_cli_quantization_flag_reaches_the_engine_config():
     args = build_parser().parse_args(["serve", "demo-random", "--quantization", "fp8"])
     assert engine_config_from_args(args).quantization == "fp8"
     assert engine_config_from_args(build_parser().parse_args(["serve"])).quantization is None
+    args = build_parser().parse_args(["serve", "demo-random", "--quantization", "int8"])
+    assert engine_config_from_args(args).quantization == "int8"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--quantization", "int8"])
+        build_parser().parse_args(["serve", "--quantization", "int3"])
 
 
 # ----------------------------------------------------------------------------- SmolLM2
