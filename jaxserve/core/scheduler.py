@@ -179,6 +179,8 @@ class Scheduler:
             num_requests_running=self.num_running,
             num_requests_waiting=self.num_waiting,
             num_requests_swapped=self.num_swapped,
+            cpu_cache_usage_perc=(self.swap_used_pages / self.swap_capacity_pages
+                                  if 0 < self.swap_capacity_pages < float("inf") else 0.0),
             kv_cache_usage_perc=bm.usage,
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=bm.prefix_cache_queries,

@@ -275,6 +275,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=_positive_int, default=None,
                    help="with --enable-log-requests, log at most this many prompt tokens "
                         "(default: all)")
+    g.add_argument("--metrics-prefix", default="jaxserve", choices=("jaxserve", "vllm"),
+                   help="prefix of every /metrics name: vllm publishes vLLM's exact names "
+                        "(vllm:num_requests_waiting ...), so vLLM's dashboards and alert rules "
+                        "read them unchanged (default: %(default)s)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats log line (throughput, queue, KV cache usage and, "
                         "when speculating, the spec-decode line; every 10 s, "
@@ -456,7 +460,8 @@ def _serve(args) -> int:
                enable_auto_tool_choice=args.enable_auto_tool_choice,
                tool_call_parser=args.tool_call_parser,
                reasoning_parser=args.reasoning_parser,
-               trust_request_chat_template=args.trust_request_chat_template)
+               trust_request_chat_template=args.trust_request_chat_template,
+               metrics_prefix=args.metrics_prefix)
     return 0
 
 

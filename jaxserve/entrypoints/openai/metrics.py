@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names under the ``jaxserve:`` prefix.
+"""Prometheus metrics with vLLM's names under the ``jaxserve:`` prefix (``vllm:`` with
+``--metrics-prefix vllm``, so alert rules and dashboards written for vLLM read them unchanged).
 
 Two sources: engine-wide state (running/waiting requests, KV pool usage, prefix-cache and token
 counters, preemptions, compiles) is read from ``engine.stats()`` at scrape time by a collector,
@@ -19,7 +20,10 @@ from jaxserve.core.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "jaxserve:"
+PREFIXES = ("jaxserve", "vllm")
+# vLLM's logger averages throughput over its log interval; scrapes closer than this reuse the
+# last figure so a fast scraper does not read noise
+THROUGHPUT_MIN_INTERVAL_S = 1.0
 # vLLM labels every metric with the model and the engine (core) index; one core serves here
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
@@ -37,23 +41,29 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 class EngineStatsCollector:
     """Gauges and counters read from ``engine.stats()`` on every scrape."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict], model_name: str, prefix: str = "jaxserve"):
         self._stats = stats
         self._model_name = model_name
+        self._prefix = prefix + ":"
+        self._throughput = ThroughputMeter()
 
     def collect(self):
         s = self._stats()
         label = [self._model_name, ENGINE]
+        prefix = self._prefix
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+            g = GaugeMetricFamily(prefix + name, doc, labels=LABELS)
             g.add_metric(label, float(value))
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            c = CounterMetricFamily(prefix + name, doc, labels=LABELS)
             c.add_metric(label, float(value))
             return c
+
+        prompt_tps, generation_tps = self._throughput.update(
+            time.monotonic(), s.get("prompt_tokens_total", 0), s.get("generation_tokens_total", 0))
 
         usage = float(s.get("kv_cache_usage", 0.0))
         queries = s.get("prefix_cache_queries", 0)
@@ -65,6 +75,15 @@ class EngineStatsCollector:
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield gauge("gpu_cache_usage_perc",
                     "KV-cache usage (vLLM's older name). 1 means 100 percent usage.", usage)
+        yield gauge("cpu_cache_usage_perc",
+                    "Swap space in use for preempted requests' KV pages. 1 means 100 percent.",
+                    s.get("cpu_cache_usage_perc", 0.0))
+        yield gauge("avg_prompt_throughput_toks_per_s",
+                    "Average prefill throughput in tokens/s since the previous scrape.",
+                    prompt_tps)
+        yield gauge("avg_generation_throughput_toks_per_s",
+                    "Average generation throughput in tokens/s since the previous scrape.",
+                    generation_tps)
         yield gauge("gpu_prefix_cache_hit_rate", "Prefix cache hit rate over the server's life.",
                     hits / queries if queries else 0.0)
         yield gauge("num_kv_pages", "KV pages in the pool (page 0, the trash page, included).",
@@ -89,7 +108,7 @@ class EngineStatsCollector:
                           s["spec_decode_num_draft_tokens"])
             yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
                           s["spec_decode_num_accepted_tokens"])
-            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            c = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted tokens per draft position.",
                                     labels=LABELS + ["position"])
             for pos, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", [])):
@@ -97,16 +116,40 @@ class EngineStatsCollector:
             yield c
 
 
-class ServerMetrics:
-    """The registry of one app: the engine collector plus the request histograms."""
+class ThroughputMeter:
+    """Token rates between two readings of the engine's cumulative counters."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self):
+        self._last: tuple[float, float, float] | None = None
+        self._rates = (0.0, 0.0)
+
+    def update(self, now: float, prompt_total: float, generation_total: float
+               ) -> tuple[float, float]:
+        if self._last is None:
+            self._last = (now, prompt_total, generation_total)
+            return self._rates
+        t0, p0, g0 = self._last
+        if now - t0 >= THROUGHPUT_MIN_INTERVAL_S:
+            dt = now - t0
+            self._rates = ((prompt_total - p0) / dt, (generation_total - g0) / dt)
+            self._last = (now, prompt_total, generation_total)
+        return self._rates
+
+
+class ServerMetrics:
+    """The registry of one app: the engine collector plus the request histograms.
+    ``prefix``: ``jaxserve`` or ``vllm`` (every name then reads as vLLM's own)."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str, prefix: str = "jaxserve"):
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry(auto_describe=True)
         self.first_request_logged = False  # the start-up log reports the first request's speed
         self.model_name = model_name
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.prefix = prefix
+        self.registry.register(EngineStatsCollector(stats, model_name, prefix))
         def hist(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets,
+            return Histogram(f"{prefix}:{name}", doc, LABELS, buckets=buckets,
                              registry=self.registry).labels(model_name, ENGINE)
 
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token.",
@@ -130,7 +173,7 @@ class ServerMetrics:
                                   "Number of prefill tokens per request.", TOKEN_BUCKETS)
         self.generation_tokens = hist("request_generation_tokens",
                                       "Number of generation tokens per request.", TOKEN_BUCKETS)
-        self.success = Counter(PREFIX + "request_success", "Count of finished requests.",
+        self.success = Counter(f"{prefix}:request_success", "Count of finished requests.",
                                [*LABELS, "finished_reason"], registry=self.registry)
 
     def render(self) -> bytes:

@@ -1104,13 +1104,14 @@ def build_app(engine, *, api_key: str | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               trust_request_chat_template: bool = False, cors: dict | None = None,
               log_requests: bool = False, max_log_len: int | None = None,
-              response_role: str = "assistant") -> Starlette:
+              response_role: str = "assistant", metrics_prefix: str = "jaxserve") -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
-    the route handlers (``serving``: draining on shutdown) and the metrics registry."""
+    the route handlers (``serving``: draining on shutdown) and the metrics registry
+    (``metrics_prefix``: ``jaxserve`` or ``vllm``)."""
     if isinstance(served_model_names, str):
         served_model_names = [served_model_names]
     names = list(served_model_names or [engine.served_model_name])
-    metrics = ServerMetrics(engine.stats, names[0])
+    metrics = ServerMetrics(engine.stats, names[0], metrics_prefix)
     serving = OpenAIServing(engine, names, load_chat_template(chat_template), metrics,
                             max_body_bytes=max_body_bytes,
                             enable_auto_tool_choice=enable_auto_tool_choice,
@@ -1283,7 +1284,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                trust_request_chat_template: bool = False, cors: dict | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
                response_role: str = "assistant", log_stats: bool = True, root_path: str = "",
-               ssl_keyfile: str | None = None, ssl_certfile: str | None = None) -> None:
+               ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
+               metrics_prefix: str = "jaxserve") -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly. ``log_stats``: the periodic stats log lines."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
@@ -1314,7 +1316,7 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     trust_request_chat_template=trust_request_chat_template, cors=cors,
                     log_requests=log_requests, max_log_len=max_log_len,
-                    response_role=response_role)
+                    response_role=response_role, metrics_prefix=metrics_prefix)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown,
                             root_path=root_path, ssl_keyfile=ssl_keyfile,
