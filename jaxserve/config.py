@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from jaxserve.core.kv_events import KVEventsConfig
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -230,6 +231,8 @@ class EngineConfig:
     hf_overrides: dict | None = None
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
+    # --kv-events-config: publish prefix-cache block events (vLLM's KVEventsConfig)
+    kv_events: KVEventsConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -261,6 +264,10 @@ class EngineConfig:
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {TOKENIZER_MODES}, got"
                              f" {self.tokenizer_mode!r}")
+        if (self.kv_events is not None and self.kv_events.enabled
+                and self.parallel.data_parallel_size > 1):
+            raise ValueError("kv_events_config with data_parallel_size > 1 is not supported "
+                             "yet (one publisher endpoint per replica)")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict (JSON object), got"
                              f" {self.hf_overrides!r}")
@@ -435,7 +442,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               scheduling_policy="priority", pipeline_parallel_size=1,
                               enforce_eager=False, revision=None, download_dir=None,
                               hf_overrides=None, trust_remote_code=False,
-                              tokenizer_mode="auto") -> EngineConfig:
+                              tokenizer_mode="auto", kv_events_config=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -457,6 +464,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         max_logprobs=max_logprobs, enforce_eager=bool(enforce_eager), revision=revision,
         download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
+        kv_events=KVEventsConfig.parse(kv_events_config),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,

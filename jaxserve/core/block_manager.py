@@ -26,6 +26,8 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
+from jaxserve.core.kv_events import (MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored,
+                                     block_hash_bytes)
 from jaxserve.core.request import Request
 from jaxserve.core.step_plan import TRASH_PAGE
 
@@ -48,7 +50,7 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, record_events: bool = False):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
         if block_size < 1:
@@ -73,6 +75,8 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up (vLLM's prefix_cache_queries)
         self.prefix_cache_hits = 0  # tokens found
         self.prefix_cache_requests = 0
+        # KV-cache events since the last take_events() (None: not recorded)
+        self._events: list | None = [] if record_events else None
 
     # -- pool state -------------------------------------------------------------------------
     @property
@@ -100,6 +104,17 @@ class BlockManager:
     @property
     def hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def take_events(self) -> list:
+        """The KV-cache events recorded since the last call (oldest first)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> set[int]:
+        """Every hash in the prefix cache now (what a subscriber of the events rebuilds)."""
+        return set(self._cached)
 
     def free_page_ids(self) -> list[int]:
         """The free queue, head (next evicted) first. For tests and debugging."""
@@ -155,6 +170,12 @@ class BlockManager:
             if self.page_hash[page] is None and h not in self._cached:
                 self.page_hash[page] = h
                 self._cached[h] = page
+                if self._events is not None:
+                    bs = self.block_size
+                    self._events.append(BlockStored(
+                        [block_hash_bytes(h)], block_hash_bytes(hashes[i - 1]) if i else None,
+                        [int(t) for t in request.all_token_ids[i * bs:(i + 1) * bs]], bs, None,
+                        MEDIUM))
             # else: already a cached page (a prefix hit), or an identical page computed by a
             # concurrent request is cached already; this copy stays unregistered.
         self._num_cached_blocks[request.request_id] = n_full
@@ -165,6 +186,8 @@ class BlockManager:
             return False
         self._cached.clear()
         self.page_hash = [None] * self.num_pages
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     # -- sliding window -----------------------------------------------------------------------
@@ -247,6 +270,8 @@ class BlockManager:
                 self.page_hash[p] = None
                 if self._cached.get(h) == p:
                     del self._cached[h]
+                    if self._events is not None:
+                        self._events.append(BlockRemoved([block_hash_bytes(h)], MEDIUM))
             self.ref_counts[p] = 1
             pages.append(p)
         if new_computed_blocks is not None:

@@ -112,7 +112,9 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         else runner.pools[0].window
     block_manager = BlockManager(runner.num_pages, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
-                                 sliding_window=window)
+                                 sliding_window=window,
+                                 record_events=config.kv_events is not None
+                                 and config.kv_events.enabled)
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
                           page_bytes=page_bytes(mc, config.cache.block_size, runner.kv_dtype),
                           eos_token_ids=eos)
@@ -124,10 +126,15 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         from jaxserve.worker.draft_proposer import DraftModelProposer
         proposer = DraftModelProposer.build(spec, config, *draft, runner, block_manager,
                                             max_model_len, dtype)
+    publisher = None
+    if config.kv_events is not None and config.kv_events.enabled:
+        from jaxserve.engine.kv_event_publisher import KVEventPublisher
+        publisher = KVEventPublisher(config.kv_events)
     engine = LLMEngine(config, model=model, model_config=mc, model_dir=model_dir,
                        tokenizer=tokenizer, dtype=dtype, mesh=mesh, max_model_len=max_model_len,
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
-                       block_manager=block_manager, scheduler=scheduler, proposer=proposer)
+                       block_manager=block_manager, scheduler=scheduler, proposer=proposer,
+                       kv_event_publisher=publisher)
     if background_warmup:
         # while buckets compile, each step stays within the largest compiled one
         runner.start_warmup(on_token_limit=scheduler.limit_tokens)

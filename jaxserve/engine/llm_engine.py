@@ -98,7 +98,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, model, model_config, model_dir, tokenizer,
                  dtype, mesh, max_model_len: int, generation_config: dict, eos_token_ids: list[int],
                  runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
-                 proposer=None):
+                 proposer=None, kv_event_publisher=None):
         self.config = config  # resolved for the platform (EngineConfig.for_platform)
         self.model = model
         self.model_config = model_config
@@ -117,6 +117,7 @@ class LLMEngine:
         self.block_manager = block_manager
         self.scheduler = scheduler
         self.proposer = proposer
+        self.kv_event_publisher = kv_event_publisher  # None: KV-cache events off
         spec = config.speculative
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.output_processor = OutputProcessor(tokenizer)
@@ -297,7 +298,12 @@ class LLMEngine:
             done, self._inflight = self._inflight, new
         if done is not None:
             self._process(done, touched)
+        self._publish_kv_events()
         return self._outputs(touched)
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.block_manager.take_events())
 
     def _move_pages(self, sched, touched: dict) -> None:
         """Before the step: host copies of swapped pages out and in (the freed pages may be
@@ -504,7 +510,9 @@ class LLMEngine:
     # ---- stats -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix page; False (nothing dropped) while pages are in use."""
-        return self.scheduler.reset_prefix_cache()
+        dropped = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return dropped
 
     def stats(self) -> dict:
         """The scheduler's stats plus what only the engine knows (compiles, token counters, pool

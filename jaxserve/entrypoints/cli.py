@@ -84,6 +84,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; jaxserve never runs a checkpoint's "
                         "own code, so a model that needs it is an error either way")
+    m.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish prefix-cache block events over ZMQ, as vLLM, e.g. '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557"}\'')
     m.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help='keys laid over the model\'s config.json, e.g. '
                         '\'{"max_position_embeddings": 4096}\'')
@@ -415,7 +419,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager,
         revision=args.revision, download_dir=args.download_dir,
         hf_overrides=args.hf_overrides, trust_remote_code=args.trust_remote_code,
-        tokenizer_mode=args.tokenizer_mode)
+        tokenizer_mode=args.tokenizer_mode, kv_events_config=args.kv_events_config)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
