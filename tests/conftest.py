@@ -22,6 +22,9 @@ def pytest_configure(config):
     # Before anything imports jax: CPU unless the GPU tests were asked for (`-m gpu`).
     if not _gpu_selected(config):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # Triton's interpreter is chosen when triton is first imported, and several kernel
+        # modules import it (through Pallas' Triton backend): set it before any of them
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _has_gpu() -> bool:
