@@ -31,6 +31,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import jaxserve
+from jaxserve.engine.protocol import EngineClient
 from jaxserve.errors import EngineDeadError, InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
@@ -86,7 +87,7 @@ class OpenAIServer(OpenAIServingChat, OpenAIServingCompletion, OpenAIServingMode
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(engine, *, api_key: str | None = None,
+def build_app(engine: EngineClient, *, api_key: str | None = None,
               served_model_names: list[str] | str | None = None,
               chat_template: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, enable_auto_tool_choice: bool = False,
@@ -152,7 +153,7 @@ def build_app(engine, *, api_key: str | None = None,
 
 
 # ---- running it ------------------------------------------------------------------------------
-def startup_message(engine, host: str, port: int, names: list[str]) -> str:
+def startup_message(engine: EngineClient, host: str, port: int, names: list[str]) -> str:
     s = engine.stats()
     dtype = (getattr(engine, "dtype", None) or getattr(getattr(engine, "engine", None), "dtype", None)
              or engine.config.dtype)

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import ClientDisconnect, Request
 
 from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.engine.protocol import EngineClient
 from jaxserve.errors import InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
@@ -34,7 +35,7 @@ TOKENIZER_THREADS = 2
 class OpenAIServing:
     """Route handlers over one engine. Plain methods; ``build_app`` wires them to paths."""
 
-    def __init__(self, engine, served_model_names: list[str], chat_template: str | None,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], chat_template: str | None,
                  metrics: ServerMetrics, max_body_bytes: int = MAX_BODY_BYTES,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
