@@ -113,11 +113,9 @@ class ParallelConfig:
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
+        if self.pipeline_parallel_size < 1:
             raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallelism is "
-                "not available yet; use --pipeline-parallel-size 1 with --tensor-parallel-size "
-                "to shard the model")
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 

@@ -9,6 +9,11 @@ split their output rows, o/down their input columns (XLA inserts the all-reduce)
 LM head split the vocabulary, norms are replicated. Logits leave the step replicated (one
 all-gather on device) and are sampled on device.
 
+Pipeline parallel: a second axis, ``pp``, stacks ``pipeline_parallel_size`` stages of ``tp``
+devices each (``pipeline_mesh``); stage *i* is the ``tp`` mesh of row *i* (``stage_meshes``) and
+runs its own jitted programs on its own layers, KV pages and weights
+(``jaxserve.worker.pipeline``).
+
 KV pool: ``[Hkv_pool, pages, block, D]`` sharded over its head axis. When ``tp`` exceeds the
 model's KV heads, each KV head is repeated ``tp // Hkv`` times (``Hkv_pool = tp``) so every
 device owns the one KV head its query heads read, as vLLM does; k/v projections are then
@@ -23,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 TP_AXIS = "tp"
+PP_AXIS = "pp"
 # Set to 1 to run tp=1 through the mesh path (shard_map, pinned shardings): a benchmark knob.
 FORCE_MESH_ENV = "JAXSERVE_FORCE_MESH"
 
@@ -42,6 +48,26 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
             f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
             f"{len(devices)} available", param="tensor_parallel_size")
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
+
+
+def pipeline_mesh(pipeline_parallel_size: int, tensor_parallel_size: int, devices=None) -> Mesh:
+    """The ``(pp, tp)`` mesh: stage *i* is row *i*, ``tp`` consecutive devices (a node's NVLink
+    group on a GPU host), the stages in device order (hosts in process order)."""
+    from jaxserve.errors import InvalidRequestError
+
+    devices = list(jax.devices() if devices is None else devices)
+    pp, tp = pipeline_parallel_size, tensor_parallel_size
+    if pp < 1 or tp < 1 or pp * tp > len(devices):
+        raise InvalidRequestError(
+            f"--pipeline-parallel-size {pp} x --tensor-parallel-size {tp} "
+            f"(pipeline_parallel_size x tensor_parallel_size) needs {pp * tp} devices; "
+            f"{len(devices)} available", param="pipeline_parallel_size")
+    return Mesh(np.array(devices[:pp * tp]).reshape(pp, tp), (PP_AXIS, TP_AXIS))
+
+
+def stage_meshes(mesh: Mesh) -> list[Mesh]:
+    """The ``tp`` mesh of each pipeline stage (a row of the ``(pp, tp)`` mesh)."""
+    return [Mesh(row, (TP_AXIS,)) for row in mesh.devices]
 
 
 def tp_size(mesh: Mesh | None) -> int:

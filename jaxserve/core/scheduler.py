@@ -124,6 +124,9 @@ class Scheduler:
         self.preemption_mode = scheduler_config.preemption_mode
         # while the runner's buckets compile: the largest compiled token bucket (limit_tokens)
         self.token_limit: int | None = None
+        # pipeline parallel: a request whose sampled token is still in flight waits for it, so
+        # the steps in flight are micro-batches of different requests (engine/pipelined.py)
+        self.skip_pending = False
         if page_bytes is None:
             self.swap_capacity_pages: float = float("inf")
         else:
@@ -332,6 +335,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self.skip_pending:
+                i += 1
+                continue
             if req.num_pending and req.max_tokens is not None and \
                     req.num_output_tokens >= req.max_tokens:
                 i += 1  # its last token is still on the device; the engine finishes it then
@@ -373,7 +379,8 @@ class Scheduler:
             j = 0
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[j]
-                if req.spec_in_flight:  # preempted mid-verify: the step is read first
+                # preempted mid-verify, or (pipelined) its token still in flight: read it first
+                if req.spec_in_flight or (req.num_pending and self.skip_pending):
                     j += 1
                     continue
                 if self._waits_for_parent(req):  # an n>1 sibling: admit once the prompt is cached

@@ -25,7 +25,7 @@ from jaxserve.engine.generation_config import eos_token_ids, load_generation_con
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
-from jaxserve.sharding import engine_mesh
+from jaxserve.sharding import engine_mesh, pipeline_mesh, stage_meshes
 from jaxserve.worker.kv_cache import kv_cache_dtype, page_bytes
 from jaxserve.worker.kv_calibration import prepare_kv_scales
 from jaxserve.worker.runner import ModelRunner, enable_compilation_cache
@@ -59,7 +59,12 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     except ValueError as e:
         raise InvalidRequestError(str(e), param="dtype") from None
     t0 = time.perf_counter()
-    mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
+    pp_mesh = _pipeline_mesh(config, devices)  # None: no pipeline parallelism
+    if pp_mesh is None:
+        mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
+    else:  # weights load onto stage 0 (its tp mesh, or the default device), then move
+        mesh = stage_meshes(pp_mesh)[0] if config.parallel.tensor_parallel_size > 1 \
+            else None
     local = Path(str(config.model)).expanduser()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # a local model's tokenizer loads beside its weights (transformers' import and the
@@ -104,8 +109,13 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
                       serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
                       mesh=mesh)
-    runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
-                         mesh=mesh, extra_page_bytes=extra_page_bytes)
+    if pp_mesh is not None:
+        from jaxserve.worker.pipeline import PipelineRunner
+        runner = PipelineRunner(model, mc, config, max_model_len, dtype, pp_mesh,
+                                param_bytes=param_bytes)
+    else:
+        runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
+                             mesh=mesh, extra_page_bytes=extra_page_bytes)
     # pages out of every layer's window are freed, unless a draft model (which lags behind
     # and may attend globally) reads the same page ids
     window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
@@ -130,17 +140,32 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     if config.kv_events is not None and config.kv_events.enabled:
         from jaxserve.engine.kv_event_publisher import KVEventPublisher
         publisher = KVEventPublisher(config.kv_events)
-    engine = LLMEngine(config, model=model, model_config=mc, model_dir=model_dir,
+    engine_cls, extra = LLMEngine, {}
+    if pp_mesh is not None:
+        from jaxserve.engine.pipelined import PipelinedEngine
+        engine_cls, extra = PipelinedEngine, dict(depth=runner.num_stages)
+    engine = engine_cls(config, model=model, model_config=mc, model_dir=model_dir,
                        tokenizer=tokenizer, dtype=dtype, mesh=mesh, max_model_len=max_model_len,
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
                        block_manager=block_manager, scheduler=scheduler, proposer=proposer,
-                       kv_event_publisher=publisher)
+                       kv_event_publisher=publisher, **extra)
     if background_warmup:
         # while buckets compile, each step stays within the largest compiled one
         runner.start_warmup(on_token_limit=scheduler.limit_tokens)
     else:
         runner.warmup()
     return engine
+
+
+def _pipeline_mesh(config: EngineConfig, devices):
+    """The ``(pp, tp)`` mesh when ``pipeline_parallel_size`` > 1 (too few devices, or a feature
+    pipelining lacks, is a start-up error here, before any weight is read)."""
+    if config.parallel.pipeline_parallel_size == 1:
+        return None
+    from jaxserve.worker.pipeline import check_config
+    check_config(config)
+    return pipeline_mesh(config.parallel.pipeline_parallel_size,
+                         config.parallel.tensor_parallel_size, devices)
 
 
 def _load_tokenizer(model_path, tokenizer):

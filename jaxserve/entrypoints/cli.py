@@ -170,8 +170,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="devices to shard the model over (default: %(default)s)")
     d.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
-                   help="only 1: pipeline parallelism is not available yet (default: "
-                        "%(default)s)")
+                   help="pipeline stages, each holding a contiguous range of layers on "
+                        "--tensor-parallel-size devices (split evenly, or as "
+                        "JAXSERVE_PP_LAYER_PARTITION / VLLM_PP_LAYER_PARTITION='a,b,...' says; "
+                        "default: %(default)s)")
     d.add_argument("--enforce-eager", action="store_true",
                    help="no ahead-of-time warm-up: each token bucket compiles on the first step "
                         "that needs it (faster start, slow first requests)")

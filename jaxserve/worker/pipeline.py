@@ -1,0 +1,357 @@
+"""Pipeline parallelism: the model cut into stages of contiguous layers, one jitted program per
+stage on the stage's own devices.
+
+    stage 0:   embed -> layers[0:a]          -> hidden ──device_put──┐
+    stage 1:                 layers[a:b]     -> hidden ──device_put──┤ ...
+    stage P-1:               layers[..:L] -> norm -> logits -> sample (on the last stage)
+
+Each stage holds its layers' weights and their part of the KV page pool (the same page ids on
+every stage: one logical pool, one block manager), placed on its ``tp`` mesh
+(``sharding.stage_meshes``); within a stage tensor parallelism (and expert parallelism) work as
+without pipelining. The first stage embeds, the last computes the logits and samples.
+
+Nothing blocks between stages: each stage's program and the hand-off of the hidden states are
+dispatched asynchronously, so while stage 1 runs step N, stage 0 is free to run step N+1. The
+engine keeps up to P steps in flight, micro-batches of different requests
+(``jaxserve.engine.pipelined``); a step whose rows need the previous step's sampled ids (async
+placeholders) reads them from the last stage, which serialises it behind that step, so the
+pipelined engine never schedules such rows.
+
+The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION`` (or vLLM's
+``VLLM_PP_LAYER_PARTITION``) gives each stage's count, e.g. ``"3,5"``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxserve import sharding
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.kv_cache_spec import group_layers, page_pools
+from jaxserve.core.step_plan import StepPlan, seq_bucket
+from jaxserve.errors import InvalidRequestError
+from jaxserve.models.layers import AttentionMetadata, rope_cos_sin
+from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.quantization import lm_head_logits
+from jaxserve.worker import runner as runner_lib
+from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
+from pallas_kernels.reference import token_metadata
+
+logger = logging.getLogger(__name__)
+
+PARTITION_ENVS = ("JAXSERVE_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
+FLAG = "--pipeline-parallel-size"
+
+
+def layer_partition(num_layers: int, pp: int, env=None) -> list[tuple[int, int]]:
+    """``[lo, hi)`` layers of each stage: an even split, or the partition the environment
+    names. A split that does not fit is a start-up error naming the flag."""
+    env = os.environ if env is None else env
+    for name in PARTITION_ENVS:
+        text = env.get(name)
+        if not text:
+            continue
+        try:
+            sizes = [int(x) for x in text.split(",")]
+        except ValueError:
+            sizes = []
+        if len(sizes) != pp or min(sizes, default=0) < 1 or sum(sizes) != num_layers:
+            raise InvalidRequestError(
+                f"{name}={text!r} must give {pp} stages ({FLAG} {pp}) at least one layer each, "
+                f"summing to the model's {num_layers} layers", param="pipeline_parallel_size")
+        break
+    else:
+        if num_layers % pp:
+            raise InvalidRequestError(
+                f"{FLAG} {pp} does not divide the model's {num_layers} layers evenly; choose a "
+                f"divisor or give each stage's layer count in {PARTITION_ENVS[0]}='a,b,...'",
+                param="pipeline_parallel_size")
+        sizes = [num_layers // pp] * pp
+    bounds = np.cumsum([0] + sizes)
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(pp)]
+
+
+def check_config(config: EngineConfig) -> None:
+    """What pipelining supports today; the rest is a start-up error, never a silent fallback."""
+    if config.speculative is not None:
+        raise InvalidRequestError(
+            f"speculative decoding with {FLAG} > 1 is not supported yet",
+            param="pipeline_parallel_size")
+    if config.parallel.data_parallel_size > 1:
+        raise InvalidRequestError(
+            f"data_parallel_size > 1 with {FLAG} > 1 is not supported yet",
+            param="pipeline_parallel_size")
+
+
+def check_model(model) -> None:
+    """Stages are cut from the Llama family's forward (Llama, Mistral, Qwen, the MoE families)."""
+    if not (isinstance(model, LlamaForCausalLM)
+            and type(model).__call__ is LlamaForCausalLM.__call__):
+        raise InvalidRequestError(
+            f"{FLAG} > 1 supports the Llama-family and MoE models, not "
+            f"{type(model).__name__}", param="pipeline_parallel_size")
+
+
+class Stage(nnx.Module):
+    """One stage's part of a Llama-family model: its layers, plus the embedding on the first
+    stage and the final norm and LM head on the last (a tied head is the embedding, copied)."""
+
+    def __init__(self, model: LlamaForCausalLM, lo: int, hi: int, first: bool, last: bool):
+        self.rope = model.rope
+        self.attention_backend = model.attention_backend
+        self.first, self.last = first, last
+        self.embed_tokens = model.model.embed_tokens if first else None
+        self.layers = nnx.List(list(model.model.layers[lo:hi]))
+        self.norm = model.model.norm if last else None
+        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+        self.lm_head = head if last else None
+
+    def compute_logits(self, hidden):
+        """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (last stage)."""
+        return lm_head_logits(self.lm_head, hidden)
+
+
+def _rope(stage: Stage, positions, md: AttentionMetadata, num_tokens: int):
+    head_dim, theta, scaling, max_pos = stage.rope
+    scaling = dict(scaling) if scaling is not None else None
+    token_seq_lens = None
+    if (scaling or {}).get("rope_type") in ("dynamic", "longrope"):
+        seq_of, _, _ = token_metadata(md.query_start, md.seq_lens, num_tokens)
+        token_seq_lens = md.seq_lens[seq_of]
+    return rope_cos_sin(positions, head_dim=head_dim, theta=theta, scaling=scaling,
+                        max_position_embeddings=max_pos, token_seq_lens=token_seq_lens)
+
+
+@lru_cache(maxsize=None)
+def stage_forward_fn(graphdef, state_treedef, mesh, tp: int, last: bool):
+    """One stage's program, jitted on its mesh:
+    ``(leaves, kv_pages, arrays, x, prev_tokens) -> (x, kv_pages)``, on the last stage
+    ``(logits, kv_pages, hidden)`` as the single-program forward returns them. The first stage
+    takes token ids (``x`` unused), the others the previous stage's hidden states."""
+    layer_mesh = mesh if tp > 1 else None  # tp=1: the plain path, no shard_map
+
+    def forward(state_leaves, kv_pages, arrays, x, prev_tokens):
+        runner_lib._TRACES.n += 1
+        stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"][0],
+                               query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
+                               block_tables=arrays["block_tables"][0],
+                               num_seqs=arrays["num_seqs"])
+        if stage.first:
+            ref = arrays["prev_ref"]
+            token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)],
+                                  arrays["token_ids"])
+            x = stage.embed_tokens(token_ids)
+        cos, sin = _rope(stage, arrays["positions"], md, x.shape[0])
+        new_pages = []
+        for layer, kv in zip(stage.layers, kv_pages):
+            x, kv = layer(x, cos, sin, kv, md, stage.attention_backend, layer_mesh)
+            new_pages.append(kv)
+        if not stage.last:
+            return x, new_pages
+        hidden = stage.norm(x)
+        idx = arrays["logits_indices"]
+        if idx.size > hidden.shape[0]:
+            return stage.compute_logits(hidden)[idx], new_pages, hidden
+        logits = stage.compute_logits(hidden[idx.reshape(-1)])
+        return logits.reshape(idx.shape + logits.shape[-1:]), new_pages, hidden
+
+    rep, pool = sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)
+    return jax.jit(forward, donate_argnums=(1,),
+                   out_shardings=(rep, pool, rep) if last else (rep, pool))
+
+
+def _place(state, mesh):
+    """A stage's params on its mesh, each keeping its partition spec."""
+    def put(x):
+        spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else None
+        target = NamedSharding(mesh, spec) if spec is not None else sharding.replicated(mesh)
+        return jax.device_put(x, target)
+    return jax.tree_util.tree_map(put, state)
+
+
+class PipelineRunner(runner_lib.ModelRunner):
+    """A ``ModelRunner`` whose step runs stage by stage (same plans, same outputs).
+
+    Warm-up compiles every bucket's stage programs and sampler in the foreground (all stages
+    must be compiled before the first step); ``background_warmup`` waits for it too."""
+
+    def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
+                 max_model_len: int, dtype, mesh, param_bytes: int = 0):
+        check_model(model)
+        self.model_config = model_config
+        self.config = engine_config
+        self.max_model_len = max_model_len
+        self.block_size = engine_config.cache.block_size
+        self.max_pages_per_seq = -(-max_model_len // self.block_size)
+        sched = engine_config.scheduler
+        self.max_num_seqs = sched.max_num_seqs
+        self.num_spec_tokens = 0
+        self.ladder = runner_lib.token_ladder(sched.max_num_batched_tokens,
+                                              sched.min_token_bucket, sched.token_bucket_growth)
+        self.pipeline_mesh = mesh
+        self.stage_meshes = sharding.stage_meshes(mesh)
+        pp, tp = len(self.stage_meshes), sharding.tp_size(self.stage_meshes[0])
+        self.mesh = self.stage_meshes[-1]  # where sampling, its buffers and masks live
+        self.partition = layer_partition(model_config.num_layers, pp)
+        self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
+        specs = runner_lib.model_cache_specs(model, model_config, self.kv_dtype)
+        self.cache_groups = group_layers(specs)
+        self.pools = page_pools(self.cache_groups)
+        self.num_cache_groups = len(self.pools)
+        # every stage holds the same page ids for its own layers: size by the largest stage
+        widest = max(hi - lo for lo, hi in self.partition)
+        stage_cfg = dataclasses.replace(model_config, num_layers=widest)
+        sizes = runner_lib.pool_sizes(page_pools(group_layers(specs[:widest])), stage_cfg,
+                                      engine_config, max_model_len, param_bytes // (tp * pp), tp)
+        self.num_pages = sharding.agree_across_hosts(sizes[0])
+        self.stage_pages, self._stage_leaves, self._stage_fns = [], [], []
+        for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
+            stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1)
+            graphdef, state = nnx.split(stage)
+            leaves, treedef = jax.tree_util.tree_flatten(_place(state, smesh))
+            self._stage_leaves.append(leaves)
+            self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, tp, i == pp - 1))
+            self.stage_pages.append(allocate_kv_pages(
+                dataclasses.replace(model_config, num_layers=hi - lo), self.num_pages,
+                self.block_size, self.kv_dtype, sharding=sharding.kv_pool_sharding(smesh),
+                tp=tp))
+            if i == pp - 1:
+                last_graphdef, last_treedef = graphdef, treedef
+        self.graphdef = last_graphdef
+        self._state_leaves = self._stage_leaves[-1]  # prompt logprobs run on the last stage
+        self.num_top_logprobs = runner_lib.top_logprobs_width(engine_config.max_logprobs,
+                                                              model_config.vocab_size)
+        self._prompt_logprobs = runner_lib._prompt_logprobs_fn(last_graphdef, last_treedef,
+                                                               self.num_top_logprobs)
+        self._sample = runner_lib._sample_fn(self.mesh, self.num_top_logprobs)
+        self.num_compiles = 0
+        self.enforce_eager = engine_config.enforce_eager
+        import threading
+
+        self._pool_lock = threading.RLock()
+        self._warmup = None
+        self._warm = False
+        self._count_lock = threading.Lock()
+        self._ones_bitmasks = {}
+        self._np_rng = np.random.default_rng(engine_config.seed)
+        self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
+        # the first stage's placeholder source when no row has one (no wait on the last stage)
+        self._no_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32),
+                                         sharding.replicated(self.stage_meshes[0]))
+        logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %d pages of %d tokens "
+                    "(%.1f MiB per stage at most)", pp, tp, self.partition, self.num_pages,
+                    self.block_size, self.num_pages * page_bytes(stage_cfg, self.block_size,
+                                                                 self.kv_dtype) / 2**20)
+
+    @property
+    def kv_pages(self) -> list:
+        """Every layer's ``(k_pages, v_pages)``, stage by stage."""
+        return [kv for pages in self.stage_pages for kv in pages]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_meshes)
+
+    # ---- the step ----------------------------------------------------------------------
+    def _forward_stages(self, plan: StepPlan):
+        arrays, _ = self._step_inputs(plan)
+        prev = self._no_tokens
+        if np.any(plan.prev_ref >= 0):  # placeholders: wait for the last stage's ids
+            prev = jax.device_put(self._last_tokens, sharding.replicated(self.stage_meshes[0]))
+        x = None
+        for i, fn in enumerate(self._stage_fns):
+            if i:
+                x = jax.device_put(x, sharding.replicated(self.stage_meshes[i]))
+            out = fn(self._stage_leaves[i], self.stage_pages[i], arrays, x,
+                     prev if i == 0 else None)
+            x, self.stage_pages[i] = out[0], out[1]
+        return out  # (logits, pages, hidden) of the last stage
+
+    def _run(self, plan: StepPlan):
+        with self._pool_lock:
+            before = runner_lib._TRACES.n
+            logits, _, hidden = self._forward_stages(plan)
+            out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
+                                                  self._last_tokens, self._bitmask(plan), None)
+            if plan.prompt_next_ids is not None:
+                out = (out, self._prompt_logprobs(self._state_leaves, hidden,
+                                                  plan.prompt_next_ids))
+            if runner_lib._TRACES.n != before:
+                self._add_compiles(runner_lib._TRACES.n - before)
+                if self._warm:
+                    logger.warning("compile caused by a step (token bucket %d): this is a bug",
+                                   plan.token_bucket)
+        return out
+
+    # ---- warm-up: every bucket, in the foreground ------------------------------------------
+    def warmup(self) -> float:
+        from jaxserve.worker import warmup as w
+
+        if self.enforce_eager:
+            self._skip_warmup()
+            return 0.0
+        t0 = time.perf_counter()
+        with self._pool_lock:
+            before = runner_lib._TRACES.n
+            for t in self.ladder:
+                s = seq_bucket(t, self.max_num_seqs)
+                for full in (False, True):
+                    plan = w.warmup_plan(self, t, s, full)
+                    logits, _, hidden = self._forward_stages(plan)
+                    jax.block_until_ready(self._sample(
+                        logits, plan.sampling, plan.history_ref, self._last_tokens,
+                        self._ones_bitmask(s), None))
+                half = w.warmup_bitmask(self, s)
+                for p in w._WARMUP_OTHER_BRANCHES:
+                    jax.block_until_ready(self._sample(
+                        logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
+                        self._last_tokens, half, None))
+                jax.block_until_ready(self._prompt_logprobs(self._state_leaves, hidden,
+                                                            np.zeros(t, np.int32)))
+            self._add_compiles(runner_lib._TRACES.n - before)
+        self._warm = True
+        seconds = time.perf_counter() - t0
+        logger.info("warm-up: %d compiles for token buckets %s on %d stages in %.1f s",
+                    self.num_compiles, list(self.ladder), self.num_stages, seconds)
+        return seconds
+
+    def start_warmup(self, workers: int | None = None, on_token_limit=None) -> None:
+        self.warmup()
+
+    @property
+    def warmed_up(self) -> bool:
+        return self._warm
+
+    def startup_progress(self) -> tuple[bool, int, int]:
+        n = len(self.ladder)
+        return (self._warm or self.enforce_eager), (n if self._warm else 0), n
+
+    def step_token_limit(self) -> int | None:
+        return None
+
+    def _plan_ladder(self) -> tuple[int, ...]:
+        return self.ladder
+
+    def stop_warmup(self) -> None:
+        pass
+
+    # ---- swap ----------------------------------------------------------------------------
+    def swap_in(self, page_ids: list[int], saved) -> None:
+        idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
+        with self._pool_lock:
+            at = 0
+            for i, smesh in enumerate(self.stage_meshes):
+                n = len(self.stage_pages[i])
+                pages = runner_lib._write_pages(self.stage_pages[i], idx, saved[at:at + n])
+                self.stage_pages[i] = jax.device_put(pages, sharding.kv_pool_sharding(smesh))
+                at += n
