@@ -146,10 +146,19 @@ def test_bad_flags_exit_2_naming_them(argv, names, capsys):
     assert e.value.code == 2 and all(n in err for n in names), err
 
 
-def test_pipeline_parallel_above_one_is_a_start_up_error(capsys):
-    assert main(["serve", "m", "--pipeline-parallel-size", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "pipeline parallelism is not available yet" in err and "pipeline_parallel_size 2" in err
+def test_pipeline_parallel_size_beyond_the_devices_names_both_flags(tiny_llama_dir):
+    """-pp/-tp reach the config; pp x tp above the devices fails at start-up naming both (the
+    pipelined engine itself: tests/worker/test_pipeline.py)."""
+    argv = ["serve", str(tiny_llama_dir), "-pp", "2", "--tensor-parallel-size", "4"]
+    c = engine_config_from_args(parse_args(argv))
+    assert (c.parallel.pipeline_parallel_size, c.parallel.tensor_parallel_size) == (2, 4)
+    from jaxserve.engine.builder import build_engine
+    from jaxserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as e:  # before any weight is read
+        build_engine(c)
+    assert "--pipeline-parallel-size 2" in str(e.value)
+    assert "--tensor-parallel-size 4" in str(e.value)
 
 
 def test_ssl_files_are_checked_before_loading(tmp_path, capsys, monkeypatch):
