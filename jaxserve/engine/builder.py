@@ -25,7 +25,7 @@ from jaxserve.engine.generation_config import eos_token_ids, load_generation_con
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
-from jaxserve.sharding import engine_mesh, pipeline_mesh, stage_meshes
+from jaxserve.sharding import engine_mesh, pipeline_mesh
 from jaxserve.worker.kv_cache import kv_cache_dtype, page_bytes
 from jaxserve.worker.kv_calibration import prepare_kv_scales
 from jaxserve.worker.runner import ModelRunner, enable_compilation_cache
@@ -62,9 +62,9 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     pp_mesh = _pipeline_mesh(config, devices)  # None: no pipeline parallelism
     if pp_mesh is None:
         mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
-    else:  # weights load onto stage 0 (its tp mesh, or the default device), then move
-        mesh = stage_meshes(pp_mesh)[0] if config.parallel.tensor_parallel_size > 1 \
-            else None
+    else:  # weights load onto this host's first stage, then each stage takes its part
+        from jaxserve.worker.pipeline import load_mesh
+        mesh = load_mesh(pp_mesh, config.parallel.tensor_parallel_size)
     local = Path(str(config.model)).expanduser()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # a local model's tokenizer loads beside its weights (transformers' import and the

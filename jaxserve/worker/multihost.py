@@ -66,10 +66,11 @@ def check_config(config) -> None:
     if p.data_parallel_size > 1:
         raise InvalidRequestError("data_parallel_size > 1 is not supported across hosts",
                                   param="data_parallel_size")
-    if p.tensor_parallel_size != jax.device_count():
+    if p.tensor_parallel_size * p.pipeline_parallel_size != jax.device_count():
         raise InvalidRequestError(
-            f"with {p.num_hosts} hosts, tensor_parallel_size must equal the global device count "
-            f"({jax.device_count()}), got {p.tensor_parallel_size}",
+            f"with {p.num_hosts} hosts, --tensor-parallel-size x --pipeline-parallel-size must "
+            f"equal the global device count ({jax.device_count()}), got "
+            f"{p.tensor_parallel_size} x {p.pipeline_parallel_size}",
             param="tensor_parallel_size")
     if config.scheduler.preemption_mode != "recompute":
         raise InvalidRequestError("multi-host serving needs preemption_mode='recompute'",

@@ -17,6 +17,14 @@ engine keeps up to P steps in flight, micro-batches of different requests
 placeholders) reads them from the last stage, which serialises it behind that step, so the
 pipelined engine never schedules such rows.
 
+Across hosts (``jax.distributed``), each process runs only the stages on its own devices (a
+host is a stage or a group of stages; a stage never spans hosts). Every process replays every
+step (``jaxserve.worker.multihost``) and takes part in each hand-off, a ``psum`` over the ``pp``
+axis of the ``(pp, tp)`` mesh in which only the sending stage contributes non-zeros
+(``StageLink``): the hidden states from stage *i* to *i+1*, then the logits from the last stage
+to all, so every process samples the same ids (same seeds) on its own devices and the leader
+reads its own copy. Each host loads the checkpoint onto its own devices and keeps its stages.
+
 The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION`` (or vLLM's
 ``VLLM_PP_LAYER_PARTITION``) gives each stage's count, e.g. ``"3,5"``.
 """
@@ -32,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, ModelConfig
@@ -99,6 +107,14 @@ def check_model(model) -> None:
         raise InvalidRequestError(
             f"{FLAG} > 1 supports the Llama-family and MoE models, not "
             f"{type(model).__name__}", param="pipeline_parallel_size")
+
+
+def load_mesh(pipeline_mesh, tensor_parallel_size: int):
+    """Where the checkpoint loads before the stages take their parts: this host's first stage
+    (its tp mesh), or the default device on one host without tensor parallelism."""
+    if jax.process_count() == 1 and tensor_parallel_size == 1:
+        return None
+    return next(m for m in sharding.stage_meshes(pipeline_mesh) if stage_is_local(m))
 
 
 class Stage(nnx.Module):
@@ -179,6 +195,59 @@ def _place(state, mesh):
     return jax.tree_util.tree_map(put, state)
 
 
+def stage_is_local(mesh) -> bool:
+    """Whether this process owns the stage; a stage whose devices span processes is an error."""
+    owners = {d.process_index for d in mesh.devices.flat}
+    if len(owners) > 1:
+        raise InvalidRequestError(
+            f"a pipeline stage spans hosts {sorted(owners)}: --tensor-parallel-size must not "
+            f"exceed one host's devices with {FLAG} > 1", param="tensor_parallel_size")
+    return owners == {jax.process_index()}
+
+
+@lru_cache(maxsize=None)
+def _psum_over_stages(mesh):
+    spec = PartitionSpec(sharding.PP_AXIS)
+    return jax.jit(sharding._shard_map(lambda g: jax.lax.psum(g, sharding.PP_AXIS), mesh,
+                                       in_specs=(spec,), out_specs=spec))
+
+
+class StageLink:
+    """Cross-process hand-off between stages: ``send(value, src, shape, dtype)`` returns the
+    value on every local stage's mesh. Every process calls it, in the same order; the
+    processes that do not own stage ``src`` contribute zeros of the same shape."""
+
+    def __init__(self, pipeline_mesh, stage_meshes, local: list[bool]):
+        self.mesh = pipeline_mesh
+        self.stage_meshes = stage_meshes
+        self.local = local
+        self.stage_of = {d: i for i, m in enumerate(stage_meshes) for d in m.devices.flat}
+
+    def send(self, value, src: int, shape: tuple, dtype) -> dict[int, jax.Array]:
+        shape, dtype = tuple(shape), jnp.dtype(dtype)
+        if value is not None and (tuple(value.shape) != shape or value.dtype != dtype):
+            raise ValueError(f"stage {src} sends {value.shape} {value.dtype}, "
+                             f"the others expect {shape} {dtype}")
+        on = {sh.device: sh.data for sh in value.addressable_shards} if value is not None else {}
+        gs = NamedSharding(self.mesh, PartitionSpec(sharding.PP_AXIS))
+        zeros = np.zeros((1,) + shape, dtype)
+        parts = [on[d][None] if d in on else jax.device_put(zeros, d)
+                 for d in gs.addressable_devices]
+        g = jax.make_array_from_single_device_arrays((len(self.stage_meshes),) + shape, gs,
+                                                     parts)
+        out = _psum_over_stages(self.mesh)(g)
+        by_stage: dict[int, list] = {}
+        for sh in out.addressable_shards:
+            by_stage.setdefault(self.stage_of[sh.device], []).append(sh.data[0])
+        return {i: jax.make_array_from_single_device_arrays(
+                    shape, sharding.replicated(self.stage_meshes[i]), xs)
+                for i, xs in by_stage.items()}
+
+
+def _abstract(tree):
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
 class PipelineRunner(runner_lib.ModelRunner):
     """A ``ModelRunner`` whose step runs stage by stage (same plans, same outputs).
 
@@ -201,7 +270,13 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.pipeline_mesh = mesh
         self.stage_meshes = sharding.stage_meshes(mesh)
         pp, tp = len(self.stage_meshes), sharding.tp_size(self.stage_meshes[0])
-        self.mesh = self.stage_meshes[-1]  # where sampling, its buffers and masks live
+        self.local = [stage_is_local(m) for m in self.stage_meshes]
+        # one process owns every stage, or (across hosts) a link carries what crosses them
+        self.link = None if all(self.local) else StageLink(mesh, self.stage_meshes, self.local)
+        # where sampling, its buffers and masks live: the last stage, or this host's first
+        self.sample_stage = pp - 1 if self.link is None else self.local.index(True)
+        self.mesh = self.stage_meshes[self.sample_stage]
+        self.act_dtype = jnp.dtype(dtype)
         self.partition = layer_partition(model_config.num_layers, pp)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
         specs = runner_lib.model_cache_specs(model, model_config, self.kv_dtype)
@@ -218,6 +293,14 @@ class PipelineRunner(runner_lib.ModelRunner):
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
             stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1)
             graphdef, state = nnx.split(stage)
+            if not self.local[i]:  # another host's stage: its shapes only
+                leaves, treedef = jax.tree_util.tree_flatten(_abstract(state))
+                self._stage_leaves.append(leaves)
+                self._stage_fns.append(None)
+                self.stage_pages.append([])
+                if i == pp - 1:
+                    last_graphdef, last_treedef = graphdef, treedef
+                continue
             leaves, treedef = jax.tree_util.tree_flatten(_place(state, smesh))
             self._stage_leaves.append(leaves)
             self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, tp, i == pp - 1))
@@ -246,8 +329,9 @@ class PipelineRunner(runner_lib.ModelRunner):
         self._np_rng = np.random.default_rng(engine_config.seed)
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         # the first stage's placeholder source when no row has one (no wait on the last stage)
-        self._no_tokens = jax.device_put(np.zeros(self.max_num_seqs, np.int32),
-                                         sharding.replicated(self.stage_meshes[0]))
+        self._no_tokens = None if not self.local[0] else jax.device_put(
+            np.zeros(self.max_num_seqs, np.int32), sharding.replicated(self.stage_meshes[0]))
+        self._prompt_logprobs_shapes: dict[int, object] = {}  # token bucket -> outputs (link)
         logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %d pages of %d tokens "
                     "(%.1f MiB per stage at most)", pp, tp, self.partition, self.num_pages,
                     self.block_size, self.num_pages * page_bytes(stage_cfg, self.block_size,
@@ -264,18 +348,53 @@ class PipelineRunner(runner_lib.ModelRunner):
 
     # ---- the step ----------------------------------------------------------------------
     def _forward_stages(self, plan: StepPlan):
+        """The stages in order; returns the last stage's (logits, pages, hidden), or across
+        hosts (logits on the sampling stage, None, hidden on the last stage or None)."""
         arrays, _ = self._step_inputs(plan)
         prev = self._no_tokens
-        if np.any(plan.prev_ref >= 0):  # placeholders: wait for the last stage's ids
+        if self.local[0] and np.any(plan.prev_ref >= 0):  # placeholders: wait for the ids
             prev = jax.device_put(self._last_tokens, sharding.replicated(self.stage_meshes[0]))
-        x = None
+        x, out = None, None
+        t = plan.token_bucket
         for i, fn in enumerate(self._stage_fns):
-            if i:
+            if i and self.link is None:
                 x = jax.device_put(x, sharding.replicated(self.stage_meshes[i]))
-            out = fn(self._stage_leaves[i], self.stage_pages[i], arrays, x,
-                     prev if i == 0 else None)
-            x, self.stage_pages[i] = out[0], out[1]
-        return out  # (logits, pages, hidden) of the last stage
+            elif i:  # every process joins the hand-off from stage i-1
+                x = self.link.send(x if self.local[i - 1] else None, i - 1,
+                                   (t, self.model_config.hidden_size), self.act_dtype).get(i)
+            if fn is not None:
+                out = fn(self._stage_leaves[i], self.stage_pages[i], arrays, x,
+                         prev if i == 0 else None)
+                x, self.stage_pages[i] = out[0], out[1]
+            else:
+                x = None
+        if self.link is None:
+            return out
+        last = len(self._stage_fns) - 1
+        logits = out[0] if self.local[last] else None
+        shape = plan.logits_indices.shape + (self.model_config.vocab_size,)
+        logits = self.link.send(logits, last, shape, jnp.float32)[self.sample_stage]
+        return logits, None, (out[2] if self.local[last] else None)
+
+    def _prompt_logprobs_everywhere(self, hidden, next_ids):
+        """The prompt logprobs, computed on the last stage (and sent to every host)."""
+        if self.link is None:
+            return self._prompt_logprobs(self._state_leaves, hidden, next_ids)
+        last = len(self._stage_fns) - 1
+        t = int(next_ids.shape[0])
+        shapes = self._prompt_logprobs_shapes.get(t)
+        if shapes is None:
+            shapes = self._prompt_logprobs_shapes[t] = jax.eval_shape(
+                self._prompt_logprobs, _abstract(self._state_leaves),
+                jax.ShapeDtypeStruct((t, self.model_config.hidden_size), self.act_dtype),
+                jax.ShapeDtypeStruct((t,), jnp.int32))
+        res = (self._prompt_logprobs(self._state_leaves, hidden, next_ids)
+               if self.local[last] else None)
+        flat, treedef = jax.tree_util.tree_flatten(shapes)
+        vals = jax.tree_util.tree_leaves(res) if res is not None else [None] * len(flat)
+        sent = [self.link.send(v, last, a.shape, a.dtype)[self.sample_stage]
+                for v, a in zip(vals, flat)]
+        return jax.tree_util.tree_unflatten(treedef, sent)
 
     def _run(self, plan: StepPlan):
         with self._pool_lock:
@@ -284,8 +403,7 @@ class PipelineRunner(runner_lib.ModelRunner):
             out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
                                                   self._last_tokens, self._bitmask(plan), None)
             if plan.prompt_next_ids is not None:
-                out = (out, self._prompt_logprobs(self._state_leaves, hidden,
-                                                  plan.prompt_next_ids))
+                out = (out, self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids))
             if runner_lib._TRACES.n != before:
                 self._add_compiles(runner_lib._TRACES.n - before)
                 if self._warm:
@@ -316,8 +434,8 @@ class PipelineRunner(runner_lib.ModelRunner):
                     jax.block_until_ready(self._sample(
                         logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
                         self._last_tokens, half, None))
-                jax.block_until_ready(self._prompt_logprobs(self._state_leaves, hidden,
-                                                            np.zeros(t, np.int32)))
+                jax.block_until_ready(self._prompt_logprobs_everywhere(
+                    hidden, np.zeros(t, np.int32)))
             self._add_compiles(runner_lib._TRACES.n - before)
         self._warm = True
         seconds = time.perf_counter() - t0

@@ -1,0 +1,86 @@
+"""Pipeline parallelism across hosts: two ``jax.distributed`` processes on 127.0.0.1 (CPU, gloo),
+one CPU device each, each a stage of ``--pipeline-parallel-size 2``. The leader serves HTTP and
+broadcasts each step, the follower replays it; hidden states and logits cross between them as
+collectives. The greedy answers equal the single-process engine's, for more concurrent requests
+than one micro-batch holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_process import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_FLAGS = ["--max-num-batched-tokens", "32", "--min-token-bucket", "32",
+                "--max-num-seqs", "2", "--max-model-len", "128", "--dtype", "float32"]
+PROMPTS = [[3 + i, 9, 4 + 2 * i, 17, 5 + i, 30 + i] for i in range(5)]
+MAX_TOKENS = 6
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+async def _complete_all(port: int, model: str) -> list[str]:
+    async with httpx.AsyncClient(timeout=180) as client:
+        async def one(prompt):
+            r = await client.post(f"http://127.0.0.1:{port}/v1/completions", json=dict(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                ignore_eos=True))
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+            return r.json()["choices"][0]["text"]
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+
+@pytest.mark.slow
+def test_two_hosts_each_a_stage_equal_one_device(tiny_model_factory, tmp_path):
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.entrypoints.llm import LLM
+
+    model = str(tiny_model_factory("llama", layers=4))
+    port, coord = free_port(), free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    procs, logs = [], []
+    for host in (1, 0):
+        log = open(tmp_path / f"host{host}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", model, "-pp", "2",
+             "--num-hosts", "2", "--host-index", str(host), "--coordinator",
+             f"127.0.0.1:{coord}", "--port", str(port), *ENGINE_FLAGS],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT)))
+    follower, leader = procs
+    try:
+        wait_healthy(port, [leader, follower], [tmp_path / "host0.log", tmp_path / "host1.log"],
+                     timeout=300, poll=1)
+        served = asyncio.run(_complete_all(port, model))
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 0
+        assert follower.wait(timeout=60) == 0
+        host1 = (tmp_path / "host1.log").read_text()
+        assert "pipeline: 2 stages x tp 1, layers [(0, 2), (2, 4)]" in host1
+    finally:
+        for p in procs:
+            _stop(p)
+        for log in logs:
+            log.close()
+
+    single = LLM(model, max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=2,
+                 max_model_len=128, dtype="float32")
+    outs = single.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                          ignore_eos=True), use_tqdm=False)
+    assert served == [o.outputs[0].text for o in outs]
+    assert len(set(served)) > 1
