@@ -23,7 +23,7 @@ step (``jaxserve.worker.multihost``) and takes part in each hand-off, a ``psum``
 axis of the ``(pp, tp)`` mesh in which only the sending stage contributes non-zeros
 (``StageLink``): the hidden states from stage *i* to *i+1*, then the logits from the last stage
 to all, so every process samples the same ids (same seeds) on its own devices and the leader
-reads its own copy. Each host loads the checkpoint onto its own devices and keeps its stages.
+reads its own copy. Each host loads the checkpoint onto its own devices, keeps its stages and frees the rest.
 
 The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION`` (or vLLM's
 ``VLLM_PP_LAYER_PARTITION``) gives each stage's count, e.g. ``"3,5"``.
@@ -244,6 +244,15 @@ class StageLink:
                 for i, xs in by_stage.items()}
 
 
+def _release_unused(model, kept: list) -> None:
+    """Free the loaded arrays no local stage kept (moved to another stage's devices, or another
+    host's layers), so a device holds its stages' weights only. ``model`` keeps the names."""
+    keep = {id(x) for x in kept}
+    for x in jax.tree_util.tree_leaves(nnx.state(model)):
+        if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
+            x.delete()
+
+
 def _abstract(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
@@ -311,6 +320,7 @@ class PipelineRunner(runner_lib.ModelRunner):
             if i == pp - 1:
                 last_graphdef, last_treedef = graphdef, treedef
         self.graphdef = last_graphdef
+        _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
         self._state_leaves = self._stage_leaves[-1]  # prompt logprobs run on the last stage
         self.num_top_logprobs = runner_lib.top_logprobs_width(engine_config.max_logprobs,
                                                               model_config.vocab_size)

@@ -170,15 +170,20 @@ def test_overlay_manifests_are_valid_kubernetes_objects(overlay):
         validate_k8s(d, k8s_type(d))
 
 
+# LeaderWorkerSet groups: tp=16 over 2 hosts, and tp=8 within a host x pp=2 across hosts
+LWS_MANIFESTS = ("leaderworkerset.yaml", "leaderworkerset-pp.yaml")
+
+
 def test_adapter_and_multihost_manifests_are_valid():
     pytest.importorskip("kubernetes")
     for d in load_yaml_docs(K8S / "prometheus-adapter" / "adapter-config.yaml"):
         validate_k8s(d, k8s_type(d))
-    lws, svc = load_yaml_docs(K8S / "multihost" / "leaderworkerset.yaml")
-    validate_k8s(svc, "V1Service")
-    tmpl = lws["spec"]["leaderWorkerTemplate"]  # a CRD: its pod templates are core types
-    for role in ("leaderTemplate", "workerTemplate"):
-        validate_k8s(tmpl[role], "V1PodTemplateSpec")
+    for name in LWS_MANIFESTS:
+        lws, svc = load_yaml_docs(K8S / "multihost" / name)
+        validate_k8s(svc, "V1Service")
+        tmpl = lws["spec"]["leaderWorkerTemplate"]  # a CRD: its pod templates are core types
+        for role in ("leaderTemplate", "workerTemplate"):
+            validate_k8s(tmpl[role], "V1PodTemplateSpec")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -282,9 +287,12 @@ def scrape_relabels() -> list[dict]:
     return job["relabel_configs"]
 
 
-def test_multihost_args_parse():
-    lws, _ = load_yaml_docs(K8S / "multihost" / "leaderworkerset.yaml")
+@pytest.mark.parametrize("name", LWS_MANIFESTS)
+def test_multihost_args_parse(name):
+    lws, svc = load_yaml_docs(K8S / "multihost" / name)
     tmpl = lws["spec"]["leaderWorkerTemplate"]
+    # the Service selects this group's leader
+    assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/name"] == lws["metadata"]["name"]
     for role in ("leaderTemplate", "workerTemplate"):
         (c,) = tmpl[role]["spec"]["containers"]
         assert c["command"] == ["/bin/sh", "-c"]
@@ -296,7 +304,11 @@ def test_multihost_args_parse():
         from jaxserve.entrypoints.cli import build_parser
 
         words = shlex.split(line)[2:]
-        build_parser().parse_args(words)
+        args = build_parser().parse_args(words)
+        # every GPU of the group in one mesh: tp x pp = hosts x GPUs per host
+        gpus = int(tmpl[role]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        assert args.tensor_parallel_size * args.pipeline_parallel_size == \
+            tmpl["size"] * gpus == args.num_hosts * gpus
 
 
 # ---- Prometheus rules (promtool) ------------------------------------------------------------

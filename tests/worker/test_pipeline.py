@@ -25,7 +25,7 @@ MAX_TOKENS = 12
 ENGINE_KW = dict(max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=4,
                  max_model_len=128, dtype="float32", block_size=8, num_gpu_blocks_override=12)
 MODELS = {"llama": dict(layers=4, heads=4, kv_heads=2),
-          "qwen3_moe": dict(layers=4, heads=4, kv_heads=2)}
+          "qwen3_moe": dict(layers=4, heads=4, kv_heads=2, tie_embeddings=True)}  # head copied
 # (name, pp, tp, layer partition env)
 RUNS = [("single", 1, 1, None), ("pp2", 2, 1, None), ("pp2xtp2", 2, 2, None)]
 EXTRA = {"llama": [("pp2-partition-1,3", 2, 1, "1,3")]}
@@ -74,6 +74,11 @@ def _child(models: dict) -> dict:
                 run["kv_devices"] = [sorted({d for k, v in pages for d in _devices(k)})
                                      for pages in runner.stage_pages]
                 run["kv_layers"] = [len(pages) for pages in runner.stage_pages]
+                # the loaded copy of the last stage's layers (on stage 0) is freed, stage 0's
+                # own weights (the embedding) are kept
+                m = eng.model.model
+                run["freed"] = [m.layers[-1].self_attn.q_proj.weight.get_value().is_deleted(),
+                                m.embed_tokens.weight.get_value().is_deleted()]
                 run["kv_shard_heads"] = sorted({s.data.shape[0] for s in
                                                 runner.stage_pages[0][0][0].addressable_shards})
             out["runs"].append(run)
@@ -141,6 +146,7 @@ def test_stages_own_their_layers_weights_and_pages(report, family):
         lo_hi = [tuple(x) for x in r["partition"]]
         assert lo_hi == ([(0, 1), (1, 4)] if "partition" in name else [(0, 2), (2, 4)])
         assert r["kv_layers"] == [hi - lo for lo, hi in lo_hi]
+        assert r["freed"] == [True, False]
         assert r["kv_shard_heads"] == [2 // r["tp"]]  # KV heads split within a stage
         # a micro-batch per stage: two plans were in flight at once
         assert r["max_in_flight"] == 2
