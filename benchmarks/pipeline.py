@@ -1,16 +1,19 @@
 """The pipeline bubble, measured: throughput with P step plans in flight against one in flight,
 for P pipeline stages on forced CPU devices.
 
-    XLA_FLAGS is set per run; on a GPU host pass --real-devices.
-    python benchmarks/pipeline.py --stages 2 4 --result-dir benchmarks/results/cpu-pipeline-2026-11-25
+    python benchmarks/pipeline.py --stages 2 4 \
+        --result-dir benchmarks/results/cpu-pipeline-2026-11-25
+    (XLA_FLAGS is set per case; on a machine with accelerators pass --real-devices)
 
 Each (P, plans in flight) case is a fresh process with ``--xla_force_host_platform_device_count=P``
 and single-threaded XLA:CPU programs (``--xla_cpu_multi_thread_eigen=false``), so a stage is one
 core's worth of work and stages can only overlap when plans of different micro-batches are in
 flight. One plan in flight is the same engine with ``async_scheduling=False`` (each step read
 before the next is scheduled): every stage waits for the others, the bubble is (P-1)/P of the
-time. With P plans in flight the ideal is P x (capped by the cores the machine has). The model
-is a random tiny Llama (hidden 512, 8 layers) so that a stage's compute outweighs the host's
+time. With P plans in flight the ideal is P x (capped by the cores the process gets: each run
+records ``cpu_seconds_per_second``, the cores it was given). Both cases run the same requests
+at once (``max_num_seqs`` = P x ``--rows``): one plan of all of them, or P micro-batches. The
+model is a random Llama (hidden 1024, 8 layers) so that a stage's compute outweighs the host's
 per-step work; every request decodes exactly ``--output-len`` tokens (``ignore_eos``).
 """
 from __future__ import annotations
@@ -32,15 +35,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=24)
-    p.add_argument("--rows", type=int, default=4,
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--rows", type=int, default=8,
                    help="rows of one micro-batch: max_num_seqs is P x rows in both cases, so "
                         "both run the same requests at once (one plan of P x rows, or P plans "
                         "of about rows each)")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per case (best kept)")
     p.add_argument("--real-devices", action="store_true",
                    help="use the machine's devices instead of forced CPU devices")
@@ -66,13 +69,15 @@ def _case(model: str, stages: int, in_flight: int, args) -> dict:
     llm.generate(prompts[:stages * args.rows], sp, use_tqdm=False)  # first real steps
     runs = []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), os.times()
         out = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
+        dt, c1 = time.perf_counter() - t0, os.times()
         n = sum(len(o.outputs[0].token_ids) for o in out)
         total = n + args.num_prompts * args.input_len
+        # cores this process actually got: stages can only overlap with more than one
+        cores = (c1.user + c1.system - c0.user - c0.system) / dt
         runs.append(dict(seconds=dt, output_tokens=n, output_throughput=n / dt,
-                         total_token_throughput=total / dt))
+                         total_token_throughput=total / dt, cpu_seconds_per_second=cores))
     best = max(runs, key=lambda r: r["output_throughput"])
     return dict(stages=stages, plans_in_flight=in_flight, devices=len(jax.devices()),
                 engine_depth=eng.depth, max_in_flight=eng.max_in_flight,
@@ -112,15 +117,18 @@ def main(argv=None) -> dict:
         for in_flight in (1, p):
             r = _spawn(model, p, in_flight, args)
             print(f"P={p} plans in flight={in_flight}: {r['output_throughput']:.1f} tok/s "
-                  f"(max in flight {r['max_in_flight']})", flush=True)
+                  f"(max in flight {r['max_in_flight']}, "
+                  f"{r['cpu_seconds_per_second']:.2f} cores)", flush=True)
             cases.append(r)
     summary = []
     for p in args.stages:
         one = next(c for c in cases if c["stages"] == p and c["plans_in_flight"] == 1)
         full = next(c for c in cases if c["stages"] == p and c["plans_in_flight"] == p)
-        summary.append(dict(stages=p, speedup=full["output_throughput"] / one["output_throughput"],
-                            ideal=min(p, os.cpu_count() or p) if not args.real_devices else p,
-                            bubble_one_in_flight=bubble(p)))
+        summary.append(dict(
+            stages=p, speedup=full["output_throughput"] / one["output_throughput"],
+            ideal=p if args.real_devices else min(p, full["cpu_seconds_per_second"]),
+            cores_one=one["cpu_seconds_per_second"], cores_full=full["cpu_seconds_per_second"],
+            bubble_one_in_flight=bubble(p)))
     result = dict(C.run_metadata(), benchmark="pipeline", config=vars(args), cases=cases,
                   summary=summary)
     path = C.write_json(C.result_path("pipeline", args), result)

@@ -23,7 +23,8 @@ step (``jaxserve.worker.multihost``) and takes part in each hand-off, a ``psum``
 axis of the ``(pp, tp)`` mesh in which only the sending stage contributes non-zeros
 (``StageLink``): the hidden states from stage *i* to *i+1*, then the logits from the last stage
 to all, so every process samples the same ids (same seeds) on its own devices and the leader
-reads its own copy. Each host loads the checkpoint onto its own devices, keeps its stages and frees the rest.
+reads its own copy. Each host loads the checkpoint onto its own devices, keeps its stages and
+frees the rest.
 
 The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION`` (or vLLM's
 ``VLLM_PP_LAYER_PARTITION``) gives each stage's count, e.g. ``"3,5"``.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from functools import lru_cache
 
@@ -307,8 +309,6 @@ class PipelineRunner(runner_lib.ModelRunner):
                 self._stage_leaves.append(leaves)
                 self._stage_fns.append(None)
                 self.stage_pages.append([])
-                if i == pp - 1:
-                    last_graphdef, last_treedef = graphdef, treedef
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(_place(state, smesh))
             self._stage_leaves.append(leaves)
@@ -317,20 +317,17 @@ class PipelineRunner(runner_lib.ModelRunner):
                 dataclasses.replace(model_config, num_layers=hi - lo), self.num_pages,
                 self.block_size, self.kv_dtype, sharding=sharding.kv_pool_sharding(smesh),
                 tp=tp))
-            if i == pp - 1:
-                last_graphdef, last_treedef = graphdef, treedef
-        self.graphdef = last_graphdef
+        # the last stage's graph (its leaves are shapes only on another host)
+        self.graphdef, last_treedef = graphdef, treedef
         _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
         self._state_leaves = self._stage_leaves[-1]  # prompt logprobs run on the last stage
         self.num_top_logprobs = runner_lib.top_logprobs_width(engine_config.max_logprobs,
                                                               model_config.vocab_size)
-        self._prompt_logprobs = runner_lib._prompt_logprobs_fn(last_graphdef, last_treedef,
+        self._prompt_logprobs = runner_lib._prompt_logprobs_fn(self.graphdef, last_treedef,
                                                                self.num_top_logprobs)
         self._sample = runner_lib._sample_fn(self.mesh, self.num_top_logprobs)
         self.num_compiles = 0
         self.enforce_eager = engine_config.enforce_eager
-        import threading
-
         self._pool_lock = threading.RLock()
         self._warmup = None
         self._warm = False
