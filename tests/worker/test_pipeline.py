@@ -26,9 +26,11 @@ ENGINE_KW = dict(max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=4,
                  max_model_len=128, dtype="float32", block_size=8, num_gpu_blocks_override=12)
 MODELS = {"llama": dict(layers=4, heads=4, kv_heads=2),
           "qwen3_moe": dict(layers=4, heads=4, kv_heads=2, tie_embeddings=True)}  # head copied
-# (name, pp, tp, layer partition env)
-RUNS = [("single", 1, 1, None), ("pp2", 2, 1, None), ("pp2xtp2", 2, 2, None)]
-EXTRA = {"llama": [("pp2-partition-1,3", 2, 1, "1,3")]}
+# (name, pp, tp, layer partition env, more engine kwargs)
+RUNS = [("single", 1, 1, None, {}), ("pp2", 2, 1, None, {}), ("pp2xtp2", 2, 2, None, {})]
+EXTRA = {"llama": [("pp2-partition-1,3", 2, 1, "1,3", {}),
+                   ("pp2-swap", 2, 1, None, dict(preemption_mode="swap"))],
+         "qwen3_moe": [("pp2xep2", 2, 2, None, dict(enable_expert_parallel=True))]}
 
 
 def _devices(arr) -> list[str]:
@@ -45,11 +47,12 @@ def _child(models: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = {"num_devices": len(jax.devices()), "runs": []}
     for family, path in models.items():
-        for name, pp, tp, partition in RUNS + EXTRA.get(family, []):
+        for name, pp, tp, partition, more in RUNS + EXTRA.get(family, []):
             if partition:
                 os.environ["JAXSERVE_PP_LAYER_PARTITION"] = partition
             try:
-                llm = LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp, **ENGINE_KW)
+                llm = LLM(path, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                          **ENGINE_KW, **more)
             finally:
                 os.environ.pop("JAXSERVE_PP_LAYER_PARTITION", None)
             eng = llm.llm_engine
@@ -60,6 +63,7 @@ def _child(models: dict) -> dict:
             run = dict(family=family, name=name, pp=pp, tp=tp,
                        tokens=[list(r.outputs[0].token_ids) for r in res],
                        preemptions=stats["num_preemptions"],
+                       swap_outs=eng.scheduler.num_swap_outs_total,
                        prefix_hits=stats["prefix_cache_hits"],
                        compiles_after_warmup=runner.num_compiles - warm,
                        max_in_flight=getattr(eng, "max_in_flight", 1))
@@ -132,6 +136,7 @@ def test_greedy_tokens_equal_one_device(report, family):
         assert r["compiles_after_warmup"] == 0, name
         # the small pool preempts, the shared prefix is served from the cache
         assert r["preemptions"] > 0 and r["prefix_hits"] > 0, (name, r["preemptions"])
+        assert (r["swap_outs"] > 0) == ("swap" in name), name  # pages to the host and back
 
 
 @pytest.mark.parametrize("family", list(MODELS))
