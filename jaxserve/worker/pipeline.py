@@ -294,6 +294,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.cache_groups = group_layers(specs)
         self.pools = page_pools(self.cache_groups)
         self.num_cache_groups = len(self.pools)
+        self.state_layers, self.num_state_slots = (), None  # Llama/MoE: no LinearState layers
         # every stage holds the same page ids for its own layers: size by the largest stage
         widest = max(hi - lo for lo, hi in self.partition)
         stage_cfg = dataclasses.replace(model_config, num_layers=widest)
