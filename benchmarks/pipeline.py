@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--real-devices", action="store_true",
                    help="use the machine's devices instead of forced CPU devices")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="recompute the summary and the PNG of a result file, run nothing")
     C.add_output_args(p)
     return p.parse_args(argv)
 
@@ -104,8 +106,45 @@ def bubble(stages: int) -> float:
     return (stages - 1) / stages
 
 
+def summarize(cases: list[dict], stages: list[int]) -> list[dict]:
+    """Speed-up of P plans in flight over one, per P, with the cores each case got."""
+    out = []
+    for p in stages:
+        one = next(c for c in cases if c["stages"] == p and c["plans_in_flight"] == 1)
+        full = next(c for c in cases if c["stages"] == p and c["plans_in_flight"] == p)
+        out.append(dict(stages=p, speedup=full["output_throughput"] / one["output_throughput"],
+                        ideal_with_a_core_per_stage=p, bubble_one_in_flight=bubble(p),
+                        cores_one=one["cpu_seconds_per_second"],
+                        cores_full=full["cpu_seconds_per_second"]))
+    return out
+
+
+def plot(result: dict, path: str) -> str:
+    stages = result["config"]["stages"]
+    cases = result["cases"]
+    series = {"1 plan in flight": [], "P plans in flight": []}
+    for p in stages:
+        for name, k in (("1 plan in flight", 1), ("P plans in flight", p)):
+            series[name].append(next(c["output_throughput"] for c in cases
+                                     if c["stages"] == p and c["plans_in_flight"] == k))
+    cores = ", ".join(f"P={s['stages']}: {s['cores_one']:.2f} / {s['cores_full']:.2f}"
+                      for s in result["summary"])
+    where = "real devices" if result["config"].get("real_devices") else "P forced CPU devices"
+    return C.bar_plot(path, [f"P={p}" for p in stages], series, ylabel="output tokens/s",
+                      title=f"pipeline: 1 vs P plans in flight ({where}, "
+                            f"{result['cpu_count']} host cores)\ncores the runs got "
+                            f"(1 / P in flight): {cores}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.replot:  # summary and PNG again from a result JSON
+        with open(args.replot) as f:
+            result = json.load(f)
+        result["summary"] = summarize(result["cases"], result["config"]["stages"])
+        C.write_json(args.replot, result)
+        print("wrote", plot(result, args.replot.replace(".json", ".png")))
+        return result
     from jaxserve.testing.tiny_model import make_tiny_model
 
     tmp = tempfile.mkdtemp(prefix="jaxserve-pp-bench-")
@@ -120,32 +159,13 @@ def main(argv=None) -> dict:
                   f"(max in flight {r['max_in_flight']}, "
                   f"{r['cpu_seconds_per_second']:.2f} cores)", flush=True)
             cases.append(r)
-    summary = []
-    for p in args.stages:
-        one = next(c for c in cases if c["stages"] == p and c["plans_in_flight"] == 1)
-        full = next(c for c in cases if c["stages"] == p and c["plans_in_flight"] == p)
-        summary.append(dict(
-            stages=p, speedup=full["output_throughput"] / one["output_throughput"],
-            ideal=p if args.real_devices else min(p, full["cpu_seconds_per_second"]),
-            cores_one=one["cpu_seconds_per_second"], cores_full=full["cpu_seconds_per_second"],
-            bubble_one_in_flight=bubble(p)))
     result = dict(C.run_metadata(), benchmark="pipeline", config=vars(args), cases=cases,
-                  summary=summary)
+                  summary=summarize(cases, args.stages))
     path = C.write_json(C.result_path("pipeline", args), result)
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(result["summary"], indent=1))
     print("wrote", path)
     if not args.no_plot:
-        groups = [f"P={p}" for p in args.stages]
-        series = {"1 plan in flight": [], "P plans in flight": []}
-        for p in args.stages:
-            for name, k in (("1 plan in flight", 1), ("P plans in flight", p)):
-                series[name].append(next(c["output_throughput"] for c in cases
-                                         if c["stages"] == p and c["plans_in_flight"] == k))
-        png = C.bar_plot(path.replace(".json", ".png"), groups, series,
-                         ylabel="output tokens/s",
-                         title=f"pipeline bubble: {result['device']}, "
-                               f"{os.cpu_count()} cores")
-        print("wrote", png)
+        print("wrote", plot(result, path.replace(".json", ".png")))
     return result
 
 
