@@ -126,8 +126,11 @@ class Scheduler:
         # while the runner's buckets compile: the largest compiled token bucket (limit_tokens)
         self.token_limit: int | None = None
         # pipeline parallel: a request whose sampled token is still in flight waits for it, so
-        # the steps in flight are micro-batches of different requests (engine/pipelined.py)
+        # the steps in flight are micro-batches of different requests (engine/pipelined.py);
+        # and a step holds at most max_seqs_per_step of them, so the running requests spread
+        # over the micro-batches instead of travelling in one
         self.skip_pending = False
+        self.max_seqs_per_step: int | None = None
         if page_bytes is None:
             self.swap_capacity_pages: float = float("inf")
         else:
@@ -334,7 +337,8 @@ class Scheduler:
 
         # 1. running requests (sorted: the preemption victim is always the last one)
         i = 0
-        while i < len(self.running) and budget > 0:
+        rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < rows:
             req = self.running[i]
             if req.num_pending and self.skip_pending:
                 i += 1
@@ -378,7 +382,8 @@ class Scheduler:
         # 2. waiting requests, unless this step had to preempt (vLLM V1: avoid thrashing)
         if not out.preempted:
             j = 0
-            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+                   and len(out.scheduled) < rows):
                 req = self.waiting[j]
                 # preempted mid-verify, or (pipelined) its token still in flight: read it first
                 if req.spec_in_flight or (req.num_pending and self.skip_pending):

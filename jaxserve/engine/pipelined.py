@@ -8,7 +8,9 @@ oldest only once the queue is full or nothing new could be scheduled:
 
 Each step is a micro-batch of different requests: the scheduler skips a request whose sampled
 token is still in flight (``Scheduler.skip_pending``), so no plan waits on another plan's ids
-and stage 0 runs step N+1 while stage 1 runs step N (``jaxserve.worker.pipeline``). Prefill
+and stage 0 runs step N+1 while stage 1 runs step N (``jaxserve.worker.pipeline``); and a step
+takes at most ``max_num_seqs / depth`` rows (``Scheduler.max_seqs_per_step``), so requests that
+arrived together still spread over the micro-batches rather than decode as one. Prefill
 chunks of one request may be in flight together: each stage runs the plans in order, so a chunk
 always finds the previous chunk's K/V written.
 """
@@ -29,6 +31,8 @@ class PipelinedEngine(LLMEngine):
         super().__init__(*args, **kwargs)
         self.depth = depth if self.async_scheduling else 1
         self.scheduler.skip_pending = True
+        # the running requests (at most max_num_seqs) spread over `depth` micro-batches
+        self.scheduler.max_seqs_per_step = -(-self.scheduler.max_num_seqs // self.depth)
         self.max_in_flight = 0  # the most steps ever in flight (a test reads it)
 
     # The base class's single step in flight is the newest queued one; clearing it (nobody

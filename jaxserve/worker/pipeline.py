@@ -340,6 +340,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         self._no_tokens = None if not self.local[0] else jax.device_put(
             np.zeros(self.max_num_seqs, np.int32), sharding.replicated(self.stage_meshes[0]))
         self._prompt_logprobs_shapes: dict[int, object] = {}  # token bucket -> outputs (link)
+        self._pending = None  # across hosts: (handle, last stage's raw outputs) of one plan
         logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %d pages of %d tokens "
                     "(%.1f MiB per stage at most)", pp, tp, self.partition, self.num_pages,
                     self.block_size, self.num_pages * page_bytes(stage_cfg, self.block_size,
@@ -355,21 +356,26 @@ class PipelineRunner(runner_lib.ModelRunner):
         return len(self.stage_meshes)
 
     # ---- the step ----------------------------------------------------------------------
-    def _forward_stages(self, plan: StepPlan):
-        """The stages in order; returns the last stage's (logits, pages, hidden), or across
-        hosts (logits on the sampling stage, None, hidden on the last stage or None)."""
+    def _forward_stages(self, plan: StepPlan, before_last=None, gather: bool = True):
+        """The stages in order; returns the last stage's (logits, pages, hidden). Across hosts:
+        (logits on the sampling stage, None, hidden on the last stage or None), or with
+        ``gather=False`` the last stage's (logits, hidden) as they are (None on other hosts);
+        ``before_last()`` runs after the hand-off into the last stage, before its program."""
         arrays, _ = self._step_inputs(plan)
         prev = self._no_tokens
         if self.local[0] and np.any(plan.prev_ref >= 0):  # placeholders: wait for the ids
             prev = jax.device_put(self._last_tokens, sharding.replicated(self.stage_meshes[0]))
         x, out = None, None
         t = plan.token_bucket
+        last = len(self._stage_fns) - 1
         for i, fn in enumerate(self._stage_fns):
             if i and self.link is None:
                 x = jax.device_put(x, sharding.replicated(self.stage_meshes[i]))
             elif i:  # every process joins the hand-off from stage i-1
                 x = self.link.send(x if self.local[i - 1] else None, i - 1,
                                    (t, self.model_config.hidden_size), self.act_dtype).get(i)
+            if i == last and before_last is not None:
+                before_last()
             if fn is not None:
                 out = fn(self._stage_leaves[i], self.stage_pages[i], arrays, x,
                          prev if i == 0 else None)
@@ -378,11 +384,69 @@ class PipelineRunner(runner_lib.ModelRunner):
                 x = None
         if self.link is None:
             return out
+        logits, hidden = (out[0], out[2]) if self.local[last] else (None, None)
+        return self._gather_logits(plan, logits, hidden) if gather else (logits, hidden)
+
+    def _gather_logits(self, plan: StepPlan, logits, hidden):
+        """Across hosts: the last stage's logits to every host's sampling stage."""
         last = len(self._stage_fns) - 1
-        logits = out[0] if self.local[last] else None
         shape = plan.logits_indices.shape + (self.model_config.vocab_size,)
         logits = self.link.send(logits, last, shape, jnp.float32)[self.sample_stage]
-        return logits, None, (out[2] if self.local[last] else None)
+        return logits, None, hidden
+
+    # ---- across hosts: each plan's logits hand-off deferred to the next dispatch -----------
+    # A host's device runs programs and collectives in the order they were issued. Were plan
+    # N's logits hand-off (last stage -> all) issued right after plan N's stages, stage 0's
+    # host would sit in it until the last stage finished N, then run N+1: no overlap. It is
+    # issued during plan N+1's dispatch instead, after the hand-off into the last stage and
+    # before the last stage's program; two stages then run as
+    #     stage 0 host:    stage0(N+1) | x(N+1) | logits(N) | stage0(N+2) | x(N+2) | ...
+    #     last stage host:               x(N+1) | logits(N) | stage1(N+1)        ...
+    # so stage0(N+2) runs while stage1(N+1) does. A plan read before the next dispatch is
+    # finished by ``dispatch(None)``, which the leader broadcasts like a step (every host
+    # finishes it, in the same order).
+    def dispatch(self, plan: StepPlan | None):
+        if self.link is None:
+            return super().dispatch(plan)
+        with self._pool_lock:
+            if plan is None:
+                self._finish_pending()
+                return None
+            before = runner_lib._TRACES.n
+            raw = self._forward_stages(plan, before_last=self._finish_pending, gather=False)
+            h = runner_lib.StepHandle(plan, None, None,
+                                      bool(np.any(plan.sampling["num_logprobs"] >= 0)), None)
+            self._pending = (h, raw)
+            self._count_step_compiles(before, plan)
+        return h
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        h, (logits, hidden) = pending
+        plan = h.plan
+        before = runner_lib._TRACES.n
+        logits, _, hidden = self._gather_logits(plan, logits, hidden)
+        h.sampled, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
+                                                    self._last_tokens, self._bitmask(plan), None)
+        if plan.prompt_next_ids is not None:
+            h.prompt_logprobs = self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids)
+        self._count_step_compiles(before, plan)
+        for x in self._handle_arrays(h):
+            x.copy_to_host_async()
+
+    def fetch(self, h):
+        if h.sampled is None:  # still pending: through the leader's broadcast when wrapped
+            self.dispatch(None)
+        return super().fetch(h)
+
+    def _count_step_compiles(self, before: int, plan: StepPlan) -> None:
+        if runner_lib._TRACES.n != before:
+            self._add_compiles(runner_lib._TRACES.n - before)
+            if self._warm:
+                logger.warning("compile caused by a step (token bucket %d): this is a bug",
+                               plan.token_bucket)
 
     def _prompt_logprobs_everywhere(self, hidden, next_ids):
         """The prompt logprobs, computed on the last stage (and sent to every host)."""
@@ -412,11 +476,7 @@ class PipelineRunner(runner_lib.ModelRunner):
                                                   self._last_tokens, self._bitmask(plan), None)
             if plan.prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids))
-            if runner_lib._TRACES.n != before:
-                self._add_compiles(runner_lib._TRACES.n - before)
-                if self._warm:
-                    logger.warning("compile caused by a step (token bucket %d): this is a bug",
-                                   plan.token_bucket)
+            self._count_step_compiles(before, plan)
         return out
 
     # ---- warm-up: every bucket, in the foreground ------------------------------------------
