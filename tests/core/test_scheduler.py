@@ -575,3 +575,24 @@ def test_check_stop_on_ids():
     for rid, r in reqs.items():
         assert (r.status.value, r.stop_reason) == cases[rid][2], rid
         assert r.output_token_ids == cases[rid][1] and not r.block_ids
+
+
+def test_pipelined_steps_are_micro_batches_of_different_requests():
+    """Pipeline parallel (engine/pipelined.py): a request whose token is in flight is not
+    scheduled again until it arrives, and a step takes at most ``max_seqs_per_step`` rows, so
+    four requests admitted together form two micro-batches that alternate."""
+    s = make_sched(max_seqs=4)
+    s.skip_pending, s.max_seqs_per_step = True, 2
+    for i in range(4):
+        s.add_request(req(f"r{i}", [1, 2, 3]))
+    first = s.schedule()
+    s.update_from_output(first)  # placeholders: the tokens are in flight
+    second = s.schedule()
+    s.update_from_output(second)
+    ids = lambda out: [x.request.request_id for x in out.scheduled]  # noqa: E731
+    assert ids(first) == ["r0", "r1"] and ids(second) == ["r2", "r3"]
+    assert s.schedule().scheduled == []  # every request waits for its token
+    for x in first.scheduled:
+        x.request.resolve_pending(7)
+    third = s.schedule()
+    assert ids(third) == ["r0", "r1"] and all(x.num_new_tokens == 1 for x in third.scheduled)
