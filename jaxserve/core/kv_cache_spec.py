@@ -7,11 +7,10 @@ Every model layer declares one spec (``CausalLM.cache_specs``); layers with equa
 request. All pools are sized from one byte budget, in proportion to what each needs per
 request, so every group holds the same number of full-length requests.
 
-Today's engine serves one **pool**: the paged groups that share a page shape (full and sliding
-layers of one model) share its pages, and the block manager frees a request's early pages only
-when every layer is windowed. A model that adds a page shape (``SharedKV`` producers of another
-size, several head dims) or a ``LinearState`` group gets a clear error here until the pools and
-the block manager grow per-group free lists.
+Today's engine serves one **pool**: every paged group shares its page ids (a page id indexes
+each owning layer's array, each at its own spec's KV heads and head dim, so layers of different
+shapes cost what they hold), and the block manager frees a request's early pages only when every
+layer is windowed. A ``LinearState`` group gets a clear error here until the state pool exists.
 """
 from __future__ import annotations
 
@@ -124,14 +123,15 @@ def group_layers(specs: Sequence[CacheSpec]) -> tuple[CacheGroup, ...]:
 
 @dataclass(frozen=True)
 class PagePool:
-    """One page pool: the paged groups that share its page shape (ids index every one of
-    their layers' arrays). ``window``: the largest window when every layer is windowed, else
-    None (early pages are freed only when no layer reads them again)."""
+    """One page pool: paged groups whose page ids index every one of their layers' arrays.
+    ``kv_heads``/``head_dim``/``dtype``: the groups' page shape, None where they differ.
+    ``window``: the largest window when every layer is windowed, else None (early pages are
+    freed only when no layer reads them again)."""
 
     groups: tuple[CacheGroup, ...]
-    kv_heads: int
-    head_dim: int
-    dtype: str
+    kv_heads: int | None
+    head_dim: int | None
+    dtype: str | None
     window: int | None
 
     @property
@@ -150,11 +150,8 @@ def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
     """The page pools the engine allocates for these groups (one today, see the module doc)."""
     if any(not g.paged for g in groups):
         raise NotImplementedError("LinearState cache groups need a state pool (not built yet)")
-    shapes = {(g.spec.kv_heads, g.spec.head_dim, g.spec.dtype) for g in groups}
-    if len(shapes) != 1:
-        raise NotImplementedError(f"layers with different page shapes {sorted(shapes)} need one "
-                                  "page pool per group (not built yet)")
-    (kv_heads, head_dim, dtype), = shapes
+    fields = [{getattr(g.spec, f) for g in groups} for f in ("kv_heads", "head_dim", "dtype")]
+    kv_heads, head_dim, dtype = (next(iter(v)) if len(v) == 1 else None for v in fields)
     windows = [g.spec.window if isinstance(g.spec, SlidingWindow) else None for g in groups]
     window = None if any(w is None for w in windows) else max(windows)
     return (PagePool(tuple(groups), kv_heads, head_dim, dtype, window),)

@@ -116,7 +116,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                                  record_events=config.kv_events is not None
                                  and config.kv_events.enabled)
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
-                          page_bytes=page_bytes(mc, config.cache.block_size, runner.kv_dtype),
+                          page_bytes=runner.page_bytes,
                           eos_token_ids=eos)
     proposer = None
     if spec is not None and spec.method == "ngram":

@@ -32,7 +32,7 @@ from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup
-from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
+from jaxserve.worker.kv_cache import allocate_layer_pages, kv_cache_dtype
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
@@ -291,14 +291,17 @@ class ModelRunner:
             kv_sharding = sharding.kv_pool_sharding(mesh)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
         # layers grouped by cache spec; one page pool today (core.kv_cache_spec.page_pools)
-        self.cache_groups = group_layers(model_cache_specs(model, model_config, self.kv_dtype))
+        self.cache_specs = model_cache_specs(model, model_config, self.kv_dtype)
+        self.cache_groups = group_layers(self.cache_specs)
         self.pools = page_pools(self.cache_groups)
         self.num_cache_groups = len(self.pools)  # block tables per plan row
         sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
                            param_bytes // tp, tp, extra_page_bytes)
         self.num_pages = sharding.agree_across_hosts(sizes[0])
-        self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
-                                          self.kv_dtype, sharding=kv_sharding, tp=tp)
+        # one (k, v) per layer at its spec's shape, () for a layer reading another's pages
+        self.kv_pages = allocate_layer_pages(self.cache_specs, self.num_pages, self.block_size,
+                                             self.kv_dtype, sharding=kv_sharding, tp=tp)
+        self.page_bytes = self.pools[0].page_bytes(self.block_size)  # one page id, all layers
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh)
@@ -320,8 +323,7 @@ class ModelRunner:
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages, self.block_size,
-                    self.num_pages * page_bytes(model_config, self.block_size, self.kv_dtype)
-                    / 2**20)
+                    self.num_pages * self.page_bytes / 2**20)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
@@ -507,7 +509,7 @@ class ModelRunner:
         """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per layer."""
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
         with self._pool_lock:
-            return jax.device_get([(k[:, idx], v[:, idx]) for k, v in self.kv_pages])
+            return jax.device_get([tuple(a[:, idx] for a in kv) for kv in self.kv_pages])
 
     def swap_in(self, page_ids: list[int], saved) -> None:
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
@@ -520,10 +522,10 @@ class ModelRunner:
 
 @jax.jit
 def _scatter_pages(kv_pages, idx, saved):
-    return [(k.at[:, idx].set(sk), v.at[:, idx].set(sv)) for (k, v), (sk, sv) in
+    return [tuple(a.at[:, idx].set(sa) for a, sa in zip(kv, s)) for kv, s in
             zip(kv_pages, saved)]
 
 
 def _write_pages(kv_pages, idx, saved):
-    saved = [(jnp.asarray(k), jnp.asarray(v)) for k, v in saved]
+    saved = [tuple(jnp.asarray(a) for a in kv) for kv in saved]
     return _scatter_pages(kv_pages, idx, saved)

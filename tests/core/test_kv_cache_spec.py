@@ -33,11 +33,14 @@ def test_one_page_shape_is_one_pool_freeing_only_when_every_layer_is_windowed():
     assert mixed.page_bytes(16, tp=4) == 3 * 2 * 4 * 16 * 64 * 2  # heads repeated per device
 
 
-def test_specs_beyond_one_pool_are_refused_clearly():
+def test_state_groups_are_refused_clearly_and_page_shapes_may_differ():
     with pytest.raises(NotImplementedError, match="state pool"):
         page_pools(group_layers([FULL, LinearState(((4, 8), (8, 8)), "float32")]))
-    with pytest.raises(NotImplementedError, match="page shapes"):
-        page_pools(group_layers([FULL, dataclasses.replace(FULL, head_dim=128)]))
+    # different page shapes share the page ids; each layer's array has its own shape
+    wide = dataclasses.replace(FULL, head_dim=128, kv_heads=1)
+    mixed, = page_pools(group_layers([LOCAL, wide, SharedKV(1)]))
+    assert mixed.head_dim is None and mixed.kv_heads is None and mixed.dtype == "bfloat16"
+    assert mixed.page_bytes(16) == 2 * 2 * 16 * 64 * 2 + 2 * 1 * 16 * 128 * 2
 
 
 def test_budget_split_in_proportion_to_what_a_request_needs():
