@@ -255,3 +255,61 @@ def test_engine_greedy_equals_hf_under_preemption(gemma4_dirs, engine_refs, mode
     got = _generate(llm, _engine_prompts())
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     assert got == engine_refs["dense"]
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+def _child(cases: dict) -> dict:
+    """In a process with 2 CPU devices: prompt logits and greedy tokens of each case."""
+    from jaxserve.sharding import make_mesh
+
+    out = {}
+    for name, (path, prompt) in cases.items():
+        drv = Driver(path, mesh=make_mesh(2), seed=4)
+        logits, tokens = drv.prefill_then_greedy(np.asarray(prompt, np.int32), NEW_TOKENS)
+        q = drv.model.model.layers[0].self_attn.q_proj.weight.get_value()
+        out[name] = dict(logits=logits.tolist(), tokens=tokens,
+                         q_shard=list(q.addressable_shards[0].data.shape), q=list(q.shape))
+        del drv
+    llm = _llm(cases["dense"][0], tensor_parallel_size=2)
+    out["llm-dense"] = _generate(llm, _engine_prompts())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2(refs):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = {k: (str(refs[k][0]), refs[k][1].tolist()) for k in ("dense", "moe")}
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, __file__, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a child process with two CPU devices
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tp2_equals_hf(refs, tp2, kind):
+    _, _, ref_logits, ref_tokens = refs[kind]
+    got = tp2[kind]
+    assert got["q_shard"] == [got["q"][0] // 2, got["q"][1]]  # really split
+    np.testing.assert_allclose(np.asarray(got["logits"]), ref_logits, atol=ATOL, rtol=0)
+    assert got["tokens"] == ref_tokens
+
+
+@pytest.mark.slow
+def test_tp2_engine_equals_hf(tp2, engine_refs):
+    assert tp2["llm-dense"] == engine_refs["dense"]
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(_child(json.loads(sys.argv[1]))))
