@@ -169,3 +169,45 @@ def split_budget(pools: Sequence[PagePool], budget_bytes: int, *, block_size: in
     need = [p.max_pages(max_model_len, block_size) for p in pools]
     per_request = sum(n * b for n, b in zip(need, per_page))
     return tuple(int(budget_bytes * n // per_request) for n in need)
+
+
+# ----------------------------------------------------------------------------- capacity arithmetic
+
+def group_request_pages(group: CacheGroup, max_model_len: int, block_size: int) -> int:
+    """Pages one ``max_model_len`` request holds at once in ``group`` (a sliding group: its
+    window's, since it frees the pages that fall out of it)."""
+    return group.spec.max_pages(max_model_len, block_size)
+
+
+def kv_bytes_per_token(groups: Sequence[CacheGroup], *, block_size: int, max_model_len: int,
+                       tp: int = 1) -> float:
+    """KV bytes a ``max_model_len`` request holds per context token when every paged group
+    keeps only what its layers read (sliding groups their window); KV-sharing layers cost
+    nothing. All devices together."""
+    total = sum(group_request_pages(g, max_model_len, block_size) * len(g.layers)
+                * g.spec.page_bytes(block_size, tp) for g in groups if g.paged)
+    return total / max_model_len
+
+
+def pooled_kv_bytes_per_token(groups: Sequence[CacheGroup], *, block_size: int,
+                              max_model_len: int, tp: int = 1) -> float:
+    """The same figure for one pool whose page ids index every owning layer (each at its own
+    shape), freeing early pages only when every layer is windowed."""
+    pools = page_pools(groups)
+    return sum(p.max_pages(max_model_len, block_size) * p.page_bytes(block_size, tp)
+               for p in pools) / max_model_len
+
+
+def uniform_kv_bytes_per_token(groups: Sequence[CacheGroup], *, tp: int = 1) -> float:
+    """One uniform pool: every layer that owns KV at the full-attention (global) shape, no
+    page ever freed early."""
+    full = [g.spec for g in groups if isinstance(g.spec, FullAttention)]
+    if not full:
+        raise ValueError("no full-attention group to take the uniform shape from")
+    layers = sum(len(g.layers) for g in groups if g.paged)
+    return layers * full[0].page_bytes(1, tp)
+
+
+def max_concurrency(budget_bytes: float, bytes_per_token: float, max_model_len: int) -> float:
+    """How many ``max_model_len`` requests a KV budget holds (vLLM's "Maximum concurrency")."""
+    return budget_bytes / (bytes_per_token * max_model_len)

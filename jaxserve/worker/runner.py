@@ -36,7 +36,8 @@ from jaxserve.worker.kv_cache import allocate_layer_pages, kv_cache_dtype
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
-from jaxserve.core.kv_cache_spec import attention_spec, group_layers, page_pools, split_budget
+from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, max_concurrency, page_pools,
+                                         pooled_kv_bytes_per_token, split_budget)
 from jaxserve.core.step_plan import (ARRAY_FIELDS, ScheduledSeq, StepPlan, build_step_plan,
                                      seq_bucket, token_ladder)
 
@@ -322,8 +323,16 @@ class ModelRunner:
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
-        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages, self.block_size,
-                    self.num_pages * self.page_bytes / 2**20)
+        # what a max_model_len request holds per context token in these pools (vLLM's figure)
+        self.kv_bytes_per_token = pooled_kv_bytes_per_token(
+            self.cache_groups, block_size=self.block_size, max_model_len=max_model_len)
+        self.max_concurrency = max_concurrency((self.num_pages - 1) * self.page_bytes,
+                                               self.kv_bytes_per_token, max_model_len)
+        logger.info("KV cache: %d pages of %d tokens (%.1f MiB, %s); KV bytes per context "
+                    "token: %.0f; Maximum concurrency for %d tokens per request: %.2fx",
+                    self.num_pages, self.block_size, self.num_pages * self.page_bytes / 2**20,
+                    np.dtype(self.kv_dtype).name, self.kv_bytes_per_token, max_model_len,
+                    self.max_concurrency)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
