@@ -157,6 +157,16 @@ def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
     return (PagePool(tuple(groups), kv_heads, head_dim, dtype, window),)
 
 
+def group_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
+    """One page pool per paged group, each with its own page ids (``core.kv_cache_groups``):
+    a sliding group's pool frees the pages out of its own window."""
+    if any(not g.paged for g in groups):
+        raise NotImplementedError("LinearState cache groups need a state pool (not built yet)")
+    return tuple(PagePool((g,), g.spec.kv_heads, g.spec.head_dim, g.spec.dtype,
+                          g.spec.window if isinstance(g.spec, SlidingWindow) else None)
+                 for g in groups)
+
+
 def split_budget(pools: Sequence[PagePool], budget_bytes: int, *, block_size: int,
                  max_model_len: int, tp: int = 1, extra_page_bytes: int = 0) -> tuple[int, ...]:
     """Pages per pool from one byte budget, in proportion to what a full-length request needs

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
-from jaxserve.core.kv_cache_spec import FullAttention, SharedKV, SlidingWindow
+from jaxserve.core.kv_cache_spec import FullAttention, SharedKV, SlidingWindow, group_layers
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
@@ -99,6 +99,19 @@ def layer_shapes(hf: dict) -> tuple[LayerShape, ...]:
                               int(over.get("num_key_value_heads", kv_heads)),
                               window if t == LOCAL else None, producer))
     return tuple(out)
+
+
+def cache_specs_of(hf: dict, dtype: str) -> list:
+    """Each layer's cache spec from the config alone (what the model declares)."""
+    out = []
+    for s in layer_shapes(hf):
+        if s.producer is not None:
+            out.append(SharedKV(s.producer))
+        elif s.window is None:
+            out.append(FullAttention(s.kv_heads, s.head_dim, dtype))
+        else:
+            out.append(SlidingWindow(s.window, s.kv_heads, s.head_dim, dtype))
+    return out
 
 
 def _check_supported(hf: dict) -> None:
@@ -335,6 +348,10 @@ class Gemma4ForCausalLM(nnx.Module):
     ``Gemma4ForConditionalGeneration``); ``kv_pages``: one ``(k, v)`` per layer of the layer's
     own shape, ``()`` for a KV-sharing layer."""
 
+    # reads md with one block table / slot mapping per cache group ([G, ...]) and picks each
+    # layer's group's (the runner then gives every group a pool of its own)
+    cache_groups_supported = True
+
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str = "reference"):
         if attention_backend not in ATTENTION_BACKENDS:
@@ -342,6 +359,9 @@ class Gemma4ForCausalLM(nnx.Module):
                              f"{ATTENTION_BACKENDS}")
         _check_supported(cfg.hf)
         shapes = layer_shapes(cfg.hf)
+        groups = group_layers(cache_specs_of(cfg.hf, "any"))
+        of_layer = {i: g for g, grp in enumerate(groups) for i in grp.layers + grp.readers}
+        self.layer_group = tuple(of_layer[i] for i in range(len(shapes)))  # static
         self.num_layers = cfg.num_layers
         self.attention_backend = attention_backend
         self.mesh = None
@@ -382,7 +402,12 @@ class Gemma4ForCausalLM(nnx.Module):
             if attn.producer is not None:
                 kv = new_pages[attn.producer]
             cos, sin = cos_sin[attn.layer_type]
-            x, kv = layer(x, None if pli is None else pli[:, i], cos, sin, kv, md,
+            layer_md = md
+            if md.block_tables.ndim == 3:  # pools per group: this layer's group's tables
+                g = self.layer_group[i]
+                layer_md = md._replace(slot_mapping=md.slot_mapping[g],
+                                       block_tables=md.block_tables[g])
+            x, kv = layer(x, None if pli is None else pli[:, i], cos, sin, kv, layer_md,
                           self.attention_backend, self.mesh)
             new_pages.append(kv)
         # a KV-sharing layer hands back no pages of its own

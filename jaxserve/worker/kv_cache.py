@@ -92,3 +92,16 @@ def allocate_layer_pages(specs, num_pages: int, block_size: int, dtype, sharding
 def specs_page_bytes(specs, block_size: int, tp: int = 1) -> int:
     """Bytes of one page id across every layer that owns pages, K and V (all devices)."""
     return sum(s.page_bytes(block_size, tp) for s in specs if hasattr(s, "page_bytes"))
+
+
+def allocate_group_pages(specs, groups, pool_pages, block_size: int, dtype, sharding=None,
+                         tp: int = 1) -> list[tuple]:
+    """Zeroed pages when each cache group has its own pool: a layer's arrays hold its group's
+    ``pool_pages[g]`` pages; ``()`` for a ``SharedKV`` layer."""
+    of_layer = {i: g for g, grp in enumerate(groups) for i in grp.layers}
+    out = [()] * len(specs)
+    for i, spec in enumerate(specs):
+        if i in of_layer:
+            out[i] = allocate_layer_pages([spec], pool_pages[of_layer[i]], block_size, dtype,
+                                          sharding, tp)[0]
+    return out

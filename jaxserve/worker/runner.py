@@ -32,11 +32,12 @@ from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup
-from jaxserve.worker.kv_cache import allocate_layer_pages, kv_cache_dtype
+from jaxserve.worker.kv_cache import allocate_group_pages, allocate_layer_pages, kv_cache_dtype
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
-from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, max_concurrency, page_pools,
+from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, group_pools,
+                                         kv_bytes_per_token, page_pools,
                                          pooled_kv_bytes_per_token, split_budget)
 from jaxserve.core.step_plan import (ARRAY_FIELDS, ScheduledSeq, StepPlan, build_step_plan,
                                      seq_bucket, token_ladder)
@@ -76,11 +77,14 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         ref = arrays["prev_ref"]
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
-        md = AttentionMetadata(  # one paged cache group: group 0's pages
-            slot_mapping=arrays["slot_mapping"][0],
+        # one pool: group 0's pages; pools per group: every group's ([G, ...]), and the model
+        # picks each layer's (cache_groups_supported)
+        grouped = arrays["block_tables"].shape[0] > 1
+        md = AttentionMetadata(
+            slot_mapping=arrays["slot_mapping"] if grouped else arrays["slot_mapping"][0],
             query_start=arrays["query_start"],
             seq_lens=arrays["seq_lens"],
-            block_tables=arrays["block_tables"][0],
+            block_tables=arrays["block_tables"] if grouped else arrays["block_tables"][0],
             num_seqs=arrays["num_seqs"],
         )
         hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
@@ -262,6 +266,57 @@ def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, ma
     return sizes
 
 
+def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes: int) -> bool:
+    """A page pool per cache group when the model reads per-group block tables and the groups
+    differ; one pool (every layer's array indexed by the same page ids) when
+    ``--disable-hybrid-kv-cache-manager``, swap preemption or a draft model's pool (which
+    shares the target's page ids) needs it."""
+    return (getattr(model, "cache_groups_supported", False)
+            and sum(g.paged for g in groups) > 1
+            and not engine_config.scheduler.disable_hybrid_kv_cache_manager
+            and engine_config.scheduler.preemption_mode != "swap"
+            and not extra_page_bytes)
+
+
+def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig,
+                     max_model_len, param_bytes: int, tp: int = 1) -> tuple[int, ...]:
+    """Pages of each group's pool from one budget, in proportion to what a full-length request
+    holds in each; a sliding group also gets the pages one step's prefill chunks span past the
+    windows (``max_num_batched_tokens / block_size + max_num_seqs``)."""
+    cache, sched = engine_config.cache, engine_config.scheduler
+    block = cache.block_size
+    if cache.num_gpu_blocks_override is not None:
+        return (int(cache.num_gpu_blocks_override),) * len(pools)
+    headroom = [(-(-sched.max_num_batched_tokens // block) + sched.max_num_seqs)
+                if p.window is not None else 0 for p in pools]
+    per_page = [p.page_bytes(block, tp) // tp for p in pools]
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:  # CPU: every sequence at full length, capped by a fixed budget
+        want = [sched.max_num_seqs * p.max_pages(max_model_len, block) + h + 1
+                for p, h in zip(pools, headroom)]
+        fit = split_budget(pools, CPU_KV_CACHE_BYTES, block_size=block,
+                           max_model_len=max_model_len, tp=tp)
+        return tuple(int(max(2, min(w, f + h))) for w, f, h in zip(want, fit, headroom))
+    in_use = stats.get("bytes_in_use", param_bytes)
+    t_max = sched.max_num_batched_tokens
+    act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
+    act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
+    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
+    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
+                                         2 * act + (256 << 20))
+    free -= sum(h * b for h, b in zip(headroom, per_page))
+    sizes = tuple(n + h for n, h in zip(
+        split_budget(pools, max(free, 0), block_size=block, max_model_len=max_model_len,
+                     tp=tp), headroom))
+    if min(sizes) < 2 or free <= 0:
+        raise ValueError(
+            f"no room for the KV cache: {total / 2**30:.1f} GiB device, "
+            f"gpu_memory_utilization {cache.gpu_memory_utilization}, {in_use / 2**30:.1f} GiB in "
+            f"use; raise gpu_memory_utilization or lower max_num_batched_tokens")
+    return sizes
+
+
 def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
                   param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> int:
     """Pages of the one pool of a model whose layers are all attention over ``model_config``'s
@@ -294,15 +349,28 @@ class ModelRunner:
         # layers grouped by cache spec; one page pool today (core.kv_cache_spec.page_pools)
         self.cache_specs = model_cache_specs(model, model_config, self.kv_dtype)
         self.cache_groups = group_layers(self.cache_specs)
-        self.pools = page_pools(self.cache_groups)
+        self.grouped = use_group_pools(model, self.cache_groups, engine_config,
+                                       extra_page_bytes)
+        if self.grouped:  # a pool per group (core.kv_cache_groups)
+            self.pools = group_pools(self.cache_groups)
+            sizes = group_pool_sizes(self.pools, model_config, engine_config, max_model_len,
+                                     param_bytes // tp, tp)
+            self.pool_pages = tuple(sharding.agree_across_hosts(n) for n in sizes)
+            self.kv_pages = allocate_group_pages(self.cache_specs, self.cache_groups,
+                                                 self.pool_pages, self.block_size, self.kv_dtype,
+                                                 sharding=kv_sharding, tp=tp)
+        else:  # one pool: a page id indexes every layer's array (core.kv_cache_spec.page_pools)
+            self.pools = page_pools(self.cache_groups)
+            sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
+                               param_bytes // tp, tp, extra_page_bytes)
+            self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
+            # one (k, v) per layer at its spec's shape, () for a layer reading another's pages
+            self.kv_pages = allocate_layer_pages(self.cache_specs, self.pool_pages[0],
+                                                 self.block_size, self.kv_dtype,
+                                                 sharding=kv_sharding, tp=tp)
+        self.num_pages = self.pool_pages[0]
         self.num_cache_groups = len(self.pools)  # block tables per plan row
-        sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
-                           param_bytes // tp, tp, extra_page_bytes)
-        self.num_pages = sharding.agree_across_hosts(sizes[0])
-        # one (k, v) per layer at its spec's shape, () for a layer reading another's pages
-        self.kv_pages = allocate_layer_pages(self.cache_specs, self.num_pages, self.block_size,
-                                             self.kv_dtype, sharding=kv_sharding, tp=tp)
-        self.page_bytes = self.pools[0].page_bytes(self.block_size)  # one page id, all layers
+        self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh)
@@ -324,15 +392,19 @@ class ModelRunner:
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         # what a max_model_len request holds per context token in these pools (vLLM's figure)
-        self.kv_bytes_per_token = pooled_kv_bytes_per_token(
-            self.cache_groups, block_size=self.block_size, max_model_len=max_model_len)
-        self.max_concurrency = max_concurrency((self.num_pages - 1) * self.page_bytes,
-                                               self.kv_bytes_per_token, max_model_len)
-        logger.info("KV cache: %d pages of %d tokens (%.1f MiB, %s); KV bytes per context "
-                    "token: %.0f; Maximum concurrency for %d tokens per request: %.2fx",
-                    self.num_pages, self.block_size, self.num_pages * self.page_bytes / 2**20,
-                    np.dtype(self.kv_dtype).name, self.kv_bytes_per_token, max_model_len,
-                    self.max_concurrency)
+        per_token = kv_bytes_per_token if self.grouped else pooled_kv_bytes_per_token
+        self.kv_bytes_per_token = per_token(self.cache_groups, block_size=self.block_size,
+                                            max_model_len=max_model_len)
+        self.max_concurrency = min(
+            (n - 1) / p.max_pages(max_model_len, self.block_size)
+            for n, p in zip(self.pool_pages, self.pools))
+        total = sum(n * p.page_bytes(self.block_size) for n, p in zip(self.pool_pages,
+                                                                       self.pools))
+        logger.info("KV cache: %s pages of %d tokens in %d pool(s) (%.1f MiB, %s); KV bytes "
+                    "per context token: %.0f; Maximum concurrency for %d tokens per request: "
+                    "%.2fx", "+".join(map(str, self.pool_pages)), self.block_size,
+                    len(self.pools), total / 2**20, np.dtype(self.kv_dtype).name,
+                    self.kv_bytes_per_token, max_model_len, self.max_concurrency)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so

@@ -246,6 +246,30 @@ def test_engine_greedy_equals_hf_with_prefix_caching_and_chunked_prefill(gemma4_
     assert got == engine_refs[kind]
 
 
+def test_sliding_group_returns_its_pages_during_a_long_generation(gemma4_dirs):
+    """A pool per cache group: over 80 generated tokens the sliding group's pages in use stay
+    flat (its window's) while the global group's grow with the context; the start-up figures
+    are the grouped ones."""
+    from jaxserve.core.kv_cache_groups import GroupedBlockManager
+    from jaxserve.core.sampling_params import SamplingParams
+
+    llm = _llm(gemma4_dirs("dense"))
+    eng = llm.llm_engine
+    bm = eng.scheduler.block_manager
+    assert isinstance(bm, GroupedBlockManager) and len(bm.managers) == 2
+    assert [m.sliding_window for m in bm.managers] == [16, None]
+    eng.add_request("long", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=80,
+                                                                ignore_eos=True))
+    used = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        used.append(bm.group_used_pages())
+    sliding, full = zip(*used[1:-1])
+    assert max(sliding) <= 16 // 8 + 2 and min(sliding) >= 2  # the window's pages only
+    assert full[-1] >= (40 + 78) // 8 and full[-1] > full[0] + 8  # every page kept
+    assert bm.group_used_pages() == [0, 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_greedy_equals_hf_under_preemption(gemma4_dirs, engine_refs, mode):
