@@ -23,7 +23,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import add_output_args, bar_plot, result_path, run_metadata, write_json  # noqa: E402
+from benchmarks.common import (add_output_args, bar_plot, result_path,  # noqa: E402
+                               run_metadata, write_json)
 
 PRESETS = ("gemma4-31b", "gemma4-26b-a4b")
 BUDGETS_GB = (80, 96)

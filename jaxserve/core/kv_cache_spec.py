@@ -7,10 +7,11 @@ Every model layer declares one spec (``CausalLM.cache_specs``); layers with equa
 request. All pools are sized from one byte budget, in proportion to what each needs per
 request, so every group holds the same number of full-length requests.
 
-Today's engine serves one **pool**: every paged group shares its page ids (a page id indexes
-each owning layer's array, each at its own spec's KV heads and head dim, so layers of different
-shapes cost what they hold), and the block manager frees a request's early pages only when every
-layer is windowed. A ``LinearState`` group gets a clear error here until the state pool exists.
+Two layouts. ``page_pools``: one pool whose page ids index every owning layer's array (each
+at its own spec's KV heads and head dim), freeing a request's early pages only when every layer
+is windowed. ``group_pools``: a pool per paged group (``core.kv_cache_groups``), each with its
+own free list and window, for models that read per-group block tables. A ``LinearState`` group
+gets a clear error here until the state pool exists.
 """
 from __future__ import annotations
 

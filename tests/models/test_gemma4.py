@@ -169,6 +169,26 @@ def test_layer_shapes_and_cache_specs(gemma4_dirs):
         (16, 2, None), (16, 2, None), (32, 1, None), (16, 2, None), (16, 2, 3), (32, 1, 2)]
 
 
+def test_unsupported_settings_are_clear_errors(gemma4_dirs):
+    import json
+
+    from flax import nnx
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.models.gemma4 import Gemma4ForCausalLM, layer_shapes
+
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        LLM(str(gemma4_dirs("dense")), dtype="float32", kv_cache_dtype="fp8",
+            calculate_kv_scales=True, max_model_len=64, enforce_eager=True)
+    hf = json.loads((gemma4_dirs("dense") / "config.json").read_text())
+    bidirectional = ModelConfig.from_hf_config({**hf, "use_bidirectional_attention": "all"})
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        Gemma4ForCausalLM(bidirectional, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_kv_shared_layers"):
+        layer_shapes({**hf, "num_kv_shared_layers": 6})
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe", "conditional"])
 def test_forward_and_greedy_match_hf(refs, kind):
     path, prompt, ref_logits, ref_tokens = refs[kind]
