@@ -7,11 +7,12 @@ Every model layer declares one spec (``CausalLM.cache_specs``); layers with equa
 request. All pools are sized from one byte budget, in proportion to what each needs per
 request, so every group holds the same number of full-length requests.
 
-Two layouts. ``page_pools``: one pool whose page ids index every owning layer's array (each
-at its own spec's KV heads and head dim), freeing a request's early pages only when every layer
-is windowed. ``group_pools``: a pool per paged group (``core.kv_cache_groups``), each with its
-own free list and window, for models that read per-group block tables. A ``LinearState`` group
-gets a clear error here until the state pool exists.
+Two layouts for the paged groups. ``page_pools``: one pool whose page ids index every owning
+layer's array (each at its own spec's KV heads and head dim), freeing a request's early pages
+only when every layer is windowed. ``group_pools``: a pool per paged group
+(``core.kv_cache_groups``), each with its own free list and window, for models that read
+per-group block tables. ``LinearState`` groups live in the **state pool** beside them (one slot
+per running request, :func:`split_budget_with_state`).
 """
 from __future__ import annotations
 
@@ -148,9 +149,11 @@ class PagePool:
 
 
 def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
-    """The page pools the engine allocates for these groups (one today, see the module doc)."""
-    if any(not g.paged for g in groups):
-        raise NotImplementedError("LinearState cache groups need a state pool (not built yet)")
+    """The page pools the engine allocates for these groups (one; see the module doc);
+    ``LinearState`` groups are left to the state pool (:func:`state_groups`)."""
+    groups = [g for g in groups if not isinstance(g.spec, LinearState)]
+    if not groups:
+        raise NotImplementedError("a model without any attention layer has no page pool")
     fields = [{getattr(g.spec, f) for g in groups} for f in ("kv_heads", "head_dim", "dtype")]
     kv_heads, head_dim, dtype = (next(iter(v)) if len(v) == 1 else None for v in fields)
     windows = [g.spec.window if isinstance(g.spec, SlidingWindow) else None for g in groups]
@@ -161,11 +164,9 @@ def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
 def group_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
     """One page pool per paged group, each with its own page ids (``core.kv_cache_groups``):
     a sliding group's pool frees the pages out of its own window."""
-    if any(not g.paged for g in groups):
-        raise NotImplementedError("LinearState cache groups need a state pool (not built yet)")
     return tuple(PagePool((g,), g.spec.kv_heads, g.spec.head_dim, g.spec.dtype,
                           g.spec.window if isinstance(g.spec, SlidingWindow) else None)
-                 for g in groups)
+                 for g in groups if g.paged)
 
 
 def split_budget(pools: Sequence[PagePool], budget_bytes: int, *, block_size: int,
@@ -180,6 +181,33 @@ def split_budget(pools: Sequence[PagePool], budget_bytes: int, *, block_size: in
     need = [p.max_pages(max_model_len, block_size) for p in pools]
     per_request = sum(n * b for n, b in zip(need, per_page))
     return tuple(int(budget_bytes * n // per_request) for n in need)
+
+
+# -- the state pool (LinearState groups) ------------------------------------------------------
+
+def state_groups(groups: Sequence[CacheGroup]) -> tuple[CacheGroup, ...]:
+    """The ``LinearState`` groups: their layers share one slot index per running request."""
+    return tuple(g for g in groups if isinstance(g.spec, LinearState))
+
+
+def state_bytes_per_slot(groups: Sequence[CacheGroup]) -> int:
+    """One slot across every LinearState layer (all devices together: the pool is replicated)."""
+    return sum(g.spec.slot_bytes() * len(g.layers) for g in state_groups(groups))
+
+
+def split_budget_with_state(pools: Sequence[PagePool], slot_bytes: int, budget_bytes: int, *,
+                            block_size: int, max_model_len: int, max_num_seqs: int, tp: int = 1
+                            ) -> tuple[int, tuple[int, ...]]:
+    """(state slots, pages per pool) from one byte budget: as many full-length requests as fit
+    (each a slot plus its pages), at most ``max_num_seqs`` slots; what the slots leave goes to
+    pages. The pool is replicated, so a slot costs ``slot_bytes`` on every device."""
+    page = [p.page_bytes(block_size, tp) // tp for p in pools]
+    need = [p.max_pages(max_model_len, block_size) for p in pools]
+    per_request = slot_bytes + sum(n * b for n, b in zip(need, page))
+    slots = int(max(0, min(max_num_seqs, budget_bytes // per_request)))
+    left = budget_bytes - slots * slot_bytes
+    return slots, split_budget(pools, left, block_size=block_size, max_model_len=max_model_len,
+                               tp=tp)
 
 
 # ----------------------------------------------------------------------------- capacity arithmetic

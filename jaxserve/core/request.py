@@ -82,6 +82,7 @@ class Request:
         # one page list per KV cache group when the groups have pools of their own
         # (core.kv_cache_groups); block_ids is then group 0's. None: one pool.
         self.group_block_ids: list[list[int]] | None = None
+        self.state_slot = -1  # recurrent-state pool slot (LinearState layers); -1: none
         self.block_hashes: list[int] = []  # prefix-cache hash chain of full pages (lazy)
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
         self.num_preemptions = 0

@@ -111,17 +111,25 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     # and may attend globally) reads the same page ids
     window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
         else runner.pools[0].window
+    prefix_caching = config.cache.enable_prefix_caching
+    if runner.num_state_slots is not None:
+        check_state_pool_support(config)
+        if prefix_caching:
+            logger.info("prefix caching is off: %s has LinearState (recurrent-state) layers, "
+                        "whose state a cached attention prefix does not restore",
+                        mc.architecture)
+            prefix_caching = False
     record = config.kv_events is not None and config.kv_events.enabled
     if runner.grouped:  # a pool per cache group, each freeing out of its own window
         block_manager = GroupedBlockManager([
-            BlockManager(n, config.cache.block_size,
-                         enable_prefix_caching=config.cache.enable_prefix_caching,
+            BlockManager(n, config.cache.block_size, enable_prefix_caching=prefix_caching,
                          sliding_window=pool.window, record_events=record)
             for n, pool in zip(runner.pool_pages, runner.pools)])
     else:
         block_manager = BlockManager(runner.num_pages, config.cache.block_size,
-                                     enable_prefix_caching=config.cache.enable_prefix_caching,
-                                     sliding_window=window, record_events=record)
+                                     enable_prefix_caching=prefix_caching,
+                                     sliding_window=window, record_events=record,
+                                     num_state_slots=runner.num_state_slots)
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
                           page_bytes=runner.page_bytes,
                           eos_token_ids=eos)
@@ -148,6 +156,20 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     else:
         runner.warmup()
     return engine
+
+
+def check_state_pool_support(config: EngineConfig) -> None:
+    """What a model with a recurrent-state pool cannot do yet: errors naming the flag."""
+    if config.scheduler.preemption_mode == "swap":
+        raise InvalidRequestError(
+            "--preemption-mode swap is not supported for models with LinearState (Gated "
+            "DeltaNet) layers: their state pool is not swapped; use recompute",
+            param="preemption_mode")
+    if config.speculative is not None:
+        raise InvalidRequestError(
+            "--speculative-config is not supported for models with LinearState (Gated "
+            "DeltaNet) layers yet (rejected drafts would stay in the recurrent state)",
+            param="speculative_config")
 
 
 def _load_tokenizer(model_path, tokenizer):
