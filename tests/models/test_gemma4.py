@@ -198,7 +198,7 @@ def test_forward_and_greedy_match_hf(refs, kind):
     assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_chunked_prefill_and_ragged_batch_match_hf(refs, kind):
     """Chunks that straddle the window, a second sequence in the same step, then decodes."""
     path, prompt, ref_logits, _ = refs[kind]
@@ -254,7 +254,7 @@ def _generate(llm, prompts):
     return [list(r.outputs[0].token_ids) for r in res]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def test_engine_greedy_equals_hf_with_prefix_caching_and_chunked_prefill(gemma4_dirs,
                                                                          engine_refs, kind):
     """Prompts chunked over several steps, batched with each other; the third prompt's first
