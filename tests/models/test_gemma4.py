@@ -291,6 +291,23 @@ def test_sliding_group_returns_its_pages_during_a_long_generation(gemma4_dirs):
 
 
 @pytest.mark.slow
+def test_groups_serve_ngram_speculation_and_n_greater_than_one(gemma4_dirs, engine_refs):
+    """Pools per group under speculative decoding (verify steps write k+1 positions per row)
+    and n > 1 (children fork from the parent's cached prefix)."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    llm = _llm(gemma4_dirs("dense"), speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert llm.llm_engine.runner.grouped
+    assert _generate(llm, _engine_prompts()) == engine_refs["dense"]
+    res = llm.generate([{"prompt_token_ids": [int(t) for t in _engine_prompts()[1]]}],
+                       SamplingParams(temperature=0.8, n=2, seed=1, max_tokens=ENGINE_NEW,
+                                      ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in res[0].outputs] == [ENGINE_NEW] * 2
+    assert llm.llm_engine.scheduler.block_manager.group_used_pages() == [0, 0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_greedy_equals_hf_under_preemption(gemma4_dirs, engine_refs, mode):
     """A pool of 14 pages for three requests of 6-8 pages each: requests are preempted and
