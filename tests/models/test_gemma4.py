@@ -68,7 +68,7 @@ class Driver:
     """A per-layer page pool (each layer at its own shape, shared layers none), scattered
     pages, one step plan per call."""
 
-    def __init__(self, path, *, mesh=None, seed=0):
+    def __init__(self, path, *, mesh=None, seed=0, **load_kw):
         import jax.numpy as jnp
         from flax import nnx
 
@@ -76,7 +76,7 @@ class Driver:
         from jaxserve.loaders.model_loader import load_model
         from jaxserve.worker.kv_cache import allocate_layer_pages
 
-        self.model, self.cfg, _ = load_model(str(path), dtype="float32", mesh=mesh)
+        self.model, self.cfg, _ = load_model(str(path), dtype="float32", mesh=mesh, **load_kw)
         self.graphdef, self.state = nnx.split(self.model)
         pool_sharding = sharding.kv_pool_sharding(mesh) if mesh is not None else None
         self.kv = allocate_layer_pages(self.model.cache_specs("float32"), NUM_PAGES, BLOCK,
@@ -326,11 +326,16 @@ def _child(cases: dict) -> dict:
 
     out = {}
     for name, (path, prompt) in cases.items():
-        drv = Driver(path, mesh=make_mesh(2), seed=4)
+        ep = name.endswith("-ep")
+        drv = Driver(path, mesh=make_mesh(2), seed=4, enable_expert_parallel=ep)
         logits, tokens = drv.prefill_then_greedy(np.asarray(prompt, np.int32), NEW_TOKENS)
         q = drv.model.model.layers[0].self_attn.q_proj.weight.get_value()
         out[name] = dict(logits=logits.tolist(), tokens=tokens,
                          q_shard=list(q.addressable_shards[0].data.shape), q=list(q.shape))
+        experts = drv.model.model.layers[0].experts
+        if experts is not None:
+            w = experts.gate_proj.get_value()
+            out[name]["experts"] = [list(w.shape), list(w.addressable_shards[0].data.shape)]
         del drv
     llm = _llm(cases["dense"][0], tensor_parallel_size=2)
     out["llm-dense"] = _generate(llm, _engine_prompts())
@@ -345,6 +350,7 @@ def tp2(refs):
     import sys
 
     cases = {k: (str(refs[k][0]), refs[k][1].tolist()) for k in ("dense", "moe")}
+    cases["moe-ep"] = cases["moe"]
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
@@ -362,6 +368,17 @@ def test_tp2_equals_hf(refs, tp2, kind):
     assert got["q_shard"] == [got["q"][0] // 2, got["q"][1]]  # really split
     np.testing.assert_allclose(np.asarray(got["logits"]), ref_logits, atol=ATOL, rtol=0)
     assert got["tokens"] == ref_tokens
+
+
+@pytest.mark.slow
+def test_expert_parallel_equals_hf(refs, tp2):
+    """Experts split whole over the two devices (2 each) instead of each expert split."""
+    _, _, ref_logits, ref_tokens = refs["moe"]
+    (e, h, i), shard = tp2["moe-ep"]["experts"]
+    assert shard == [e // 2, h, i] and tp2["moe"]["experts"][1] == [e, h, i // 2]
+    np.testing.assert_allclose(np.asarray(tp2["moe-ep"]["logits"]), ref_logits, atol=ATOL,
+                               rtol=0)
+    assert tp2["moe-ep"]["tokens"] == ref_tokens
 
 
 @pytest.mark.slow
