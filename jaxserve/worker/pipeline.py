@@ -291,8 +291,10 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.partition = layer_partition(model_config.num_layers, pp)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
         specs = runner_lib.model_cache_specs(model, model_config, self.kv_dtype)
+        self.cache_specs = specs
         self.cache_groups = group_layers(specs)
-        self.pools = page_pools(self.cache_groups)
+        self.pools = page_pools(self.cache_groups)  # one pool: a page id indexes every layer
+        self.grouped = False
         self.num_cache_groups = len(self.pools)
         self.state_layers, self.num_state_slots = (), None  # Llama/MoE: no LinearState layers
         # every stage holds the same page ids for its own layers: size by the largest stage
@@ -301,6 +303,8 @@ class PipelineRunner(runner_lib.ModelRunner):
         sizes = runner_lib.pool_sizes(page_pools(group_layers(specs[:widest])), stage_cfg,
                                       engine_config, max_model_len, param_bytes // (tp * pp), tp)
         self.num_pages = sharding.agree_across_hosts(sizes[0])
+        self.pool_pages = (self.num_pages,)
+        self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)  # all stages
         self.stage_pages, self._stage_leaves, self._stage_fns = [], [], []
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
             stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1)
