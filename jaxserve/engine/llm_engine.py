@@ -219,6 +219,28 @@ class LLMEngine:
                                       param="lora_request")
         self.lora_manager.add(lora_request)
 
+    def add_lora(self, lora_request) -> bool:
+        """Load and check an adapter ahead of its requests (``--lora-modules``, the runtime
+        load route); raises naming the adapter when it cannot be served."""
+        self._check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already running keep theirs); False if unknown."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_int_id)
+
+    def list_loras(self) -> list:
+        return [] if self.lora_manager is None else self.lora_manager.list_loras()
+
+    def _lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info`` labels: adapter names running and waiting."""
+        def names(reqs):
+            return ",".join(sorted({r.lora_request.lora_name for r in reqs
+                                    if r.lora_request is not None}))
+        return dict(max_lora=self.lora_manager.max_loras,
+                    running_lora_adapters=names(self.scheduler.running),
+                    waiting_lora_adapters=names(self.scheduler.waiting))
+
     def _lora_slots(self, sched) -> dict[int, int]:
         """Each adapter of the step in a device slot: adapter id -> slot."""
         if self.lora_manager is None:
@@ -556,6 +578,8 @@ class LLMEngine:
         )
         if self.proposer is not None:
             s.update(self.spec_stats.as_dict())
+        if self.lora_manager is not None:
+            s.update(self._lora_stats())
         return s
 
 

@@ -32,7 +32,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -43,6 +43,7 @@ from jaxserve.entrypoints.openai.metrics import RequestObserver, ServerMetrics
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.tokenizer import stop_buffer_length
 from jaxserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from jaxserve.entrypoints.openai.serving_models import ServingModels, runtime_lora_updating
 from jaxserve.entrypoints.openai.tool_call_stream import ToolCallStreamer
 from jaxserve.entrypoints.openai.tool_parsers import (get_tool_parser, parse_required,
                                                       partial_required_calls)
@@ -205,6 +206,7 @@ class _FanIn:
     # The engine's key: generated here, never taken from the client, so no client id can reach
     # (or collide with) another request's state.
     internal_id: str = field(default_factory=lambda: P.random_id("req"))
+    lora_request: Any = None  # the adapter the request's model names (None: the base)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
     buffered: list[_Event] = field(default_factory=list)
@@ -217,8 +219,9 @@ class _FanIn:
 
     async def _produce(self, i: int, prompt) -> None:
         try:
+            kw = {} if self.lora_request is None else {"lora_request": self.lora_request}
             gen = self.engine.generate(prompt, self.params, self.engine_id(i),
-                                       priority=self.priority)
+                                       priority=self.priority, **kw)
             async for out in gen:
                 self.queue.put_nowait(_Event(i, out))
             self.queue.put_nowait(_Event(i))
@@ -488,8 +491,9 @@ class OpenAIServing:
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
                  log_requests: bool = False, max_log_len: int | None = None,
-                 response_role: str = "assistant"):
+                 response_role: str = "assistant", lora_modules: list[dict] | None = None):
         self.engine = engine
+        self.models_registry = ServingModels(engine, served_model_names, lora_modules)
         self.response_role = response_role
         self.log_requests = log_requests
         self.max_log_len = max_log_len
@@ -582,12 +586,10 @@ class OpenAIServing:
         return body
 
     def _model_name(self, requested: str | None) -> str:
-        if requested is None:
-            return self.names[0]
-        if requested not in self.names:
-            raise InvalidRequestError(f"The model `{requested}` does not exist.", param="model",
-                                      status_code=404)
-        return requested
+        return self.models_registry.resolve(requested)[0]
+
+    def _lora_of(self, model: str):
+        return self.models_registry.resolve(model)[1]
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self._off_loop(self._encode_sync, text, add_special_tokens)
@@ -657,12 +659,13 @@ class OpenAIServing:
                 f"{len(ids)} tokens, which leaves no room for a completion. Please reduce "
                 "the length of the input.", param=param)
 
-    def _fanin(self, prompts: list[list[int]], params, request_id: str, priority: int) -> _FanIn:
+    def _fanin(self, prompts: list[list[int]], params, request_id: str, priority: int,
+               lora_request=None) -> _FanIn:
         self._admit()
         self.engine.check_health()
         observers = [self.metrics.observer() for _ in prompts]
         fanin = _FanIn(self.engine, prompts, params, request_id, priority, observers,
-                       on_close=self._live.discard)
+                       on_close=self._live.discard, lora_request=lora_request)
         self._live.add(fanin)
         logger.debug("request %s: response id %r", fanin.internal_id, request_id)
         if self.log_requests:
@@ -698,7 +701,7 @@ class OpenAIServing:
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
         self._check_vocab(sp)
         request_id = req.request_id or _header_id(request) or P.random_id("cmpl")
-        fanin = self._fanin(prompts, sp, request_id, req.priority)
+        fanin = self._fanin(prompts, sp, request_id, req.priority, self._lora_of(model))
         await fanin.prime()
         if req.stream:
             return _SSEResponse(self._completion_stream(req, fanin, model, echo_texts))
@@ -833,7 +836,7 @@ class OpenAIServing:
         if req.echo and req.messages[-1].role == "assistant":
             echo = req.messages[-1].text(f"messages.{len(req.messages) - 1}")
         request_id = req.request_id or _header_id(request) or P.random_id("chatcmpl")
-        fanin = self._fanin([ids], sp, request_id, req.priority)
+        fanin = self._fanin([ids], sp, request_id, req.priority, self._lora_of(model))
         await fanin.prime()
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         if top_k == -1:
@@ -974,9 +977,30 @@ class OpenAIServing:
     # -- small routes --------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         root = getattr(self.engine.config, "model", None)
-        cards = [P.ModelCard(id=name, root=root or name, max_model_len=self.engine.max_model_len)
-                 for name in self.names]
+        cards = self.models_registry.cards(P.ModelCard, root, self.engine.max_model_len)
         return _JSON(P.ModelList(data=cards))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            raise InvalidRequestError("Both 'lora_name' and 'lora_path' must be provided.",
+                                      param="lora_name")
+        await self.models_registry.load(name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``."""
+        body = await self._body(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not name:
+            raise InvalidRequestError("'lora_name' needs to be provided to unload a LoRA "
+                                      "adapter.", param="lora_name")
+        await self.models_registry.unload(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)
@@ -1104,7 +1128,8 @@ def build_app(engine, *, api_key: str | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               trust_request_chat_template: bool = False, cors: dict | None = None,
               log_requests: bool = False, max_log_len: int | None = None,
-              response_role: str = "assistant", metrics_prefix: str = "jaxserve") -> Starlette:
+              response_role: str = "assistant", metrics_prefix: str = "jaxserve",
+              lora_modules: list[dict] | None = None) -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
     the route handlers (``serving``: draining on shutdown) and the metrics registry
     (``metrics_prefix``: ``jaxserve`` or ``vllm``)."""
@@ -1118,7 +1143,7 @@ def build_app(engine, *, api_key: str | None = None,
                             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                             trust_request_chat_template=trust_request_chat_template,
                             log_requests=log_requests, max_log_len=max_log_len,
-                            response_role=response_role)
+                            response_role=response_role, lora_modules=lora_modules)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -1139,6 +1164,10 @@ def build_app(engine, *, api_key: str | None = None,
         Route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"]),
         Route("/metrics", serving.render_metrics, methods=["GET"]),
     ]
+    if runtime_lora_updating():
+        routes += [Route("/v1/load_lora_adapter", serving.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", serving.unload_lora_adapter,
+                         methods=["POST"])]
     async def client_gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
@@ -1285,7 +1314,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                log_requests: bool = False, max_log_len: int | None = None,
                response_role: str = "assistant", log_stats: bool = True, root_path: str = "",
                ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
-               metrics_prefix: str = "jaxserve") -> None:
+               metrics_prefix: str = "jaxserve", lora_modules: list[dict] | None = None
+               ) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly. ``log_stats``: the periodic stats log lines."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
@@ -1316,7 +1346,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     trust_request_chat_template=trust_request_chat_template, cors=cors,
                     log_requests=log_requests, max_log_len=max_log_len,
-                    response_role=response_role, metrics_prefix=metrics_prefix)
+                    response_role=response_role, metrics_prefix=metrics_prefix,
+                    lora_modules=lora_modules)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown,
                             root_path=root_path, ssl_keyfile=ssl_keyfile,
@@ -1335,6 +1366,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
 
             stats_task = asyncio.create_task(log_stats_forever(engine.stats, log_interval_s()))
         try:
+            # --lora-modules: each adapter checked and loaded before the first request
+            await app.state.serving.models_registry.load_startup_adapters()
             await server.serve()
         finally:
             if stats_task is not None:
