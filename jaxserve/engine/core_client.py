@@ -31,6 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest, FinishSequences,
+                                          LoRAUpdate,
                                           ResetPrefixCache, Shutdown, decode_message,
                                           encode_request, run_engine_core)
 from jaxserve.engine.output_processor import OutputProcessor
