@@ -36,6 +36,9 @@ class LoRAAdapterError(InvalidRequestError):
         self.adapter = name
         self.reason = reason
 
+    def __reduce__(self):  # crosses the core process' pipe whole
+        return type(self), (self.adapter, self.reason, self.status_code)
+
 
 @dataclass
 class LoRATargets:
