@@ -31,6 +31,17 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
               enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=3)
 
 
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _targets(arch, targets):
+    """Phi-3's checkpoint names: fused qkv_proj and gate_up_proj."""
+    if arch != "phi3":
+        return targets
+    return sorted({FUSED.get(t, t) for t in targets})
+
+
 @pytest.fixture(scope="module")
 def family(tmp_path_factory, request):
     arch = request.param
@@ -38,7 +49,8 @@ def family(tmp_path_factory, request):
     base = make_tiny_model(arch, d / "base")
     adapters = {}
     for i, (name, (r, targets, rs)) in enumerate(ADAPTERS.items()):
-        adapters[name] = make_peft_adapter(base, d / name, r=r, target_modules=targets,
+        adapters[name] = make_peft_adapter(base, d / name, r=r,
+                                           target_modules=_targets(arch, targets),
                                            use_rslora=rs, seed=10 + i)
     return arch, base, adapters
 
@@ -66,7 +78,8 @@ def _requests(adapters):
             enumerate(adapters.items())]
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)],
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
+                                    pytest.param("phi3", marks=pytest.mark.slow)],
                          indirect=True)
 def test_mixed_adapters_match_hf_peft(family):
     from jaxserve import LLM, SamplingParams
