@@ -371,7 +371,12 @@ class ModelConfig:
         """Map an HF config.json dict (transformers 4.x or 5.x spelling) to a ModelConfig."""
         d = dict(d)
         if "text_config" in d and "hidden_size" not in d:
+            top = d
             d = {**d, **d["text_config"]}
+            # the outer class (e.g. Qwen3_5ForConditionalGeneration) names the layout to load
+            d["architectures"] = top.get("architectures") or d.get("architectures")
+        if "intermediate_size" not in d and "moe_intermediate_size" in d:
+            d["intermediate_size"] = d["moe_intermediate_size"]  # every layer sparse (Qwen3.5 MoE)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if key not in d:

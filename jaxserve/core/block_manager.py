@@ -29,6 +29,7 @@ import xxhash
 from jaxserve.core.kv_events import (MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored,
                                      block_hash_bytes)
 from jaxserve.core.request import Request
+from jaxserve.core.state_slots import StateSlots
 from jaxserve.core.step_plan import TRASH_PAGE
 
 NULL_PAGE = TRASH_PAGE  # the block-table entry of a page released out of the window
@@ -50,7 +51,8 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None, record_events: bool = False):
+                 sliding_window: int | None = None, record_events: bool = False,
+                 num_state_slots: int | None = None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
         if block_size < 1:
@@ -77,6 +79,11 @@ class BlockManager:
         self.prefix_cache_requests = 0
         # KV-cache events since the last take_events() (None: not recorded)
         self._events: list | None = [] if record_events else None
+        # LinearState models: a request holds one state slot with its pages (None: no such layers)
+        self.state_slots = None if num_state_slots is None else StateSlots(num_state_slots)
+        if self.state_slots is not None and enable_prefix_caching:
+            raise ValueError("prefix caching serves no recurrent state: turn it off for models "
+                             "with LinearState layers")
 
     # -- pool state -------------------------------------------------------------------------
     @property
@@ -238,6 +245,18 @@ class BlockManager:
         the free queue is too short.
         """
         computed = list(new_computed_blocks) if new_computed_blocks else []
+        needs_slot = self.state_slots is not None and request.state_slot < 0
+        if needs_slot and not self.state_slots.num_free:
+            return False
+        if needs_slot:  # pages first: a refusal below changes nothing
+            ok = self._allocate_pages(request, num_new_tokens, new_computed_blocks, computed)
+            if ok:
+                request.state_slot = self.state_slots.allocate(request.request_id)
+            return ok
+        return self._allocate_pages(request, num_new_tokens, new_computed_blocks, computed)
+
+    def _allocate_pages(self, request: Request, num_new_tokens: int,
+                        new_computed_blocks: Sequence[int] | None, computed: list[int]) -> bool:
         if computed and request.block_ids:
             raise ValueError("prefix-cache hits can only be added to a request without pages")
         bs = self.block_size
@@ -307,6 +326,9 @@ class BlockManager:
             if p != NULL_PAGE:
                 self._unref(p)
         request.block_ids = []
+        if request.state_slot >= 0 and self.state_slots is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = -1
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_released.pop(request.request_id, None)
 
@@ -332,3 +354,7 @@ class BlockManager:
         for h, p in self._cached.items():
             assert self.page_hash[p] == h
         assert sum(h is not None for h in self.page_hash) == len(self._cached)
+        if self.state_slots is not None:
+            held = {r.state_slot: r.request_id for r in requests if r.state_slot >= 0}
+            assert held == self.state_slots.owners(), \
+                f"state slots {self.state_slots.owners()} != held by requests {held}"

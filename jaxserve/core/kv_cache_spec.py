@@ -7,11 +7,12 @@ Every model layer declares one spec (``CausalLM.cache_specs``); layers with equa
 request. All pools are sized from one byte budget, in proportion to what each needs per
 request, so every group holds the same number of full-length requests.
 
-Today's engine serves one **pool**: the paged groups that share a page shape (full and sliding
-layers of one model) share its pages, and the block manager frees a request's early pages only
-when every layer is windowed. A model that adds a page shape (``SharedKV`` producers of another
-size, several head dims) or a ``LinearState`` group gets a clear error here until the pools and
-the block manager grow per-group free lists.
+Today's engine serves one **page pool**: the paged groups that share a page shape (full and
+sliding layers of one model) share its pages, and the block manager frees a request's early pages
+only when every layer is windowed. A model that adds a page shape (``SharedKV`` producers of
+another size, several head dims) gets a clear error here until the pools and the block manager
+grow per-group free lists. ``LinearState`` groups live in the **state pool** beside it (one slot
+per running request, :func:`split_budget_with_state`).
 """
 from __future__ import annotations
 
@@ -147,9 +148,11 @@ class PagePool:
 
 
 def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
-    """The page pools the engine allocates for these groups (one today, see the module doc)."""
-    if any(not g.paged for g in groups):
-        raise NotImplementedError("LinearState cache groups need a state pool (not built yet)")
+    """The page pools the engine allocates for these groups (one today, see the module doc);
+    ``LinearState`` groups are left to the state pool (:func:`state_groups`)."""
+    groups = [g for g in groups if not isinstance(g.spec, LinearState)]
+    if not groups:
+        raise NotImplementedError("a model without any attention layer has no page pool")
     shapes = {(g.spec.kv_heads, g.spec.head_dim, g.spec.dtype) for g in groups}
     if len(shapes) != 1:
         raise NotImplementedError(f"layers with different page shapes {sorted(shapes)} need one "
@@ -172,3 +175,30 @@ def split_budget(pools: Sequence[PagePool], budget_bytes: int, *, block_size: in
     need = [p.max_pages(max_model_len, block_size) for p in pools]
     per_request = sum(n * b for n, b in zip(need, per_page))
     return tuple(int(budget_bytes * n // per_request) for n in need)
+
+
+# -- the state pool (LinearState groups) ------------------------------------------------------
+
+def state_groups(groups: Sequence[CacheGroup]) -> tuple[CacheGroup, ...]:
+    """The ``LinearState`` groups: their layers share one slot index per running request."""
+    return tuple(g for g in groups if isinstance(g.spec, LinearState))
+
+
+def state_bytes_per_slot(groups: Sequence[CacheGroup]) -> int:
+    """One slot across every LinearState layer (all devices together: the pool is replicated)."""
+    return sum(g.spec.slot_bytes() * len(g.layers) for g in state_groups(groups))
+
+
+def split_budget_with_state(pools: Sequence[PagePool], slot_bytes: int, budget_bytes: int, *,
+                            block_size: int, max_model_len: int, max_num_seqs: int, tp: int = 1
+                            ) -> tuple[int, tuple[int, ...]]:
+    """(state slots, pages per pool) from one byte budget: as many full-length requests as fit
+    (each a slot plus its pages), at most ``max_num_seqs`` slots; what the slots leave goes to
+    pages. The pool is replicated, so a slot costs ``slot_bytes`` on every device."""
+    page = [p.page_bytes(block_size, tp) // tp for p in pools]
+    need = [p.max_pages(max_model_len, block_size) for p in pools]
+    per_request = slot_bytes + sum(n * b for n, b in zip(need, page))
+    slots = int(max(0, min(max_num_seqs, budget_bytes // per_request)))
+    left = budget_bytes - slots * slot_bytes
+    return slots, split_budget(pools, left, block_size=block_size, max_model_len=max_model_len,
+                               tp=tp)

@@ -83,6 +83,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []  # KV pages owned, in position order
+        self.state_slot = -1  # recurrent-state pool slot (LinearState layers); -1: none
         self.block_hashes: list[int] = []  # prefix-cache hash chain of full pages (lazy)
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
         self.num_preemptions = 0

@@ -79,6 +79,7 @@ class SchedulerOutput:
                 sample=s.sample,
                 prev_row=prev_rows.get(s.request.request_id, -1),
                 num_draft=s.num_draft,
+                state_slot=s.request.state_slot,
             )
             for s in self.scheduled
         ]

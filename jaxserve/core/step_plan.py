@@ -69,12 +69,13 @@ class ScheduledSeq:
     history_ref: tuple[int, int] | None = None
     # prompt_logprobs: the prompt token after each of the row's first len(...) new tokens
     prompt_next_ids: Sequence[int] | None = None
+    state_slot: int = -1  # the row's recurrent-state pool slot (LinearState layers); -1: none
     lora_slot: int = -1  # the device slot of the row's adapter; -1: the base model
 
 
 # StepPlan fields the jitted forward reads (the sampler reads ``sampling`` and the extras).
 FORWARD_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "seq_lens",
-                  "block_tables", "logits_indices", "prev_ref")
+                  "block_tables", "logits_indices", "prev_ref", "state_slots")
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def build_step_plan(
         block_tables=block_tables,
         logits_indices=logits_indices,
         prev_ref=prev_ref,
-        state_slots=np.full(s_bucket, -1, dtype=np.int32),
+        state_slots=_state_slots(rows, s_bucket),
         lora_slots=_lora_slots(rows, q_lens, t_bucket),
         sampling=build_sampling_arrays([r.sampling for r in rows], s_bucket,
                                        history_len=history_len, rng=rng),
@@ -259,6 +260,13 @@ def _pages(rows, pos, row_of_tok, needed, block_size: int, max_pages: int, s_buc
     slot_mapping[:, :len(pos)] = (block_tables[:, row_of_tok, pos // block_size] * block_size
                                   + pos % block_size)
     return block_tables, slot_mapping
+
+
+def _state_slots(rows, s_bucket: int) -> np.ndarray:
+    """``state_slots[S]``: each row's state-pool slot, -1 for padding rows."""
+    slots = np.full(s_bucket, -1, dtype=np.int32)
+    slots[:len(rows)] = [r.state_slot for r in rows]
+    return slots
 
 
 def _row_extras(rows, query_start, s_bucket: int, t_bucket: int):

@@ -112,11 +112,20 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     # and may attend globally) reads the same page ids
     window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
         else runner.pools[0].window
+    prefix_caching = config.cache.enable_prefix_caching
+    if runner.num_state_slots is not None:
+        check_state_pool_support(config)
+        if prefix_caching:
+            logger.info("prefix caching is off: %s has LinearState (recurrent-state) layers, "
+                        "whose state a cached attention prefix does not restore",
+                        mc.architecture)
+            prefix_caching = False
     block_manager = BlockManager(runner.num_pages, config.cache.block_size,
-                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 enable_prefix_caching=prefix_caching,
                                  sliding_window=window,
                                  record_events=config.kv_events is not None
-                                 and config.kv_events.enabled)
+                                 and config.kv_events.enabled,
+                                 num_state_slots=runner.num_state_slots)
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
                           page_bytes=page_bytes(mc, config.cache.block_size, runner.kv_dtype),
                           eos_token_ids=eos,
@@ -144,6 +153,20 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     else:
         runner.warmup()
     return engine
+
+
+def check_state_pool_support(config: EngineConfig) -> None:
+    """What a model with a recurrent-state pool cannot do yet: errors naming the flag."""
+    if config.scheduler.preemption_mode == "swap":
+        raise InvalidRequestError(
+            "--preemption-mode swap is not supported for models with LinearState (Gated "
+            "DeltaNet) layers: their state pool is not swapped; use recompute",
+            param="preemption_mode")
+    if config.speculative is not None:
+        raise InvalidRequestError(
+            "--speculative-config is not supported for models with LinearState (Gated "
+            "DeltaNet) layers yet (rejected drafts would stay in the recurrent state)",
+            param="speculative_config")
 
 
 def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype, mesh):

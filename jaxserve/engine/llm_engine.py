@@ -412,7 +412,8 @@ class LLMEngine:
             sample=s.sample, prev_row=prev_rows.get(r.request_id, -1), num_draft=s.num_draft,
             sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
                                  self._eos_list, r.num_output_tokens) if s.sample else None,
-            history_ref=history_ref, prompt_next_ids=next_ids, lora_slot=lora_slot)
+            history_ref=history_ref, prompt_next_ids=next_ids, state_slot=r.state_slot,
+            lora_slot=lora_slot)
 
     def _token_bitmask(self, sched) -> tuple[np.ndarray | None, bool]:
         """The rows' allowed tokens (grammars, allowed_token_ids, bad_words), or None when no

@@ -38,7 +38,10 @@ _NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(.+)$")
 
 def attention_modules(model) -> list:
     """Each decoder layer's attention module, in layer order."""
-    return [layer.self_attn for layer in model.model.layers]
+    # a layer without attention (Gated DeltaNet) holds an unused scale of its own, so the
+    # scales stay indexed by layer
+    return [layer.self_attn if getattr(layer, "self_attn", None) is not None
+            else layer.linear_attn for layer in model.model.layers]
 
 
 def set_kv_scales(model, scales: np.ndarray | None) -> None:

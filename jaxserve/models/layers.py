@@ -229,6 +229,7 @@ class AttentionMetadata(NamedTuple):
     seq_lens: jax.Array  # [S] context length after this step; 0 = padding row
     block_tables: jax.Array  # [S, M] pages of each sequence
     num_seqs: jax.Array  # scalar: real rows
+    state_slots: jax.Array | None = None  # [S] state-pool slot of each row (LinearState layers)
 
 
 # "pallas": Pallas-Triton; "mosaic": Pallas Mosaic GPU (Hopper, bf16/f16); "triton": Triton's

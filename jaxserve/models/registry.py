@@ -5,6 +5,7 @@ from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.moe import MoeForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
+from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +18,10 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
 }
 
 

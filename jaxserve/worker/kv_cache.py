@@ -59,3 +59,36 @@ def allocate_kv_pages(model_config: ModelConfig, num_pages: int, block_size: int
     shape = kv_page_shape(model_config, num_pages, block_size, tp)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(model_config.num_layers)]
+
+
+# -- the state pool (LinearState layers) ---------------------------------------------------------
+
+def allocate_state_pool(spec, num_slots: int, sharding=None) -> tuple[jax.Array, ...]:
+    """One LinearState layer's arrays, zeroed: ``[num_slots + 1, *shape]`` each, the last slot
+    the trash slot (rows without a slot, e.g. warm-up rows, write there). Replicated."""
+    if sharding is None:
+        sharding = replicated(default_mesh())
+    dtype = jnp.dtype(spec.dtype)
+    return tuple(jax.jit(lambda s=s: jnp.zeros((num_slots + 1,) + tuple(s), dtype),
+                         out_shardings=sharding)() for s in spec.shapes)
+
+
+def allocate_hybrid_caches(model_config: ModelConfig, cache_groups, num_pages: int,
+                           num_slots: int, block_size: int, dtype, kv_sharding=None,
+                           state_sharding=None, tp: int = 1) -> list[tuple[jax.Array, ...]]:
+    """Per layer: ``(k_pages, v_pages)`` for an attention layer, its state-pool arrays
+    (:func:`allocate_state_pool`) for a LinearState layer."""
+    from jaxserve.core.kv_cache_spec import LinearState
+
+    if kv_sharding is None:
+        kv_sharding = replicated(default_mesh())
+    if num_pages < 2:
+        raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
+    shape = kv_page_shape(model_config, num_pages, block_size, tp)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
+    caches: list = [None] * model_config.num_layers
+    for g in cache_groups:
+        for i in g.layers:
+            caches[i] = (allocate_state_pool(g.spec, num_slots, state_sharding)
+                         if isinstance(g.spec, LinearState) else (zeros(), zeros()))
+    return caches

@@ -32,12 +32,15 @@ from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup
-from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
+from jaxserve.worker.kv_cache import (allocate_hybrid_caches, allocate_kv_pages, kv_cache_dtype,
+                                      page_bytes)
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
-from jaxserve.core.kv_cache_spec import attention_spec, group_layers, page_pools, split_budget
+from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, page_pools, split_budget,
+                                         split_budget_with_state, state_bytes_per_slot,
+                                         state_groups)
 from jaxserve.core.step_plan import (ARRAY_FIELDS, ScheduledSeq, StepPlan, build_step_plan,
                                      seq_bucket, token_ladder)
 
@@ -62,7 +65,8 @@ _TRACES = _TraceCount()
 
 
 @lru_cache(maxsize=None)
-def _forward_fn(graphdef, state_treedef, mesh=None):
+def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...] = (),
+                num_layers: int = 0):
     """The model half of the step (write K/V, attend, logits of each row's last token), jitted
     for one model graph.
 
@@ -82,6 +86,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
             seq_lens=arrays["seq_lens"],
             block_tables=arrays["block_tables"][0],
             num_seqs=arrays["num_seqs"],
+            state_slots=_state_slots(arrays["state_slots"], kv_pages, state_layers),
         )
         if "lora" in arrays:  # (scale [L], per-layer A/B) of the device slots
             hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md,
@@ -102,8 +107,21 @@ def _forward_fn(graphdef, state_treedef, mesh=None):
         return jax.jit(forward, donate_argnums=(1,))
     # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
     # shards) and the donated pool keeps its head sharding, so every step reuses one program.
+    pool = sharding.kv_pool_sharding(mesh)
+    if state_layers:  # the state pool is replicated, the page pools split over heads
+        pool = [sharding.replicated(mesh) if i in state_layers else pool
+                for i in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,), out_shardings=(
-        sharding.replicated(mesh), sharding.kv_pool_sharding(mesh), sharding.replicated(mesh)))
+        sharding.replicated(mesh), pool, sharding.replicated(mesh)))
+
+
+def _state_slots(slots, kv_pages, state_layers: tuple[int, ...]):
+    """The plan's slots with -1 (no slot: padding and warm-up rows) sent to the trash slot,
+    the last one of the state pool; None for a model without LinearState layers."""
+    if not state_layers:
+        return None
+    trash = kv_pages[state_layers[0]][0].shape[0] - 1
+    return jnp.where(slots < 0, trash, slots)
 
 
 PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in memory
@@ -266,6 +284,32 @@ def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, ma
     return sizes
 
 
+def state_pool_sizes(pools, cache_groups, model_config: ModelConfig,
+                     engine_config: EngineConfig, max_model_len, param_bytes: int, tp: int = 1
+                     ) -> tuple[int, tuple[int, ...]]:
+    """(state slots, pages of each pool) of a model with LinearState layers, from the same
+    budget as :func:`pool_sizes`: a slot and a full-length request's pages per request, at most
+    ``max_num_seqs`` slots. With ``num_gpu_blocks_override`` or on CPU (no memory limit) every
+    ``max_num_seqs`` request gets a slot and the pages are sized as for any model."""
+    max_num_seqs = engine_config.scheduler.max_num_seqs
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if engine_config.cache.num_gpu_blocks_override is not None or not stats.get("bytes_limit"):
+        return max_num_seqs, pool_sizes(pools, model_config, engine_config, max_model_len,
+                                        param_bytes, tp)
+    # the page budget pool_sizes would give, re-split between slots and pages
+    sizes = pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp)
+    budget = sum(n * p.page_bytes(engine_config.cache.block_size, tp) // tp
+                 for n, p in zip(sizes, pools))
+    slots, sizes = split_budget_with_state(
+        pools, state_bytes_per_slot(cache_groups), budget,
+        block_size=engine_config.cache.block_size, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, tp=tp)
+    if slots < 1 or min(sizes) < 2:
+        raise ValueError("no room for the state pool and the KV cache: raise "
+                         "--gpu-memory-utilization or lower --max-model-len")
+    return slots, sizes
+
+
 def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
                   param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> int:
     """Pages of the one pool of a model whose layers are all attention over ``model_config``'s
@@ -300,14 +344,28 @@ class ModelRunner:
         self.cache_groups = group_layers(model_cache_specs(model, model_config, self.kv_dtype))
         self.pools = page_pools(self.cache_groups)
         self.num_cache_groups = len(self.pools)  # block tables per plan row
-        sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
-                           param_bytes // tp, tp, extra_page_bytes)
-        self.num_pages = sharding.agree_across_hosts(sizes[0])
-        self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
-                                          self.kv_dtype, sharding=kv_sharding, tp=tp)
+        self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
+                                         for i in g.layers))
+        self.num_state_slots = None  # slots of the state pool (None: no LinearState layers)
+        if self.state_layers:
+            slots, sizes = state_pool_sizes(self.pools, self.cache_groups, model_config,
+                                            engine_config, max_model_len, param_bytes // tp, tp)
+            self.num_state_slots = sharding.agree_across_hosts(slots)
+            self.num_pages = sharding.agree_across_hosts(sizes[0])
+            self.kv_pages = allocate_hybrid_caches(
+                model_config, self.cache_groups, self.num_pages, self.num_state_slots,
+                self.block_size, self.kv_dtype, kv_sharding=kv_sharding,
+                state_sharding=sharding.replicated(mesh or sharding.default_mesh()), tp=tp)
+        else:
+            sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
+                               param_bytes // tp, tp, extra_page_bytes)
+            self.num_pages = sharding.agree_across_hosts(sizes[0])
+            self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
+                                              self.kv_dtype, sharding=kv_sharding, tp=tp)
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
-        self._forward = _forward_fn(self.graphdef, treedef, mesh)
+        self._forward = _forward_fn(self.graphdef, treedef, mesh, self.state_layers,
+                                    model_config.num_layers)
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
         self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef,
@@ -325,9 +383,26 @@ class ModelRunner:
         self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
-        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages, self.block_size,
-                    self.num_pages * page_bytes(model_config, self.block_size, self.kv_dtype)
-                    / 2**20)
+        if self.state_layers:
+            self._log_hybrid_cache(max_model_len, tp)
+        else:
+            logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages,
+                        self.block_size, self.num_pages
+                        * page_bytes(model_config, self.block_size, self.kv_dtype) / 2**20)
+
+    def _log_hybrid_cache(self, max_model_len: int, tp: int) -> None:
+        """What the page pool and the state pool hold: requests and context tokens."""
+        page = self.pools[0].page_bytes(self.block_size, tp) // tp
+        slot = state_bytes_per_slot(self.cache_groups)
+        tokens = (self.num_pages - 1) * self.block_size
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.1f MiB, %d attention layers, %.0f bytes per "
+            "context token); state pool: %d slots of %.2f MiB (%d LinearState layers, float32): "
+            "%d requests at once, %d context tokens in all (%.1f requests at max_model_len %d)",
+            self.num_pages, self.block_size, self.num_pages * page / 2**20,
+            len(self.pools[0].layers), page / self.block_size, self.num_state_slots,
+            slot / 2**20, len(self.state_layers), self.num_state_slots, tokens,
+            min(self.num_state_slots, tokens / max_model_len), max_model_len)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so

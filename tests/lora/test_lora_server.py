@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 openai = pytest.importorskip("openai")
 
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args  # noqa: E402
-from jaxserve.entrypoints.openai.server import build_app  # noqa: E402
+from jaxserve.entrypoints.openai.app import build_app  # noqa: E402
 from jaxserve.testing.lora_adapters import (make_peft_adapter, merged_hf_model,  # noqa: E402
                                             write_random_adapter)
 from jaxserve.testing.tiny_model import make_tiny_model  # noqa: E402

@@ -1,0 +1,327 @@
+"""Qwen 3.5 / 3.6 (HF ``qwen3_5``, ``qwen3_5_moe``): the hybrid of Gated DeltaNet and gated
+full attention, dense or mixture-of-experts, text stack only.
+
+Per layer (``layer_types``): ``linear_attention`` layers are Gated DeltaNet (causal conv1d over
+q/k/v, the gated delta rule, a gated RMSNorm on the output) and cache a fixed-size recurrent
+state (``LinearState``: conv history and delta-rule state, float32, one slot per running
+request); ``full_attention`` layers are paged attention whose query projection also carries a
+per-head output gate, with q/k RMSNorm and rotary embeddings on the first quarter of the head
+(``partial_rotary_factor``). Norms outside the GDN layers are zero-centred (``(1 + w)``).
+
+Caches: ``kv_pages[i]`` is ``(k_pages, v_pages)`` for an attention layer and
+``(conv_state, recurrent_state)`` pools ``[N, C, K-1]``, ``[N, H_v, D_k, D_v]`` for a GDN layer;
+``md.state_slots[S]`` names each row's slot (``pallas_kernels.gated_delta_rule``).
+
+Checkpoints: ``Qwen3_5ForCausalLM`` (``model.*``) and the vision-language layout
+(``Qwen3_5ForConditionalGeneration``: ``model.language_model.*``, ``model.visual.*`` skipped);
+the multi-token-prediction head (``mtp.*``) is not loaded. Tensor parallel: attention heads and
+the MLPs are split (Megatron rules), the GDN layers are replicated on every device.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.core.kv_cache_spec import FullAttention, LinearState
+from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.layers import (
+    ATTENTION_BACKENDS,
+    AttentionMetadata,
+    Embedding,
+    Linear,
+    MLP,
+    _normal,
+    apply_rope,
+    paged_self_attention,
+    rope_cos_sin,
+)
+from jaxserve.models.moe import MoeForCausalLM, SparseMoeBlock
+from jaxserve.models.quantization import lm_head_logits
+from pallas_kernels import gated_delta_rule as gdn
+
+LINEAR = "linear_attention"
+# GDN tensors are replicated under tensor parallelism (their heads are not split)
+_REPLICATED = ("linear_attn.",)
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def layer_types(cfg: ModelConfig) -> tuple[str, ...]:
+    lt = cfg.layer_types or cfg.hf.get("layer_types")
+    if lt is None:
+        every = int(cfg.hf.get("full_attention_interval") or 4)
+        lt = [("full_attention" if (i + 1) % every == 0 else LINEAR)
+              for i in range(cfg.num_layers)]
+    return tuple(lt)
+
+
+def _rope_params(cfg: ModelConfig) -> dict:
+    return dict(cfg.hf.get("rope_parameters") or cfg.hf.get("rope_scaling") or {})
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    """``norm(x) * (1 + w)`` in float32, then cast (the checkpoint stores ``w`` around 0)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """``w * norm(x) * silu(gate)``: the GDN output norm (plain weight, around 1)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x, gate):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        y = self.weight[...] * xf.astype(x.dtype)
+        return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+class Conv1dWeight(nnx.Module):
+    """HF's depthwise ``nn.Conv1d`` weight ``[C, 1, K]`` (no bias)."""
+
+    def __init__(self, channels: int, kernel: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (channels, 1, kernel), dtype, std=0.2))
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        hf = cfg.hf
+        h = cfg.hidden_size
+        self.num_k_heads = int(hf["linear_num_key_heads"])
+        self.num_v_heads = int(hf["linear_num_value_heads"])
+        self.head_k_dim = int(hf["linear_key_head_dim"])
+        self.head_v_dim = int(hf["linear_value_head_dim"])
+        self.conv_kernel = int(hf.get("linear_conv_kernel_dim", 4))
+        self.kv_scale = None  # no KV pages: float8 KV scales never apply (kept per layer)
+        self.num_kv_heads = cfg.num_kv_heads
+        self.activation = cfg.hidden_act
+        key_dim = self.num_k_heads * self.head_k_dim
+        value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * key_dim + value_dim
+        lin = dict(bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_qkv = Linear(h, self.conv_dim, **lin)
+        self.in_proj_z = Linear(h, value_dim, **lin)
+        self.in_proj_b = Linear(h, self.num_v_heads, **lin)
+        self.in_proj_a = Linear(h, self.num_v_heads, **lin)
+        self.conv1d = Conv1dWeight(self.conv_dim, self.conv_kernel, dtype=dtype, rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), dtype))
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, self.num_v_heads)).astype(dtype))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(value_dim, h, **lin)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return gdn.state_shapes(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
+                                head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim,
+                                conv_kernel=self.conv_kernel)
+
+    def cache_spec(self) -> LinearState:
+        s = self.state_shapes()
+        return LinearState((s["conv"], s["recurrent"]), np.dtype(gdn.STATE_DTYPE).name)
+
+    def __call__(self, x, state, md: AttentionMetadata):
+        t = x.shape[0]
+        conv_state, rec_state = state
+        slots = md.state_slots
+        mixed = self.in_proj_qkv(x)
+        y, conv_state = gdn.causal_conv1d(
+            mixed, self.conv1d.weight[...][:, 0, :], None, conv_state, md.query_start,
+            md.seq_lens, slots, activation=self.activation)
+        kd = self.num_k_heads * self.head_k_dim
+        q = y[:, :kd].reshape(t, self.num_k_heads, self.head_k_dim)
+        k = y[:, kd:2 * kd].reshape(t, self.num_k_heads, self.head_k_dim)
+        v = y[:, 2 * kd:].reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a + self.dt_bias[...].astype(jnp.float32))
+        o, rec_state = gdn.gated_delta_rule(q, k, v, g, beta, rec_state, md.query_start,
+                                            md.seq_lens, slots, use_qk_l2norm=True)
+        z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
+        o = self.norm(o.astype(x.dtype), z)
+        return self.out_proj(o.reshape(t, -1)), (conv_state, rec_state)
+
+
+class GatedAttention(nnx.Module):
+    """Full attention with a sigmoid output gate per head (``q_proj`` holds query and gate)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.kv_scale = None  # static float8 page scales (kv_scales), as in llama.Attention
+        lin = dict(bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(h, cfg.num_heads * d * 2, **lin)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, **lin)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, **lin)
+        self.o_proj = Linear(cfg.num_heads * d, h, **lin)
+        self.q_norm = ZeroCenteredRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = ZeroCenteredRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def cache_spec(self, dtype: str) -> FullAttention:
+        return FullAttention(self.num_kv_heads, self.head_dim, dtype)
+
+    def __call__(self, x, cos, sin, kv, md, backend, mesh=None):
+        t, d = x.shape[0], self.head_dim
+        qg = self.q_proj(x).reshape(t, self.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(t, self.num_kv_heads, d))
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, d)
+        r = cos.shape[-1]  # rotary dims: the first partial_rotary_factor of the head
+        q = jnp.concatenate([apply_rope(q[..., :r], cos, sin), q[..., r:]], axis=-1)
+        k = jnp.concatenate([apply_rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
+        out, kv = paged_self_attention(q, k, v, kv, md, backend=backend, mesh=mesh,
+                                       num_kv_heads=self.num_kv_heads, sm_scale=d ** -0.5,
+                                       kv_scale=self.kv_scale)
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+        return self.o_proj(out.reshape(t, self.num_heads * d)), kv
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, moe: bool):
+        eps = cfg.rms_norm_eps
+        self.kind = layer_types(cfg)[layer]
+        if self.kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+            self.self_attn = None
+        else:
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+            self.linear_attn = None
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=eps,
+                                                            dtype=dtype)
+        if moe:
+            self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
+            self.mlp.renormalize = True  # Qwen3.5-MoE always renormalises its top-k weights
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act,
+                           dtype=dtype, rngs=rngs)
+
+    def cache_spec(self, dtype: str):
+        if self.linear_attn is not None:
+            return self.linear_attn.cache_spec()
+        return self.self_attn.cache_spec(dtype)
+
+    def __call__(self, x, cos, sin, cache, md, backend, mesh=None):
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            mixed, cache = self.linear_attn(h, cache, md)
+        else:
+            mixed, cache = self.self_attn(h, cos, sin, cache, md, backend, mesh)
+        x = x + mixed
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, mesh) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h))
+        return x, cache
+
+
+class Qwen3_5TextModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, moe: bool):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, moe=moe)
+                                for i in range(cfg.num_layers)])
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+
+class Qwen3_5ForCausalLM(nnx.Module):
+    """Dense Qwen 3.5 / 3.6 (both checkpoint layouts)."""
+
+    moe = False
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 attention_backend: str = "reference"):
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
+                             f"{ATTENTION_BACKENDS}")
+        if cfg.enable_expert_parallel and not self.moe:
+            raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
+        self.num_layers = cfg.num_layers
+        rope = _rope_params(cfg)
+        rotary = int(cfg.head_dim * float(rope.get("partial_rotary_factor", 0.25)))
+        self.rope = (rotary, cfg.rope_theta, cfg.max_position_embeddings)
+        self.attention_backend = attention_backend
+        self.mesh = None
+        self.model = Qwen3_5TextModel(cfg, dtype=dtype, rngs=rngs, moe=self.moe)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
+                               rngs=rngs))
+
+    def cache_specs(self, dtype: str) -> list:
+        """``FullAttention`` pages of ``dtype`` for attention layers, ``LinearState`` (float32,
+        whatever the KV cache dtype) for the GDN layers."""
+        return [layer.cache_spec(dtype) for layer in self.model.layers]
+
+    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
+        if len(kv_pages) != self.num_layers:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
+        rotary, theta, max_pos = self.rope
+        cos, sin = rope_cos_sin(positions, head_dim=rotary, theta=theta, scaling=None,
+                                max_position_embeddings=max_pos)
+        x = self.model.embed_tokens(token_ids)
+        caches = []
+        for layer, cache in zip(self.model.layers, kv_pages):
+            x, cache = layer(x, cos, sin, cache, md, self.attention_backend, self.mesh)
+            caches.append(cache)
+        return self.model.norm(x), caches
+
+    def compute_logits(self, hidden):
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return lm_head_logits(head, hidden)
+
+    @classmethod
+    def param_partition_spec(cls, name: str, cfg: ModelConfig) -> PartitionSpec:
+        if any(p in name for p in _REPLICATED):
+            return PartitionSpec()
+        if cls.moe:
+            return MoeForCausalLM.param_partition_spec(name, cfg)
+        return megatron_partition_spec(name)
+
+    @classmethod
+    def checkpoint_tensors(cls, cfg: ModelConfig, tensors):
+        """The VL layout's ``model.language_model.*`` as ``model.*``; vision tower and MTP head
+        dropped; MoE experts (fused ``gate_up_proj`` or per expert) stacked."""
+        out = {}
+        for name, load in tensors.items():
+            if name.startswith(_SKIPPED_PREFIXES):
+                continue
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            out[name] = load
+        if cls.moe:
+            out = _fused_experts(cfg, out)
+            out = MoeForCausalLM.checkpoint_tensors(cfg, out)
+        return out
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen 3.5 / 3.6 MoE (routed experts plus a gated shared expert in every layer)."""
+
+    moe = True
+
+
+def _fused_experts(cfg: ModelConfig, tensors: dict) -> dict:
+    """transformers 5's fused expert tensors -> ours: ``gate_up_proj [E, 2I, H]`` splits into
+    ``gate_proj``/``up_proj [E, H, I]``, ``down_proj [E, H, I]`` becomes ``[E, I, H]``."""
+    out = dict(tensors)
+    for layer in range(cfg.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        gu = out.pop(prefix + "gate_up_proj", None)
+        if gu is None:
+            continue
+        inter = int(cfg.hf["moe_intermediate_size"])
+        out[prefix + "gate_proj"] = lambda f=gu: np.swapaxes(np.asarray(f())[:, :inter], 1, 2)
+        out[prefix + "up_proj"] = lambda f=gu: np.swapaxes(np.asarray(f())[:, inter:], 1, 2)
+        down = out.pop(prefix + "down_proj")
+        out[prefix + "down_proj"] = lambda f=down: np.swapaxes(np.asarray(f()), 1, 2)
+    return out

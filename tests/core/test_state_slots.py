@@ -1,0 +1,82 @@
+"""The recurrent-state pool's slots on the host: admission needs a free slot, the slot goes
+with the pages (finish, abort, recompute preemption), and the plan carries it per row."""
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.state_slots import StateSlots
+from jaxserve.core.step_plan import build_step_plan, token_ladder
+
+
+@dataclass
+class Params:
+    max_tokens: int | None = 4
+
+
+def make(num_pages=64, slots=2, max_seqs=4, budget=64):
+    cc = CacheConfig(block_size=4, enable_prefix_caching=False)
+    sc = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    bm = BlockManager(num_pages, 4, enable_prefix_caching=False, num_state_slots=slots)
+    return Scheduler(sc, cc, bm, 128)
+
+
+def test_slots_are_handed_out_and_taken_back():
+    s = StateSlots(2)
+    a, b = s.allocate("a"), s.allocate("b")
+    assert (a, b) == (0, 1) and s.num_free == 0
+    with pytest.raises(RuntimeError, match="no free"):
+        s.allocate("c")
+    s.free(a)
+    with pytest.raises(RuntimeError, match="not in use"):
+        s.free(a)
+    assert s.allocate("c") == 0
+
+
+def test_prefix_caching_with_a_state_pool_is_refused():
+    with pytest.raises(ValueError, match="prefix caching"):
+        BlockManager(16, 4, enable_prefix_caching=True, num_state_slots=2)
+
+
+def test_admission_waits_for_a_free_slot_and_the_plan_carries_it():
+    sched = make(slots=2, max_seqs=4)
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [5 + i] * 6, Params()))
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["r0", "r1"]  # r2: no slot though room
+    assert sorted(s.request.state_slot for s in out.scheduled) == [0, 1]
+    plan = build_step_plan(out.to_rows(), block_size=4, max_pages_per_seq=32,
+                           ladder=token_ladder(64, 4), max_num_seqs=4)
+    assert plan.state_slots[:2].tolist() == [0, 1] and set(plan.state_slots[2:]) == {-1}
+    sched.update_from_output(out, {"r0": 1, "r1": 1})
+    sched.finish_request("r0", RequestStatus.FINISHED_ABORTED)
+    assert sched.block_manager.state_slots.num_free == 1
+    out = sched.schedule()
+    r2 = next(s for s in out.scheduled if s.request_id == "r2")
+    assert r2.request.state_slot == 0  # the aborted request's slot
+    sched.block_manager.check_invariants(list(sched.requests.values()))
+
+
+def test_recompute_preemption_drops_the_slot():
+    sched = make(num_pages=6, slots=2, max_seqs=2, budget=64)  # 5 usable pages of 4 tokens
+    sched.add_request(Request("a", [5] * 8, Params(max_tokens=20)))
+    sched.add_request(Request("b", [6] * 8, Params(max_tokens=20)))
+    preempted = []
+    for _ in range(10):
+        out = sched.schedule()
+        preempted += out.preempted
+        sched.update_from_output(out, {s.request_id: 7 for s in out.scheduled if s.sample})
+        for r in sched.running + sched.waiting:
+            assert (r.state_slot >= 0) == (r in sched.running)
+        sched.block_manager.check_invariants(list(sched.requests.values()))
+    assert preempted
+    victim = sched.get_request(preempted[0])
+    assert victim is None or victim.num_computed_tokens == 0 or victim.state_slot >= 0
+    for rid in list(sched.requests):
+        sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+    assert sched.block_manager.state_slots.num_free == 2
+    assert np.all(np.asarray(sched.block_manager.ref_counts) == 0)

@@ -1,0 +1,208 @@
+"""Qwen 3.5 / 3.6 (hybrid Gated DeltaNet + gated attention) against HF transformers.
+
+Tiny random checkpoints of ``qwen3_5`` and ``qwen3_5_moe`` in both class layouts (text-only
+``*ForCausalLM``; vision-language ``*ForConditionalGeneration``, whose ``model.language_model.*``
+is loaded and ``model.visual.*`` skipped): logits of a prompt (one step, and two steps with the
+recurrent state carried between them) within float32 tolerance of HF's, and greedy tokens of
+the engine equal to HF ``generate`` on prompts longer than ``max_num_batched_tokens``, with
+preemption under a tiny page pool, and at tp 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+ATOL = 2e-4
+NEW_TOKENS = 10
+VARIANTS = {"dense": dict(moe=False, vl=False), "dense-vl": dict(moe=False, vl=True),
+            "moe": dict(moe=True, vl=False), "moe-vl": dict(moe=True, vl=True)}
+
+
+@pytest.fixture(scope="session")
+def qwen35(tmp_path_factory):
+    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
+
+    root = tmp_path_factory.mktemp("qwen3_5")
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            made[variant] = make_tiny_qwen3_5(root / variant, **VARIANTS[variant])
+        return made[variant]
+
+    return get
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 500, n).tolist() for n in lengths]
+
+
+def _hf(path: Path):
+    import transformers as tf
+
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    return getattr(tf, arch).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_greedy(path: Path, prompts, n: int):
+    hf = _hf(path)
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def _forward_steps(path: Path, prompt, cuts):
+    """Our model's logits of every prompt position, the prompt run in steps ending at
+    ``cuts`` (one row, its pages and its state slot carried between the steps)."""
+    import jax.numpy as jnp
+
+    from jaxserve.core.kv_cache_spec import group_layers
+    from jaxserve.loaders.model_loader import load_model
+    from jaxserve.models.layers import AttentionMetadata
+    from jaxserve.worker.kv_cache import allocate_hybrid_caches
+
+    model, cfg, _ = load_model(str(path), dtype="float32")
+    block, slot = 8, 1
+    n_pages = len(prompt) // block + 2
+    groups = group_layers(model.cache_specs("float32"))
+    caches = allocate_hybrid_caches(cfg, groups, n_pages, 2, block, jnp.float32)
+    table = jnp.arange(1, n_pages, dtype=jnp.int32)[None, :]
+    logits, start = [], 0
+    for end in cuts:
+        pos = np.arange(start, end, dtype=np.int32)
+        md = AttentionMetadata(
+            slot_mapping=jnp.asarray(table[0, pos // block] * block + pos % block),
+            query_start=jnp.asarray([0, end - start], jnp.int32),
+            seq_lens=jnp.asarray([end], jnp.int32), block_tables=table,
+            num_seqs=jnp.int32(1), state_slots=jnp.asarray([slot], jnp.int32))
+        hidden, caches = model(jnp.asarray(prompt[start:end], jnp.int32), jnp.asarray(pos),
+                               caches, md)
+        logits.append(np.asarray(model.compute_logits(hidden)))
+        start = end
+    return np.concatenate(logits)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe-vl",
+                                     pytest.param("dense-vl", marks=pytest.mark.slow),
+                                     pytest.param("moe", marks=pytest.mark.slow)])
+def test_logits_match_hf_in_one_step_and_with_the_state_carried(qwen35, variant):
+    path = qwen35(variant)
+    prompt, = _prompts([100])
+    with torch.no_grad():
+        ref = _hf(path)(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(_forward_steps(path, prompt, [100]), ref, atol=ATOL, rtol=0)
+    # a chunk of 70 (one full WY chunk and a ragged one), a decode, then the rest
+    np.testing.assert_allclose(_forward_steps(path, prompt, [70, 71, 100]), ref, atol=ATOL,
+                               rtol=0)
+
+
+def _engine(path: Path, **kw):
+    from jaxserve.entrypoints.llm import LLM
+
+    args = dict(dtype="float32", max_num_batched_tokens=32, min_token_bucket=32,
+                max_num_seqs=4, max_model_len=256, enforce_eager=True)
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def _greedy(llm, prompts, n=NEW_TOKENS):
+    from jaxserve.core.sampling_params import SamplingParams
+
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                       use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res]
+
+
+def _assert_pools_free(llm):
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.state_slots.num_free == bm.state_slots.num_slots
+    assert bm.num_used_pages == 0
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("variant", ["dense", pytest.param("moe-vl", marks=pytest.mark.slow)])
+def test_greedy_equals_hf_generate_with_chunked_prefill_and_preemption(qwen35, variant):
+    """Prompts of 70-90 tokens through a 32-token budget (the state crosses 3 chunks), a pool
+    of 20 pages of 8 tokens for 4 such requests (they preempt each other and recompute)."""
+    path = qwen35(variant)
+    prompts = _prompts([90, 70, 81, 75], seed=1)
+    ref = _hf_greedy(path, prompts, NEW_TOKENS)
+    llm = _engine(path, block_size=8, num_gpu_blocks_override=20)
+    runner = llm.llm_engine.runner
+    assert runner.num_state_slots == 4 and runner.state_layers == (0, 1, 2)
+    assert not llm.llm_engine.scheduler.block_manager.enable_prefix_caching
+    assert _greedy(llm, prompts) == ref
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    _assert_pools_free(llm)
+
+
+def test_state_pool_is_all_free_after_aborts_stops_and_preemption(qwen35):
+    """A mixed workload on a tiny pool: requests aborted mid-prefill and mid-decode, stopped by
+    a stop token, and preempted; afterwards every state slot and page is free, and a request
+    that reuses a freed slot still equals HF."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    path = qwen35("dense")
+    llm = _engine(path, block_size=8, num_gpu_blocks_override=20)
+    eng = llm.llm_engine
+    prompts = _prompts([60, 40, 75, 30, 50, 66], seed=2)
+    for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                stop_token_ids=list(range(5, 500, 8)) if i == 3
+                                else None)
+        eng.add_request(f"r{i}", p, params)
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        bm = eng.scheduler.block_manager
+        bm.check_invariants(list(eng.scheduler.requests.values()))
+        if steps == 2:
+            eng.abort_request(["r0"])  # mid-prefill
+        if steps == 12:
+            eng.abort_request(["r2"])
+    assert eng.scheduler.num_preemptions_total > 0
+    _assert_pools_free(llm)
+    prompt = _prompts([45], seed=3)
+    assert _greedy(llm, prompt) == _hf_greedy(path, prompt, NEW_TOKENS)
+    _assert_pools_free(llm)
+
+
+def _tp2_child(path: str, prompts) -> list:
+    llm = _engine(Path(path), tensor_parallel_size=2)
+    q = llm.llm_engine.model.model.layers[3].self_attn.q_proj.weight.get_value()
+    assert q.addressable_shards[0].data.shape[0] == q.shape[0] // 2  # heads split
+    return _greedy(llm, prompts)
+
+
+@pytest.mark.slow  # a child process with 2 CPU devices
+@pytest.mark.parametrize("variant", ["dense", "moe-vl"])
+def test_tp2_equals_hf(qwen35, variant):
+    path = qwen35(variant)
+    prompts = _prompts([70, 40], seed=4)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__, json.dumps([str(path), prompts])],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == _hf_greedy(path, prompts, NEW_TOKENS)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_tp2_child(*json.loads(sys.argv[1]))))
