@@ -6,6 +6,9 @@ adapters sit in device slots and the step graph is the same for every mix); requ
 spread round-robin over the case's adapters (0: the LoRA engine serving the base model). Each
 case is timed ``--repeats`` times, interleaved with the base engine, and the best run is kept
 (the CPU machines are shared). The ratio is adapter throughput / base throughput.
+Because whole-generate timings swing with the machine's load, the same cases are also timed
+one decode step at a time (``--step-iters`` steps of ``--num-prompts`` decoding rows per case,
+interleaved; the fastest step is kept): ``step_ratio_to_base``.
 
     JAX_PLATFORMS=cpu python benchmarks/lora.py [--model M | --preset llama3-8b]
         [--counts 0 1 4 8] [--rank 16]
@@ -46,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--min-token-bucket", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--step-iters", type=int, default=30, help="0: no step timing")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--load-format", default="auto")
@@ -69,6 +73,35 @@ def _throughput(llm, prompts, sp, loras) -> dict:
     elapsed = time.perf_counter() - t0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(generated_tokens=n, seconds=elapsed, output_tok_per_s=n / elapsed)
+
+
+def _step_times(base, lora, args, adapters) -> dict[str, list[float]]:
+    """Seconds per decode step of ``num_prompts`` rows (one token each, at the prompt's end),
+    adapters round-robin over the rows; the cases interleaved step by step."""
+    from jaxserve.core.step_plan import ScheduledSeq
+
+    rows_n = min(args.num_prompts, args.max_num_seqs)
+    pages = -(-(args.input_len + 1) // lora.llm_engine.config.cache.block_size)
+
+    def plan(runner, k):
+        rows = [ScheduledSeq(new_token_ids=[100 + i], start_pos=args.input_len,
+                             block_ids=[list(range(1 + pages * i, 1 + pages * (i + 1)))],
+                             lora_slot=(i % k) if k else -1) for i in range(rows_n)]
+        return runner.build_plan(rows)
+
+    lora.llm_engine.lora_manager.prepare(adapters)  # every adapter in its slot: slot = index
+    cases = {"base": (base.llm_engine.runner, 0)}
+    cases.update({f"lora-{c}": (lora.llm_engine.runner, c) for c in args.counts})
+    plans = {n: plan(r, k) for n, (r, k) in cases.items()}
+    times: dict[str, list[float]] = {n: [] for n in cases}
+    for n, (r, _) in cases.items():
+        r.execute(plans[n])
+    for _ in range(args.step_iters):
+        for n, (r, _) in cases.items():
+            t0 = time.perf_counter()
+            r.execute(plans[n])
+            times[n].append(time.perf_counter() - t0)
+    return times
 
 
 def main(argv=None) -> dict:
@@ -109,10 +142,14 @@ def main(argv=None) -> dict:
         for c in args.counts:
             loras = [adapters[i % c] if c else None for i in range(len(prompts))]
             runs.setdefault(f"lora-{c}", []).append(_throughput(lora, prompts, sp, loras))
+    steps = _step_times(base, lora, args, adapters) if args.step_iters else {}
     best = {k: max(v, key=lambda r: r["output_tok_per_s"]) for k, v in runs.items()}
     base_tps = best["base"]["output_tok_per_s"]
     cases = {k: dict(best=v, ratio_to_base=v["output_tok_per_s"] / base_tps,
                      all_runs=[r["output_tok_per_s"] for r in runs[k]]) for k, v in best.items()}
+    for k, t in steps.items():
+        cases[k].update(step_ms_min=1e3 * min(t), step_ms_median=1e3 * sorted(t)[len(t) // 2],
+                        step_ratio_to_base=min(steps["base"]) / min(t))
     result = dict(
         benchmark="lora", meta=run_metadata(), model=args.model or "SmolLM2-135M-Instruct",
         preset=args.preset, rank=args.rank, targets=args.targets, counts=args.counts, max_loras=max_loras,
@@ -121,7 +158,9 @@ def main(argv=None) -> dict:
         - compiles, cases=cases)
     path = write_json(result_path("lora", args), result)
     for k, v in cases.items():
-        print(f"{k:>8}: {v['best']['output_tok_per_s']:8.1f} tok/s  x{v['ratio_to_base']:.3f}")
+        print(f"{k:>8}: {v['best']['output_tok_per_s']:8.1f} tok/s  x{v['ratio_to_base']:.3f}"
+              + (f"  | decode step {v['step_ms_min']:.1f} ms x{v['step_ratio_to_base']:.3f}"
+                 if "step_ms_min" in v else ""))
     if not args.no_plot:
         groups = list(cases)
         bar_plot(path[:-5] + ".png", groups,
