@@ -133,8 +133,9 @@ def main(argv=None) -> dict:
     warm = SamplingParams(max_tokens=2, ignore_eos=True)
     base.generate(prompts[:2], warm, use_tqdm=False)
     for c in args.counts:  # every adapter into its slot once, so timing sees no disk read
-        lora.generate(prompts[:max(1, c)], warm, use_tqdm=False,
-                      lora_request=[adapters[i % c] if c else None for i in range(max(1, c))])
+        n = max(1, c)
+        lora.generate([prompts[i % len(prompts)] for i in range(n)], warm, use_tqdm=False,
+                      lora_request=[adapters[i % c] if c else None for i in range(n)])
     compiles = lora.llm_engine.runner.num_compiles
     runs: dict[str, list[dict]] = {"base": []}
     for _ in range(args.repeats):
