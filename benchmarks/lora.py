@@ -62,9 +62,10 @@ def parse_args(argv=None):
 
 def _engine_kw(args) -> dict:
     return dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                min_token_bucket=args.min_token_bucket, tensor_parallel_size=args.tensor_parallel_size,
-                load_format=args.load_format)
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                min_token_bucket=args.min_token_bucket,
+                tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format)
 
 
 def _throughput(llm, prompts, sp, loras) -> dict:
@@ -153,7 +154,8 @@ def main(argv=None) -> dict:
                         step_ratio_to_base=min(steps["base"]) / min(t))
     result = dict(
         benchmark="lora", meta=run_metadata(), model=args.model or "SmolLM2-135M-Instruct",
-        preset=args.preset, rank=args.rank, targets=args.targets, counts=args.counts, max_loras=max_loras,
+        preset=args.preset, rank=args.rank, targets=args.targets, counts=args.counts,
+        max_loras=max_loras,
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         repeats=args.repeats, compiles_during_timing=lora.llm_engine.runner.num_compiles
         - compiles, cases=cases)
