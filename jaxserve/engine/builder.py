@@ -107,6 +107,8 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                       mesh=mesh)
     runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
                          mesh=mesh, extra_page_bytes=extra_page_bytes)
+    lora_manager = _lora_manager(config, model, mc, runner, dtype, mesh) \
+        if config.lora is not None else None
     # pages out of every layer's window are freed, unless a draft model (which lags behind
     # and may attend globally) reads the same page ids
     window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
@@ -132,7 +134,8 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                                      num_state_slots=runner.num_state_slots)
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
                           page_bytes=runner.page_bytes,
-                          eos_token_ids=eos)
+                          eos_token_ids=eos,
+                          max_loras=config.lora.max_loras if config.lora is not None else None)
     proposer = None
     if spec is not None and spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -149,7 +152,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                        tokenizer=tokenizer, dtype=dtype, mesh=mesh, max_model_len=max_model_len,
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
                        block_manager=block_manager, scheduler=scheduler, proposer=proposer,
-                       kv_event_publisher=publisher)
+                       kv_event_publisher=publisher, lora_manager=lora_manager)
     if background_warmup:
         # while buckets compile, each step stays within the largest compiled one
         runner.start_warmup(on_token_limit=scheduler.limit_tokens)
@@ -170,6 +173,30 @@ def check_state_pool_support(config: EngineConfig) -> None:
             "--speculative-config is not supported for models with LinearState (Gated "
             "DeltaNet) layers yet (rejected drafts would stay in the recurrent state)",
             param="speculative_config")
+
+
+def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype, mesh):
+    """--enable-lora: the device slots (on the runner, before warm-up: every step graph takes
+    them) and the host side that fills them."""
+    from jaxserve.loaders.peft import load_peft_adapter, lora_targets
+    from jaxserve.lora.cache import LoRAManager
+    from jaxserve.lora.slots import LoRASlots
+
+    lc = config.lora
+    if not getattr(model, "supports_lora", False):
+        raise InvalidRequestError(f"--enable-lora: {type(model).__name__} does not support LoRA "
+                                  "adapters yet", param="enable_lora")
+    if config.parallel.num_hosts > 1:
+        raise InvalidRequestError("--enable-lora runs on one host", param="enable_lora")
+    targets = lora_targets(model)
+    runner.lora = LoRASlots(targets, mc.num_layers, lc.max_loras, lc.max_lora_rank, dtype,
+                            mesh=mesh, weight_specs=targets.specs)
+    logger.info("LoRA: %d device slots of rank %d over %d projections, host cache of %d",
+                lc.max_loras, lc.max_lora_rank, len(targets.shapes), lc.max_cpu_loras)
+    return LoRAManager(
+        lc.max_loras, lc.max_cpu_loras,
+        load=lambda r: load_peft_adapter(r.lora_name, r.lora_path, targets, lc.max_lora_rank),
+        write=runner.write_lora)
 
 
 def _load_tokenizer(model_path, tokenizer):
