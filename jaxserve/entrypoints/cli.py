@@ -246,8 +246,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help='tool_choice "auto": parse tool calls out of the answer '
                         "(needs --tool-call-parser)")
     g.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral"],
-                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)")
+                   choices=["hermes", "llama3_json", "mistral", "qwen3_coder"],
+                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>; "
+                        "qwen3_coder: Qwen 3.5/3.6's <function=NAME><parameter=ARG> XML)")
     g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="split <think>...</think> off the answer into reasoning_content")
     g.add_argument("--trust-request-chat-template", action="store_true",
