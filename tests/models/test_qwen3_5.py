@@ -178,9 +178,27 @@ def test_state_pool_is_all_free_after_aborts_stops_and_preemption(qwen35):
             eng.abort_request(["r2"])
     assert eng.scheduler.num_preemptions_total > 0
     _assert_pools_free(llm)
+    # n > 1: the children recompute the prompt (no prefix cache), each from its own slot
     prompt = _prompts([45], seed=3)
-    assert _greedy(llm, prompt) == _hf_greedy(path, prompt, NEW_TOKENS)
+    res = llm.generate([{"prompt_token_ids": prompt[0]}],
+                       SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS,
+                                      ignore_eos=True), use_tqdm=False)
+    ref = _hf_greedy(path, prompt, NEW_TOKENS)[0]
+    assert [list(c.token_ids) for c in res[0].outputs] == [ref, ref]
     _assert_pools_free(llm)
+
+
+def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
+    from jaxserve.config import engine_config_from_kwargs
+    from jaxserve.engine.builder import check_state_pool_support
+    from jaxserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="--preemption-mode swap"):
+        check_state_pool_support(engine_config_from_kwargs("m", preemption_mode="swap"))
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(InvalidRequestError, match="--speculative-config"):
+        check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec))
+    check_state_pool_support(engine_config_from_kwargs("m"))
 
 
 def _tp2_child(path: str, prompts) -> list:
