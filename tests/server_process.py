@@ -53,7 +53,7 @@ class ServerThread:
     def __init__(self, app, **config_kw):
         import uvicorn
 
-        from jaxserve.entrypoints.openai.server import uvicorn_config
+        from jaxserve.entrypoints.openai.app import uvicorn_config
 
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))

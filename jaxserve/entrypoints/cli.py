@@ -432,7 +432,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _serve(args) -> int:
-    from jaxserve.entrypoints.openai.server import run_server
+    from jaxserve.entrypoints.openai.app import run_server
     from jaxserve.worker.memory_budget import set_allocator_fraction
 
     config = engine_config_from_args(args)  # bad flags fail here, before any work

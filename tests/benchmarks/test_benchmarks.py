@@ -271,8 +271,6 @@ def test_latency_end_to_end(tmp_path, tiny_llama_dir):
 
 @pytest.mark.slow
 def test_serving_against_launched_server(tmp_path, tiny_llama_dir):
-    if not (ROOT / "jaxserve" / "entrypoints" / "openai" / "server.py").exists():
-        pytest.skip("jaxserve/entrypoints/openai/server.py is not there yet")
     httpx = pytest.importorskip("httpx")
     from benchmarks import serving
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
-from jaxserve.entrypoints.openai.server import build_app
+from jaxserve.entrypoints.openai.app import build_app
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.sampling_params import MAX_SEED, SamplingParams
 
@@ -314,7 +314,7 @@ def test_prompt_too_long_by_bytes_is_rejected_before_tokenizing(http, path, body
 
 
 def test_byte_bound_never_rejects_a_prompt_that_fits(http, engine):
-    from jaxserve.entrypoints.openai.server import max_token_bytes
+    from jaxserve.entrypoints.openai.serving_engine import max_token_bytes
 
     width = max_token_bytes(engine.tokenizer)
     assert width and width >= max(len(t.encode()) for t in engine.tokenizer.get_vocab())

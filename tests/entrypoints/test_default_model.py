@@ -109,7 +109,7 @@ def test_server_chat_answers_paris_with_openai_client(caplog):
 
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
-    from jaxserve.entrypoints.openai.server import build_app
+    from jaxserve.entrypoints.openai.app import build_app
 
     args = build_parser().parse_args(["serve"])
     engine = AsyncLLM(engine_config_from_args(args))

@@ -18,7 +18,7 @@ import pytest
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
-from jaxserve.entrypoints.openai.server import build_app
+from jaxserve.entrypoints.openai.app import build_app
 from test_server import MODEL, engine_flags
 
 from tests.server_process import ServerThread

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.entrypoints.openai import protocol as P
-from jaxserve.entrypoints.openai.server import _chat_logprobs, _legacy_logprobs, _Tokens
+from jaxserve.entrypoints.openai.logprobs import chat_logprobs as _chat_logprobs, legacy_logprobs as _legacy_logprobs, Tokens as _Tokens
 from jaxserve.errors import InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -269,7 +269,7 @@ def test_metrics_collector_and_request_histograms():
 
 # ---- --chat-template -------------------------------------------------------------------------
 def test_chat_template_flag_takes_a_file_or_a_template(tmp_path):
-    from jaxserve.entrypoints.openai.server import load_chat_template
+    from jaxserve.entrypoints.openai.serving_engine import load_chat_template
 
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
-from jaxserve.entrypoints.openai.server import build_app
+from jaxserve.entrypoints.openai.app import build_app
 from jaxserve.core.sampling_params import SamplingParams
 
 from tests.server_process import ServerThread
@@ -608,7 +608,7 @@ def test_cors_request_logging_and_response_role(engine, caplog):
         bad = httpx.options(srv.url + "/v1/completions", timeout=30,
                             headers={"Origin": "http://evil.example", **pre})
         assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
-        with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai.server"):
+        with caplog.at_level(logging.INFO, logger="jaxserve.entrypoints.openai.serving_engine"):
             r = httpx.post(srv.url + "/v1/completions", timeout=60,
                            headers={"Authorization": f"Bearer {API_KEY}",
                                     "Origin": "http://ok.example"},

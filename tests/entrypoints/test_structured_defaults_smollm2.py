@@ -51,7 +51,7 @@ def client():
 
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
-    from jaxserve.entrypoints.openai.server import build_app
+    from jaxserve.entrypoints.openai.app import build_app
 
     engine = AsyncLLM(engine_config_from_args(build_parser().parse_args(["serve"])))
     try:

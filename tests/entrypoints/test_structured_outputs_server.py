@@ -19,7 +19,7 @@ import pytest
 import uvicorn
 
 from jaxserve.entrypoints.cli import build_parser, engine_config_from_args
-from jaxserve.entrypoints.openai.server import build_app, uvicorn_config
+from jaxserve.entrypoints.openai.app import build_app, uvicorn_config
 
 FLAGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
          "--min-token-bucket", "64", "--dtype", "float32"]

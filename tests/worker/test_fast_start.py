@@ -191,7 +191,7 @@ def test_health_reports_starting_then_ready(tiny_model_factory, monkeypatch):
     import openai
 
     from jaxserve.engine.async_llm import AsyncLLM
-    from jaxserve.entrypoints.openai.server import build_app
+    from jaxserve.entrypoints.openai.app import build_app
     from jaxserve.worker.warmup import BucketWarmup
     from tests.server_process import ServerThread
 
