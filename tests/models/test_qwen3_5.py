@@ -215,6 +215,9 @@ def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(InvalidRequestError, match="--speculative-config"):
         check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec))
+    with pytest.raises(InvalidRequestError, match="--calculate-kv-scales"):
+        check_state_pool_support(engine_config_from_kwargs("m", kv_cache_dtype="fp8",
+                                                           calculate_kv_scales=True))
     check_state_pool_support(engine_config_from_kwargs("m"))
 
 
