@@ -281,7 +281,7 @@ class EngineConfig:
 _QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")  # qkv bias without an `attention_bias` field in config.json
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 # transformers 4.x configs without `layer_types`: every n-th layer is global (Gemma 2: 1 in 2).
-_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6, "gemma4_text": 6}
 
 
 @dataclass

@@ -87,14 +87,19 @@ def default_tiles(head_dim: int, dtype) -> TileConfig:
     budget = 96 * 1024
 
     def fit(kv, stages):
+        """Halve the KV tile down to 16, then drop pipeline stages (head_dim 512 in f32)."""
         while kv > 16 and 2 * kv * head_dim * itemsize * stages > budget:
             kv //= 2
-        return kv
+        while stages > 1 and 2 * kv * head_dim * itemsize * stages > budget:
+            stages -= 1
+        return kv, stages
 
     warps = 8 if head_dim * itemsize >= 512 else 4
+    prefill_kv, prefill_stages = fit(cfg.prefill_block_kv, cfg.prefill_num_stages)
+    decode_kv, decode_stages = fit(cfg.decode_block_kv, cfg.decode_num_stages)
     return cfg.replace(
-        prefill_block_kv=fit(cfg.prefill_block_kv, cfg.prefill_num_stages),
-        decode_block_kv=fit(cfg.decode_block_kv, cfg.decode_num_stages),
+        prefill_block_kv=prefill_kv, prefill_num_stages=prefill_stages,
+        decode_block_kv=decode_kv, decode_num_stages=decode_stages,
         prefill_num_warps=warps,
     )
 

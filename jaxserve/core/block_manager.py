@@ -250,24 +250,13 @@ class BlockManager:
 
     def _allocate_pages(self, request: Request, num_new_tokens: int,
                         new_computed_blocks: Sequence[int] | None, computed: list[int]) -> bool:
-        if computed and request.block_ids:
-            raise ValueError("prefix-cache hits can only be added to a request without pages")
         bs = self.block_size
-        dead = self.num_dead_pages(request.num_computed_tokens + len(computed) * bs)
-        if dead and not computed:
-            self.release_out_of_window(request)
-        total = request.num_computed_tokens + len(computed) * bs + num_new_tokens
-        n_alloc = -(-total // bs) - len(request.block_ids) - len(computed)
+        dead, n_alloc, n_null, live_hits, n_touch_free = self._needs(request, num_new_tokens,
+                                                                     computed)
         if n_alloc <= 0 and not computed:  # fast path: a decode inside its last page
             if new_computed_blocks is not None:
                 self._record_query(request, 0)
             return True
-        # columns before the window (dead) get NULL_PAGE: no page, and hits there are not taken
-        n_null = max(0, dead - len(request.block_ids) - len(computed))
-        n_alloc = max(0, n_alloc - n_null)
-        live_hits = computed[dead:]
-        # Hit pages nobody holds are in the free queue; touching them takes them out of it.
-        n_touch_free = sum(1 for p in live_hits if self.ref_counts[p] == 0)
         if n_alloc + n_touch_free > len(self._free):
             return False
         for p in live_hits:
@@ -296,6 +285,33 @@ class BlockManager:
         if new_computed_blocks is not None:
             self._record_query(request, len(computed) * bs)
         return True
+
+    def _needs(self, request: Request, num_new_tokens: int, computed: list[int]):
+        """What ``allocate_slots`` would do: (dead columns, pages to allocate, null columns to
+        add, live hits, hit pages to take out of the free queue). Releases the pages already
+        out of the window first (no later step needs them)."""
+        if computed and request.block_ids:
+            raise ValueError("prefix-cache hits can only be added to a request without pages")
+        bs = self.block_size
+        dead = self.num_dead_pages(request.num_computed_tokens + len(computed) * bs)
+        if dead and not computed:
+            self.release_out_of_window(request)
+        total = request.num_computed_tokens + len(computed) * bs + num_new_tokens
+        n_alloc = -(-total // bs) - len(request.block_ids) - len(computed)
+        # columns before the window (dead) get NULL_PAGE: no page, and hits there are not taken
+        n_null = max(0, dead - len(request.block_ids) - len(computed))
+        live_hits = computed[dead:]
+        # Hit pages nobody holds are in the free queue; touching them takes them out of it.
+        n_touch_free = sum(1 for p in live_hits if self.ref_counts[p] == 0)
+        return dead, n_alloc if n_alloc <= 0 else max(0, n_alloc - n_null), n_null, \
+            live_hits, n_touch_free
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: Sequence[int] | None = None) -> bool:
+        """Whether ``allocate_slots`` would succeed now (releases out-of-window pages only)."""
+        computed = list(new_computed_blocks) if new_computed_blocks else []
+        _, n_alloc, _, _, n_touch_free = self._needs(request, num_new_tokens, computed)
+        return max(0, n_alloc) + n_touch_free <= len(self._free)
 
     def _record_query(self, request: Request, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:

@@ -7,11 +7,11 @@ Every model layer declares one spec (``CausalLM.cache_specs``); layers with equa
 request. All pools are sized from one byte budget, in proportion to what each needs per
 request, so every group holds the same number of full-length requests.
 
-Today's engine serves one **page pool**: the paged groups that share a page shape (full and
-sliding layers of one model) share its pages, and the block manager frees a request's early pages
-only when every layer is windowed. A model that adds a page shape (``SharedKV`` producers of
-another size, several head dims) gets a clear error here until the pools and the block manager
-grow per-group free lists. ``LinearState`` groups live in the **state pool** beside it (one slot
+Two layouts for the paged groups. ``page_pools``: one pool whose page ids index every owning
+layer's array (each at its own spec's KV heads and head dim), freeing a request's early pages
+only when every layer is windowed. ``group_pools``: a pool per paged group
+(``core.kv_cache_groups``), each with its own free list and window, for models that read
+per-group block tables. ``LinearState`` groups live in the **state pool** beside them (one slot
 per running request, :func:`split_budget_with_state`).
 """
 from __future__ import annotations
@@ -125,14 +125,15 @@ def group_layers(specs: Sequence[CacheSpec]) -> tuple[CacheGroup, ...]:
 
 @dataclass(frozen=True)
 class PagePool:
-    """One page pool: the paged groups that share its page shape (ids index every one of
-    their layers' arrays). ``window``: the largest window when every layer is windowed, else
-    None (early pages are freed only when no layer reads them again)."""
+    """One page pool: paged groups whose page ids index every one of their layers' arrays.
+    ``kv_heads``/``head_dim``/``dtype``: the groups' page shape, None where they differ.
+    ``window``: the largest window when every layer is windowed, else None (early pages are
+    freed only when no layer reads them again)."""
 
     groups: tuple[CacheGroup, ...]
-    kv_heads: int
-    head_dim: int
-    dtype: str
+    kv_heads: int | None
+    head_dim: int | None
+    dtype: str | None
     window: int | None
 
     @property
@@ -148,19 +149,24 @@ class PagePool:
 
 
 def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
-    """The page pools the engine allocates for these groups (one today, see the module doc);
+    """The page pools the engine allocates for these groups (one; see the module doc);
     ``LinearState`` groups are left to the state pool (:func:`state_groups`)."""
     groups = [g for g in groups if not isinstance(g.spec, LinearState)]
     if not groups:
         raise NotImplementedError("a model without any attention layer has no page pool")
-    shapes = {(g.spec.kv_heads, g.spec.head_dim, g.spec.dtype) for g in groups}
-    if len(shapes) != 1:
-        raise NotImplementedError(f"layers with different page shapes {sorted(shapes)} need one "
-                                  "page pool per group (not built yet)")
-    (kv_heads, head_dim, dtype), = shapes
+    fields = [{getattr(g.spec, f) for g in groups} for f in ("kv_heads", "head_dim", "dtype")]
+    kv_heads, head_dim, dtype = (next(iter(v)) if len(v) == 1 else None for v in fields)
     windows = [g.spec.window if isinstance(g.spec, SlidingWindow) else None for g in groups]
     window = None if any(w is None for w in windows) else max(windows)
     return (PagePool(tuple(groups), kv_heads, head_dim, dtype, window),)
+
+
+def group_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
+    """One page pool per paged group, each with its own page ids (``core.kv_cache_groups``):
+    a sliding group's pool frees the pages out of its own window."""
+    return tuple(PagePool((g,), g.spec.kv_heads, g.spec.head_dim, g.spec.dtype,
+                          g.spec.window if isinstance(g.spec, SlidingWindow) else None)
+                 for g in groups if g.paged)
 
 
 def split_budget(pools: Sequence[PagePool], budget_bytes: int, *, block_size: int,
@@ -202,3 +208,45 @@ def split_budget_with_state(pools: Sequence[PagePool], slot_bytes: int, budget_b
     left = budget_bytes - slots * slot_bytes
     return slots, split_budget(pools, left, block_size=block_size, max_model_len=max_model_len,
                                tp=tp)
+
+
+# ----------------------------------------------------------------------------- capacity arithmetic
+
+def group_request_pages(group: CacheGroup, max_model_len: int, block_size: int) -> int:
+    """Pages one ``max_model_len`` request holds at once in ``group`` (a sliding group: its
+    window's, since it frees the pages that fall out of it)."""
+    return group.spec.max_pages(max_model_len, block_size)
+
+
+def kv_bytes_per_token(groups: Sequence[CacheGroup], *, block_size: int, max_model_len: int,
+                       tp: int = 1) -> float:
+    """KV bytes a ``max_model_len`` request holds per context token when every paged group
+    keeps only what its layers read (sliding groups their window); KV-sharing layers cost
+    nothing. All devices together."""
+    total = sum(group_request_pages(g, max_model_len, block_size) * len(g.layers)
+                * g.spec.page_bytes(block_size, tp) for g in groups if g.paged)
+    return total / max_model_len
+
+
+def pooled_kv_bytes_per_token(groups: Sequence[CacheGroup], *, block_size: int,
+                              max_model_len: int, tp: int = 1) -> float:
+    """The same figure for one pool whose page ids index every owning layer (each at its own
+    shape), freeing early pages only when every layer is windowed."""
+    pools = page_pools(groups)
+    return sum(p.max_pages(max_model_len, block_size) * p.page_bytes(block_size, tp)
+               for p in pools) / max_model_len
+
+
+def uniform_kv_bytes_per_token(groups: Sequence[CacheGroup], *, tp: int = 1) -> float:
+    """One uniform pool: every layer that owns KV at the full-attention (global) shape, no
+    page ever freed early."""
+    full = [g.spec for g in groups if isinstance(g.spec, FullAttention)]
+    if not full:
+        raise ValueError("no full-attention group to take the uniform shape from")
+    layers = sum(len(g.layers) for g in groups if g.paged)
+    return layers * full[0].page_bytes(1, tp)
+
+
+def max_concurrency(budget_bytes: float, bytes_per_token: float, max_model_len: int) -> float:
+    """How many ``max_model_len`` requests a KV budget holds (vLLM's "Maximum concurrency")."""
+    return budget_bytes / (bytes_per_token * max_model_len)

@@ -79,6 +79,9 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []  # KV pages owned, in position order
+        # one page list per KV cache group when the groups have pools of their own
+        # (core.kv_cache_groups); block_ids is then group 0's. None: one pool.
+        self.group_block_ids: list[list[int]] | None = None
         self.state_slot = -1  # recurrent-state pool slot (LinearState layers); -1: none
         self.block_hashes: list[int] = []  # prefix-cache hash chain of full pages (lazy)
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
@@ -155,9 +158,14 @@ class Request:
             del self.all_token_ids[-self.num_pending:]
             self.num_pending = 0
 
+    def pages_per_group(self) -> list[list[int]]:
+        """The block-table rows of this request, one per paged cache group."""
+        return self.group_block_ids if self.group_block_ids is not None else [self.block_ids]
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens},"
             f" out={self.num_output_tokens}, computed={self.num_computed_tokens},"
             f" pages={len(self.block_ids)})"
         )
+

@@ -75,7 +75,7 @@ class SchedulerOutput:
             ScheduledSeq(
                 new_token_ids=s.new_token_ids,
                 start_pos=s.start_pos,
-                block_ids=[s.request.block_ids],
+                block_ids=s.request.pages_per_group(),
                 sample=s.sample,
                 prev_row=prev_rows.get(s.request.request_id, -1),
                 num_draft=s.num_draft,

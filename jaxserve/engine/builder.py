@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.kv_cache_groups import GroupedBlockManager
 from jaxserve.core.kv_cache_spec import LinearState
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.spec_decode import NgramProposer
@@ -121,14 +122,19 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                         "whose state a cached attention prefix does not restore",
                         mc.architecture)
             prefix_caching = False
-    block_manager = BlockManager(runner.num_pages, config.cache.block_size,
-                                 enable_prefix_caching=prefix_caching,
-                                 sliding_window=window,
-                                 record_events=config.kv_events is not None
-                                 and config.kv_events.enabled,
-                                 num_state_slots=runner.num_state_slots)
+    record = config.kv_events is not None and config.kv_events.enabled
+    if runner.grouped:  # a pool per cache group, each freeing out of its own window
+        block_manager = GroupedBlockManager([
+            BlockManager(n, config.cache.block_size, enable_prefix_caching=prefix_caching,
+                         sliding_window=pool.window, record_events=record)
+            for n, pool in zip(runner.pool_pages, runner.pools)])
+    else:
+        block_manager = BlockManager(runner.num_pages, config.cache.block_size,
+                                     enable_prefix_caching=prefix_caching,
+                                     sliding_window=window, record_events=record,
+                                     num_state_slots=runner.num_state_slots)
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
-                          page_bytes=page_bytes(mc, config.cache.block_size, runner.kv_dtype),
+                          page_bytes=runner.page_bytes,
                           eos_token_ids=eos)
     proposer = None
     if spec is not None and spec.method == "ngram":

@@ -361,7 +361,7 @@ class LLMEngine:
             parent, lo, hi = prompt_span
             next_ids = parent.prompt_token_ids[lo + 1:hi + 1]
         return ScheduledSeq(
-            new_token_ids=s.new_token_ids, start_pos=s.start_pos, block_ids=[r.block_ids],
+            new_token_ids=s.new_token_ids, start_pos=s.start_pos, block_ids=r.pages_per_group(),
             sample=s.sample, prev_row=prev_rows.get(r.request_id, -1), num_draft=s.num_draft,
             sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
                                  self._eos_list, r.num_output_tokens) if s.sample else None,

@@ -17,6 +17,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from jaxserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
                              TOKENIZER_MODES, CacheConfig, EngineConfig, SchedulerConfig)
 
@@ -246,10 +248,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help='tool_choice "auto": parse tool calls out of the answer '
                         "(needs --tool-call-parser)")
     g.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral", "qwen3_coder"],
+                   choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>; "
                         "qwen3_coder: Qwen 3.5/3.6's <function=NAME><parameter=ARG> XML)")
-    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> off the answer into reasoning_content")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template field in chat requests")

@@ -10,8 +10,12 @@ so everything a model keeps besides parameters must be hashable and static.
 
 KV layout: every layer declares what it caches (``cache_specs``: ``FullAttention``,
 ``SlidingWindow``, ``SharedKV``, ``LinearState`` from ``jaxserve.core.kv_cache_spec``); the
-runner groups layers by spec and allocates the pools. Today every attention layer has one
-``(k_pages, v_pages)`` of ``[Hkv, pages, block, head_dim]`` in one pool.
+runner groups layers by spec and allocates the pools. Every layer that owns KV has one
+``(k_pages, v_pages)`` of ``[Hkv, pages, block, head_dim]`` at its own spec's shape; a
+``SharedKV`` layer gets ``()`` and reads its producer's. By default a page id indexes every
+layer's array (one pool, ``md`` with one block table); a model with ``cache_groups_supported``
+gets a pool per group instead and ``md.block_tables [G, S, M]`` / ``md.slot_mapping [G, T]``,
+and picks each layer's group's row (``jaxserve.models.gemma4``).
 """
 from __future__ import annotations
 

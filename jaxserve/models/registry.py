@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from jaxserve.models.gemma import GemmaForCausalLM
+from jaxserve.models.gemma4 import Gemma4ForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.moe import MoeForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
@@ -14,6 +15,8 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its language model; towers skipped
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,

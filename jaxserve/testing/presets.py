@@ -89,6 +89,82 @@ PRESETS: dict[str, dict] = {
         "initializer_range": 0.02,
         "torch_dtype": "bfloat16",
     },
+
+    # Gemma 4 31B-shaped (dense): 5 sliding (window 1024, 16 KV heads of 256) to 1 global
+    # layer (4 KV heads of 512, keys serve as values). Shape figures as assumed for the capacity
+    # arithmetic, not read from a released config.json.
+    "gemma4-31b": {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": 262144,
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 60,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_global_key_value_heads": 4,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 0,
+        "sliding_window": 1024,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                        for i in range(60)],
+        "hidden_size_per_layer_input": 0,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1000000.0}},
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
+    # Gemma 4 26B-A4B-shaped (MoE: 128 experts, 8 active, beside a small dense MLP); figures as
+    # assumed for the capacity arithmetic
+    "gemma4-26b-a4b": {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": 262144,
+        "hidden_size": 2816,
+        "intermediate_size": 2112,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_global_key_value_heads": 2,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 0,
+        "sliding_window": 1024,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                        for i in range(30)],
+        "hidden_size_per_layer_input": 0,
+        "enable_moe_block": True,
+        "num_experts": 128,
+        "top_k_experts": 8,
+        "moe_intermediate_size": 704,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1000000.0}},
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 

@@ -1,4 +1,5 @@
-"""The KV page pool: one ``(k_pages, v_pages)`` per layer, each ``[Hkv, num_pages, block_size, D]``.
+"""The KV page pool: one ``(k_pages, v_pages)`` per layer, each ``[Hkv, num_pages, block_size, D]``
+(each layer at its own cache spec's KV heads and head dim; a ``SharedKV`` layer gets ``()``).
 
 Allocated once at start-up (zeros). Page 0 is the trash page that padded tokens write to. The
 layout is the one of ``pallas_kernels/reference.py``: a page of one KV head is contiguous, and
@@ -59,6 +60,51 @@ def allocate_kv_pages(model_config: ModelConfig, num_pages: int, block_size: int
     shape = kv_page_shape(model_config, num_pages, block_size, tp)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(model_config.num_layers)]
+
+
+def layer_page_shape(spec, num_pages: int, block_size: int, tp: int = 1) -> tuple[int, ...]:
+    """The ``[Hkv, pages, block, D]`` of one layer of ``spec`` (KV heads repeated when ``tp``
+    exceeds them)."""
+    return (pool_kv_heads(spec.kv_heads, tp), num_pages, block_size, spec.head_dim)
+
+
+def allocate_layer_pages(specs, num_pages: int, block_size: int, dtype, sharding=None,
+                         tp: int = 1) -> list[tuple]:
+    """Zeroed pages for every layer at its own spec's shape, all indexed by the same page ids;
+    ``()`` for a layer that reads another's pages (``SharedKV``)."""
+    from jaxserve.core.kv_cache_spec import SharedKV
+
+    if sharding is None:
+        sharding = replicated(default_mesh())
+    if num_pages < 2:
+        raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
+    out = []
+    for spec in specs:
+        if isinstance(spec, SharedKV):
+            out.append(())
+            continue
+        shape = layer_page_shape(spec, num_pages, block_size, tp)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        out.append((zeros(), zeros()))
+    return out
+
+
+def specs_page_bytes(specs, block_size: int, tp: int = 1) -> int:
+    """Bytes of one page id across every layer that owns pages, K and V (all devices)."""
+    return sum(s.page_bytes(block_size, tp) for s in specs if hasattr(s, "page_bytes"))
+
+
+def allocate_group_pages(specs, groups, pool_pages, block_size: int, dtype, sharding=None,
+                         tp: int = 1) -> list[tuple]:
+    """Zeroed pages when each cache group has its own pool: a layer's arrays hold its group's
+    ``pool_pages[g]`` pages; ``()`` for a ``SharedKV`` layer."""
+    of_layer = {i: g for g, grp in enumerate(groups) for i in grp.layers}
+    out = [()] * len(specs)
+    for i, spec in enumerate(specs):
+        if i in of_layer:
+            out[i] = allocate_layer_pages([spec], pool_pages[of_layer[i]], block_size, dtype,
+                                          sharding, tp)[0]
+    return out
 
 
 # -- the state pool (LinearState layers) ---------------------------------------------------------

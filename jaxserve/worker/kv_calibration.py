@@ -85,6 +85,10 @@ def prepare_kv_scales(model, model_config: ModelConfig, cache: CacheConfig, kv_d
                            "kv_cache_dtype is %r: the scales are not used", cache.cache_dtype)
             kv_scales.set_kv_scales(model, None)
         return
+    if (cache.calculate_kv_scales or loaded is not None) and not _uniform_kv(model):
+        raise ValueError("KV cache scales (calculate_kv_scales, or k_scale/v_scale in the "
+                         "checkpoint) are per layer of one KV shape; this model's layers differ "
+                         "in KV heads/head_dim or share KV: use kv_cache_dtype fp8 without them")
     if cache.calculate_kv_scales:
         t0 = time.perf_counter()
         ids = calibration_ids(tokenizer, min(max_model_len, CALIBRATION_TOKENS))
@@ -101,3 +105,12 @@ def prepare_kv_scales(model, model_config: ModelConfig, cache: CacheConfig, kv_d
     else:
         logger.warning("KV cache dtype %s with scale 1.0 (the checkpoint has no k_scale/v_scale;"
                        " --calculate-kv-scales computes them)", jnp.dtype(kv_dtype).name)
+
+
+def _uniform_kv(model) -> bool:
+    """Every layer owns KV of one shape (what ``[L, Hkv, 2]`` scales describe)."""
+    if not hasattr(model, "cache_specs"):
+        return True
+    specs = model.cache_specs("float32")
+    return (all(hasattr(s, "kv_heads") for s in specs)
+            and len({(s.kv_heads, s.head_dim) for s in specs}) == 1)

@@ -32,12 +32,14 @@ from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup
-from jaxserve.worker.kv_cache import (allocate_hybrid_caches, allocate_kv_pages, kv_cache_dtype,
-                                      page_bytes)
+from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
+                                      allocate_layer_pages, kv_cache_dtype)
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
-from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, page_pools, split_budget,
+from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, group_pools,
+                                         kv_bytes_per_token, page_pools,
+                                         pooled_kv_bytes_per_token, split_budget,
                                          split_budget_with_state, state_bytes_per_slot,
                                          state_groups)
 from jaxserve.core.step_plan import (ARRAY_FIELDS, ScheduledSeq, StepPlan, build_step_plan,
@@ -79,11 +81,14 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         ref = arrays["prev_ref"]
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
-        md = AttentionMetadata(  # one paged cache group: group 0's pages
-            slot_mapping=arrays["slot_mapping"][0],
+        # one pool: group 0's pages; pools per group: every group's ([G, ...]), and the model
+        # picks each layer's (cache_groups_supported)
+        grouped = arrays["block_tables"].shape[0] > 1
+        md = AttentionMetadata(
+            slot_mapping=arrays["slot_mapping"] if grouped else arrays["slot_mapping"][0],
             query_start=arrays["query_start"],
             seq_lens=arrays["seq_lens"],
-            block_tables=arrays["block_tables"][0],
+            block_tables=arrays["block_tables"] if grouped else arrays["block_tables"][0],
             num_seqs=arrays["num_seqs"],
             state_slots=_state_slots(arrays["state_slots"], kv_pages, state_layers),
         )
@@ -279,6 +284,57 @@ def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, ma
     return sizes
 
 
+def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes: int) -> bool:
+    """A page pool per cache group when the model reads per-group block tables and the groups
+    differ; one pool (every layer's array indexed by the same page ids) when
+    ``--disable-hybrid-kv-cache-manager``, swap preemption or a draft model's pool (which
+    shares the target's page ids) needs it."""
+    return (getattr(model, "cache_groups_supported", False)
+            and sum(g.paged for g in groups) > 1
+            and not engine_config.scheduler.disable_hybrid_kv_cache_manager
+            and engine_config.scheduler.preemption_mode != "swap"
+            and not extra_page_bytes)
+
+
+def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig,
+                     max_model_len, param_bytes: int, tp: int = 1) -> tuple[int, ...]:
+    """Pages of each group's pool from one budget, in proportion to what a full-length request
+    holds in each; a sliding group also gets the pages one step's prefill chunks span past the
+    windows (``max_num_batched_tokens / block_size + max_num_seqs``)."""
+    cache, sched = engine_config.cache, engine_config.scheduler
+    block = cache.block_size
+    if cache.num_gpu_blocks_override is not None:
+        return (int(cache.num_gpu_blocks_override),) * len(pools)
+    headroom = [(-(-sched.max_num_batched_tokens // block) + sched.max_num_seqs)
+                if p.window is not None else 0 for p in pools]
+    per_page = [p.page_bytes(block, tp) // tp for p in pools]
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:  # CPU: every sequence at full length, capped by a fixed budget
+        want = [sched.max_num_seqs * p.max_pages(max_model_len, block) + h + 1
+                for p, h in zip(pools, headroom)]
+        fit = split_budget(pools, CPU_KV_CACHE_BYTES, block_size=block,
+                           max_model_len=max_model_len, tp=tp)
+        return tuple(int(max(2, min(w, f + h))) for w, f, h in zip(want, fit, headroom))
+    in_use = stats.get("bytes_in_use", param_bytes)
+    t_max = sched.max_num_batched_tokens
+    act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
+    act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
+    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
+    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
+                                         2 * act + (256 << 20))
+    free -= sum(h * b for h, b in zip(headroom, per_page))
+    sizes = tuple(n + h for n, h in zip(
+        split_budget(pools, max(free, 0), block_size=block, max_model_len=max_model_len,
+                     tp=tp), headroom))
+    if min(sizes) < 2 or free <= 0:
+        raise ValueError(
+            f"no room for the KV cache: {total / 2**30:.1f} GiB device, "
+            f"gpu_memory_utilization {cache.gpu_memory_utilization}, {in_use / 2**30:.1f} GiB in "
+            f"use; raise gpu_memory_utilization or lower max_num_batched_tokens")
+    return sizes
+
+
 def state_pool_sizes(pools, cache_groups, model_config: ModelConfig,
                      engine_config: EngineConfig, max_model_len, param_bytes: int, tp: int = 1
                      ) -> tuple[int, tuple[int, ...]]:
@@ -335,27 +391,43 @@ class ModelRunner:
             kv_sharding = sharding.kv_pool_sharding(mesh)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
         # layers grouped by cache spec; one page pool today (core.kv_cache_spec.page_pools)
-        self.cache_groups = group_layers(model_cache_specs(model, model_config, self.kv_dtype))
-        self.pools = page_pools(self.cache_groups)
-        self.num_cache_groups = len(self.pools)  # block tables per plan row
+        self.cache_specs = model_cache_specs(model, model_config, self.kv_dtype)
+        self.cache_groups = group_layers(self.cache_specs)
         self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
                                          for i in g.layers))
         self.num_state_slots = None  # slots of the state pool (None: no LinearState layers)
-        if self.state_layers:
+        self.grouped = not self.state_layers and use_group_pools(
+            model, self.cache_groups, engine_config, extra_page_bytes)
+        if self.grouped:  # a pool per group (core.kv_cache_groups)
+            self.pools = group_pools(self.cache_groups)
+            sizes = group_pool_sizes(self.pools, model_config, engine_config, max_model_len,
+                                     param_bytes // tp, tp)
+            self.pool_pages = tuple(sharding.agree_across_hosts(n) for n in sizes)
+            self.kv_pages = allocate_group_pages(self.cache_specs, self.cache_groups,
+                                                 self.pool_pages, self.block_size, self.kv_dtype,
+                                                 sharding=kv_sharding, tp=tp)
+        elif self.state_layers:  # one page pool beside the state pool
+            self.pools = page_pools(self.cache_groups)
             slots, sizes = state_pool_sizes(self.pools, self.cache_groups, model_config,
                                             engine_config, max_model_len, param_bytes // tp, tp)
             self.num_state_slots = sharding.agree_across_hosts(slots)
-            self.num_pages = sharding.agree_across_hosts(sizes[0])
+            self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
             self.kv_pages = allocate_hybrid_caches(
-                model_config, self.cache_groups, self.num_pages, self.num_state_slots,
+                model_config, self.cache_groups, self.pool_pages[0], self.num_state_slots,
                 self.block_size, self.kv_dtype, kv_sharding=kv_sharding,
                 state_sharding=sharding.replicated(mesh or sharding.default_mesh()), tp=tp)
-        else:
+        else:  # one pool: a page id indexes every layer's array (core.kv_cache_spec.page_pools)
+            self.pools = page_pools(self.cache_groups)
             sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
                                param_bytes // tp, tp, extra_page_bytes)
-            self.num_pages = sharding.agree_across_hosts(sizes[0])
-            self.kv_pages = allocate_kv_pages(model_config, self.num_pages, self.block_size,
-                                              self.kv_dtype, sharding=kv_sharding, tp=tp)
+            self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
+            # one (k, v) per layer at its spec's shape, () for a layer reading another's pages
+            self.kv_pages = allocate_layer_pages(self.cache_specs, self.pool_pages[0],
+                                                 self.block_size, self.kv_dtype,
+                                                 sharding=kv_sharding, tp=tp)
+        self.num_pages = self.pool_pages[0]
+        self.num_cache_groups = len(self.pools)  # block tables per plan row
+        self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh, self.state_layers,
@@ -380,9 +452,24 @@ class ModelRunner:
         if self.state_layers:
             self._log_hybrid_cache(max_model_len, tp)
         else:
-            logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", self.num_pages,
-                        self.block_size, self.num_pages
-                        * page_bytes(model_config, self.block_size, self.kv_dtype) / 2**20)
+            self._log_kv_cache(max_model_len)
+
+    def _log_kv_cache(self, max_model_len: int) -> None:
+        """The pools and vLLM's figures: KV bytes a max_model_len request holds per context
+        token, and how many such requests the pools hold at once."""
+        per_token = kv_bytes_per_token if self.grouped else pooled_kv_bytes_per_token
+        self.kv_bytes_per_token = per_token(self.cache_groups, block_size=self.block_size,
+                                            max_model_len=max_model_len)
+        self.max_concurrency = min(
+            (n - 1) / p.max_pages(max_model_len, self.block_size)
+            for n, p in zip(self.pool_pages, self.pools))
+        total = sum(n * p.page_bytes(self.block_size) for n, p in zip(self.pool_pages,
+                                                                       self.pools))
+        logger.info("KV cache: %s pages of %d tokens in %d pool(s) (%.1f MiB, %s); KV bytes "
+                    "per context token: %.0f; Maximum concurrency for %d tokens per request: "
+                    "%.2fx", "+".join(map(str, self.pool_pages)), self.block_size,
+                    len(self.pools), total / 2**20, np.dtype(self.kv_dtype).name,
+                    self.kv_bytes_per_token, max_model_len, self.max_concurrency)
 
     def _log_hybrid_cache(self, max_model_len: int, tp: int) -> None:
         """What the page pool and the state pool hold: requests and context tokens."""
@@ -582,7 +669,7 @@ class ModelRunner:
         """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per layer."""
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
         with self._pool_lock:
-            return jax.device_get([(k[:, idx], v[:, idx]) for k, v in self.kv_pages])
+            return jax.device_get([tuple(a[:, idx] for a in kv) for kv in self.kv_pages])
 
     def swap_in(self, page_ids: list[int], saved) -> None:
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
@@ -595,10 +682,10 @@ class ModelRunner:
 
 @jax.jit
 def _scatter_pages(kv_pages, idx, saved):
-    return [(k.at[:, idx].set(sk), v.at[:, idx].set(sv)) for (k, v), (sk, sv) in
+    return [tuple(a.at[:, idx].set(sa) for a, sa in zip(kv, s)) for kv, s in
             zip(kv_pages, saved)]
 
 
 def _write_pages(kv_pages, idx, saved):
-    saved = [(jnp.asarray(k), jnp.asarray(v)) for k, v in saved]
+    saved = [tuple(jnp.asarray(a) for a in kv) for kv in saved]
     return _scatter_pages(kv_pages, idx, saved)

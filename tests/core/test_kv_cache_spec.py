@@ -7,6 +7,7 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import (FullAttention, LinearState, PagePool, SharedKV,
+                                         group_pools,
                                          split_budget_with_state, state_bytes_per_slot,
                                          state_groups,
                                          SlidingWindow, group_layers, page_pools, split_budget)
@@ -59,9 +60,15 @@ def test_state_budget_gives_each_full_length_request_a_slot_and_its_pages():
     assert slots == 4 and pages == (10 * per_request - 4 * slot) // pools[0].page_bytes(16)
 
 
-def test_specs_beyond_one_pool_are_refused_clearly():
-    with pytest.raises(NotImplementedError, match="page shapes"):
-        page_pools(group_layers([FULL, dataclasses.replace(FULL, head_dim=128)]))
+def test_page_shapes_may_differ_in_one_pool_or_a_pool_per_group():
+    # different page shapes share the page ids; each layer's array has its own shape
+    wide = dataclasses.replace(FULL, head_dim=128, kv_heads=1)
+    mixed, = page_pools(group_layers([LOCAL, wide, SharedKV(1)]))
+    assert mixed.head_dim is None and mixed.kv_heads is None and mixed.dtype == "bfloat16"
+    assert mixed.page_bytes(16) == 2 * 2 * 16 * 64 * 2 + 2 * 1 * 16 * 128 * 2
+    local_pool, wide_pool = group_pools(group_layers([LOCAL, wide, SharedKV(1)]))
+    assert (local_pool.window, wide_pool.window) == (32, None)
+    assert wide_pool.page_bytes(16) == 2 * 1 * 16 * 128 * 2
 
 
 def test_budget_split_in_proportion_to_what_a_request_needs():

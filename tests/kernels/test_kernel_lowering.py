@@ -140,3 +140,15 @@ def test_lowers_with_float8_pages_and_kv_scales():
     text = export_for_cuda(lambda *a: fn(*a[:-1], kv_scale=a[-1]), *specs,
                            jax.ShapeDtypeStruct((8, 2), jnp.float32))
     assert text.count(TRITON) == 3
+
+
+# Gemma 4: sliding layers of head_dim 256 (GQA 2), global layers of 512 (GQA 8), fp8 pages
+# and soft-capping, a window of 1024 on the sliding ones.
+@pytest.mark.parametrize("d,hq,hkv,opts", [
+    (256, 32, 16, dict(sliding_window=1024, soft_cap=30.0)),
+    (512, 32, 4, dict(soft_cap=30.0)),
+    (512, 32, 4, dict(kv_dtype=jnp.float8_e4m3fn)),
+], ids=["gemma4_sliding_256", "gemma4_global_512", "gemma4_global_512_fp8"])
+def test_lowers_gemma4_head_dims(d, hq, hkv, opts):
+    text = _lower(d=d, hq=hq, hkv=hkv, dtype=jnp.bfloat16, **opts)
+    assert text.count(TRITON) >= 2

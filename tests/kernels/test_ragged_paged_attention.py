@@ -81,6 +81,9 @@ CONFIGS = [
      SMALL_TILES),
     ("f32_gqa2_fp8e5m2_kv_window", jnp.float32, 4, 2, 64, 8,
      dict(kv_dtype=jnp.float8_e5m2, sliding_window=13), SMALL_TILES),
+    # Gemma 4's global layers: head_dim 512, a wide GQA group, soft-capping, fp8 pages
+    ("bf16_gqa4_d512_cap_fp8", jnp.bfloat16, 4, 1, 512, 8,
+     dict(soft_cap=30.0, kv_dtype=jnp.float8_e4m3fn), SMALL_TILES),
 ]
 NUM_TOKENS, NUM_SEQS, MAX_PAGES = 32, 6, 6
 
@@ -181,7 +184,7 @@ def test_bad_arguments_raise_value_error():
 
 
 def test_tile_config_defaults_fit_shared_memory():
-    for d in (64, 128, 256):
+    for d in (64, 128, 256, 512):  # 512: Gemma 4's global layers
         for dtype in (jnp.bfloat16, jnp.float32):
             cfg = default_tiles(d, dtype)
             item = jnp.dtype(dtype).itemsize

@@ -110,6 +110,8 @@ class OpenAIServingChat(OpenAIServing):
         self._check_prompt_len(ids, "messages")
         self._check_logprobs(req)
         sp = req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
+        if self._parses_special_markers(req):
+            sp.skip_special_tokens = False
         self._check_vocab(sp)
         echo = ""
         if req.echo and req.messages[-1].role == "assistant":
@@ -147,6 +149,15 @@ class OpenAIServingChat(OpenAIServing):
         return JSONModel(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                               usage=usage,
                                               prompt_logprobs=prompt_logprobs(self.tokens, out)))
+
+    def _parses_special_markers(self, req: P.ChatCompletionRequest) -> bool:
+        """A parser that finds its markers among special tokens (Gemma 4's tool calls and
+        thought channel) needs them in the text, as vLLM's parsers ask for."""
+        tools = (req.tool_mode == "auto" and req.tools and self.tool_parser is not None
+                 and self.tool_parser.special_markers)
+        reasoning = (self.reasoning_parser is not None and self.reasoning_parser.special_markers
+                     and req.tool_mode not in ("named", "required"))
+        return bool(tools or reasoning)
 
     def _role(self, req: P.ChatCompletionRequest) -> str:
         """The answer's role: --response-role after a generation prompt, else the role of the

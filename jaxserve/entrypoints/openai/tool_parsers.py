@@ -1,5 +1,5 @@
 """Tool calls in model text, vLLM's ``--tool-call-parser`` names: ``hermes``, ``llama3_json``,
-``mistral``, ``qwen3_coder``; and the JSON schemas that make ``tool_choice`` "required" / a named function a
+``mistral``, ``gemma4``, ``qwen3_coder``; and the JSON schemas that make ``tool_choice`` "required" / a named function a
 grammar (the model then cannot answer anything but a valid call).
 
 A parser splits a finished text into (content, [(name, arguments JSON)]); ``content_end`` says
@@ -48,6 +48,7 @@ def _held(text: str, marker: str) -> int:
 
 class ToolParser:
     name = ""
+    special_markers = False  # its markers are special tokens: keep them in the text
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCallTuple]]:
         raise NotImplementedError
@@ -167,6 +168,132 @@ class MistralToolParser(ToolParser):
         return [] if i < 0 else calls_in_array(text, i + len(self.START))
 
 
+class Gemma4ToolParser(ToolParser):
+    """Gemma 4's native calls, ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, one block
+    per call. Values are Gemma's own notation: strings between ``<|"|>`` delimiters, bare keys,
+    numbers, ``true``/``false``/``null``, nested ``{...}`` and ``[...]``; they become JSON.
+
+    The markers are special tokens, so requests parsed with it keep special tokens in the text
+    (``special_markers``). A call streams as its name, then its whole arguments once the call
+    is closed (the notation is converted, so no JSON prefix exists before that)."""
+
+    name = "gemma4"
+    special_markers = True
+    START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+    _HEAD = re.compile(r"call:([\w.\-]+)\{")
+
+    def _calls(self, text: str):
+        """(name, arguments or None while open, end of the block or None) per call block."""
+        i = text.find(self.START)
+        while i >= 0:
+            head = self._HEAD.match(text, i + len(self.START))
+            if head is None:
+                return
+            try:
+                args, j = _gemma_object(text, head.end() - 1, self.QUOTE)
+            except _Unfinished:
+                yield head.group(1), None, None
+                return
+            end = text.find(self.END, j)
+            yield head.group(1), args, (None if end < 0 else end + len(self.END))
+            if end < 0:
+                return
+            i = text.find(self.START, end)
+
+    def extract(self, text):
+        if self.START not in text:
+            return text, []
+        try:
+            calls = [(name, json.dumps(args, ensure_ascii=False))
+                     for name, args, _ in self._calls(text) if args is not None]
+        except ValueError:
+            return text, []
+        if not calls:
+            return text, []
+        content = text[: text.index(self.START)]
+        return (content if content.strip() else None), calls
+
+    def content_end(self, text):
+        return _held(text, self.START)
+
+    def partial_calls(self, text):
+        try:
+            return [PartialCall(name, "" if args is None else
+                                json.dumps(args, ensure_ascii=False), args is not None)
+                    for name, args, _ in self._calls(text)]
+        except ValueError:
+            return []
+
+
+class _Unfinished(Exception):
+    """The text ends inside a value."""
+
+
+def _gemma_value(text: str, i: int, quote: str):
+    """One value of Gemma 4's notation at ``text[i]`` -> (Python value, index after it)."""
+    n = len(text)
+    while i < n and text[i] in " \n\t":
+        i += 1
+    if i >= n:
+        raise _Unfinished
+    if text.startswith(quote, i):
+        j = text.find(quote, i + len(quote))
+        if j < 0:
+            raise _Unfinished
+        return text[i + len(quote):j], j + len(quote)
+    if text[i] == "{":
+        return _gemma_object(text, i, quote)
+    if text[i] == "[":
+        items, i = [], i + 1
+        while True:
+            while i < n and text[i] in " \n\t,":
+                i += 1
+            if i >= n:
+                raise _Unfinished
+            if text[i] == "]":
+                return items, i + 1
+            v, i = _gemma_value(text, i, quote)
+            items.append(v)
+    j = i
+    while j < n and text[j] not in ",}]":
+        j += 1
+    if j >= n:
+        raise _Unfinished
+    word = text[i:j].strip()
+    if word in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[word], j
+    try:
+        return json.loads(word), j  # a number
+    except ValueError:
+        return word, j  # an unquoted word stays text
+
+
+def _gemma_object(text: str, i: int, quote: str):
+    """``{key:value,...}`` at ``text[i] == "{"`` -> (dict, index after ``}``)."""
+    obj, i, n = {}, i + 1, len(text)
+    while True:
+        while i < n and text[i] in " \n\t,":
+            i += 1
+        if i >= n:
+            raise _Unfinished
+        if text[i] == "}":
+            return obj, i + 1
+        if text.startswith(quote, i):
+            key, i = _gemma_value(text, i, quote)
+        else:
+            j = text.find(":", i)
+            if j < 0:
+                raise _Unfinished
+            key, i = text[i:j].strip(), j
+        while i < n and text[i] in " \n\t":
+            i += 1
+        if i >= n:
+            raise _Unfinished
+        if text[i] != ":":
+            raise ValueError(f"expected ':' after the key {key!r}")
+        obj[key], i = _gemma_value(text, i + 1, quote)
+
+
 class Qwen3CoderToolParser(ToolParser):
     """Qwen 3.5 / 3.6 and Qwen3-Coder's XML calls::
 
@@ -235,7 +362,7 @@ class Qwen3CoderToolParser(ToolParser):
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                        Qwen3CoderToolParser)}
+                         Gemma4ToolParser, Qwen3CoderToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:
