@@ -6,7 +6,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (in this order): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  moe  gemma4
+# Stages (in this order): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short)
 #   kernels  benchmarks/kernels.py (when present)
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
@@ -21,6 +21,8 @@
 #   moe      Mixtral-8x7B shape (8 layers) decode against its dense twin (issue "More model families")
 #   gemma4   Gemma-4-31B shape (dummy weights, fp8 weights + fp8 KV, 32k context): the engine's
 #            KV cache groups and "Maximum concurrency", beside the capacity arithmetic (issue 36)
+#   hybrid   Qwen3.6-27B shape in fp8 (dummy weights): decode step time against context 1k -> 32k,
+#            the hybrid (GDN + attention) against its all-attention twin (issue "Qwen 3.6")
 # Knobs (env): STAGES, BUDGET_S (default 515), N11 (1024), N8B (512), HF_CB_N (256),
 #   LORA_PRESET (llama3-8b), LORA_ARGS (extra benchmarks/lora.py flags),
 #   HF_BS ("64,128,256"), HF_CB_IMPLS ("sdpa,paged|eager,flash_attention_2"), SERVE_N (256),
@@ -47,7 +49,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup moe gemma4"}
+STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup moe gemma4 hybrid"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -129,6 +131,10 @@ G4=${GEMMA4_ARGS:---preset gemma4-31b}
 run_stage gemma4 150 bash -c "$PY benchmarks/gemma4_capacity.py --no-plot --output-json \
   $RES/gemma4_capacity.json && $PY benchmarks/gemma4_capacity.py --engine $G4 \
   --output-json $RES/gemma4_capacity_engine-31b.json"
+run_stage hybrid 240 $PY benchmarks/hybrid_decode.py --shape ${HYBRID_SHAPE:-27b} \
+  --quantization fp8 --batch ${HYBRID_BATCH:-8} \
+  --contexts ${HYBRID_CONTEXTS:-1024,2048,4096,8192,16384,32768} ${HYBRID_ARGS:-} \
+  --output-json "$RES/hybrid_decode-qwen3.6-27b.json"
 
 echo
 echo "== stages"

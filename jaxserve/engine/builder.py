@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.kv_cache_groups import GroupedBlockManager
+from jaxserve.core.kv_cache_spec import LinearState
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.spec_decode import NgramProposer
 from jaxserve.engine.generation_config import eos_token_ids, load_generation_config
@@ -101,6 +102,9 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         raise InvalidRequestError(str(e), param="generation_config") from None
     eos = list(eos_token_ids(mc.eos_token_id, generation_config.get("eos_token_id"),
                              getattr(tokenizer, "eos_token_id", None)))
+    if any(isinstance(s, LinearState) for s in getattr(model, "cache_specs", lambda d: [])(
+            "float32")):
+        check_state_pool_support(config)
     # float8 KV scales are settled before the runner splits the model (they are static)
     prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
                       serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
@@ -115,7 +119,6 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         else runner.pools[0].window
     prefix_caching = config.cache.enable_prefix_caching
     if runner.num_state_slots is not None:
-        check_state_pool_support(config)
         if prefix_caching:
             logger.info("prefix caching is off: %s has LinearState (recurrent-state) layers, "
                         "whose state a cached attention prefix does not restore",
@@ -168,6 +171,11 @@ def check_state_pool_support(config: EngineConfig) -> None:
             "--preemption-mode swap is not supported for models with LinearState (Gated "
             "DeltaNet) layers: their state pool is not swapped; use recompute",
             param="preemption_mode")
+    if config.cache.calculate_kv_scales:
+        raise InvalidRequestError(
+            "--calculate-kv-scales is not supported for models with LinearState (Gated "
+            "DeltaNet) layers yet (the calibration pass pages every layer)",
+            param="calculate_kv_scales")
     if config.speculative is not None:
         raise InvalidRequestError(
             "--speculative-config is not supported for models with LinearState (Gated "

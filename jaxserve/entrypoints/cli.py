@@ -287,7 +287,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "(needs --tool-call-parser)")
     g.add_argument("--tool-call-parser", default=None,
                    choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)")
+                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>; "
+                        "qwen3_coder: Qwen 3.5/3.6's <function=NAME><parameter=ARG> XML)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> off the answer into reasoning_content")
     g.add_argument("--trust-request-chat-template", action="store_true",
