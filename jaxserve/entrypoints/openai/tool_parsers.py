@@ -1,6 +1,6 @@
 """Tool calls in model text, vLLM's ``--tool-call-parser`` names: ``hermes``, ``llama3_json``,
-``mistral``, ``gemma4``, ``qwen3_coder``; and the JSON schemas that make ``tool_choice`` "required" / a named function a
-grammar (the model then cannot answer anything but a valid call).
+``mistral``, ``gemma4``, ``qwen3_coder``; and the JSON schemas that make ``tool_choice``
+"required" / a named function a grammar (the model then cannot answer anything but a valid call).
 
 A parser splits a finished text into (content, [(name, arguments JSON)]); ``content_end`` says
 how much of a growing text is surely plain content, so a stream can show that much; and
