@@ -100,6 +100,10 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidRequestError(
             f"data_parallel_size > 1 with {FLAG} > 1 is not supported yet",
             param="pipeline_parallel_size")
+    if getattr(config, "lora", None) is not None:
+        raise InvalidRequestError(
+            f"--enable-lora with {FLAG} > 1 is not supported yet",
+            param="pipeline_parallel_size")
 
 
 def check_model(model) -> None:
@@ -297,6 +301,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.grouped = False
         self.num_cache_groups = len(self.pools)
         self.state_layers, self.num_state_slots = (), None  # Llama/MoE: no LinearState layers
+        self.lora = None  # LoRA with pipelining is a start-up error (check_config)
         # every stage holds the same page ids for its own layers: size by the largest stage
         widest = max(hi - lo for lo, hi in self.partition)
         stage_cfg = dataclasses.replace(model_config, num_layers=widest)
