@@ -173,6 +173,21 @@ def test_bad_sizes_are_start_up_errors_naming_the_flags(report):
     assert "4 available" in msg
 
 
+@pytest.mark.parametrize("feature", [dict(enable_lora=True),
+                                     dict(speculative_config={"method": "ngram",
+                                                              "num_speculative_tokens": 2})])
+def test_features_pipelining_lacks_are_start_up_errors(tiny_llama_dir, feature):
+    """Refused before any weight is read, naming the flag (not silently run without them)."""
+    from jaxserve.config import engine_config_from_kwargs
+    from jaxserve.engine.builder import build_engine
+    from jaxserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as e:
+        build_engine(engine_config_from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=2,
+                                               **feature))
+    assert e.value.param == "pipeline_parallel_size" and "--pipeline-parallel-size" in str(e.value)
+
+
 def test_layer_partition():
     from jaxserve.errors import InvalidRequestError
     from jaxserve.worker.pipeline import layer_partition
