@@ -5,12 +5,19 @@ no torch), so the rest of the loader treats a ``.gguf`` exactly like a safetenso
 llama.cpp stores Q/K projections of the llama architecture with rows permuted for its
 interleaved rotary layout; we undo that here so the weights are HF's again.
 
-Mapped: the llama family (llama, mistral, qwen2, qwen3, and Mixtral, which llama.cpp stores as
-``llama`` with expert tensors), gemma2, gemma3, phi3, qwen3moe and qwen2moe, with the names, layouts and
-metadata llama.cpp's ``convert_hf_to_gguf.py`` writes (Gemma's ``(1 + w)`` norm weights with the
-1 added, Phi-3's fused ``attn_qkv``/``ffn_up`` and LongRoPE factor tensors, experts stacked in
-one 3-D tensor per projection). Only quant types we have checked against transformers' own GGUF
-loading are accepted; anything else fails early with a clear error.
+Mapped: the llama family (llama, mistral, qwen2, qwen3, and Mixtral, which llama.cpp stores
+as ``llama`` with expert tensors), gemma2, gemma3, gemma4, phi3, qwen3moe, qwen2moe, qwen35 and
+qwen35moe, with the names, layouts and metadata llama.cpp's ``convert_hf_to_gguf.py`` writes:
+Gemma 2/3's ``(1 + w)`` norm weights with the 1 added, Phi-3's fused ``attn_qkv``/``ffn_up``
+and LongRoPE factor tensors, experts stacked in one 3-D tensor per projection; Gemma 4's
+per-type head dims (``key_length`` global, ``key_length_swa`` local), per-layer KV heads,
+``attention_k_eq_v`` as global layers without ``attn_v``, proportional rope as ``rope_freqs``
+(1s then 1e30s), fused ``ffn_gate_up_exps``; Qwen 3.5's Gated DeltaNet tensors as ``ssm_*``
+with ``A`` stored as ``-exp(A_log)``, the conv kernel squeezed, zero-centred norms as
+``1 + w`` and V heads reordered from grouped-by-K to tiled, and multi-token-prediction
+(nextn) blocks skipped. Only quant types we have checked against transformers' own GGUF
+loading are accepted; anything else, and an architecture variant we cannot serve, fails early
+with a clear error.
 """
 from __future__ import annotations
 
@@ -131,6 +138,13 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias|scale))?$")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")  # any block tensor (nextn ones have deeper names)
+
+
+def _beyond(name: str, n_layers: int) -> bool:
+    """A tensor of a block past the model's layers: a multi-token-prediction (nextn) block."""
+    b = _BLOCK_RE.match(name)
+    return bool(b) and int(b.group(1)) >= n_layers
 # folded into rope_scaling (Gemma 4: its partial rotary factor) instead
 _IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _QWEN35 = ("qwen35", "qwen35moe")
@@ -588,7 +602,7 @@ def _hf_tensors(gguf, reader, arch: str, cfg: dict) -> dict[str, Callable[[], np
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     for t in reader.tensors:
         m = _LAYER_RE.match(t.name)
-        if m and int(m.group(1)) >= cfg["num_hidden_layers"]:
+        if _beyond(t.name, cfg["num_hidden_layers"]):
             continue  # a multi-token-prediction block (nextn): not served
         if m and m.group(2) in _EXPERT_TENSORS and model_type in _MOE_NAMES:
             block, per_expert = _MOE_NAMES[model_type]
@@ -667,7 +681,7 @@ def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
         fused = hf and hf.endswith(("qkv_proj.weight", "gate_up_proj.weight"))  # split at load
         # GDN projections are stored reordered (V heads tiled): those load dequantized
         reordered = hf and ".linear_attn." in hf
-        mtp = m and int(m.group(1)) >= cfg["num_hidden_layers"]
+        mtp = _beyond(t.name, cfg["num_hidden_layers"])
         if hf and hf.endswith("_proj.weight") and not (fused or reordered or mtp) and \
                 t.tensor_type.name in types:
             out[hf] = (t.tensor_type.name, thunk(t, m.group(2)))

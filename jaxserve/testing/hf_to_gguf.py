@@ -304,7 +304,8 @@ def hf_to_gguf(model_dir, out_path, qtype: str = "F32") -> str:
             t = _permute(t, heads)
         elif arch == "llama" and g == "attn_k":
             t = _permute(t, kv)
-        add(f"blk.{layer}.{g}.{kind}", t, keep_f32=g.startswith("ffn_gate_inp") or g == "ssm_conv1d")
+        add(f"blk.{layer}.{g}.{kind}", t,
+            keep_f32=g.startswith("ffn_gate_inp") or g == "ssm_conv1d")
     for (layer, g), per in sorted(experts.items()):
         add(f"blk.{layer}.{g}.weight", np.stack([per[e] for e in range(len(per))]))
     w.write_header_to_file()

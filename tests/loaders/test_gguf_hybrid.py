@@ -255,3 +255,16 @@ def test_unservable_variants_are_named(converted, tmp_path, case, expect):
                                     "blk.0.ffn_gate_exps.weight": gu[:, :32].copy()})
     with pytest.raises(ValueError, match=expect.replace("(", r"\(").replace(".", r"\.")):
         load_gguf(dst)
+
+
+def test_qwen35_nextn_blocks_are_skipped(converted, tmp_path):
+    """A file with a multi-token-prediction block appended (``nextn_predict_layers``, the block
+    counted in ``block_count``) loads as the model without it."""
+    V = gguf.GGUFValueType
+    dst = _rewrite(converted("qwen35-dense")[1], tmp_path / "mtp.gguf",
+                   fields={"qwen35.block_count": 5, "qwen35.nextn_predict_layers": (1, V.UINT32)},
+                   tensors={"blk.4.attn_norm.weight": np.ones(64, np.float32),
+                            "blk.4.nextn.eh_proj.weight": np.zeros((64, 128), np.float32)})
+    cfg, tensors = load_gguf(dst)
+    assert cfg["num_hidden_layers"] == 4 and len(cfg["layer_types"]) == 4
+    assert not [n for n in tensors if n.startswith("model.layers.4.")]
