@@ -200,6 +200,27 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """--enable-lora: ``max_loras`` adapters per step in device slots of rank
+    ``max_lora_rank``; ``max_cpu_loras`` loaded adapters kept on the host (None: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
@@ -233,6 +254,7 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     # --kv-events-config: publish prefix-cache block events (vLLM's KVEventsConfig)
     kv_events: KVEventsConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA off (no --enable-lora)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -447,7 +469,9 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               scheduling_policy="priority", pipeline_parallel_size=1,
                               enforce_eager=False, revision=None, download_dir=None,
                               hf_overrides=None, trust_remote_code=False,
-                              tokenizer_mode="auto", kv_events_config=None) -> EngineConfig:
+                              tokenizer_mode="auto", kv_events_config=None,
+                              enable_lora=False, max_loras=1, max_lora_rank=16,
+                              max_cpu_loras=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -470,6 +494,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         kv_events=KVEventsConfig.parse(kv_events_config),
+        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
+                        max_cpu_loras=max_cpu_loras) if enable_lora else None,
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,

@@ -66,6 +66,28 @@ def recurrent_step(s, q, k, v, g, beta):
     return jnp.sum(s * q[..., :, None], axis=-2), s
 
 
+def _forward_substitution(a, b):
+    """``x`` with ``a x = b`` for unit lower triangular ``a [..., C, C]``, one row at a time."""
+    c = a.shape[-1]
+    cols = jnp.arange(c)
+
+    def row(i, x):
+        done = _mm("...j,...jd->...d", jnp.where(cols < i, a[..., i, :], 0.0), x)
+        return x.at[..., i, :].set(b[..., i, :] - done)
+
+    return lax.fori_loop(0, c, row, jnp.zeros_like(b))
+
+
+def solve_unit_lower(a, b):
+    """The chunk's unit lower triangular system. On CPU by forward substitution: LAPACK's
+    triangular solve is a custom call that deadlocks inside a program over several CPU devices
+    (tensor parallelism on forced host devices); elsewhere the platform's triangular solve."""
+    return lax.platform_dependent(
+        a, b, cpu=_forward_substitution,
+        default=lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True,
+                                                               unit_diagonal=True))
+
+
 def chunk_step(s, q, k, v, g, beta):
     """One chunk of one row, every head: ``s [H, Dk, Dv]``, ``q, k [C, H, Dk]``, ``v [C, H, Dv]``,
     ``g, beta [C, H]`` (tokens past the row's end zeroed). Returns (``o [C, H, Dv]``, new state)."""
@@ -80,7 +102,7 @@ def chunk_step(s, q, k, v, g, beta):
     a = jnp.where(row > col, _mm("hik,hjk->hij", kb, k) * decay, 0.0)
     system = a + jnp.eye(c, dtype=a.dtype)
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gc)[..., None]], axis=-1)
-    uw = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    uw = solve_unit_lower(system, rhs)
     u, w = uw[..., : v.shape[-1]], uw[..., v.shape[-1]:]
     v_new = u - _mm("hck,hkv->hcv", w, s)
     o = _mm("hck,hkv->hcv", q * jnp.exp(gc)[..., None], s)

@@ -6,7 +6,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (in this order): pytest  kernels  gdnlora  tp11  tp8b  serving  startup  moe  gemma4
+# Stages (in this order): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short)
 #   kernels  benchmarks/kernels.py (when present)
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
@@ -14,12 +14,17 @@
 #   tp11     throughput, 1.1B shape (tinyllama-1.1b preset, dummy weights, bf16): 1024 prompts,
 #            in 512, out 128, greedy, + HF generate, HF generate_batch and the decode roofline
 #   tp8b     throughput, Llama-3-8B shape (llama3-8b preset), + roofline
+#   lora8b   benchmarks/lora.py on the Llama-3-8B shape: 0/1/4/8 random rank-16 adapters mixed
+#            evenly vs the base engine (issue "Multi-LoRA serving"; target >= 0.9x of base)
 #   serving  serving sweep on the 1.1B shape against a launched `jaxserve serve`
 #   startup  `jaxserve serve` of the 1.1B shape (dummy weights) cold and cached (issue "Fast start")
 #   moe      Mixtral-8x7B shape (8 layers) decode against its dense twin (issue "More model families")
 #   gemma4   Gemma-4-31B shape (dummy weights, fp8 weights + fp8 KV, 32k context): the engine's
 #            KV cache groups and "Maximum concurrency", beside the capacity arithmetic (issue 36)
+#   hybrid   Qwen3.6-27B shape in fp8 (dummy weights): decode step time against context 1k -> 32k,
+#            the hybrid (GDN + attention) against its all-attention twin (issue "Qwen 3.6")
 # Knobs (env): STAGES, BUDGET_S (default 515), N11 (1024), N8B (512), HF_CB_N (256),
+#   LORA_PRESET (llama3-8b), LORA_ARGS (extra benchmarks/lora.py flags),
 #   HF_BS ("64,128,256"), HF_CB_IMPLS ("sdpa,paged|eager,flash_attention_2"), SERVE_N (256),
 #   SERVE_RATES ("inf,0.8x,0.5x"), GEMMA4_ARGS ("--preset gemma4-31b"; "--tiny" on CPU),
 #   T_<stage> caps in seconds (T_tp11=300 ...).
@@ -44,7 +49,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b serving startup moe gemma4"}
+STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup moe gemma4 hybrid"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -104,6 +109,10 @@ run_stage tp8b 110 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloa
   --num-prompts "$N8B" --input-len 512 --output-len 128 --disable-detokenize --roofline \
   --disable-tqdm --output-json "$RES/throughput-llama3-8b.json"
 
+run_stage lora8b 120 $PY benchmarks/lora.py --preset "${LORA_PRESET:-llama3-8b}" --dtype bfloat16 \
+  --num-prompts 64 --input-len 256 --output-len 64 --max-num-seqs 64 --repeats 2 \
+  --targets all ${LORA_ARGS:-} --disable-tqdm --output-json "$RES/lora-${LORA_PRESET:-llama3-8b}.json"
+
 run_stage serving 75 $PY benchmarks/serving.py --launch --preset tinyllama-1.1b \
   --dtype bfloat16 --num-prompts "$SERVE_N" --input-len 512 --output-len 128 \
   --request-rates "$SERVE_RATES" --goodput ttft:30 tpot:8 --launch-timeout 60 \
@@ -122,6 +131,10 @@ G4=${GEMMA4_ARGS:---preset gemma4-31b}
 run_stage gemma4 150 bash -c "$PY benchmarks/gemma4_capacity.py --no-plot --output-json \
   $RES/gemma4_capacity.json && $PY benchmarks/gemma4_capacity.py --engine $G4 \
   --output-json $RES/gemma4_capacity_engine-31b.json"
+run_stage hybrid 240 $PY benchmarks/hybrid_decode.py --shape ${HYBRID_SHAPE:-27b} \
+  --quantization fp8 --batch ${HYBRID_BATCH:-8} \
+  --contexts ${HYBRID_CONTEXTS:-1024,2048,4096,8192,16384,32768} ${HYBRID_ARGS:-} \
+  --output-json "$RES/hybrid_decode-qwen3.6-27b.json"
 
 echo
 echo "== stages"

@@ -129,7 +129,14 @@ class BlockManager:
 
     # -- prefix cache -----------------------------------------------------------------------
     def _extra_keys(self, request: Request, page_index: int):
-        return request.cache_salt if page_index == 0 and request.cache_salt is not None else None
+        """The first page's salt and adapter (the chain carries them to every later page):
+        a prefix computed under one adapter is never served to another, nor to the base."""
+        if page_index != 0:
+            return None
+        lora = request.lora_int_id
+        if lora:
+            return (request.cache_salt, "lora", lora)
+        return request.cache_salt
 
     def _ensure_hashes(self, request: Request, num_pages: int) -> list[int]:
         """Extend ``request.block_hashes`` to its first ``num_pages`` full pages (tokens never change)."""

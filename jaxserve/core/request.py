@@ -54,6 +54,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         prefix_parent: "Request | None" = None,
+        lora_request: Any = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids: list[int] = [int(t) for t in prompt_token_ids]
@@ -61,6 +62,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
         self.priority = int(priority)
         self.cache_salt = cache_salt  # mixed into the first page's prefix-cache hash
+        # the adapter it runs with (jaxserve.lora.LoRARequest; None: the base model): kept
+        # through preemption and swap, part of its prefix-cache keys
+        self.lora_request = lora_request
         # n > 1: siblings name the first child here; the scheduler admits them once its prompt
         # is computed, so they take its full prompt pages from the prefix cache (copy-free).
         self.prefix_parent = prefix_parent
@@ -99,6 +103,11 @@ class Request:
         # Effective generation cap (the scheduler lowers it to fit max_model_len).
         mt = getattr(sampling_params, "max_tokens", None)
         self.max_tokens: int | None = None if mt is None else int(mt)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else int(self.lora_request.lora_int_id)
 
     # -- sizes ------------------------------------------------------------------------------
     @property

@@ -98,6 +98,7 @@ class Scheduler:
         max_model_len: int,
         page_bytes: int | None = None,
         eos_token_ids: Iterable[int] = (),
+        max_loras: int | None = None,
     ):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -123,6 +124,8 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.preemption_mode = scheduler_config.preemption_mode
+        # LoRA: at most this many distinct adapters run at once (None: LoRA off)
+        self.max_loras = max_loras
         # while the runner's buckets compile: the largest compiled token bucket (limit_tokens)
         self.token_limit: int | None = None
         if page_bytes is None:
@@ -372,6 +375,7 @@ class Scheduler:
         # 2. waiting requests, unless this step had to preempt (vLLM V1: avoid thrashing)
         if not out.preempted:
             j = 0
+            loras = self._running_loras()
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[j]
                 if req.spec_in_flight:  # preempted mid-verify: the step is read first
@@ -382,6 +386,9 @@ class Scheduler:
                     continue
                 if req.grammar is not None and not req.grammar.ready:
                     j += 1  # its grammar is still compiling: wait without holding a slot
+                    continue
+                if not self._lora_fits(req, loras):
+                    j += 1  # max_loras other adapters are running: wait for one to finish
                     continue
                 resumed_swap = req.status == RequestStatus.SWAPPED
                 hits: list[int] | None = None
@@ -410,6 +417,8 @@ class Scheduler:
                     if req.num_preemptions == 0:
                         req.num_cached_tokens = n_hit
                 req.status = RequestStatus.RUNNING
+                if req.lora_int_id:
+                    loras.add(req.lora_int_id)
                 bisect.insort(self.running, req, key=_order_key)
                 self._add_scheduled(out, req, n)
                 budget -= n
@@ -417,6 +426,16 @@ class Scheduler:
         out.finished_req_ids = self._finished_since_schedule
         self._finished_since_schedule = []
         return out
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether ``req`` may run beside the adapters in ``loras`` (max_loras distinct)."""
+        lid = req.lora_int_id
+        if not lid or lid in loras:
+            return True
+        return self.max_loras is not None and len(loras) < self.max_loras
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled: dict[str, int] | None = None) -> list[Request]:

@@ -70,6 +70,7 @@ class ScheduledSeq:
     # prompt_logprobs: the prompt token after each of the row's first len(...) new tokens
     prompt_next_ids: Sequence[int] | None = None
     state_slot: int = -1  # the row's recurrent-state pool slot (LinearState layers); -1: none
+    lora_slot: int = -1  # the device slot of the row's adapter; -1: the base model
 
 
 # StepPlan fields the jitted forward reads (the sampler reads ``sampling`` and the extras).
@@ -213,7 +214,7 @@ def build_step_plan(
         logits_indices=logits_indices,
         prev_ref=prev_ref,
         state_slots=_state_slots(rows, s_bucket),
-        lora_slots=np.full(t_bucket, -1, dtype=np.int32),
+        lora_slots=_lora_slots(rows, q_lens, t_bucket),
         sampling=build_sampling_arrays([r.sampling for r in rows], s_bucket,
                                        history_len=history_len, rng=rng),
         history_ref=history_ref,
@@ -226,6 +227,14 @@ def build_step_plan(
         num_seqs=n_rows,
         num_tokens=n_tok,
     )
+
+
+def _lora_slots(rows, q_lens: np.ndarray, t_bucket: int) -> np.ndarray:
+    """``[T]``: each token's adapter slot (its row's); padding tokens are base (-1)."""
+    slots = np.full(t_bucket, -1, dtype=np.int32)
+    slots[:int(q_lens.sum())] = np.repeat(
+        np.fromiter((r.lora_slot for r in rows), np.int32, len(rows)), q_lens)
+    return slots
 
 
 def _pages(rows, pos, row_of_tok, needed, block_size: int, max_pages: int, s_bucket: int,

@@ -73,11 +73,18 @@ class AsyncLLM:
             # stream's abort follows in the queue and finds nothing).
             if fut is None or fut.set_running_or_notify_cancel():
                 try:
+                    result = None
                     if kind == "add":
-                        self.engine.add_request(*args[:3], priority=args[3])
+                        self.engine.add_request(*args[:3], priority=args[3],
+                                                lora_request=args[4])
                     elif kind == "abort":
                         self.engine.abort_request(args[0])
-                    result = self.engine.reset_prefix_cache() if kind == "reset" else None
+                    elif kind == "reset":
+                        result = self.engine.reset_prefix_cache()
+                    elif kind == "add_lora":
+                        result = self.engine.add_lora(args[0])
+                    elif kind == "remove_lora":
+                        result = self.engine.remove_lora(args[0])
                     if fut is not None:
                         fut.set_result(result)
                 except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
@@ -90,12 +97,13 @@ class AsyncLLM:
 
     # ---- public API --------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
-                       request_id: str, *, priority: int = 0
+                       request_id: str, *, priority: int = 0, lora_request=None
                        ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         q = self._streams.open(request_id)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, sampling_params, priority), fut))
+        self._commands.put(("add", (request_id, prompt, sampling_params, priority,
+                                    lora_request), fut))
 
         def end(finished: bool) -> None:
             if not finished:
@@ -115,6 +123,19 @@ class AsyncLLM:
         self.check_health()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("reset", (), fut))
+        return await asyncio.wrap_future(fut)
+
+    async def add_lora(self, lora_request) -> bool:
+        """Load and check an adapter on the engine thread (raises naming it)."""
+        return await self._command("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._command("remove_lora", lora_int_id)
+
+    async def _command(self, kind: str, arg):
+        self.check_health()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((kind, (arg,), fut))
         return await asyncio.wrap_future(fut)
 
     def check_health(self) -> None:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.kv_cache_groups import GroupedBlockManager
+from jaxserve.core.kv_cache_spec import LinearState
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.spec_decode import NgramProposer
 from jaxserve.engine.generation_config import eos_token_ids, load_generation_config
@@ -101,19 +102,23 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         raise InvalidRequestError(str(e), param="generation_config") from None
     eos = list(eos_token_ids(mc.eos_token_id, generation_config.get("eos_token_id"),
                              getattr(tokenizer, "eos_token_id", None)))
+    if any(isinstance(s, LinearState) for s in getattr(model, "cache_specs", lambda d: [])(
+            "float32")):
+        check_state_pool_support(config)
     # float8 KV scales are settled before the runner splits the model (they are static)
     prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
                       serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
                       mesh=mesh)
     runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
                          mesh=mesh, extra_page_bytes=extra_page_bytes)
+    lora_manager = _lora_manager(config, model, mc, runner, dtype, mesh) \
+        if config.lora is not None else None
     # pages out of every layer's window are freed, unless a draft model (which lags behind
     # and may attend globally) reads the same page ids
     window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
         else runner.pools[0].window
     prefix_caching = config.cache.enable_prefix_caching
     if runner.num_state_slots is not None:
-        check_state_pool_support(config)
         if prefix_caching:
             logger.info("prefix caching is off: %s has LinearState (recurrent-state) layers, "
                         "whose state a cached attention prefix does not restore",
@@ -132,7 +137,8 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                                      num_state_slots=runner.num_state_slots)
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
                           page_bytes=runner.page_bytes,
-                          eos_token_ids=eos)
+                          eos_token_ids=eos,
+                          max_loras=config.lora.max_loras if config.lora is not None else None)
     proposer = None
     if spec is not None and spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -149,7 +155,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                        tokenizer=tokenizer, dtype=dtype, mesh=mesh, max_model_len=max_model_len,
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
                        block_manager=block_manager, scheduler=scheduler, proposer=proposer,
-                       kv_event_publisher=publisher)
+                       kv_event_publisher=publisher, lora_manager=lora_manager)
     if background_warmup:
         # while buckets compile, each step stays within the largest compiled one
         runner.start_warmup(on_token_limit=scheduler.limit_tokens)
@@ -165,11 +171,40 @@ def check_state_pool_support(config: EngineConfig) -> None:
             "--preemption-mode swap is not supported for models with LinearState (Gated "
             "DeltaNet) layers: their state pool is not swapped; use recompute",
             param="preemption_mode")
+    if config.cache.calculate_kv_scales:
+        raise InvalidRequestError(
+            "--calculate-kv-scales is not supported for models with LinearState (Gated "
+            "DeltaNet) layers yet (the calibration pass pages every layer)",
+            param="calculate_kv_scales")
     if config.speculative is not None:
         raise InvalidRequestError(
             "--speculative-config is not supported for models with LinearState (Gated "
             "DeltaNet) layers yet (rejected drafts would stay in the recurrent state)",
             param="speculative_config")
+
+
+def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype, mesh):
+    """--enable-lora: the device slots (on the runner, before warm-up: every step graph takes
+    them) and the host side that fills them."""
+    from jaxserve.loaders.peft import load_peft_adapter, lora_targets
+    from jaxserve.lora.cache import LoRAManager
+    from jaxserve.lora.slots import LoRASlots
+
+    lc = config.lora
+    if not getattr(model, "supports_lora", False):
+        raise InvalidRequestError(f"--enable-lora: {type(model).__name__} does not support LoRA "
+                                  "adapters yet", param="enable_lora")
+    if config.parallel.num_hosts > 1:
+        raise InvalidRequestError("--enable-lora runs on one host", param="enable_lora")
+    targets = lora_targets(model)
+    runner.lora = LoRASlots(targets, mc.num_layers, lc.max_loras, lc.max_lora_rank, dtype,
+                            mesh=mesh, weight_specs=targets.specs)
+    logger.info("LoRA: %d device slots of rank %d over %d projections, host cache of %d",
+                lc.max_loras, lc.max_lora_rank, len(targets.shapes), lc.max_cpu_loras)
+    return LoRAManager(
+        lc.max_loras, lc.max_cpu_loras,
+        load=lambda r: load_peft_adapter(r.lora_name, r.lora_path, targets, lc.max_lora_rank),
+        write=runner.write_lora)
 
 
 def _load_tokenizer(model_path, tokenizer):

@@ -31,6 +31,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest, FinishSequences,
+                                          LoRAUpdate,
                                           ResetPrefixCache, Shutdown, decode_message,
                                           encode_request, run_engine_core)
 from jaxserve.engine.output_processor import OutputProcessor
@@ -147,6 +148,12 @@ class EngineCoreClient:
             fut = self._adds.pop(token, None)
             if fut is not None:
                 fut.get_loop().call_soon_threadsafe(_settle_value, fut, ok)
+        elif kind == "lora":
+            _, token, result, err = msg
+            fut = self._adds.pop(token, None)
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(
+                    _settle if err is not None else _settle_value, fut, err or result)
         elif kind == "dead":
             self._die(f"the engine core died: {msg[1]}")
 
@@ -165,7 +172,7 @@ class EngineCoreClient:
 
     # ---- public API (AsyncLLM's) ---------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
-                       request_id: str, *, priority: int = 0
+                       request_id: str, *, priority: int = 0, lora_request=None
                        ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         params = sampling_params or SamplingParams()
@@ -175,7 +182,7 @@ class EngineCoreClient:
         self._adds[request_id] = added
         with self._processor_lock:
             self._processor.add_request(request_id, text, ids, params)
-        self._send(AddRequest(request_id, ids, params, priority))
+        self._send(AddRequest(request_id, ids, params, priority, lora_request))
 
         def end(finished: bool) -> None:
             self._adds.pop(request_id, None)
@@ -195,6 +202,24 @@ class EngineCoreClient:
         with self._processor_lock:
             self._processor.abort_request(request_id)
         self._streams.put(request_id, FINISHED)
+
+    async def add_lora(self, lora_request) -> bool:
+        """The core loads and checks an adapter (raises naming it)."""
+        return await self._lora_update(lora_request=lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._lora_update(remove_id=lora_int_id)
+
+    async def _lora_update(self, **kw):
+        self.check_health()
+        token = f"lora-{next(self._tokens)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._adds[token] = fut
+        self._send(LoRAUpdate(token, **kw))
+        try:
+            return await fut
+        finally:
+            self._adds.pop(token, None)
 
     async def reset_prefix_cache(self) -> bool:
         """The core drops its cached prefix pages between steps; False while pages are in use."""

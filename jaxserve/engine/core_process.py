@@ -38,6 +38,7 @@ from jaxserve.core.outputs import CoreOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.output_processor import SequenceStop
 from jaxserve.errors import InvalidRequestError
+from jaxserve.lora.request import LoRARequest
 from jaxserve.worker.memory_budget import set_allocator_fraction
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,16 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    lora_request: LoRARequest | None = None
+
+
+class LoRAUpdate(msgspec.Struct, tag="lora", array_like=True):
+    """Load (``lora_request``) or forget (``remove_id``) an adapter; the answer carries
+    ``token`` back with the result or the error."""
+
+    token: str
+    lora_request: LoRARequest | None = None
+    remove_id: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -73,7 +84,8 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-CoreRequest = AddRequest | AbortRequest | FinishSequences | ResetPrefixCache | Shutdown
+CoreRequest = (AddRequest | AbortRequest | FinishSequences | ResetPrefixCache | LoRAUpdate
+               | Shutdown)
 
 
 def encode_request(msg: CoreRequest) -> bytes:
@@ -173,7 +185,7 @@ def _handle(engine, msg: CoreRequest, outbox) -> bool:
     if isinstance(msg, AddRequest):
         try:
             engine.add_core_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                    priority=msg.priority)
+                                    priority=msg.priority, lora_request=msg.lora_request)
             err = None
         except InvalidRequestError as e:
             err = e
@@ -186,6 +198,16 @@ def _handle(engine, msg: CoreRequest, outbox) -> bool:
         engine.finish_sequences(msg.stops)
     elif isinstance(msg, ResetPrefixCache):
         outbox.send(_pickled(("reset", msg.token, engine.reset_prefix_cache())))
+    elif isinstance(msg, LoRAUpdate):
+        result, err = None, None
+        try:
+            result = (engine.add_lora(msg.lora_request) if msg.lora_request is not None
+                      else engine.remove_lora(msg.remove_id))
+        except InvalidRequestError as e:
+            err = e
+        except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
+            err = InvalidRequestError(str(e))
+        outbox.send(_pickled(("lora", msg.token, result, err)))
     elif isinstance(msg, Shutdown):
         return False
     return True

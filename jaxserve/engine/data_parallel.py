@@ -68,7 +68,7 @@ class DataParallelAsyncLLM:
         return min(range(len(self.replicas)), key=lambda i: (self._inflight[i], i))
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
-                       request_id: str, *, priority: int = 0
+                       request_id: str, *, priority: int = 0, lora_request=None
                        ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         if request_id in self._replica_of:
@@ -80,11 +80,22 @@ class DataParallelAsyncLLM:
         self._replica_of[request_id] = i
         try:
             async for out in self.replicas[i].generate(prompt, sampling_params, request_id,
-                                                       priority=priority):
+                                                       priority=priority,
+                                                       lora_request=lora_request):
                 yield out
         finally:
             self._inflight[i] -= 1
             self._replica_of.pop(request_id, None)
+
+    async def add_lora(self, lora_request) -> bool:
+        """Every replica loads the adapter (any may serve its requests)."""
+        for r in self.replicas:
+            await r.add_lora(lora_request)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        found = [await r.remove_lora(lora_int_id) for r in self.replicas]
+        return any(found)
 
     async def abort(self, request_id: str) -> None:
         i = self._replica_of.get(request_id)

@@ -98,7 +98,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, model, model_config, model_dir, tokenizer,
                  dtype, mesh, max_model_len: int, generation_config: dict, eos_token_ids: list[int],
                  runner: ModelRunner, block_manager: BlockManager, scheduler: Scheduler,
-                 proposer=None, kv_event_publisher=None):
+                 proposer=None, kv_event_publisher=None, lora_manager=None):
         self.config = config  # resolved for the platform (EngineConfig.for_platform)
         self.model = model
         self.model_config = model_config
@@ -118,6 +118,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.proposer = proposer
         self.kv_event_publisher = kv_event_publisher  # None: KV-cache events off
+        self.lora_manager = lora_manager  # jaxserve.lora.cache.LoRAManager; None: LoRA off
         spec = config.speculative
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.output_processor = OutputProcessor(tokenizer)
@@ -142,21 +143,21 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, final_only: bool = False) -> None:
+                    priority: int = 0, final_only: bool = False, lora_request=None) -> None:
         """Tokenize, then add to the output processor and the core (``final_only``: offline
-        use, no output until the request finishes)."""
+        use, no output until the request finishes; ``lora_request``: the adapter to run)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
                                       param="request_id")
         prompt_text, ids = prompt_ids(self.tokenizer, prompt)
         self.add_core_request(request_id, ids, params, arrival_time=arrival_time,
-                              priority=priority)
+                              priority=priority, lora_request=lora_request)
         self.output_processor.add_request(request_id, prompt_text, ids, params, final_only)
 
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
-                         priority: int = 0) -> None:
+                         priority: int = 0, lora_request=None) -> None:
         """The core's half of ``add_request``: checked token ids into the scheduler."""
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already running",
@@ -165,6 +166,7 @@ class LLMEngine:
             raise InvalidRequestError(f"priority {priority}: priority scheduling is not enabled "
                                       "(--scheduling-policy fcfs)", param="priority")
         ids = self._check_prompt_ids(prompt_token_ids)
+        self._check_lora(lora_request)
         params.verify_vocab(self.model_config.vocab_size)
         params = params.verify_logprobs(self.config.max_logprobs, self.model_config.vocab_size)
         if params.structured_outputs is not None:
@@ -187,7 +189,7 @@ class LLMEngine:
             if i > 0 and self.config.cache.enable_prefix_caching:
                 share = parent.children[0].request
             req = Request(rid, list(ids), child_params, arrival_time=now, priority=priority,
-                          prefix_parent=share)
+                          prefix_parent=share, lora_request=lora_request)
             if params.structured_outputs is not None:
                 req.grammar = self.structured.grammar_for(params.structured_outputs)
             if params.allowed_token_ids is not None or params.bad_words:
@@ -204,6 +206,48 @@ class LLMEngine:
                 self.abort_request(request_id)
                 raise
         self.prompt_tokens_total += len(ids)
+
+    def _check_lora(self, lora_request) -> None:
+        """The adapter is known, loaded on the host and fits the model (or the error says
+        why, naming it)."""
+        if lora_request is None:
+            return
+        if self.lora_manager is None:
+            name = getattr(lora_request, "lora_name", lora_request)
+            raise InvalidRequestError(f"LoRA adapter {name!r}: LoRA is not enabled (start "
+                                      "with --enable-lora or LLM(enable_lora=True))",
+                                      param="lora_request")
+        self.lora_manager.add(lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Load and check an adapter ahead of its requests (``--lora-modules``, the runtime
+        load route); raises naming the adapter when it cannot be served."""
+        self._check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already running keep theirs); False if unknown."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_int_id)
+
+    def list_loras(self) -> list:
+        return [] if self.lora_manager is None else self.lora_manager.list_loras()
+
+    def _lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info`` labels: adapter names running and waiting."""
+        def names(reqs):
+            return ",".join(sorted({r.lora_request.lora_name for r in reqs
+                                    if r.lora_request is not None}))
+        return dict(max_lora=self.lora_manager.max_loras,
+                    running_lora_adapters=names(self.scheduler.running),
+                    waiting_lora_adapters=names(self.scheduler.waiting))
+
+    def _lora_slots(self, sched) -> dict[int, int]:
+        """Each adapter of the step in a device slot: adapter id -> slot."""
+        if self.lora_manager is None:
+            return {}
+        reqs = {s.request.lora_int_id: s.request.lora_request for s in sched.scheduled
+                if s.request.lora_request is not None}
+        return self.lora_manager.prepare(reqs.values()) if reqs else {}
 
     @property
     def structured(self):
@@ -341,14 +385,17 @@ class LLMEngine:
                 parent.metrics.first_scheduled_time = now
         prompt_rows = self._prompt_logprob_rows(sched, hits)
         spans = {i: (parent, lo, hi) for i, parent, lo, hi in prompt_rows}
-        rows = [self._plan_row(s, prev_rows, spans.get(i)) for i, s in enumerate(sched.scheduled)]
+        slot_of = self._lora_slots(sched)
+        rows = [self._plan_row(s, prev_rows, spans.get(i), slot_of.get(s.request.lora_int_id, -1))
+                for i, s in enumerate(sched.scheduled)]
         bitmask, constrained = self._token_bitmask(sched)
         handle = self.runner.dispatch(self.runner.build_plan(rows, bitmask))
         self.scheduler.update_from_output(sched)  # placeholders until _process
         return _InFlight(sched, hits, handle, prompt_rows, handle.plan.query_start,
                          constrained=constrained)
 
-    def _plan_row(self, s, prev_rows: dict[str, int], prompt_span) -> ScheduledSeq:
+    def _plan_row(self, s, prev_rows: dict[str, int], prompt_span, lora_slot: int = -1
+                  ) -> ScheduledSeq:
         """One scheduled request as a plan row: its tokens and pages, its sampling params, the
         pending token of a penalty row's history, the next prompt tokens for prompt logprobs."""
         r = s.request
@@ -365,7 +412,8 @@ class LLMEngine:
             sample=s.sample, prev_row=prev_rows.get(r.request_id, -1), num_draft=s.num_draft,
             sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
                                  self._eos_list, r.num_output_tokens) if s.sample else None,
-            history_ref=history_ref, prompt_next_ids=next_ids, state_slot=r.state_slot)
+            history_ref=history_ref, prompt_next_ids=next_ids, state_slot=r.state_slot,
+            lora_slot=lora_slot)
 
     def _token_bitmask(self, sched) -> tuple[np.ndarray | None, bool]:
         """The rows' allowed tokens (grammars, allowed_token_ids, bad_words), or None when no
@@ -531,6 +579,8 @@ class LLMEngine:
         )
         if self.proposer is not None:
             s.update(self.spec_stats.as_dict())
+        if self.lora_manager is not None:
+            s.update(self._lora_stats())
         return s
 
 

@@ -25,9 +25,17 @@ class EngineClient(Protocol):
     chat_template: str | None  # the server's --chat-template, when it sets one
 
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
-                 request_id: str, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 request_id: str, *, priority: int = 0, lora_request=None
+                 ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it runs (the last one has ``finished``); leaving the
-        iteration early aborts the request. Bad input raises ``InvalidRequestError``."""
+        iteration early aborts the request. Bad input raises ``InvalidRequestError``.
+        ``lora_request``: the ``LoRARequest`` it runs with (None: the base model)."""
+
+    async def add_lora(self, lora_request) -> bool:
+        """Load and check an adapter before its requests; raises naming it."""
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if it was not loaded."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends. Unknown ids are ignored."""

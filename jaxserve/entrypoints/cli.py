@@ -229,8 +229,46 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="older spelling of speculative_config.prompt_lookup_min")
 
 
+def lora_module(value: str) -> dict:
+    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON
+    ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str) \
+                or not isinstance(d.get("path"), str):
+            raise argparse.ArgumentTypeError(f"{value!r}: needs string fields name and path")
+        extra = set(d) - {"name", "path", "base_model_name"}
+        if extra:
+            raise argparse.ArgumentTypeError(f"{value!r}: unknown fields {sorted(extra)}")
+        return dict(name=d["name"], path=d["path"], base_model_name=d.get("base_model_name"))
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r} is not name=path or a JSON object")
+    return dict(name=name, path=path, base_model_name=None)
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters over the base model, many in one batch")
+    g.add_argument("--max-loras", type=_positive_int, default=1,
+                   help="adapters in one step (device slots) (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=16,
+                   help="the largest adapter rank (slot size) (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                   help="loaded adapters kept in host memory (default: --max-loras)")
+
+
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
+    g.add_argument("--lora-modules", nargs="+", type=lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="adapters served as models: name=path or JSON {\"name\": ..., "
+                        "\"path\": ..., \"base_model_name\": ...} (needs --enable-lora)")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind; 0.0.0.0 to serve the network (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -249,7 +287,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "(needs --tool-call-parser)")
     g.add_argument("--tool-call-parser", default=None,
                    choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>)")
+                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>; "
+                        "qwen3_coder: Qwen 3.5/3.6's <function=NAME><parameter=ARG> XML)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split <think>...</think> off the answer into reasoning_content")
     g.add_argument("--trust-request-chat-template", action="store_true",
@@ -301,6 +340,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "`enable-prefix-caching: true`); flags on the command line win")
     _add_server_args(p)
     _add_engine_args(p)
+    _add_lora_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="(default: %(default)s)")
     g.add_argument("--top-k", type=int, default=0, help="0 disables (default: %(default)s)")
     _add_engine_args(gen)
+    _add_lora_args(gen)
 
     bench = sub.add_parser("bench", allow_abbrev=False,
                            help="run a benchmark script from benchmarks/",
@@ -393,6 +434,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     if args.model_flag and args.model and args.model_flag != args.model:
         raise ValueError(f"MODEL {args.model!r} and --model {args.model_flag!r} disagree")
     names = args.served_model_name
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if (args.num_scheduler_steps or 1) > 1:
         logger.warning("--num-scheduler-steps %d: ignored, steps are always single (as in vLLM "
                        "V1)", args.num_scheduler_steps)
@@ -421,7 +464,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager,
         revision=args.revision, download_dir=args.download_dir,
         hf_overrides=args.hf_overrides, trust_remote_code=args.trust_remote_code,
-        tokenizer_mode=args.tokenizer_mode, kv_events_config=args.kv_events_config)
+        tokenizer_mode=args.tokenizer_mode, kv_events_config=args.kv_events_config,
+        enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -467,7 +512,7 @@ def _serve(args) -> int:
                tool_call_parser=args.tool_call_parser,
                reasoning_parser=args.reasoning_parser,
                trust_request_chat_template=args.trust_request_chat_template,
-               metrics_prefix=args.metrics_prefix)
+               metrics_prefix=args.metrics_prefix, lora_modules=args.lora_modules)
     return 0
 
 

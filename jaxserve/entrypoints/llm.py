@@ -33,8 +33,10 @@ class LLM:
         return SamplingParams(**self.llm_engine.default_sampling)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
-                 = None, use_tqdm: bool = True, priority: Sequence[int] | None = None
-                 ) -> list[RequestOutput]:
+                 = None, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """``lora_request``: one ``LoRARequest`` for every prompt, or a list of one (or None,
+        the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -43,25 +45,28 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         prios = _per_prompt(priority, len(prompts), "priority") if priority is not None else None
-        return self._run([(p, sp, prios[i] if prios else 0)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        return self._run([(p, sp, prios[i] if prios else 0, loras[i])
                           for i, (p, sp) in enumerate(zip(prompts, params))], use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True
-             ) -> list[RequestOutput]:
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             lora_request=None) -> list[RequestOutput]:
         from jaxserve.engine.tokenizer import apply_chat_template
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [apply_chat_template(self.llm_engine.tokenizer, c, add_generation_prompt,
                                        chat_template) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         order = []
         try:
-            for prompt, sp, prio in items:
+            for prompt, sp, prio, lora in items:
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, sp, priority=prio, final_only=True)
+                engine.add_request(rid, prompt, sp, priority=prio, final_only=True,
+                                   lora_request=lora)
                 order.append(rid)
         except Exception:
             engine.abort_request(order)

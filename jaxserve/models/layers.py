@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
+from jaxserve.models.lora import project
 from pallas_kernels import reference
 from pallas_kernels.reference import write_kv
 
@@ -87,8 +88,10 @@ class MLP(nnx.Module):
         self.up_proj = Linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, lora=None):
+        act = ACTIVATIONS[self.act](project(self.gate_proj, x, lora, "gate_proj"))
+        return project(self.down_proj, act * project(self.up_proj, x, lora, "up_proj"), lora,
+                       "down_proj")
 
 
 # ----------------------------------------------------------------------------- rotary embeddings

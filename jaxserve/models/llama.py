@@ -25,6 +25,7 @@ from jaxserve.models.layers import (
     rope_cos_sin,
 )
 from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.lora import LoRABatch, layer_lora, project
 from jaxserve.models.quantization import lm_head_logits
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from pallas_kernels.reference import token_metadata
@@ -51,11 +52,12 @@ class Attention(nnx.Module):
         """What this layer caches, in pages of ``dtype`` (the KV cache dtype's name)."""
         return attention_spec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None,
+                 lora=None):
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, x, lora, "q_proj").reshape(t, self.num_heads, self.head_dim)
+        k = project(self.k_proj, x, lora, "k_proj").reshape(t, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x, lora, "v_proj").reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -65,10 +67,13 @@ class Attention(nnx.Module):
                                        sm_scale=self.head_dim ** -0.5,
                                        sliding_window=self.sliding_window,
                                        kv_scale=self.kv_scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv
+        return project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), lora,
+                       "o_proj"), kv
 
 
 class DecoderLayer(nnx.Module):
+    supports_lora = True  # takes ``lora`` (jaxserve.models.lora.LayerLoRA)
+
     def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
@@ -76,10 +81,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act=cfg.hidden_act, dtype=dtype,
                        rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv, md, backend, mesh=None):
-        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, backend, mesh)
+    def __call__(self, x, cos, sin, kv, md, backend, mesh=None, lora=None):
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, kv, md, backend, mesh,
+                                  lora=lora)
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), lora=lora)
         return x, kv
 
 
@@ -116,7 +122,12 @@ class LlamaForCausalLM(nnx.Module):
         """Each layer's cache spec (``jaxserve.core.kv_cache_spec``), pages of ``dtype``."""
         return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
+    @property
+    def supports_lora(self) -> bool:
+        return getattr(self.decoder_layer, "supports_lora", False)
+
+    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata,
+                 lora: LoRABatch | None = None):
         if len(kv_pages) != self.num_layers:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
         head_dim, theta, scaling, max_pos = self.rope
@@ -129,8 +140,14 @@ class LlamaForCausalLM(nnx.Module):
                                 max_position_embeddings=max_pos, token_seq_lens=token_seq_lens)
         x = self.model.embed_tokens(token_ids)
         new_pages = []
-        for layer, kv in zip(self.model.layers, kv_pages):
-            x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
+        if lora is not None and not self.supports_lora:
+            raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
+            if lora is None:
+                x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
+            else:
+                x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh,
+                              lora=layer_lora(lora, i, self.mesh))
             new_pages.append(kv)
         return self.model.norm(x), new_pages
 

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, LinearState
 from jaxserve.models.contract import megatron_partition_spec
@@ -131,27 +132,38 @@ class GatedDeltaNet(nnx.Module):
         s = self.state_shapes()
         return LinearState((s["conv"], s["recurrent"]), np.dtype(gdn.STATE_DTYPE).name)
 
-    def __call__(self, x, state, md: AttentionMetadata):
+    def __call__(self, x, state, md: AttentionMetadata, mesh=None):
         t = x.shape[0]
-        conv_state, rec_state = state
-        slots = md.state_slots
         mixed = self.in_proj_qkv(x)
-        y, conv_state = gdn.causal_conv1d(
-            mixed, self.conv1d.weight[...][:, 0, :], None, conv_state, md.query_start,
-            md.seq_lens, slots, activation=self.activation)
-        kd = self.num_k_heads * self.head_k_dim
-        q = y[:, :kd].reshape(t, self.num_k_heads, self.head_k_dim)
-        k = y[:, kd:2 * kd].reshape(t, self.num_k_heads, self.head_k_dim)
-        v = y[:, 2 * kd:].reshape(t, self.num_v_heads, self.head_v_dim)
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a + self.dt_bias[...].astype(jnp.float32))
-        o, rec_state = gdn.gated_delta_rule(q, k, v, g, beta, rec_state, md.query_start,
-                                            md.seq_lens, slots, use_qk_l2norm=True)
+        core = self._recurrence
+        if mesh is not None:  # every device runs the whole recurrence on its replicated state
+            rep = PartitionSpec()
+            core = sharding._shard_map(core, mesh, in_specs=(rep,) * 6,
+                                       out_specs=(rep, rep, rep))
+        o, conv_state, rec_state = core(mixed, self.conv1d.weight[...][:, 0, :], g, beta,
+                                        state, md)
         z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.astype(x.dtype), z)
         return self.out_proj(o.reshape(t, -1)), (conv_state, rec_state)
+
+    def _recurrence(self, mixed, conv_w, g, beta, state, md):
+        """Causal conv then the gated delta rule, reading and writing the rows' slots."""
+        t = mixed.shape[0]
+        conv_state, rec_state = state
+        y, conv_state = gdn.causal_conv1d(mixed, conv_w, None, conv_state, md.query_start,
+                                          md.seq_lens, md.state_slots,
+                                          activation=self.activation)
+        kd = self.num_k_heads * self.head_k_dim
+        q = y[:, :kd].reshape(t, self.num_k_heads, self.head_k_dim)
+        k = y[:, kd:2 * kd].reshape(t, self.num_k_heads, self.head_k_dim)
+        v = y[:, 2 * kd:].reshape(t, self.num_v_heads, self.head_v_dim)
+        o, rec_state = gdn.gated_delta_rule(q, k, v, g, beta, rec_state, md.query_start,
+                                            md.seq_lens, md.state_slots, use_qk_l2norm=True)
+        return o, conv_state, rec_state
 
 
 class GatedAttention(nnx.Module):
@@ -217,7 +229,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, cache, md, backend, mesh=None):
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
-            mixed, cache = self.linear_attn(h, cache, md)
+            mixed, cache = self.linear_attn(h, cache, md, mesh)
         else:
             mixed, cache = self.self_attn(h, cos, sin, cache, md, backend, mesh)
         x = x + mixed

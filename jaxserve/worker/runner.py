@@ -35,6 +35,7 @@ from jaxserve.worker.warmup import BucketWarmup
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
                                       allocate_layer_pages, kv_cache_dtype)
 from jaxserve.models.layers import AttentionMetadata
+from jaxserve.models.lora import LoRABatch
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, group_pools,
@@ -92,7 +93,11 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
             num_seqs=arrays["num_seqs"],
             state_slots=_state_slots(arrays["state_slots"], kv_pages, state_layers),
         )
-        hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
+        if "lora" in arrays:  # (scale [L], per-layer A/B) of the device slots
+            hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md,
+                                     lora=LoRABatch(arrays["lora_slots"], *arrays["lora"]))
+        else:
+            hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
         # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
         idx = arrays["logits_indices"]
@@ -386,6 +391,7 @@ class ModelRunner:
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.sharding); None: single device
+        self.lora = None  # jaxserve.lora.slots.LoRASlots when LoRA is on (set before warm-up)
         tp = sharding.tp_size(mesh)
         if mesh is not None:
             kv_sharding = sharding.kv_pool_sharding(mesh)
@@ -512,14 +518,24 @@ class ModelRunner:
                                    plan.token_bucket)
         return out
 
-    @staticmethod
-    def _step_inputs(plan: StepPlan) -> tuple[dict, dict | None]:
+    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
         """The forward's plan arrays and the verifier's inputs (every step of a speculating
-        engine has the verify shapes: logits at ``[S, k+1]`` positions)."""
+        engine has the verify shapes: logits at ``[S, k+1]`` positions). With LoRA on, every
+        step carries the slots' weights and each token's slot (one graph for any mix)."""
         spec = None
         if plan.num_draft is not None:
             spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
-        return plan.forward_arrays(), spec
+        arrays = plan.forward_arrays()
+        if self.lora is not None:
+            arrays["lora_slots"] = plan.lora_slots
+            arrays["lora"] = self.lora.arrays
+        return arrays, spec
+
+    def write_lora(self, slot: int, adapter) -> None:
+        """Lay an adapter into a device slot (between steps: the warm-up's runs read the slots
+        too, and the update donates them)."""
+        with self._pool_lock:
+            self.lora.write(slot, adapter)
 
     def _add_compiles(self, n: int) -> None:
         with self._count_lock:

@@ -9,6 +9,7 @@ for a bucket still compiling rather than compile it themselves.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -154,6 +155,9 @@ class BucketWarmup:
         before = traces.n  # this worker thread's traces
         s = seq_bucket(t, r.max_num_seqs)
         plans = [warmup_plan(r, t, s, full) for full in (False, True)]
+        if r.lora is not None:  # the adapters' side of the LoRA delta's lax.cond runs too
+            plans[1] = dataclasses.replace(plans[1],
+                                           lora_slots=np.zeros_like(plans[1].lora_slots))
         with r._pool_lock:
             kv, last = r.kv_pages, self._scratch_tokens
         t0 = time.perf_counter()

@@ -189,3 +189,37 @@ def test_partial_call_edge_cases():
     assert json.loads(call.arguments) == {"x": 1} and call.done and end == len(text)
     call, _ = partial_call('{"name": "f"}', 0)  # no arguments: an empty object
     assert call.arguments == "{}" and call.done
+
+
+QWEN3_CODER_TWO = (
+    "I will look it up.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco, "
+    "CA\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{\"units\": \"C\", "
+    "\"hourly\": false}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=ping>\n"
+    "</function>\n</tool_call>")
+QWEN3_CODER_WANT = [("get_weather", {"city": "San Francisco, CA", "days": 3,
+                                     "opts": {"units": "C", "hourly": False}}), ("ping", {})]
+
+
+def test_qwen3_coder_xml_calls():
+    p = get_tool_parser("qwen3_coder")
+    content, calls = p.extract(QWEN3_CODER_TWO)
+    assert content == "I will look it up.\n"
+    assert [(n, json.loads(a)) for n, a in calls] == QWEN3_CODER_WANT
+    assert p.extract("no calls here") == ("no calls here", [])
+    # an unfinished call is not a call: the text stays content
+    cut = QWEN3_CODER_TWO[:QWEN3_CODER_TWO.index("</function>")]
+    assert p.extract(cut) == (cut, [])
+    assert p.content_end("Sure <tool_") == len("Sure ")
+
+
+@pytest.mark.parametrize("step", [1, 5, 11])
+def test_qwen3_coder_calls_stream_each_finished_parameter(step):
+    p = get_tool_parser("qwen3_coder")
+    text = QWEN3_CODER_TWO
+    per_call = _stream(p.partial_calls, text, range(1, len(text), step))
+    assert len(per_call) == 2
+    first = per_call[0]
+    assert first[0][:2] == ("call-0", "get_weather")
+    assert json.loads("".join(a for _, _, a in first)) == QWEN3_CODER_WANT[0][1]
+    assert sum(1 for _, _, a in first if a) > 1  # parameter by parameter
+    assert json.loads("".join(a for _, _, a in per_call[1])) == {}

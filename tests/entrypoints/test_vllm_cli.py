@@ -38,7 +38,7 @@ GUIDE_COMMANDS = {
             "--lora-modules korean-chat=/path/to/korean-lora code-assist=/path/to/code-lora "
             "medical-qa=/path/to/medical-lora --max-loras 3 --max-lora-rank 64",
 }
-NOT_YET = {"lora": "the LoRA flags come with multi-LoRA serving"}
+NOT_YET: dict[str, str] = {}  # guide commands whose flags are not supported yet
 
 
 def jaxserve_argv(command: str, model: str) -> list[str]:
@@ -67,6 +67,11 @@ def test_guide_command_parses_as_written(name, tiny_llama_dir):
     if name == "speculative":
         assert (c.speculative.method, c.speculative.num_speculative_tokens) == ("ngram", 5)
         assert c.speculative.draft_tensor_parallel_size == 1
+    if name == "lora":
+        assert (c.lora.max_loras, c.lora.max_lora_rank, c.lora.max_cpu_loras) == (3, 64, 3)
+        assert [m["name"] for m in args.lora_modules] == ["korean-chat", "code-assist",
+                                                           "medical-qa"]
+        assert args.lora_modules[0]["path"] == "/path/to/korean-lora"
     if name == "405b-tp8-pp1":
         assert c.parallel.tensor_parallel_size == 8 and c.parallel.pipeline_parallel_size == 1
 
@@ -293,3 +298,21 @@ def test_guide_commands_serve_through_the_api_server_entry_point(tmp_path, tiny_
     assert "enforce_eager: no ahead-of-time warm-up" in log
     assert "--num-scheduler-steps 8: ignored" in log
     assert "this is a bug" not in log and "warm-up:" not in log
+
+
+def test_lora_flags():
+    a = parse_args(["serve", "m", "--enable-lora", "--lora-modules", "a=/x",
+                    '{"name": "b", "path": "/y", "base_model_name": "m"}', "--max-loras", "2",
+                    "--max-cpu-loras", "4"])
+    c = engine_config_from_args(a)
+    assert (c.lora.max_loras, c.lora.max_lora_rank, c.lora.max_cpu_loras) == (2, 16, 4)
+    assert a.lora_modules == [dict(name="a", path="/x", base_model_name=None),
+                              dict(name="b", path="/y", base_model_name="m")]
+    assert engine_config_from_args(parse_args(["serve", "m"])).lora is None
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        engine_config_from_args(parse_args(["serve", "m", "--lora-modules", "a=/x"]))
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        engine_config_from_args(parse_args(["serve", "m", "--enable-lora", "--max-loras", "3",
+                                            "--max-cpu-loras", "2"]))
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "m", "--enable-lora", "--lora-modules", "no-path"])

@@ -178,9 +178,47 @@ def test_state_pool_is_all_free_after_aborts_stops_and_preemption(qwen35):
             eng.abort_request(["r2"])
     assert eng.scheduler.num_preemptions_total > 0
     _assert_pools_free(llm)
+    # n > 1: the children recompute the prompt (no prefix cache), each from its own slot
     prompt = _prompts([45], seed=3)
-    assert _greedy(llm, prompt) == _hf_greedy(path, prompt, NEW_TOKENS)
+    res = llm.generate([{"prompt_token_ids": prompt[0]}],
+                       SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS,
+                                      ignore_eos=True), use_tqdm=False)
+    ref = _hf_greedy(path, prompt, NEW_TOKENS)[0]
+    assert [list(c.token_ids) for c in res[0].outputs] == [ref, ref]
     _assert_pools_free(llm)
+
+
+@pytest.mark.slow  # fp8 quantization of every projection at start-up
+def test_fp8_weights_and_fp8_kv_cache_keep_the_state_float32(qwen35):
+    """``--quantization fp8 --kv-cache-dtype fp8``: float8 pages for the attention layers, the
+    GDN state pool stays float32; greedy decoding runs and frees everything."""
+    import jax.numpy as jnp
+
+    llm = _engine(qwen35("dense"), quantization="fp8", kv_cache_dtype="fp8")
+    runner = llm.llm_engine.runner
+    k_pages, _ = runner.kv_pages[3]
+    conv, rec = runner.kv_pages[0]
+    assert k_pages.dtype == jnp.float8_e4m3fn
+    assert conv.dtype == rec.dtype == jnp.float32 and rec.shape == (4 + 1, 4, 16, 16)
+    out = _greedy(llm, _prompts([50], seed=5))
+    assert len(out[0]) == NEW_TOKENS
+    _assert_pools_free(llm)
+
+
+def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
+    from jaxserve.config import engine_config_from_kwargs
+    from jaxserve.engine.builder import check_state_pool_support
+    from jaxserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="--preemption-mode swap"):
+        check_state_pool_support(engine_config_from_kwargs("m", preemption_mode="swap"))
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(InvalidRequestError, match="--speculative-config"):
+        check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec))
+    with pytest.raises(InvalidRequestError, match="--calculate-kv-scales"):
+        check_state_pool_support(engine_config_from_kwargs("m", kv_cache_dtype="fp8",
+                                                           calculate_kv_scales=True))
+    check_state_pool_support(engine_config_from_kwargs("m"))
 
 
 def _tp2_child(path: str, prompts) -> list:

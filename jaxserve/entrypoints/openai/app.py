@@ -43,6 +43,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_engine import MAX_BODY_BYTES, load_chat_template
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.entrypoints.openai.lora_models import runtime_lora_updating
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
               trust_request_chat_template: bool = False, cors: dict | None = None,
               log_requests: bool = False, max_log_len: int | None = None,
-              response_role: str = "assistant", metrics_prefix: str = "jaxserve") -> Starlette:
+              response_role: str = "assistant", metrics_prefix: str = "jaxserve",
+              lora_modules: list[dict] | None = None) -> Starlette:
     """The Starlette app over ``engine`` (an ``AsyncLLM``). ``app.state`` holds the engine,
     the route handlers (``serving``: draining on shutdown) and the metrics registry
     (``metrics_prefix``: ``jaxserve`` or ``vllm``)."""
@@ -108,7 +110,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None,
                             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                             trust_request_chat_template=trust_request_chat_template,
                             log_requests=log_requests, max_log_len=max_log_len,
-                            response_role=response_role)
+                            response_role=response_role, lora_modules=lora_modules)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         if isinstance(exc, HTTPException):
@@ -129,6 +131,10 @@ def build_app(engine: EngineClient, *, api_key: str | None = None,
         Route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"]),
         Route("/metrics", serving.render_metrics, methods=["GET"]),
     ]
+    if runtime_lora_updating():
+        routes += [Route("/v1/load_lora_adapter", serving.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", serving.unload_lora_adapter,
+                         methods=["POST"])]
     async def client_gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
@@ -275,7 +281,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                log_requests: bool = False, max_log_len: int | None = None,
                response_role: str = "assistant", log_stats: bool = True, root_path: str = "",
                ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
-               metrics_prefix: str = "jaxserve") -> None:
+               metrics_prefix: str = "jaxserve", lora_modules: list[dict] | None = None
+               ) -> None:
     """Load the engine, serve until SIGINT/SIGTERM, drain (``shutdown_timeout``), then stop
     uvicorn and the engine cleanly. ``log_stats``: the periodic stats log lines."""
     from jaxserve.engine.core_client import EngineCoreClient, use_core_process
@@ -306,7 +313,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     trust_request_chat_template=trust_request_chat_template, cors=cors,
                     log_requests=log_requests, max_log_len=max_log_len,
-                    response_role=response_role, metrics_prefix=metrics_prefix)
+                    response_role=response_role, metrics_prefix=metrics_prefix,
+                    lora_modules=lora_modules)
     names = app.state.served_model_names
     config = uvicorn_config(app, host, port, uvicorn_log_level, timeout_graceful_shutdown,
                             root_path=root_path, ssl_keyfile=ssl_keyfile,
@@ -325,6 +333,8 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
 
             stats_task = asyncio.create_task(log_stats_forever(engine.stats, log_interval_s()))
         try:
+            # --lora-modules: each adapter checked and loaded before the first request
+            await app.state.serving.models_registry.load_startup_adapters()
             await server.serve()
         finally:
             if stats_task is not None:

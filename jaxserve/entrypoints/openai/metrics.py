@@ -101,6 +101,13 @@ class EngineStatsCollector:
                       s.get("generation_tokens_total", 0))
         yield counter("num_preemptions", "Cumulative number of preemptions.",
                       s.get("num_preemptions", 0))
+        if "max_lora" in s:  # LoRA on: vLLM's info gauge (labels carry the state)
+            g = GaugeMetricFamily(prefix + "lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "waiting_lora_adapters",
+                                          "running_lora_adapters"])
+            g.add_metric([str(s["max_lora"]), s.get("waiting_lora_adapters", ""),
+                          s.get("running_lora_adapters", "")], time.time())
+            yield g
         if "spec_decode_num_drafts" in s:  # speculative decoding on
             yield counter("spec_decode_num_drafts", "Number of spec decoding drafts (verify"
                           " steps of one request).", s["spec_decode_num_drafts"])

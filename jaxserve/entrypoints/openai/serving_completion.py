@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
         self._check_vocab(sp)
         request_id = req.request_id or header_id(request) or P.random_id("cmpl")
-        fanin = self._fanin(prompts, sp, request_id, req.priority)
+        fanin = self._fanin(prompts, sp, request_id, req.priority, self._lora_of(model))
         await fanin.prime()
         if req.stream:
             return SSEResponse(self._completion_stream(req, fanin, model, echo_texts))

@@ -21,6 +21,7 @@ from jaxserve.entrypoints.openai.middleware import client_request_id
 from jaxserve.entrypoints.openai.responses import (ClientGone, ServerShuttingDown,
                                                    error_from_exception)
 from jaxserve.entrypoints.openai.streaming import FanIn, sse
+from jaxserve.entrypoints.openai.lora_models import ServingModels
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ class OpenAIServing:
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
                  log_requests: bool = False, max_log_len: int | None = None,
-                 response_role: str = "assistant"):
+                 response_role: str = "assistant", lora_modules: list[dict] | None = None):
         self.engine = engine
+        self.models_registry = ServingModels(engine, served_model_names, lora_modules)
         self.response_role = response_role
         self.log_requests = log_requests
         self.max_log_len = max_log_len
@@ -134,12 +136,13 @@ class OpenAIServing:
         return body
 
     def _model_name(self, requested: str | None) -> str:
-        if requested is None:
-            return self.names[0]
-        if requested not in self.names:
-            raise InvalidRequestError(f"The model `{requested}` does not exist.", param="model",
-                                      status_code=404)
-        return requested
+        """The served name a request's ``model`` is answered with (a base name or an
+        adapter's); unknown names are 404."""
+        return self.models_registry.resolve(requested)[0]
+
+    def _lora_of(self, model: str):
+        """The adapter a served name stands for (None: the base model)."""
+        return self.models_registry.resolve(model)[1]
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self._off_loop(self._encode_sync, text, add_special_tokens)
@@ -209,12 +212,13 @@ class OpenAIServing:
                 f"{len(ids)} tokens, which leaves no room for a completion. Please reduce "
                 "the length of the input.", param=param)
 
-    def _fanin(self, prompts: list[list[int]], params, request_id: str, priority: int) -> FanIn:
+    def _fanin(self, prompts: list[list[int]], params, request_id: str, priority: int,
+               lora_request=None) -> FanIn:
         self._admit()
         self.engine.check_health()
         observers = [self.metrics.observer() for _ in prompts]
         fanin = FanIn(self.engine, prompts, params, request_id, priority, observers,
-                       on_close=self._live.discard)
+                      on_close=self._live.discard, lora_request=lora_request)
         self._live.add(fanin)
         logger.debug("request %s: response id %r", fanin.internal_id, request_id)
         if self.log_requests:

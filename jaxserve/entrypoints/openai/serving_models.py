@@ -1,8 +1,9 @@
-"""``/v1/models``, ``/tokenize`` and ``/detokenize``: what is served and how it tokenizes."""
+"""``/v1/models``, ``/tokenize`` and ``/detokenize``: what is served and how it tokenizes;
+the runtime LoRA routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``)."""
 from __future__ import annotations
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from jaxserve.entrypoints.openai import protocol as P
 from jaxserve.errors import InvalidRequestError
@@ -15,9 +16,30 @@ class OpenAIServingModels(OpenAIServing):
 
     async def models(self, request: Request) -> Response:
         root = getattr(self.engine.config, "model", None)
-        cards = [P.ModelCard(id=name, root=root or name, max_model_len=self.engine.max_model_len)
-                 for name in self.names]
+        cards = self.models_registry.cards(P.ModelCard, root, self.engine.max_model_len)
         return JSONModel(P.ModelList(data=cards))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            raise InvalidRequestError("Both 'lora_name' and 'lora_path' must be provided.",
+                                      param="lora_name")
+        await self.models_registry.load(name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``."""
+        body = await self._body(request)
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not name:
+            raise InvalidRequestError("'lora_name' needs to be provided to unload a LoRA "
+                                      "adapter.", param="lora_name")
+        await self.models_registry.unload(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)

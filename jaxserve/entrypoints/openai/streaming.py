@@ -42,6 +42,7 @@ class FanIn:
     # The engine's key: generated here, never taken from the client, so no client id can reach
     # (or collide with) another request's state.
     internal_id: str = field(default_factory=lambda: P.random_id("req"))
+    lora_request: Any = None  # the adapter the request's model names (None: the base)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task] = field(default_factory=list)
     buffered: list[FanInEvent] = field(default_factory=list)
@@ -54,8 +55,9 @@ class FanIn:
 
     async def _produce(self, i: int, prompt) -> None:
         try:
+            kw = {} if self.lora_request is None else {"lora_request": self.lora_request}
             gen = self.engine.generate(prompt, self.params, self.engine_id(i),
-                                       priority=self.priority)
+                                       priority=self.priority, **kw)
             async for out in gen:
                 self.queue.put_nowait(FanInEvent(i, out))
             self.queue.put_nowait(FanInEvent(i))

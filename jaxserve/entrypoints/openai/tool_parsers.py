@@ -1,6 +1,6 @@
 """Tool calls in model text, vLLM's ``--tool-call-parser`` names: ``hermes``, ``llama3_json``,
-``mistral``, ``gemma4``; and the JSON schemas that make ``tool_choice`` "required" / a named function a
-grammar (the model then cannot answer anything but a valid call).
+``mistral``, ``gemma4``, ``qwen3_coder``; and the JSON schemas that make ``tool_choice``
+"required" / a named function a grammar (the model then cannot answer anything but a valid call).
 
 A parser splits a finished text into (content, [(name, arguments JSON)]); ``content_end`` says
 how much of a growing text is surely plain content, so a stream can show that much; and
@@ -294,9 +294,75 @@ def _gemma_object(text: str, i: int, quote: str):
         obj[key], i = _gemma_value(text, i + 1, quote)
 
 
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen 3.5 / 3.6 and Qwen3-Coder's XML calls::
+
+        <tool_call>
+        <function=NAME>
+        <parameter=ARG>
+        value
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value is taken as JSON when it parses as JSON (numbers, booleans, null, objects, arrays),
+    else as a string with the one newline after ``<parameter=ARG>`` and before
+    ``</parameter>`` dropped. (vLLM types values by the request's tool schema; this parser does
+    not see the schema, so a string parameter whose value looks like a number arrives as one.)
+    The arguments of a growing call grow one finished parameter at a time, so every streamed
+    prefix is a prefix of the final JSON."""
+
+    name = "qwen3_coder"
+    START, END = "<tool_call>", "</tool_call>"
+    _FUNC = re.compile(r"<function=([^>\n]+)>")
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    @staticmethod
+    def _value(raw: str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+
+    def _calls(self, text: str) -> list[PartialCall]:
+        calls, i = [], text.find(self.START)
+        while i >= 0:
+            m = self._FUNC.search(text, i + len(self.START))
+            if m is None or text[i + len(self.START):m.start()].strip():
+                break
+            body_end = text.find("</function>", m.end())
+            body = text[m.end():] if body_end < 0 else text[m.end():body_end]
+            params = [(p.group(1).strip(), self._value(p.group(2)))
+                      for p in self._PARAM.finditer(body)]
+            args = json.dumps(dict(params), ensure_ascii=False)
+            done = body_end >= 0
+            if not done:  # up to the last finished parameter, the closing brace held back
+                args = args[:-1]
+            calls.append(PartialCall(m.group(1).strip(), args, done))
+            if not done:
+                break
+            i = text.find(self.START, body_end)
+        return calls
+
+    def extract(self, text):
+        if self.START not in text:
+            return text, []
+        calls = self._calls(text)
+        if not calls or not all(c.done for c in calls):
+            return text, []
+        content = text[: text.index(self.START)]
+        return (content if content.strip() else None), [(c.name, c.arguments) for c in calls]
+
+    def content_end(self, text):
+        return _held(text, self.START)
+
+    def partial_calls(self, text):
+        return self._calls(text)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                         Gemma4ToolParser)}
+                         Gemma4ToolParser, Qwen3CoderToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:
