@@ -57,6 +57,10 @@ class SchedulerOutput:
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     # (request_id, page ids): copy the host copy back into these pages BEFORE running the step.
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # (request_id, state slot): the recurrent state of a swapped request, copied out of its old
+    # slot / back into its new one, beside its pages (LinearState models)
+    swap_out_state: list[tuple[str, int]] = field(default_factory=list)
+    swap_in_state: list[tuple[str, int]] = field(default_factory=list)
     finished_aborted: list[str] = field(default_factory=list)  # aborted by the scheduler now
     # every request finished since the previous schedule() (engine stops, aborts, and the
     # above): the runner drops per-request state (host swap copies, sampler state).
@@ -280,6 +284,8 @@ class Scheduler:
         if swap:
             out.swap_out.append((victim.request_id, list(victim.block_ids[dead:dead + n_pages])))
             self._swapped_pages[victim.request_id] = n_pages
+            if victim.state_slot >= 0:  # its slot is freed below; the state goes to host too
+                out.swap_out_state.append((victim.request_id, victim.state_slot))
             victim.status = RequestStatus.SWAPPED
             self.num_swap_outs_total += 1
         else:
@@ -424,6 +430,8 @@ class Scheduler:
                     n_pages = self._swapped_pages.pop(req.request_id)
                     dead = bm.num_dead_pages(req.num_computed_tokens)
                     out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
+                    if req.state_slot >= 0:  # a fresh slot: the saved state goes there
+                        out.swap_in_state.append((req.request_id, req.state_slot))
                 elif hits is not None:
                     req.num_computed_tokens = n_hit
                     if req.num_preemptions == 0:

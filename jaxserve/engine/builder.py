@@ -191,11 +191,6 @@ def _pipeline_mesh(config: EngineConfig, devices):
 
 def check_state_pool_support(config: EngineConfig) -> None:
     """What a model with a recurrent-state pool cannot do yet: errors naming the flag."""
-    if config.scheduler.preemption_mode == "swap":
-        raise InvalidRequestError(
-            "--preemption-mode swap is not supported for models with LinearState (Gated "
-            "DeltaNet) layers: their state pool is not swapped; use recompute",
-            param="preemption_mode")
     if config.cache.calculate_kv_scales:
         raise InvalidRequestError(
             "--calculate-kv-scales is not supported for models with LinearState (Gated "

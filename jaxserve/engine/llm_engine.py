@@ -126,6 +126,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._swapped: dict[str, object] = {}
+        self._swapped_state: dict[str, object] = {}  # host copies of swapped recurrent states
         self._child_ids = itertools.count()  # scheduler keys: never derived from a caller's id
         self._inflight: _InFlight | None = None
         self._structured = None  # StructuredOutputManager, made on the first grammar request
@@ -282,6 +283,7 @@ class LLMEngine:
             for child in parent.children:
                 self._child_of.pop(child.request.request_id, None)
                 self._swapped.pop(child.request.request_id, None)
+                self._swapped_state.pop(child.request.request_id, None)
                 if not child.request.status.is_finished:
                     self.scheduler.abort_request(child.request.request_id)
         if not self._parents:
@@ -355,11 +357,16 @@ class LLMEngine:
         scheduler aborted are reported."""
         for rid in sched.finished_req_ids:
             self._swapped.pop(rid, None)
+            self._swapped_state.pop(rid, None)
         for rid, pages in sched.swap_out:
             self._swapped[rid] = (list(pages), self.runner.swap_out(pages))
+        for rid, slot in sched.swap_out_state:
+            self._swapped_state[rid] = self.runner.swap_out_state(slot)
         for rid, pages in sched.swap_in:
             _, saved = self._swapped.pop(rid)
             self.runner.swap_in(pages, saved)
+        for rid, slot in sched.swap_in_state:
+            self.runner.swap_in_state(slot, self._swapped_state.pop(rid))
         for rid in sched.finished_aborted:
             hit = self._child_of.get(rid)
             if hit:

@@ -681,19 +681,60 @@ class ModelRunner:
         return _TRACES
 
     # ---- swap (preemption to host memory) ------------------------------------------------
+    def _paged_layers(self) -> list[int]:
+        return [i for i in range(len(self.kv_pages)) if i not in self.state_layers]
+
     def swap_out(self, page_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per layer."""
+        """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per paged
+        layer (LinearState layers hold slots, not pages: ``swap_out_state``)."""
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
         with self._pool_lock:
-            return jax.device_get([tuple(a[:, idx] for a in kv) for kv in self.kv_pages])
+            return jax.device_get([tuple(a[:, idx] for a in self.kv_pages[i])
+                                   for i in self._paged_layers()])
 
     def swap_in(self, page_ids: list[int], saved) -> None:
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
         with self._pool_lock:
-            self.kv_pages = _write_pages(self.kv_pages, idx, saved)
-            if self.mesh is not None:  # keep the step's input sharding (no recompile under tp)
-                self.kv_pages = jax.device_put(self.kv_pages,
-                                               sharding.kv_pool_sharding(self.mesh))
+            layers = self._paged_layers()
+            written = _write_pages([self.kv_pages[i] for i in layers], idx, saved)
+            pool = list(self.kv_pages)
+            for i, kv in zip(layers, written):
+                pool[i] = kv
+            self._set_pool(pool)
+
+    def swap_out_state(self, slot: int) -> list[tuple[np.ndarray, ...]]:
+        """Copy one request's recurrent state (every LinearState layer's arrays at ``slot``)
+        to host memory."""
+        with self._pool_lock:
+            return jax.device_get([tuple(a[slot] for a in self.kv_pages[i])
+                                   for i in self.state_layers])
+
+    def swap_in_state(self, slot: int, saved) -> None:
+        """Write a swapped request's state into its (new) ``slot``."""
+        with self._pool_lock:
+            written = _write_slot([self.kv_pages[i] for i in self.state_layers],
+                                  jnp.int32(slot),
+                                  [tuple(jnp.asarray(a) for a in arrs) for arrs in saved])
+            pool = list(self.kv_pages)
+            for i, arrs in zip(self.state_layers, written):
+                pool[i] = arrs
+            self._set_pool(pool)
+
+    def _set_pool(self, pool) -> None:
+        """Keep the step's input sharding (no recompile under tp): page pools split over KV
+        heads, state pools replicated."""
+        if self.mesh is not None:
+            kv = sharding.kv_pool_sharding(self.mesh)
+            rep = sharding.replicated(self.mesh)
+            pool = jax.device_put(pool, [rep if i in self.state_layers else kv
+                                         for i in range(len(pool))])
+        self.kv_pages = pool
+
+
+@jax.jit
+def _write_slot(state_pools, slot, saved):
+    return [tuple(a.at[slot].set(sa) for a, sa in zip(arrs, s)) for arrs, s in
+            zip(state_pools, saved)]
 
 
 @jax.jit

@@ -151,6 +151,21 @@ def test_greedy_equals_hf_generate_with_chunked_prefill_and_preemption(qwen35, v
     _assert_pools_free(llm)
 
 
+def test_swap_preemption_moves_the_state_with_the_pages(qwen35):
+    """``--preemption-mode swap``: a preempted request's pages and its recurrent state go to
+    host memory and come back into a fresh slot (usually another one); greedy still equals
+    HF, and nothing is left held."""
+    path = qwen35("dense")
+    prompts = _prompts([90, 70, 81, 75], seed=1)
+    ref = _hf_greedy(path, prompts, NEW_TOKENS)
+    llm = _engine(path, block_size=8, num_gpu_blocks_override=20, preemption_mode="swap")
+    eng = llm.llm_engine
+    assert _greedy(llm, prompts) == ref
+    assert eng.scheduler.num_swap_outs_total > 0
+    assert not eng._swapped and not eng._swapped_state
+    _assert_pools_free(llm)
+
+
 def test_state_pool_is_all_free_after_aborts_stops_and_preemption(qwen35):
     """A mixed workload on a tiny pool: requests aborted mid-prefill and mid-decode, stopped by
     a stop token, and preempted; afterwards every state slot and page is free, and a request
@@ -210,8 +225,7 @@ def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
     from jaxserve.engine.builder import check_state_pool_support
     from jaxserve.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="--preemption-mode swap"):
-        check_state_pool_support(engine_config_from_kwargs("m", preemption_mode="swap"))
+    check_state_pool_support(engine_config_from_kwargs("m", preemption_mode="swap"))
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(InvalidRequestError, match="--speculative-config"):
         check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec))
