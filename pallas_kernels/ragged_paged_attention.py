@@ -20,7 +20,7 @@ How the work is cut (all grid sizes come from static shapes; per-sequence work i
   registers. Queries are gathered from the flat ``[T * Hq, D]`` array and results scattered into
   the flat output (masked stores, the output aliased through the calls in place), so a call is
   free reshapes + one zero fill + 2-3 kernels: no XLA metadata ops, while loops, layout copies
-  or output gathers, which at short contexts cost more than the attention (issue 11).
+  or output gathers, which at short contexts cost more than the attention.
 * **Padding costs nothing.** Query blocks that belong to no sequence, empty splits and padding
   rows exit before touching memory; the KV loop's trip count is bounded by each sequence's
   ``seq_lens`` (and sliding window). Padded tokens keep the output's zeros.

@@ -32,13 +32,12 @@ from jaxserve.models.layers import (
     Embedding,
     Linear,
     MLP,
-    _normal,
     activation,
     apply_rope,
     paged_attention,
     paged_self_attention,
 )
-from jaxserve.models.moe import _expert_specs, _sharded, grouped_experts
+from jaxserve.models.moe import Experts, _expert_specs, _sharded, grouped_experts
 from jaxserve.models.quantization import lm_head_logits
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
@@ -254,15 +253,6 @@ class Gemma4Router(nnx.Module):
         return weights * self.per_expert_scale[...][ids].astype(jnp.float32), ids
 
 
-class Gemma4Experts(nnx.Module):
-    """Stacked expert weights ``[E, in, out]`` (HF's fused ``gate_up_proj`` split at load)."""
-
-    def __init__(self, n: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = nnx.Param(_normal(rngs, (n, hidden, inter), dtype))
-        self.up_proj = nnx.Param(_normal(rngs, (n, hidden, inter), dtype))
-        self.down_proj = nnx.Param(_normal(rngs, (n, inter, hidden), dtype))
-
-
 class Gemma4DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shape: LayerShape, *, dtype,
                  rngs: nnx.Rngs):
@@ -287,7 +277,7 @@ class Gemma4DecoderLayer(nnx.Module):
         self.expert_parallel = cfg.enable_expert_parallel
         self.router = nnx.data(Gemma4Router(cfg, self.num_experts, dtype=dtype, rngs=rngs)
                                if moe else None)
-        self.experts = nnx.data(Gemma4Experts(self.num_experts, h,
+        self.experts = nnx.data(Experts(self.num_experts, h,
                                               int(hf.get("moe_intermediate_size") or 0),
                                               dtype=dtype, rngs=rngs) if moe else None)
         if moe:

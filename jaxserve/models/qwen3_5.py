@@ -29,6 +29,7 @@ from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, LinearState
 from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.gemma import GemmaRMSNorm  # the (1 + w) RMSNorm Qwen 3.5 shares
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
@@ -61,19 +62,6 @@ def layer_types(cfg: ModelConfig) -> tuple[str, ...]:
 
 def _rope_params(cfg: ModelConfig) -> dict:
     return dict(cfg.hf.get("rope_parameters") or cfg.hf.get("rope_scaling") or {})
-
-
-class ZeroCenteredRMSNorm(nnx.Module):
-    """``norm(x) * (1 + w)`` in float32, then cast (the checkpoint stores ``w`` around 0)."""
-
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -178,8 +166,8 @@ class GatedAttention(nnx.Module):
         self.k_proj = Linear(h, cfg.num_kv_heads * d, **lin)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, **lin)
         self.o_proj = Linear(cfg.num_heads * d, h, **lin)
-        self.q_norm = ZeroCenteredRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = ZeroCenteredRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.q_norm = GemmaRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = GemmaRMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
 
     def cache_spec(self, dtype: str) -> FullAttention:
         return FullAttention(self.num_kv_heads, self.head_dim, dtype)
@@ -211,8 +199,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
             self.linear_attn = None
-        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=eps,
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps=eps, dtype=dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps=eps,
                                                             dtype=dtype)
         if moe:
             self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
@@ -243,7 +231,7 @@ class Qwen3_5TextModel(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs, moe=moe)
                                 for i in range(cfg.num_layers)])
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
 class Qwen3_5ForCausalLM(nnx.Module):
