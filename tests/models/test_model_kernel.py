@@ -124,11 +124,12 @@ def _export_step(path, dtype, tokens, seqs):
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
     arrays = dict(token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(1, tokens),
                   query_start=i32(seqs + 1), seq_lens=i32(seqs), block_tables=i32(1, seqs, 16),
-                  logits_indices=i32(seqs), num_seqs=i32(), prev_ref=i32(tokens))
+                  logits_indices=i32(seqs), num_seqs=i32(), prev_ref=i32(tokens),
+                  state_slots=i32(seqs))
     exp = export.export(forward, platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
         state, pool, arrays, i32(seqs))
-    return exp, cfg, len(state)
+    return exp, cfg, len(state), sorted(arrays)  # the plan's arrays in pytree order
 
 
 @pytest.mark.skipif(not _HAS_PLUGIN, reason="jax CUDA plugin not installed")
@@ -137,7 +138,7 @@ def _export_step(path, dtype, tokens, seqs):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_step_lowers_for_cuda(tiny_model_factory, lower_as_gpu, dtype, tokens, seqs, kind):
     path = tiny_model_factory("llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64)
-    exp, cfg, n_state = _export_step(path, dtype, tokens, seqs)
+    exp, cfg, n_state, plan_keys = _export_step(path, dtype, tokens, seqs)
     text = exp.mlir_module()
     # Every layer calls the kernel; its decode call (and, with long rows, its prefill call)
     # lowers to Triton. Each layer calls one private function (the KV write and the jitted
@@ -151,7 +152,10 @@ def test_model_step_lowers_for_cuda(tiny_model_factory, lower_as_gpu, dtype, tok
     assert ("rpa_prefill" in text) == (kind == "mixed")
     # The pool (args after the params) is donated and aliased to the returned pool.
     n_pool = 2 * cfg.num_layers
-    assert exp.module_kept_var_idx == tuple(range(n_state + n_pool + 10))  # 9 plan arrays + prev_tokens
+    # every plan array and prev_tokens is an input, except state_slots: no LinearState layers
+    unused = n_state + n_pool + plan_keys.index("state_slots")
+    assert exp.module_kept_var_idx == tuple(i for i in range(n_state + n_pool + len(plan_keys) + 1)
+                                            if i != unused)
     aliases = {int(a): int(o) for a, o in re.findall(
         r"%arg(\d+): tensor<[^>]*> \{[^}]*tf\.aliasing_output = (\d+)", text)}
     assert aliases == {n_state + i: 1 + i for i in range(n_pool)}, aliases
