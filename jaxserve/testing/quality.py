@@ -40,7 +40,7 @@ def perplexity(llm, text: str) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
-def greedy_chats(llm, prompts=CHAT_PROMPTS, max_tokens: int = 32, top: int = 5):
+def greedy_chats(llm, prompts=CHAT_PROMPTS, max_tokens: int = 32, top: int = 8):
     """Greedy answers to one-turn chats: per prompt (token ids, per-position top logprobs)."""
     from jaxserve.core.sampling_params import SamplingParams
 
@@ -50,15 +50,19 @@ def greedy_chats(llm, prompts=CHAT_PROMPTS, max_tokens: int = 32, top: int = 5):
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 
 
-def first_divergence(a, b) -> str | None:
+def first_divergence(a, b, top: int = 5) -> str | None:
     """vLLM's rule (``check_logprobs_close``): the two greedy outputs agree up to their first
-    differing token, where each side's token is among the other's top logprobs. -> None when
-    close, else a description of the failure."""
+    differing token, where each side's token is among the other's ``top`` logprobs. -> None
+    when close, else a description of the failure."""
     (ids_a, lp_a), (ids_b, lp_b) = a, b
+
+    def best(lp) -> set:
+        return set(sorted(lp, key=lambda t: -lp[t].logprob)[:top])
+
     for i, (x, y) in enumerate(zip(ids_a, ids_b)):
         if x != y:
-            if x not in lp_b[i] or y not in lp_a[i]:
-                return f"position {i}: {x} vs {y} not in each other's top logprobs"
+            if x not in best(lp_b[i]) or y not in best(lp_a[i]):
+                return f"position {i}: {x} vs {y} not in each other's top {top} logprobs"
             return None
     return None
 
