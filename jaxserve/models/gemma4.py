@@ -37,7 +37,7 @@ from jaxserve.models.layers import (
     paged_attention,
     paged_self_attention,
 )
-from jaxserve.models.moe import Experts, _expert_specs, _sharded, grouped_experts
+from jaxserve.models.moe import Experts, _expert_specs
 from jaxserve.models.quantization import lm_head_logits
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
@@ -288,16 +288,8 @@ class Gemma4DecoderLayer(nnx.Module):
     def _experts(self, residual, mesh):
         weights, ids = self.router(residual)
         x = self.pre_feedforward_layernorm_2(residual)
-        w = (self.experts.gate_proj[...], self.experts.up_proj[...], self.experts.down_proj[...])
-        run = functools.partial(grouped_experts, act=self.mlp.act,
-                                num_experts_total=self.num_experts)
-        if mesh is None:
-            out = run(x, weights, ids, *w, first_expert=0)
-        else:
-            if self.expert_parallel and self.num_experts % sharding.tp_size(mesh):
-                raise ValueError(f"expert parallelism over {sharding.tp_size(mesh)} devices "
-                                 f"needs num_experts ({self.num_experts}) divisible by it")
-            out = _sharded(run, mesh, self.expert_parallel)(x, weights, ids, *w)
+        out = self.experts(x, weights, ids, act=self.mlp.act,
+                           expert_parallel=self.expert_parallel, mesh=mesh)
         return out.astype(residual.dtype)
 
     def __call__(self, x, per_layer_input, cos, sin, kv, md, backend, mesh=None):

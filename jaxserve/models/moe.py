@@ -107,6 +107,20 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(_normal(rngs, (n, hidden, inter), dtype))
         self.down_proj = nnx.Param(_normal(rngs, (n, inter, hidden), dtype))
 
+    def __call__(self, x, weights, ids, *, act: str, expert_parallel: bool, mesh=None):
+        """``x [T, H]`` through each token's routed experts (``ids``, ``weights`` ``[T, k]``),
+        summed: on one device, or under tp with the experts split (``expert_parallel``) or
+        each expert's intermediate dimension split."""
+        num_experts = self.gate_proj.shape[0]
+        w = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        run = functools.partial(grouped_experts, act=act, num_experts_total=num_experts)
+        if mesh is None:
+            return run(x, weights, ids, *w, first_expert=0)
+        if expert_parallel and num_experts % sharding.tp_size(mesh):
+            raise ValueError(f"expert parallelism over {sharding.tp_size(mesh)} devices "
+                             f"needs num_experts ({num_experts}) divisible by it")
+        return _sharded(run, mesh, expert_parallel)(x, weights, ids, *w)
+
 
 class SparseMoeBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
@@ -128,17 +142,8 @@ class SparseMoeBlock(nnx.Module):
 
     def __call__(self, x, mesh=None):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        w = (self.experts.gate_proj[...], self.experts.up_proj[...], self.experts.down_proj[...])
-        run = functools.partial(grouped_experts, act=self.act,
-                                num_experts_total=self.num_experts)
-        if mesh is None:
-            out = run(x, weights, ids, *w, first_expert=0)
-        else:
-            if self.expert_parallel and self.num_experts % sharding.tp_size(mesh):
-                raise ValueError(f"expert parallelism over {sharding.tp_size(mesh)} devices "
-                                 f"needs num_experts ({self.num_experts}) divisible by it")
-            out = _sharded(run, mesh, self.expert_parallel)(x, weights, ids, *w)
-        out = out.astype(x.dtype)
+        out = self.experts(x, weights, ids, act=self.act, expert_parallel=self.expert_parallel,
+                           mesh=mesh).astype(x.dtype)
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
