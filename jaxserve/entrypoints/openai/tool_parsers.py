@@ -229,13 +229,19 @@ class _Unfinished(Exception):
     """The text ends inside a value."""
 
 
+def _skip(text: str, i: int, chars: str = " \n\t") -> int:
+    """The index of the first character at or after ``i`` not in ``chars``; the text ending
+    first means the value is still being written."""
+    while i < len(text) and text[i] in chars:
+        i += 1
+    if i >= len(text):
+        raise _Unfinished
+    return i
+
+
 def _gemma_value(text: str, i: int, quote: str):
     """One value of Gemma 4's notation at ``text[i]`` -> (Python value, index after it)."""
-    n = len(text)
-    while i < n and text[i] in " \n\t":
-        i += 1
-    if i >= n:
-        raise _Unfinished
+    i = _skip(text, i)
     if text.startswith(quote, i):
         j = text.find(quote, i + len(quote))
         if j < 0:
@@ -246,18 +252,15 @@ def _gemma_value(text: str, i: int, quote: str):
     if text[i] == "[":
         items, i = [], i + 1
         while True:
-            while i < n and text[i] in " \n\t,":
-                i += 1
-            if i >= n:
-                raise _Unfinished
+            i = _skip(text, i, " \n\t,")
             if text[i] == "]":
                 return items, i + 1
             v, i = _gemma_value(text, i, quote)
             items.append(v)
     j = i
-    while j < n and text[j] not in ",}]":
+    while j < len(text) and text[j] not in ",}]":
         j += 1
-    if j >= n:
+    if j >= len(text):
         raise _Unfinished
     word = text[i:j].strip()
     if word in ("true", "false", "null"):
@@ -270,12 +273,9 @@ def _gemma_value(text: str, i: int, quote: str):
 
 def _gemma_object(text: str, i: int, quote: str):
     """``{key:value,...}`` at ``text[i] == "{"`` -> (dict, index after ``}``)."""
-    obj, i, n = {}, i + 1, len(text)
+    obj, i = {}, i + 1
     while True:
-        while i < n and text[i] in " \n\t,":
-            i += 1
-        if i >= n:
-            raise _Unfinished
+        i = _skip(text, i, " \n\t,")
         if text[i] == "}":
             return obj, i + 1
         if text.startswith(quote, i):
@@ -285,10 +285,7 @@ def _gemma_object(text: str, i: int, quote: str):
             if j < 0:
                 raise _Unfinished
             key, i = text[i:j].strip(), j
-        while i < n and text[i] in " \n\t":
-            i += 1
-        if i >= n:
-            raise _Unfinished
+        i = _skip(text, i)
         if text[i] != ":":
             raise ValueError(f"expected ':' after the key {key!r}")
         obj[key], i = _gemma_value(text, i + 1, quote)
