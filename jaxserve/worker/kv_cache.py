@@ -68,25 +68,42 @@ def layer_page_shape(spec, num_pages: int, block_size: int, tp: int = 1) -> tupl
     return (pool_kv_heads(spec.kv_heads, tp), num_pages, block_size, spec.head_dim)
 
 
+def _zeros(dtype, sharding):
+    """``shape -> zeroed array``, one compiled program per distinct shape (not one per layer:
+    start-up stays one compile per page shape however many layers share it)."""
+    if sharding is None:
+        sharding = replicated(default_mesh())
+    programs = {}
+
+    def zeros(shape):
+        if shape not in programs:
+            programs[shape] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return programs[shape]()
+    return zeros
+
+
+def _check_num_pages(num_pages: int) -> None:
+    if num_pages < 2:
+        raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
+
+
+def _layer_pages(spec, num_pages: int, block_size: int, tp: int, zeros) -> tuple:
+    """``(k, v)`` of one layer at its spec's shape; ``()`` for a ``SharedKV`` layer."""
+    from jaxserve.core.kv_cache_spec import SharedKV
+
+    if isinstance(spec, SharedKV):
+        return ()
+    shape = layer_page_shape(spec, num_pages, block_size, tp)
+    return (zeros(shape), zeros(shape))
+
+
 def allocate_layer_pages(specs, num_pages: int, block_size: int, dtype, sharding=None,
                          tp: int = 1) -> list[tuple]:
     """Zeroed pages for every layer at its own spec's shape, all indexed by the same page ids;
     ``()`` for a layer that reads another's pages (``SharedKV``)."""
-    from jaxserve.core.kv_cache_spec import SharedKV
-
-    if sharding is None:
-        sharding = replicated(default_mesh())
-    if num_pages < 2:
-        raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
-    out = []
-    for spec in specs:
-        if isinstance(spec, SharedKV):
-            out.append(())
-            continue
-        shape = layer_page_shape(spec, num_pages, block_size, tp)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        out.append((zeros(), zeros()))
-    return out
+    _check_num_pages(num_pages)
+    zeros = _zeros(dtype, sharding)
+    return [_layer_pages(spec, num_pages, block_size, tp, zeros) for spec in specs]
 
 
 def specs_page_bytes(specs, block_size: int, tp: int = 1) -> int:
@@ -98,12 +115,13 @@ def allocate_group_pages(specs, groups, pool_pages, block_size: int, dtype, shar
                          tp: int = 1) -> list[tuple]:
     """Zeroed pages when each cache group has its own pool: a layer's arrays hold its group's
     ``pool_pages[g]`` pages; ``()`` for a ``SharedKV`` layer."""
-    of_layer = {i: g for g, grp in enumerate(groups) for i in grp.layers}
+    for n in pool_pages:
+        _check_num_pages(n)
+    zeros = _zeros(dtype, sharding)
     out = [()] * len(specs)
-    for i, spec in enumerate(specs):
-        if i in of_layer:
-            out[i] = allocate_layer_pages([spec], pool_pages[of_layer[i]], block_size, dtype,
-                                          sharding, tp)[0]
+    for g, grp in enumerate(groups):
+        for i in grp.layers:
+            out[i] = _layer_pages(specs[i], pool_pages[g], block_size, tp, zeros)
     return out
 
 
@@ -126,15 +144,12 @@ def allocate_hybrid_caches(model_config: ModelConfig, cache_groups, num_pages: i
     (:func:`allocate_state_pool`) for a LinearState layer."""
     from jaxserve.core.kv_cache_spec import LinearState
 
-    if kv_sharding is None:
-        kv_sharding = replicated(default_mesh())
-    if num_pages < 2:
-        raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
-    shape = kv_page_shape(model_config, num_pages, block_size, tp)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding)
+    _check_num_pages(num_pages)
+    zeros = _zeros(dtype, kv_sharding)
     caches: list = [None] * model_config.num_layers
     for g in cache_groups:
         for i in g.layers:
             caches[i] = (allocate_state_pool(g.spec, num_slots, state_sharding)
-                         if isinstance(g.spec, LinearState) else (zeros(), zeros()))
+                         if isinstance(g.spec, LinearState)
+                         else _layer_pages(g.spec, num_pages, block_size, tp, zeros))
     return caches
