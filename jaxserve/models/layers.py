@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.models.lora import project
+from jaxserve.models.lora import project, project_many
 from pallas_kernels import reference
 from pallas_kernels.reference import write_kv
 
@@ -89,9 +89,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, lora=None):
-        act = ACTIVATIONS[self.act](project(self.gate_proj, x, lora, "gate_proj"))
-        return project(self.down_proj, act * project(self.up_proj, x, lora, "up_proj"), lora,
-                       "down_proj")
+        gate, up = project_many([self.gate_proj, self.up_proj], x, lora, ("gate_proj", "up_proj"))
+        return project(self.down_proj, ACTIVATIONS[self.act](gate) * up, lora, "down_proj")
 
 
 # ----------------------------------------------------------------------------- rotary embeddings

@@ -1,0 +1,138 @@
+"""W8A8 int8 matmul for XLA:CPU: a small C++ kernel (``cpu_int8_matmul.cc``) through jax.ffi.
+
+XLA:CPU runs a one-row int8 dot well below the machine's read bandwidth, and the two-term
+activation quantization around it is a dozen small ops per projection; the kernel does both
+in one call, reading each int8 weight once with AVX-512 VNNI where the CPU has it. One call
+takes up to three weights that share an input (q/k/v, gate/up), so the activation is
+quantized once for them.
+
+The kernel is built on first use with the machine's C++ compiler (``$CXX`` or g++, ``-O3
+-march=native``) into ``~/.cache/jaxserve/kernels`` (one file per source, flags, jaxlib and
+CPU), and registered as an FFI target. Where there is no compiler, the build fails, the
+backend is not the CPU, or ``JAXSERVE_CPU_INT8_KERNEL=0``, :func:`available` is False and
+callers use :func:`int8_matmul_reference` (the same rule in jnp, which XLA runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+
+logger = logging.getLogger(__name__)
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_int8_matmul.cc")
+_TARGETS = {1: "jaxserve_int8_matmul_1", 2: "jaxserve_int8_matmul_2",
+            3: "jaxserve_int8_matmul_3"}
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def int8_matmul_reference(x, weight, weight_scale):
+    """``x[M, K] @ (weight[N, K] * weight_scale[N]).T`` with the activation in two int8 terms
+    per row: ``x / a = hi + lo / 254``, ``a = max|x| / 127``; int8 x int8 -> int32 dots;
+    ``(hi_acc + lo_acc / 254) * a * weight_scale``. float32 in and out."""
+    xf = x.astype(jnp.float32)
+    a_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0, 1e-12)
+    hi = jnp.clip(jnp.round(xf / a_scale), -127, 127)
+    lo = jnp.clip(jnp.round((xf / a_scale - hi) * 254.0), -127, 127)
+    rows = xf.shape[0]
+    xq = jnp.concatenate([hi, lo]).astype(jnp.int8)
+    acc = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32).astype(jnp.float32)
+    return (acc[:rows] + acc[rows:] * (1.0 / 254.0)) * a_scale * weight_scale
+
+
+def _cpu_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build() -> str | None:
+    """The kernel's shared library (built once per source, flags, jaxlib and CPU), or None."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        logger.info("cpu int8 kernel: no C++ compiler; int8 matmuls stay on XLA's path")
+        return None
+    import jaxlib
+
+    with open(_SRC, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + " ".join([cxx, *_FLAGS, jaxlib.__version__, _cpu_tag()])
+                         .encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                         "jaxserve", "kernels")
+    out = os.path.join(cache, f"cpu_int8_matmul-{key}.so")
+    if os.path.isfile(out):
+        return out
+    os.makedirs(cache, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), _SRC, "-o", tmp]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        logger.warning("cpu int8 kernel: build failed (%s); int8 matmuls stay on XLA's path\n%s",
+                       e, err.decode(errors="replace")[-2000:])
+        os.unlink(tmp)
+        return None
+    os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same file
+    return out
+
+
+def available() -> bool:
+    """The kernel is built and registered, and the default backend is the CPU."""
+    if jax.default_backend() != "cpu" or os.environ.get("JAXSERVE_CPU_INT8_KERNEL") == "0":
+        return False
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+        return _state["ok"]
+
+
+def _load() -> bool:
+    path = _build()
+    if path is None:
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(path)
+        for target in _TARGETS.values():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
+                                        platform="cpu")
+    except Exception as e:  # a broken cache entry or an ABI mismatch: fall back
+        logger.warning("cpu int8 kernel: loading %s failed (%s); XLA's path is used", path, e)
+        return False
+    _state["lib"] = lib
+    return True
+
+
+def int8_matmul(x, weights) -> list:
+    """``x[M, K]`` float32 against each ``(weight[N, K] int8, weight_scale[N] float32)`` of
+    ``weights`` (1 to 3 sharing ``x``) -> a float32 ``[M, N]`` per weight, by the kernel.
+    Same rule as :func:`int8_matmul_reference`; call only where :func:`available`."""
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"1 to 3 weights per call, got {len(weights)}")
+    m = x.shape[0]
+    outs = [jax.ShapeDtypeStruct((m, w.shape[0]), jnp.float32) for w, _ in weights]
+    args = [x.astype(jnp.float32)]
+    for w, s in weights:
+        args += [w, s.astype(jnp.float32)]
+    res = jax.ffi.ffi_call(_TARGETS[len(weights)], outs)(*args)
+    return list(res)
