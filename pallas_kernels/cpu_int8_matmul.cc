@@ -1,6 +1,6 @@
 // W8A8 matmul for XLA:CPU through jax.ffi: y[M, N] = x[M, K] @ (w[N, K] * scale[N]).T
 //
-// The rule is pallas_kernels/cpu_int8.py's reference (int8_matmul_reference): each row of x is
+// The rule is pallas_kernels/cpu_kernels.py's reference (int8_matmul_reference): each row of x is
 // quantized in two int8 terms, x / a = hi + lo / 254 with a = max(max|x| / 127, 1e-12),
 // hi = clip(round(x / a)), lo = clip(round((x / a - hi) * 254)) (round half to even); both
 // terms are dotted with the int8 weight in int32, and y = (acc_hi + acc_lo * (1 / 254)) * a *

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import jax
@@ -253,8 +254,12 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
         interpret = jax.default_backend() == "cpu"
         return rpa.ragged_paged_attention(*args, interpret=interpret, **kwargs)
     if backend == "xla":
-        from pallas_kernels import xla_attention
+        from pallas_kernels import cpu_kernels, xla_attention
 
+        if (kv_scale is None and k_pages.dtype == jnp.float32 and cpu_kernels.available()
+                and os.environ.get("JAXSERVE_CPU_ATTENTION") != "0"):
+            return cpu_kernels.paged_attention(q, k_pages, v_pages, *args[3:], sm_scale=sm_scale,
+                                               sliding_window=sliding_window, soft_cap=soft_cap)
         return xla_attention.ragged_paged_attention(*args, **kwargs)
     if backend == "mosaic":
         from pallas_kernels import mosaic_gpu_attention

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import QUANTIZATION_METHODS
-from pallas_kernels import cpu_int8
+from pallas_kernels import cpu_kernels
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 FP8 = jnp.float8_e4m3fn
@@ -91,9 +91,8 @@ def fp8_dynamic_matmul(x, weight, weight_scale, *, emulate: bool = False):
 
 
 def int8_kernel_enabled() -> bool:
-    """The C++ W8A8 kernel serves int8 matmuls: one CPU device (XLA cannot partition the
-    custom call) and the kernel built (``pallas_kernels.cpu_int8``)."""
-    return jax.device_count() == 1 and cpu_int8.available()
+    """The C++ W8A8 kernel serves int8 matmuls (``pallas_kernels.cpu_kernels.available``)."""
+    return cpu_kernels.available()
 
 
 def int8_dynamic_matmul(x, weight, weight_scale):
@@ -102,8 +101,8 @@ def int8_dynamic_matmul(x, weight, weight_scale):
     against the stored int8 ``weight [out, in]``, then ``(hi_acc + lo_acc / 254) * a *
     weight_scale``. The second term makes the activation ~15 bits (one int8 row per token
     lost SmolLM2 1.7 % of held-out perplexity; two keep it at float32's). On one CPU device
-    the C++ kernel runs it (``pallas_kernels.cpu_int8``: XLA:CPU reads a one-row int8 dot at a
-    quarter of the machine's bandwidth); elsewhere XLA runs the same rule."""
+    the C++ kernel runs it (``pallas_kernels.cpu_kernels``: XLA:CPU reads a one-row int8 dot
+    at a quarter of the machine's bandwidth); elsewhere XLA runs the same rule."""
     return int8_dynamic_matmuls(x, [(weight, weight_scale)])[0]
 
 
@@ -113,9 +112,9 @@ def int8_dynamic_matmuls(x, weights):
     lead, n = x.shape[:-1], x.shape[-1]
     xf = x.reshape(-1, n).astype(jnp.float32)
     if int8_kernel_enabled():
-        ys = cpu_int8.int8_matmul(xf, list(weights))
+        ys = cpu_kernels.int8_matmul(xf, list(weights))
     else:
-        ys = [cpu_int8.int8_matmul_reference(xf, w, s) for w, s in weights]
+        ys = [cpu_kernels.int8_matmul_reference(xf, w, s) for w, s in weights]
     return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
 
 

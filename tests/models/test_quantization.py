@@ -161,9 +161,9 @@ def test_int8_dynamic_matmul_reads_the_int8_weight_in_its_dot(monkeypatch, kerne
     """No float copy of the weight: the optimised HLO's matmul (the CPU kernel's custom call,
     or XLA's s32 dot without it) takes the s8 weight itself and no weight-shaped float array
     appears anywhere in the step."""
-    from pallas_kernels import cpu_int8
+    from pallas_kernels import cpu_kernels
 
-    monkeypatch.setenv("JAXSERVE_CPU_INT8_KERNEL", kernel)
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", kernel)
     use_kernel = kernel == "1" and Q.int8_kernel_enabled()
     x = jnp.ones((1, 576), jnp.float32)
     q = jnp.ones((1536, 576), jnp.int8)
@@ -175,7 +175,7 @@ def test_int8_dynamic_matmul_reads_the_int8_weight_in_its_dot(monkeypatch, kerne
     out = r"= f32\[1,1536\].*custom-call\(" if use_kernel else r"= s32\[2,1536\]"
     assert any(re.search(out, ln) and (weight + ")" in ln or weight + "," in ln)
                for ln in entry.splitlines()), entry
-    assert (cpu_int8._TARGETS[1] in hlo) == use_kernel
+    assert (cpu_kernels._TARGETS[1] in hlo) == use_kernel
 
 
 @pytest.mark.parametrize("head", [False, True])
