@@ -85,6 +85,9 @@ inline float combine(const QuantX& q, int64_t r, int32_t acc_hi, int32_t acc_lo,
 }
 
 #if JS_VNNI
+// From this many activation rows on, weights are packed per block (see packed_rows).
+constexpr int64_t kPackedMinRows = 8;
+
 // The weight as unsigned bytes (w + 128, by flipping the sign bit; zeros past k), for
 // vpdpbusd's unsigned operand.
 inline __m512i load_w(const int8_t* p, int64_t left) {
@@ -92,6 +95,74 @@ inline __m512i load_w(const int8_t* p, int64_t left) {
   if (left >= 64) return _mm512_xor_si512(flip, _mm512_loadu_si512(p));
   const __mmask64 mask = (~0ULL) >> (64 - left);
   return _mm512_maskz_mov_epi8(mask, _mm512_xor_si512(flip, _mm512_maskz_loadu_epi8(mask, p)));
+}
+
+// 16 weight rows, packed as [kp / 4][16][4] unsigned bytes (w + 128; zeros past k): one
+// vector holds 4 inputs of each of the 16 rows, so an accumulator holds 16 outputs of one
+// activation row and needs no horizontal sum.
+void pack16(const int8_t* w, int64_t k, int64_t kp, uint8_t* out) {
+  for (int64_t kk = 0; kk < kp / 4; ++kk)
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t b = 0; b < 4; ++b) {
+        const int64_t j = 4 * kk + b;
+        out[(kk * 16 + i) * 4 + b] =
+            j < k ? static_cast<uint8_t>(static_cast<int32_t>(w[i * k + j]) + 128) : 128;
+      }
+}
+
+// Activation rows r0 .. r0 + NT (tokens) against one packed block of 16 weight rows.
+template <int NT>
+void block16(const QuantX& q, const uint8_t* wp, const float* scale, float* y, int64_t n_out,
+             int64_t n, int64_t r0) {
+  const int64_t kp = q.kp;
+  __m512i acc[2 * NT];
+  for (auto& v : acc) v = _mm512_setzero_si512();
+  const int8_t* H = q.hi.data() + r0 * kp;
+  const int8_t* L = q.lo.data() + r0 * kp;
+  for (int64_t kk = 0; kk < kp / 4; ++kk) {
+    const __m512i wv = _mm512_loadu_si512(wp + kk * 64);
+    for (int t = 0; t < NT; ++t) {
+      int32_t hb, lb;
+      std::memcpy(&hb, H + t * kp + 4 * kk, 4);
+      std::memcpy(&lb, L + t * kp + 4 * kk, 4);
+      acc[2 * t] = _mm512_dpbusd_epi32(acc[2 * t], wv, _mm512_set1_epi32(hb));
+      acc[2 * t + 1] = _mm512_dpbusd_epi32(acc[2 * t + 1], wv, _mm512_set1_epi32(lb));
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(scale + n);
+  const __m512 c = _mm512_set1_ps(1.0f / 254.0f);
+  for (int t = 0; t < NT; ++t) {
+    const int64_t r = r0 + t;
+    const __m512 fh = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(acc[2 * t], _mm512_set1_epi32(128 * q.hi_sum[r])));
+    const __m512 fl = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(acc[2 * t + 1], _mm512_set1_epi32(128 * q.lo_sum[r])));
+    const __m512 v = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_add_ps(fh, _mm512_mul_ps(fl, c)), _mm512_set1_ps(q.a[r])), s);
+    _mm512_storeu_ps(y + r * n_out + n, v);
+  }
+}
+
+// Many activation rows (prefill, batched decode): weight rows in packed blocks of 16 against
+// tokens 6 at a time (12 accumulators). Returns the first row it did not do.
+int64_t packed_rows(const QuantX& q, const int8_t* w, const float* scale, float* y,
+                    int64_t n_out, int64_t n0, int64_t n1) {
+  std::vector<uint8_t> wp(q.kp * 16);
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    pack16(w + n * q.k, q.k, q.kp, wp.data());
+    int64_t r = 0;
+    for (; r + 6 <= q.m; r += 6) block16<6>(q, wp.data(), scale, y, n_out, n, r);
+    switch (q.m - r) {
+      case 5: block16<5>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 4: block16<4>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 3: block16<3>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 2: block16<2>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 1: block16<1>(q, wp.data(), scale, y, n_out, n, r); break;
+      default: break;
+    }
+  }
+  return n;
 }
 
 // Output rows [n0, n1) of one weight, every activation row. Few activation rows (decode):
@@ -102,7 +173,7 @@ void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y,
   const int64_t k = q.k, kp = q.kp, m = q.m;
   const int8_t* H = q.hi.data();
   const int8_t* L = q.lo.data();
-  int64_t n = n0;
+  int64_t n = m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
   if (m >= 4) {
     for (; n + 4 <= n1; n += 4) {
       const int8_t* w0 = w + n * k;
