@@ -8,8 +8,8 @@
 // rounding order.
 //
 // AVX-512 VNNI (vpdpbusd: u8 x s8 -> s32) takes the weight as unsigned (w + 128, a sign-bit
-// flip as it is loaded) and each output subtracts 128 * sum_k x[k], once per activation row. Without VNNI the same loops
-// are plain C++ for the compiler to vectorize. Work is split over output rows on XLA's
+// flip as it is loaded) and each output subtracts 128 * sum_k x[k], once per activation row.
+// Without VNNI the same loops are plain C++ for the compiler to vectorize. Work is split over output rows on XLA's
 // intra-op thread pool when a call is large enough to pay for the hand-off.
 //
 // One FFI target takes 1 to 3 weights sharing the input (q/k/v, gate/up): the activation is

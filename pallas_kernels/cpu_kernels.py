@@ -114,6 +114,13 @@ def available() -> bool:
         return _state["ok"]
 
 
+def prebuild() -> None:
+    """Start building (or loading) the kernels on a background thread, so the first trace
+    that needs them waits less; a no-op off the CPU."""
+    if jax.default_backend() == "cpu" and "ok" not in _state:
+        threading.Thread(target=available, name="cpu-kernels-build", daemon=True).start()
+
+
 def _load() -> bool:
     path = _build()
     if path is None:
