@@ -271,7 +271,7 @@ struct Job {
 // calling thread and by helpers on XLA's pool (a helper that starts late finds none left).
 constexpr int64_t kChunk = 64;
 // Below this many weight bytes x activation rows a call runs on the calling thread only.
-constexpr int64_t kThreadMinWork = 1 << 20;
+constexpr int64_t kThreadMinWork = 1 << 16;
 
 struct Shared {
   std::vector<Job> jobs;
