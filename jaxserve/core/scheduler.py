@@ -9,84 +9,31 @@ Each ``schedule()`` call builds one step:
    (priority, arrival) order while budget, ``max_num_seqs`` and pages last; a new request
    first takes the longest cached prefix from the prefix cache.
 
-The engine feeds the step result back with ``update_from_output`` and, as each sampled id
-reaches the host, ``check_stop`` (EOS, stop token ids, max_tokens, max_model_len, a finished
-grammar). Progress is counted only there, so ``num_computed_tokens`` never runs
-ahead of what the device has computed (schedule() only sets it to a prefix-cache hit, or to 0
-on a recompute preemption).
+The engine's step is ``schedule`` -> dispatch -> ``update_after_dispatch`` (the sampled ids
+are placeholders while on the device) -> ``update_from_output`` once the ids reach the host:
+placeholders resolved, verified drafts committed, logprobs kept, stops checked on ids
+(``check_stop``: EOS, stop token ids, max_tokens, max_model_len, a finished grammar) and one
+``CoreOutput`` per request that gained ids. Progress is counted only after dispatch, so
+``num_computed_tokens`` never runs ahead of what the device has been asked to compute
+(schedule() only sets it to a prefix-cache hit, or to 0 on a recompute preemption).
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Iterable
 
 from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
+from jaxserve.core.outputs import CoreOutput, TokenLogprobs
 from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
-from jaxserve.core.step_plan import ScheduledSeq
+from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    start_pos: int  # num_computed_tokens before the step
-    sample: bool  # the step completes the request's known tokens: its sampled token is kept
-    new_token_ids: list[int]
-    num_draft: int = 0  # speculative tokens at the end of new_token_ids (not yet the request's)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # preempted this step (both modes)
-    # (request_id, page ids): copy these pages device -> host BEFORE running the step (the
-    # pages are already free and may be reused by this very step).
-    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
-    # (request_id, page ids): copy the host copy back into these pages BEFORE running the step.
-    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
-    # (request_id, state slot): the recurrent state of a swapped request, copied out of its old
-    # slot / back into its new one, beside its pages (LinearState models)
-    swap_out_state: list[tuple[str, int]] = field(default_factory=list)
-    swap_in_state: list[tuple[str, int]] = field(default_factory=list)
-    finished_aborted: list[str] = field(default_factory=list)  # aborted by the scheduler now
-    # every request finished since the previous schedule() (engine stops, aborts, and the
-    # above): the runner drops per-request state (host swap copies, sampler state).
-    finished_req_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def to_rows(self, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
-        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order. ``prev_rows``:
-        request id -> its row in the previous (still running) step, for pending tokens."""
-        prev_rows = prev_rows or {}
-        return [
-            ScheduledSeq(
-                new_token_ids=s.new_token_ids,
-                start_pos=s.start_pos,
-                block_ids=s.request.pages_per_group(),
-                sample=s.sample,
-                prev_row=prev_rows.get(s.request.request_id, -1),
-                num_draft=s.num_draft,
-                state_slot=s.request.state_slot,
-            )
-            for s in self.scheduled
-        ]
 
 
 def _order_key(req: Request):
@@ -154,6 +101,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_swap_outs_total = 0
         self.num_aborted_by_scheduler = 0
+        self.generation_tokens_total = 0  # output ids read from the device
+        self.spec_stats = None  # SpecDecodeStats of a speculating engine
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -301,15 +250,15 @@ class Scheduler:
         req.abort_reason = ABORT_KV_CACHE_EXHAUSTED
         self.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
         self.num_aborted_by_scheduler += 1
-        out.finished_aborted.append(req.request_id)
+        out.finished_outputs.append(req.take_output())
 
     def _waits_for_parent(self, req: Request) -> bool:
-        p = req.prefix_parent
-        if p is None or not self.block_manager.enable_prefix_caching or req.num_preemptions:
+        if (req.prefix_parent is None or not self.block_manager.enable_prefix_caching
+                or req.num_preemptions):
             return False
-        if (p.is_finished or p.num_computed_tokens >= p.num_prompt_tokens
-                or self.requests.get(p.request_id) is not p):
-            req.prefix_parent = None  # gate open for good; drop the reference
+        p = self.requests.get(req.prefix_parent)
+        if p is None or p.num_computed_tokens >= p.num_prompt_tokens:
+            req.prefix_parent = None  # gate open for good
             return False
         return True
 
@@ -327,8 +276,13 @@ class Scheduler:
             num_draft=nd,
         ))
         out.num_batched_tokens += n
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.time()
+        if req.num_prompt_logprobs is not None:
+            lo = max(start, req.num_prompt_logprobs - 1)  # a recomputed prefix is not redone
+            hi = min(start + n, req.num_prompt_tokens - 1)
+            if hi > lo:
+                out.scheduled[-1].prompt_span = (lo, hi)
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.time()
 
     def limit_tokens(self, token_limit: int | None) -> None:
         """Keep every step within ``token_limit`` tokens (None: the configured budget). The
@@ -367,6 +321,7 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                out.finished_outputs.append(req.take_output())
                 continue
             nd = self._num_drafts(req, n, budget)
             drafts = req.spec_token_ids[:nd]
@@ -457,12 +412,12 @@ class Scheduler:
             return True
         return self.max_loras is not None and len(loras) < self.max_loras
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: dict[str, int] | None = None) -> list[Request]:
-        """Advance the scheduled requests after the step was dispatched; append the sampled token
-        of every row that samples (``PLACEHOLDER`` when ``sampled`` is None: the engine resolves
-        it once the ids reach the host); register newly full pages in the prefix cache. Returns
-        the requests that got a new token (the engine checks them for stopping)."""
+    def update_after_dispatch(self, scheduler_output: SchedulerOutput,
+                              sampled: dict[str, int] | None = None) -> list[Request]:
+        """The step was dispatched: advance its requests and append the sampled token of every
+        row that samples (``PLACEHOLDER`` when ``sampled`` is None, until ``update_from_output``
+        reads the ids); register newly full pages in the prefix cache. Returns the requests
+        that got a token (with ``sampled``: a host-only caller then checks their stops)."""
         got_token = []
         for s in scheduler_output.scheduled:
             req = s.request
@@ -485,6 +440,58 @@ class Scheduler:
                 got_token.append(req)
             self.block_manager.cache_full_blocks(req)
         return got_token
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, out) -> list[CoreOutput]:
+        """A dispatched step's ids reached the host (``out``: the runner's ``StepOutput``, numpy
+        arrays, one row per scheduled request): resolve each row's placeholder or verified
+        drafts, keep logprobs, stop what ends (``check_stop``) and report what each request
+        gained. Rows of requests finished or aborted since are dropped."""
+        now = time.time()
+        token_ids = out.token_ids.tolist()  # Python ints
+        touched: dict[str, Request] = {}
+        t0 = 0  # the row's first token in the plan (rows are laid out in order)
+        for i, s in enumerate(scheduler_output.scheduled):
+            req, row_t0 = s.request, t0
+            t0 += len(s.new_token_ids)
+            if s.prompt_span is not None:
+                req.record_prompt_logprobs(out.prompt_logprobs, row_t0, *s.prompt_span)
+            if not s.sample or req.is_finished or self.requests.get(req.request_id) is not req:
+                continue  # no token, or stopped / aborted since: its token is dropped
+            touched[req.request_id] = req
+            if s.num_draft:
+                self._accept_verified(req, s.num_draft, out, i, now)
+            else:
+                req.resolve_pending(token_ids[i])
+                self.block_manager.cache_full_blocks(req)
+                self._on_token(req, token_ids[i], out, i, now)
+        return [r.take_output() for r in touched.values()]
+
+    def _accept_verified(self, req: Request, num_draft: int, out, row: int, now: float) -> None:
+        """A verify row: accepted drafts + the target's token, each through the stop checks
+        (a stop inside the run drops what follows it)."""
+        n = int(out.num_emitted[row])
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_draft, n - 1)
+        self.commit_verified(req, n - 1)
+        for tok in out.spec_token_ids[row, :n].tolist():
+            req.append_output_token(tok)
+            self._on_token(req, tok, out, row, now)
+            if req.is_finished:
+                return
+        self.block_manager.cache_full_blocks(req)
+
+    def _on_token(self, req: Request, tok: int, out, row: int, now: float) -> None:
+        """A known output id: its logprobs kept for the next report, then the stops on ids."""
+        self.generation_tokens_total += 1
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if req.new_logprobs is not None:
+            req.new_logprobs.append(
+                TokenLogprobs.of_row(tok, out, row, req.sampling_params.logprobs))
+        if self.check_stop(req, tok):
+            m.finished_time = now
 
     def check_stop(self, req: Request, token: int) -> bool:
         """``token`` became known as ``req``'s latest output id: finish the request (True) when
@@ -525,3 +532,4 @@ class Scheduler:
         req.spec_in_flight = False
         if req.status == RequestStatus.RUNNING:
             req.num_computed_tokens += num_accepted
+

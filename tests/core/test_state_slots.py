@@ -52,7 +52,7 @@ def test_admission_waits_for_a_free_slot_and_the_plan_carries_it():
     plan = build_step_plan(out.to_rows(), block_size=4, max_pages_per_seq=32,
                            ladder=token_ladder(64, 4), max_num_seqs=4)
     assert plan.state_slots[:2].tolist() == [0, 1] and set(plan.state_slots[2:]) == {-1}
-    sched.update_from_output(out, {"r0": 1, "r1": 1})
+    sched.update_after_dispatch(out, {"r0": 1, "r1": 1})
     sched.finish_request("r0", RequestStatus.FINISHED_ABORTED)
     assert sched.block_manager.state_slots.num_free == 1
     out = sched.schedule()
@@ -69,7 +69,7 @@ def test_recompute_preemption_drops_the_slot():
     for _ in range(10):
         out = sched.schedule()
         preempted += out.preempted
-        sched.update_from_output(out, {s.request_id: 7 for s in out.scheduled if s.sample})
+        sched.update_after_dispatch(out, {s.request_id: 7 for s in out.scheduled if s.sample})
         for r in sched.running + sched.waiting:
             assert (r.state_slot >= 0) == (r in sched.running)
         sched.block_manager.check_invariants(list(sched.requests.values()))
