@@ -597,3 +597,40 @@ def test_pipelined_steps_are_micro_batches_of_different_requests():
         x.request.resolve_pending(7)
     third = s.schedule()
     assert ids(third) == ["r0", "r1"] and all(x.num_new_tokens == 1 for x in third.scheduled)
+
+
+def test_update_from_output_resolves_stops_and_reports_one_output_per_request():
+    """The fetch half of a step, host only: placeholders resolved with the step's ids, logprobs
+    kept, stops on ids, one CoreOutput per request that gained ids; a row of a request aborted
+    while its step ran, and the token sampled past a stop, are dropped."""
+    from types import SimpleNamespace
+
+    from jaxserve.core.sampling_params import SamplingParams
+
+    cc, sc = CacheConfig(block_size=4), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    s = Scheduler(sc, cc, BlockManager(64, 4), 256, eos_token_ids=[2])
+    a = Request("a", [1, 3], SamplingParams(max_tokens=9, logprobs=0))
+    b = Request("b", [1, 3, 4], SamplingParams(max_tokens=9))
+    c = Request("c", [5], SamplingParams(max_tokens=9))
+    for r in (a, b, c):
+        s.add_request(r)
+
+    def fetched(ids):
+        return SimpleNamespace(token_ids=np.array(ids), logprobs=-np.arange(1.0, len(ids) + 1),
+                               ranks=np.ones(len(ids), int), topk_ids=None, prompt_logprobs=None)
+
+    first = s.schedule()
+    s.update_after_dispatch(first)  # three placeholders in flight
+    second = s.schedule()  # async: the next decode of each is scheduled before the read
+    s.update_after_dispatch(second)
+    assert [r.output_token_ids for r in (a, b, c)] == [[-1, -1]] * 3
+    s.abort_request("c")
+    outs = s.update_from_output(first, fetched([7, 2, 9]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
+        ("a", [7], None), ("b", [2], "stop")]  # b hit EOS; c was aborted: no output
+    assert [(t.token_id, t.logprob, t.rank) for t in outs[0].new_logprobs] == [(7, -1.0, 1)]
+    assert b.output_token_ids == [2] and b.is_finished  # its next token (in flight) dropped
+    assert a.metrics.first_token_time is not None and s.generation_tokens_total == 2
+    outs = s.update_from_output(second, fetched([8, 4, 6]))
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [8])]
+    assert a.output_token_ids == [7, 8] and s.generation_tokens_total == 3
