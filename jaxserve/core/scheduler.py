@@ -20,7 +20,6 @@ placeholders resolved, verified drafts committed, logprobs kept, stops checked o
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 from typing import Iterable
 
@@ -30,10 +29,9 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CoreOutput, TokenLogprobs
 from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.stop_check import stop_status
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
-
-logger = logging.getLogger(__name__)
 
 
 def _order_key(req: Request):
@@ -293,14 +291,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step within the token budget (and ``token_limit`` while it is set)."""
         out = SchedulerOutput()
-        bm = self.block_manager
         budget = self.max_num_batched_tokens
         if self.token_limit is not None:
             budget = max(1, min(budget, self.token_limit))
-
-        # 1. running requests (sorted: the preemption victim is always the last one)
-        i = 0
         rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
+        budget = self._schedule_running(out, budget, rows)
+        if not out.preempted:  # vLLM V1: no admissions in a step that had to preempt
+            self._schedule_waiting(out, budget, rows)
+        out.finished_req_ids = self._finished_since_schedule
+        self._finished_since_schedule = []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, rows: int) -> int:
+        """Running requests, in order (the preemption victim is always the last one): a
+        decode or their next prefill chunk each. Returns the budget left."""
+        bm = self.block_manager
+        i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < rows:
             req = self.running[i]
             if req.num_pending and self.skip_pending:
@@ -342,65 +348,63 @@ class Scheduler:
                 req.spec_token_ids = []
                 budget -= n
                 i += 1
+        return budget
 
-        # 2. waiting requests, unless this step had to preempt (vLLM V1: avoid thrashing)
-        if not out.preempted:
-            j = 0
-            loras = self._running_loras()
-            while (j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
-                   and len(out.scheduled) < rows):
-                req = self.waiting[j]
-                # preempted mid-verify, or (pipelined) its token still in flight: read it first
-                if req.spec_in_flight or (req.num_pending and self.skip_pending):
-                    j += 1
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, rows: int) -> None:
+        """Waiting requests (new, preempted, swapped) in order while budget, rows and pages
+        last; a new one first takes its cached prefix."""
+        bm = self.block_manager
+        j = 0
+        loras = self._running_loras()
+        while (j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.scheduled) < rows):
+            req = self.waiting[j]
+            if self._lets_others_pass(req, loras):
+                j += 1
+                continue
+            resumed_swap = req.status == RequestStatus.SWAPPED
+            hits: list[int] | None = None
+            n_hit = 0
+            if not resumed_swap and req.num_computed_tokens == 0:
+                hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
+            n = req.num_tokens - req.num_computed_tokens - n_hit
+            n = min(n, self.max_model_len - req.num_computed_tokens - n_hit)
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.allocate_slots(req, n, hits):
+                if not self.running:  # nothing else holds pages: it can never fit
+                    self.waiting.pop(j)
+                    self._abort_unfittable(req, out)
                     continue
-                if self._waits_for_parent(req):  # an n>1 sibling: admit once the prompt is cached
-                    j += 1
-                    continue
-                if req.grammar is not None and not req.grammar.ready:
-                    j += 1  # its grammar is still compiling: wait without holding a slot
-                    continue
-                if not self._lora_fits(req, loras):
-                    j += 1  # max_loras other adapters are running: wait for one to finish
-                    continue
-                resumed_swap = req.status == RequestStatus.SWAPPED
-                hits: list[int] | None = None
-                n_hit = 0
-                if not resumed_swap and req.num_computed_tokens == 0:
-                    hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
-                n = req.num_tokens - req.num_computed_tokens - n_hit
-                n = min(n, self.max_model_len - req.num_computed_tokens - n_hit)
-                if n > budget:
-                    if not self.config.enable_chunked_prefill:
-                        break
-                    n = budget
-                if not bm.allocate_slots(req, n, hits):
-                    if not self.running:  # nothing else holds pages: it can never fit
-                        self.waiting.pop(j)
-                        self._abort_unfittable(req, out)
-                        continue
-                    break  # FCFS: nobody overtakes the head of the queue
-                self.waiting.pop(j)
-                if resumed_swap:
-                    n_pages = self._swapped_pages.pop(req.request_id)
-                    dead = bm.num_dead_pages(req.num_computed_tokens)
-                    out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
-                    if req.state_slot >= 0:  # a fresh slot: the saved state goes there
-                        out.swap_in_state.append((req.request_id, req.state_slot))
-                elif hits is not None:
-                    req.num_computed_tokens = n_hit
-                    if req.num_preemptions == 0:
-                        req.num_cached_tokens = n_hit
-                req.status = RequestStatus.RUNNING
-                if req.lora_int_id:
-                    loras.add(req.lora_int_id)
-                bisect.insort(self.running, req, key=_order_key)
-                self._add_scheduled(out, req, n)
-                budget -= n
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.pop(j)
+            if resumed_swap:
+                n_pages = self._swapped_pages.pop(req.request_id)
+                dead = bm.num_dead_pages(req.num_computed_tokens)
+                out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
+                if req.state_slot >= 0:  # a fresh slot: the saved state goes there
+                    out.swap_in_state.append((req.request_id, req.state_slot))
+            elif hits is not None:
+                req.num_computed_tokens = n_hit
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = n_hit
+            req.status = RequestStatus.RUNNING
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
+            bisect.insort(self.running, req, key=_order_key)
+            self._add_scheduled(out, req, n)
+            budget -= n
 
-        out.finished_req_ids = self._finished_since_schedule
-        self._finished_since_schedule = []
-        return out
+    def _lets_others_pass(self, req: Request, loras: set[int]) -> bool:
+        """A waiting request that is not admitted yet, without holding up the ones behind."""
+        return bool(
+            # preempted mid-verify, or (pipelined) its token still in flight: read it first
+            req.spec_in_flight or (req.num_pending and self.skip_pending)
+            or self._waits_for_parent(req)  # an n > 1 sibling: once the prompt is computed
+            or (req.grammar is not None and not req.grammar.ready)  # grammar still compiling
+            or not self._lora_fits(req, loras))  # max_loras other adapters are running
 
     def _running_loras(self) -> set[int]:
         return {r.lora_int_id for r in self.running if r.lora_int_id}
@@ -495,30 +499,12 @@ class Scheduler:
 
     def check_stop(self, req: Request, token: int) -> bool:
         """``token`` became known as ``req``'s latest output id: finish the request (True) when
-        it stops it: a grammar that rejects it or is complete, EOS or one of the request's
-        stop token ids once ``min_tokens`` are out, ``max_tokens``, or ``max_model_len``. Ids
-        sampled after it (still on the device) are dropped."""
-        params = req.sampling_params
-        n_out = req.num_known_output_tokens
-        status, stop_reason = None, None
-        if req.grammar is not None:
-            if not req.grammar.accept(token):
-                logger.warning("request %s: token %d is outside its grammar (%s)",
-                               req.request_id, token, req.grammar.error)
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.grammar.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and n_out >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-        if status is None and (n_out >= req.max_tokens
-                               or req.num_tokens - req.num_pending >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is None:
+        it stops it (``stop_check.stop_status``). Ids sampled after it (still on the device)
+        are dropped."""
+        stop = stop_status(req, token, self.eos_token_ids, self.max_model_len)
+        if stop is None:
             return False
-        req.stop_reason = stop_reason
+        status, req.stop_reason = stop
         req.drop_pending()
         self.finish_request(req.request_id, status)
         return True
