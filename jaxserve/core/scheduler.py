@@ -71,7 +71,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)  # stop ids of every request (ignore_eos)
         self.max_num_seqs = scheduler_config.max_num_seqs
-        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.preemption_mode = scheduler_config.preemption_mode
         # LoRA: at most this many distinct adapters run at once (None: LoRA off)
         self.max_loras = max_loras
@@ -291,7 +290,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step within the token budget (and ``token_limit`` while it is set)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         if self.token_limit is not None:
             budget = max(1, min(budget, self.token_limit))
         rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
