@@ -38,6 +38,10 @@ class SchedulerOutput:
     # slot / back into its new one, beside its pages (LinearState models)
     swap_out_state: list[tuple[str, int]] = field(default_factory=list)
     swap_in_state: list[tuple[str, int]] = field(default_factory=list)
+    # n > 1 siblings forked from their first child (state-pool models): (source, destination)
+    # pages and state slots, copied on the device BEFORE running the step
+    fork_pages: list[tuple[int, int]] = field(default_factory=list)
+    fork_states: list[tuple[int, int]] = field(default_factory=list)
     # requests the scheduler itself ended while scheduling (aborted: they can never fit),
     # reported at once
     finished_outputs: list[CoreOutput] = field(default_factory=list)

@@ -29,6 +29,7 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CoreOutput, TokenLogprobs
 from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.siblings import Siblings
 from jaxserve.core.stop_check import stop_status
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
@@ -95,6 +96,8 @@ class Scheduler:
         self._swapped_pages: dict[str, int] = {}  # request_id -> pages held in host memory
         self._finished_since_schedule: list[str] = []
         self._seq_counter = 0
+        # n > 1 siblings: who waits for whose prompt, and (fork_prompts) who forks from it
+        self.siblings = Siblings(self.requests, block_manager)
         self.num_preemptions_total = 0
         self.num_swap_outs_total = 0
         self.num_aborted_by_scheduler = 0
@@ -173,6 +176,7 @@ class Scheduler:
         cap = max(1, self.max_model_len - n)
         request.max_tokens = cap if request.max_tokens is None else min(request.max_tokens, cap)
         request.status = RequestStatus.WAITING
+        self.siblings.add(request)
         request._seq_no = self._seq_counter
         self._seq_counter += 1
         self.requests[request.request_id] = request
@@ -191,6 +195,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free(req)
         self._swapped_pages.pop(request_id, None)
+        self.siblings.drop(req)
         req.status = status
         self._finished_since_schedule.append(request_id)
         return req
@@ -215,7 +220,7 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
         n = min(n, self.max_model_len - req.num_computed_tokens)
-        return min(n, budget)
+        return self.siblings.cap(req, min(n, budget))
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -248,16 +253,6 @@ class Scheduler:
         self.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
         self.num_aborted_by_scheduler += 1
         out.finished_outputs.append(req.take_output())
-
-    def _waits_for_parent(self, req: Request) -> bool:
-        if (req.prefix_parent is None or not self.block_manager.enable_prefix_caching
-                or req.num_preemptions):
-            return False
-        p = self.requests.get(req.prefix_parent)
-        if p is None or p.num_computed_tokens >= p.num_prompt_tokens:
-            req.prefix_parent = None  # gate open for good
-            return False
-        return True
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int,
                        drafts: list[int] | None = None) -> None:
@@ -361,25 +356,34 @@ class Scheduler:
             if self._lets_others_pass(req, loras):
                 j += 1
                 continue
+            fork = self.siblings.fork_source(req)
+            if fork is not None:
+                req.num_computed_tokens = fork.num_computed_tokens
             resumed_swap = req.status == RequestStatus.SWAPPED
             hits: list[int] | None = None
             n_hit = 0
             if not resumed_swap and req.num_computed_tokens == 0:
                 hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
             n = req.num_tokens - req.num_computed_tokens - n_hit
-            n = min(n, self.max_model_len - req.num_computed_tokens - n_hit)
+            n = self.siblings.cap(req, min(n, self.max_model_len - req.num_computed_tokens - n_hit))
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
             if not bm.allocate_slots(req, n, hits):
+                if fork is not None:
+                    req.num_computed_tokens = 0
                 if not self.running:  # nothing else holds pages: it can never fit
                     self.waiting.pop(j)
                     self._abort_unfittable(req, out)
                     continue
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.pop(j)
-            if resumed_swap:
+            if fork is not None:  # copy its first child's computed prompt, pages and state
+                pages, states = self.siblings.fork(fork, req)
+                out.fork_pages += pages
+                out.fork_states += states
+            elif resumed_swap:
                 n_pages = self._swapped_pages.pop(req.request_id)
                 dead = bm.num_dead_pages(req.num_computed_tokens)
                 out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
@@ -401,7 +405,7 @@ class Scheduler:
         return bool(
             # preempted mid-verify, or (pipelined) its token still in flight: read it first
             req.spec_in_flight or (req.num_pending and self.skip_pending)
-            or self._waits_for_parent(req)  # an n > 1 sibling: once the prompt is computed
+            or self.siblings.waits(req)  # an n > 1 sibling: once its first child's prompt is in
             or (req.grammar is not None and not req.grammar.ready)  # grammar still compiling
             or not self._lora_fits(req, loras))  # max_loras other adapters are running
 

@@ -49,7 +49,7 @@ class FakeDevice:
         bs = sched.block_size
         self.kv = np.full(sched.block_manager.num_pages * bs, -1, dtype=np.int64)
         self.host: dict[str, np.ndarray] = {}
-        self.ladder = token_ladder(sched.max_num_batched_tokens, 4)
+        self.ladder = token_ladder(sched.config.max_num_batched_tokens, 4)
         self.max_pages = sched.max_pages_per_seq  # build_step_plan raises if a row needs more
 
     def step(self, out) -> dict[str, int]:
@@ -83,7 +83,7 @@ class FakeDevice:
 
 def check_step(sched, out):
     assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
-    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert len(out.scheduled) <= sched.max_num_seqs
     ids = [s.request_id for s in out.scheduled]
     assert len(ids) == len(set(ids))

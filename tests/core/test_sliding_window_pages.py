@@ -52,7 +52,7 @@ class WindowDevice:
         bs = sched.block_size
         self.kv = np.full(sched.block_manager.num_pages * bs, -1, dtype=np.int64)
         self.host: dict[str, np.ndarray] = {}
-        self.ladder = token_ladder(sched.max_num_batched_tokens, 4)
+        self.ladder = token_ladder(sched.config.max_num_batched_tokens, 4)
 
     def step(self, out) -> dict[str, int]:
         bs = self.s.block_size
