@@ -79,5 +79,6 @@ class Siblings:
         k = cdiv(parent.num_computed_tokens, self.block_manager.block_size)
         pages = list(zip(parent.block_ids[:k], req.block_ids[:k]))
         states = [(parent.state_slot, req.state_slot)] if k else []
+        req.num_cached_tokens = parent.num_computed_tokens  # reused, as a prefix-cache hit is
         self.drop(req)
         return pages, states

@@ -91,6 +91,10 @@ class LLMEngine:
         spec = config.speculative
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         scheduler.spec_stats = self.spec_stats if proposer is not None else None
+        # state-pool models have no prefix cache: n > 1 siblings copy the first child's pages
+        # and state instead (followers of a multi-host leader replay steps only, not copies)
+        scheduler.siblings.fork_prompts = (block_manager.state_slots is not None
+                                           and config.parallel.num_hosts == 1)
         self.output_processor = OutputProcessor(tokenizer)
         self.async_scheduling = config.async_scheduling
         self._swapped: dict[str, object] = {}  # host copies of swapped pages, by request
@@ -327,7 +331,8 @@ class LLMEngine:
 
     def _move_pages(self, sched) -> None:
         """Before the step: host copies of swapped pages out and in (the freed pages may be
-        reused by this very step); copies of requests that ended dropped."""
+        reused by this very step), copies of requests that ended dropped, and n > 1 siblings'
+        forks (the first child's prompt pages and state into theirs)."""
         for rid in sched.finished_req_ids:
             self._swapped.pop(rid, None)
             self._swapped_state.pop(rid, None)
@@ -340,6 +345,8 @@ class LLMEngine:
             self.runner.swap_in(pages, saved)
         for rid, slot in sched.swap_in_state:
             self.runner.swap_in_state(slot, self._swapped_state.pop(rid))
+        if sched.fork_pages or sched.fork_states:
+            self.runner.fork(sched.fork_pages, sched.fork_states)
 
     def _plan_row(self, s, prev_rows: dict[str, int], lora_slot: int = -1) -> ScheduledSeq:
         """One scheduled request as a plan row: its tokens and pages, its sampling params, the
