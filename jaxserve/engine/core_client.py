@@ -194,12 +194,13 @@ class EngineCoreClient:
             self._send(AddRequest(child.request_id, ids, child.params, priority, lora_request,
                                   child.prefix_parent))
 
-        async def added() -> None:
-            try:
-                await asyncio.gather(*answers)
-            except Exception:
-                self._abort_core(core_ids)  # siblings the core took: nobody reads them
-                raise
+        added = asyncio.gather(*answers)
+
+        def rejected(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None and len(core_ids) > 1:
+                self._abort_core(core_ids)  # the siblings the core took: nobody reads them
+
+        added.add_done_callback(rejected)
 
         def end(finished: bool) -> None:
             for rid in core_ids:
@@ -210,7 +211,7 @@ class EngineCoreClient:
                 self._abort_core(core_ids)
 
         async with contextlib.aclosing(
-                self._streams.follow(request_id, q, added(), end)) as outputs:
+                self._streams.follow(request_id, q, added, end)) as outputs:
             async for out in outputs:
                 yield out
 
