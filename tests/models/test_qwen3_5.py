@@ -220,6 +220,23 @@ def test_fp8_weights_and_fp8_kv_cache_keep_the_state_float32(qwen35):
     _assert_pools_free(llm)
 
 
+@pytest.mark.slow  # a calibration pass, then fp8 serving
+def test_calculate_kv_scales_calibrates_the_attention_layers(qwen35):
+    """``--calculate-kv-scales``: one calibration pass over pages and a one-slot state pool;
+    the attention layers get their measured scales, the GDN layers an unused 1.0, and greedy
+    decoding with the scaled fp8 pages stays on HF's first tokens."""
+    from jaxserve.models.kv_scales import get_kv_scales
+
+    path = qwen35("dense")
+    llm = _engine(path, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    scales = get_kv_scales(llm.llm_engine.model)
+    assert scales.shape == (4, 2, 2)
+    assert np.all(scales[:3] == 1.0) and np.all(scales[3] != 1.0)
+    prompt = _prompts([60], seed=6)
+    assert _greedy(llm, prompt, n=4) == _hf_greedy(path, prompt, 4)
+    _assert_pools_free(llm)
+
+
 def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
     from jaxserve.config import engine_config_from_kwargs
     from jaxserve.engine.builder import check_state_pool_support
@@ -229,9 +246,6 @@ def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
     with pytest.raises(InvalidRequestError, match="--speculative-config"):
         check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec))
-    with pytest.raises(InvalidRequestError, match="--calculate-kv-scales"):
-        check_state_pool_support(engine_config_from_kwargs("m", kv_cache_dtype="fp8",
-                                                           calculate_kv_scales=True))
     check_state_pool_support(engine_config_from_kwargs("m"))
 
 
