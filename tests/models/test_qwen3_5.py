@@ -311,13 +311,21 @@ def _tp2_child(path: str, prompts) -> list:
     for arr in runner.kv_pages[0]:  # layer 0's conv and delta-rule state pools
         assert arr.addressable_shards[0].data.shape[1] == arr.shape[1] // 2
     got = _greedy(llm, prompts)
+    # n > 1 forks: the split pages and state slot are copied shard by shard
+    from jaxserve.core.sampling_params import SamplingParams
+
+    forked = llm.generate([{"prompt_token_ids": prompts[0]}],
+                          SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS,
+                                         ignore_eos=True), use_tqdm=False)[0]
+    forked = [list(c.token_ids) for c in forked.outputs]
+    _assert_pools_free(llm)
     # swap preemption moves the split state out and back into the split pool
     llm = _engine(Path(path), tensor_parallel_size=2, block_size=8, num_gpu_blocks_override=20,
                   preemption_mode="swap")
     swapped = _greedy(llm, prompts + prompts)
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     _assert_pools_free(llm)
-    return [got, swapped]
+    return [got, swapped, forked]
 
 
 @pytest.mark.slow  # a child process with 2 CPU devices
@@ -330,9 +338,9 @@ def test_tp2_equals_hf(qwen35, variant):
     proc = subprocess.run([sys.executable, __file__, json.dumps([str(path), prompts])],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got, swapped = json.loads(proc.stdout.strip().splitlines()[-1])
+    got, swapped, forked = json.loads(proc.stdout.strip().splitlines()[-1])
     ref = _hf_greedy(path, prompts, NEW_TOKENS)
-    assert got == ref and swapped == ref + ref
+    assert got == ref and swapped == ref + ref and forked == [ref[0], ref[0]]
 
 
 if __name__ == "__main__":
