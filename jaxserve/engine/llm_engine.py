@@ -111,70 +111,6 @@ class LLMEngine:
         """(ready to serve without waiting for a compile, buckets compiled, buckets)."""
         return self.runner.startup_progress()
 
-    def _check_lora(self, lora_request) -> None:
-        """The adapter is known, loaded on the host and fits the model (or the error says
-        why, naming it)."""
-        if lora_request is None:
-            return
-        if self.lora_manager is None:
-            name = getattr(lora_request, "lora_name", lora_request)
-            raise InvalidRequestError(f"LoRA adapter {name!r}: LoRA is not enabled (start "
-                                      "with --enable-lora or LLM(enable_lora=True))",
-                                      param="lora_request")
-        self.lora_manager.add(lora_request)
-
-    def add_lora(self, lora_request) -> bool:
-        """Load and check an adapter ahead of its requests (``--lora-modules``, the runtime
-        load route); raises naming the adapter when it cannot be served."""
-        self._check_lora(lora_request)
-        return True
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (requests already running keep theirs); False if unknown."""
-        return self.lora_manager is not None and self.lora_manager.remove(lora_int_id)
-
-    def list_loras(self) -> list:
-        return [] if self.lora_manager is None else self.lora_manager.list_loras()
-
-    def _lora_stats(self) -> dict:
-        """vLLM's ``lora_requests_info`` labels: adapter names running and waiting."""
-        def names(reqs):
-            return ",".join(sorted({r.lora_request.lora_name for r in reqs
-                                    if r.lora_request is not None}))
-        return dict(max_lora=self.lora_manager.max_loras,
-                    running_lora_adapters=names(self.scheduler.running),
-                    waiting_lora_adapters=names(self.scheduler.waiting))
-
-    def _lora_slots(self, sched) -> dict[int, int]:
-        """Each adapter of the step in a device slot: adapter id -> slot."""
-        if self.lora_manager is None:
-            return {}
-        reqs = {s.request.lora_int_id: s.request.lora_request for s in sched.scheduled
-                if s.request.lora_request is not None}
-        return self.lora_manager.prepare(reqs.values()) if reqs else {}
-
-    @property
-    def structured(self):
-        """The grammar compiler and matcher factory (llguidance), made on first use."""
-        if self._structured is None:
-            from jaxserve.engine.structured_output import StructuredOutputManager
-            self._structured = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, self._eos_list)
-        return self._structured
-
-    def _check_prompt_ids(self, prompt_token_ids) -> list[int]:
-        """The ids as a list of ints: not empty, in the vocabulary (the length is checked by
-        the scheduler)."""
-        _, ids = prompt_ids(self.tokenizer, list(prompt_token_ids))
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})",
-                                      param="prompt")
-        return ids
-
     # ---- requests: the front end ---------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -276,6 +212,71 @@ class LLMEngine:
     def _drop_inflight_if_idle(self) -> None:
         if not self.scheduler.has_unfinished():
             self._inflight = None  # only tokens nobody waits for are in flight
+
+    # ---- checks, adapters, grammars --------------------------------------------------
+    def _check_lora(self, lora_request) -> None:
+        """The adapter is known, loaded on the host and fits the model (or the error says
+        why, naming it)."""
+        if lora_request is None:
+            return
+        if self.lora_manager is None:
+            name = getattr(lora_request, "lora_name", lora_request)
+            raise InvalidRequestError(f"LoRA adapter {name!r}: LoRA is not enabled (start "
+                                      "with --enable-lora or LLM(enable_lora=True))",
+                                      param="lora_request")
+        self.lora_manager.add(lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Load and check an adapter ahead of its requests (``--lora-modules``, the runtime
+        load route); raises naming the adapter when it cannot be served."""
+        self._check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already running keep theirs); False if unknown."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_int_id)
+
+    def list_loras(self) -> list:
+        return [] if self.lora_manager is None else self.lora_manager.list_loras()
+
+    def _lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info`` labels: adapter names running and waiting."""
+        def names(reqs):
+            return ",".join(sorted({r.lora_request.lora_name for r in reqs
+                                    if r.lora_request is not None}))
+        return dict(max_lora=self.lora_manager.max_loras,
+                    running_lora_adapters=names(self.scheduler.running),
+                    waiting_lora_adapters=names(self.scheduler.waiting))
+
+    def _lora_slots(self, sched) -> dict[int, int]:
+        """Each adapter of the step in a device slot: adapter id -> slot."""
+        if self.lora_manager is None:
+            return {}
+        reqs = {s.request.lora_int_id: s.request.lora_request for s in sched.scheduled
+                if s.request.lora_request is not None}
+        return self.lora_manager.prepare(reqs.values()) if reqs else {}
+
+    @property
+    def structured(self):
+        """The grammar compiler and matcher factory (llguidance), made on first use."""
+        if self._structured is None:
+            from jaxserve.engine.structured_output import StructuredOutputManager
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self._eos_list)
+        return self._structured
+
+    def _check_prompt_ids(self, prompt_token_ids) -> list[int]:
+        """The ids as a list of ints: not empty, in the vocabulary (the length is checked by
+        the scheduler)."""
+        _, ids = prompt_ids(self.tokenizer, list(prompt_token_ids))
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is out of range [0, {vocab})",
+                                      param="prompt")
+        return ids
 
     # ---- the step ----------------------------------------------------------------------
     def core_step(self) -> list[CoreOutput]:
