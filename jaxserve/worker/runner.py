@@ -33,7 +33,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
-                                      allocate_layer_pages, kv_cache_dtype)
+                                      allocate_layer_pages, fork_copy, fork_pairs,
+                                      kv_cache_dtype)
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
@@ -357,7 +358,7 @@ def state_pool_sizes(pools, cache_groups, model_config: ModelConfig,
     budget = sum(n * p.page_bytes(engine_config.cache.block_size, tp) // tp
                  for n, p in zip(sizes, pools))
     slots, sizes = split_budget_with_state(
-        pools, state_bytes_per_slot(cache_groups), budget,
+        pools, state_bytes_per_slot(cache_groups) // tp, budget,
         block_size=engine_config.cache.block_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, tp=tp)
     if slots < 1 or min(sizes) < 2:
@@ -421,7 +422,8 @@ class ModelRunner:
             self.kv_pages = allocate_hybrid_caches(
                 model_config, self.cache_groups, self.pool_pages[0], self.num_state_slots,
                 self.block_size, self.kv_dtype, kv_sharding=kv_sharding,
-                state_sharding=sharding.replicated(mesh or sharding.default_mesh()), tp=tp)
+                state_sharding=(sharding.state_pool_sharding(mesh) if mesh is not None
+                                else None), tp=tp)
         else:  # one pool: a page id indexes every layer's array (core.kv_cache_spec.page_pools)
             self.pools = page_pools(self.cache_groups)
             sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
@@ -480,12 +482,12 @@ class ModelRunner:
     def _log_hybrid_cache(self, max_model_len: int, tp: int) -> None:
         """What the page pool and the state pool hold: requests and context tokens."""
         page = self.pools[0].page_bytes(self.block_size, tp) // tp
-        slot = state_bytes_per_slot(self.cache_groups)
+        slot = state_bytes_per_slot(self.cache_groups) // tp
         tokens = (self.num_pages - 1) * self.block_size
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MiB, %d attention layers, %.0f bytes per "
-            "context token); state pool: %d slots of %.2f MiB (%d LinearState layers, float32): "
-            "%d requests at once, %d context tokens in all (%.1f requests at max_model_len %d)",
+            "context token); state pool: %d slots of %.2f MiB a device (%d LinearState layers, "
+            "float32): %d requests at once, %d context tokens in all (%.1f requests at max_model_len %d)",
             self.num_pages, self.block_size, self.num_pages * page / 2**20,
             len(self.pools[0].layers), page / self.block_size, self.num_state_slots,
             slot / 2**20, len(self.state_layers), self.num_state_slots, tokens,
@@ -720,13 +722,24 @@ class ModelRunner:
                 pool[i] = arrs
             self._set_pool(pool)
 
+    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
+        """n > 1 siblings start from their first child's computed prompt: its pages and
+        recurrent state copied into theirs, on the device, in step order."""
+        src, dst = fork_pairs(pages, 0)  # page 0: the trash page
+        trash_slot = self.kv_pages[self.state_layers[0]][0].shape[0] - 1 if self.state_layers \
+            else 0
+        ssrc, sdst = fork_pairs(slots, trash_slot)
+        with self._pool_lock:
+            self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
+                                     tuple(self.state_layers), src, dst, ssrc, sdst))
+
     def _set_pool(self, pool) -> None:
         """Keep the step's input sharding (no recompile under tp): page pools split over KV
-        heads, state pools replicated."""
+        heads, state pools over their channel/head axis."""
         if self.mesh is not None:
             kv = sharding.kv_pool_sharding(self.mesh)
-            rep = sharding.replicated(self.mesh)
-            pool = jax.device_put(pool, [rep if i in self.state_layers else kv
+            state = sharding.state_pool_sharding(self.mesh)
+            pool = jax.device_put(pool, [state if i in self.state_layers else kv
                                          for i in range(len(pool))])
         self.kv_pages = pool
 
