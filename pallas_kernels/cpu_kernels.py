@@ -13,7 +13,7 @@ The kernels are built on first use with the machine's C++ compiler (``$CXX`` or 
 -march=native``) into ``~/.cache/jaxserve/kernels`` (one file per source, flags, jaxlib and
 CPU), and registered as an FFI target. Where there is no compiler, the build fails, the
 backend is not the CPU, or ``JAXSERVE_CPU_KERNELS=0``, :func:`available` is False and
-callers use the XLA path (:func:`int8_matmul_reference`, ``xla_attention``: the same rules).
+callers use the XLA path (``reference.int8_matmul_reference``, ``xla_attention``: the same rules).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import int8_matmul_reference  # noqa: F401  (the XLA path)
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ def _load() -> bool:
 def int8_matmul(x, weights) -> list:
     """``x[M, K]`` float32 against each ``(weight[N, K] int8, weight_scale[N] float32)`` of
     ``weights`` (1 to 3 sharing ``x``) -> a float32 ``[M, N]`` per weight, by the kernel.
-    Same rule as :func:`int8_matmul_reference`; call only where :func:`available`."""
+    Same rule as ``reference.int8_matmul_reference``; call only where :func:`available`."""
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"1 to 3 weights per call, got {len(weights)}")
     m = x.shape[0]

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import QUANTIZATION_METHODS
-from pallas_kernels import cpu_kernels
+from pallas_kernels import cpu_kernels, reference
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 FP8 = jnp.float8_e4m3fn
@@ -114,7 +114,7 @@ def int8_dynamic_matmuls(x, weights):
     if int8_kernel_enabled():
         ys = cpu_kernels.int8_matmul(xf, list(weights))
     else:
-        ys = [cpu_kernels.int8_matmul_reference(xf, w, s) for w, s in weights]
+        ys = [reference.int8_matmul_reference(xf, w, s) for w, s in weights]
     return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
 
 
