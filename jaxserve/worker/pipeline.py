@@ -49,12 +49,10 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.kv_cache_spec import group_layers, page_pools
 from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
-from jaxserve.models.layers import AttentionMetadata, rope_cos_sin
-from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.models.quantization import lm_head_logits
+from jaxserve.models.layers import AttentionMetadata
+from jaxserve.models.lora import LoRABatch
 from jaxserve.worker import runner as runner_lib
-from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
-from pallas_kernels.reference import token_metadata
+from jaxserve.worker.kv_cache import allocate_layer_pages, kv_cache_dtype, specs_page_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,27 +90,44 @@ def layer_partition(num_layers: int, pp: int, env=None) -> list[tuple[int, int]]
 
 def check_config(config: EngineConfig) -> None:
     """What pipelining supports today; the rest is a start-up error, never a silent fallback."""
-    if config.speculative is not None:
-        raise InvalidRequestError(
-            f"speculative decoding with {FLAG} > 1 is not supported yet",
-            param="pipeline_parallel_size")
     if config.parallel.data_parallel_size > 1:
         raise InvalidRequestError(
             f"data_parallel_size > 1 with {FLAG} > 1 is not supported yet",
             param="pipeline_parallel_size")
-    if getattr(config, "lora", None) is not None:
+    if config.speculative is not None and config.parallel.num_hosts > 1:
         raise InvalidRequestError(
-            f"--enable-lora with {FLAG} > 1 is not supported yet",
-            param="pipeline_parallel_size")
+            f"speculative decoding with {FLAG} > 1 across hosts is not supported yet (one "
+            "host: supported)", param="pipeline_parallel_size")
+
+
+# why a family cannot be cut into stages yet (the start-up error says it)
+_UNSUPPORTED_WHY = {
+    "Gemma4ForCausalLM": "its KV-sharing layers read pages written in earlier layers, its "
+                         "per-layer embeddings come from the first stage, and its cache groups "
+                         "have pools of their own",
+    "Qwen3_5ForCausalLM": "its Gated DeltaNet layers keep recurrent state in a state pool",
+    "Qwen3_5MoeForCausalLM": "its Gated DeltaNet layers keep recurrent state in a state pool",
+}
 
 
 def check_model(model) -> None:
-    """Stages are cut from the Llama family's forward (Llama, Mistral, Qwen, the MoE families)."""
-    if not (isinstance(model, LlamaForCausalLM)
-            and type(model).__call__ is LlamaForCausalLM.__call__):
+    """Stages are cut from a family that gives its forward in pieces (``embed``,
+    ``layer_inputs``, ``run_layer``; ``supports_pipeline``): the Llama family (Llama, Mistral,
+    Qwen2/3, Phi-3), the MoE families and Gemma 2/3. Others are a start-up error naming the
+    family and the flag."""
+    name = type(model).__name__
+    if not getattr(model, "supports_pipeline", False):
+        why = _UNSUPPORTED_WHY.get(name, "it does not give its forward in stage pieces")
         raise InvalidRequestError(
-            f"{FLAG} > 1 supports the Llama-family and MoE models, not "
-            f"{type(model).__name__}", param="pipeline_parallel_size")
+            f"{FLAG} > 1 does not support {name} yet ({why}); serve it with "
+            f"{FLAG} 1 (tensor parallelism works)", param="pipeline_parallel_size")
+
+
+def draft_mesh(pipeline_mesh):
+    """Where a draft model runs: the first device of the last stage, unsharded. Its proposals
+    are made right after a plan is read from the last stage, while the next plan is still in
+    the earlier stages, so the draft's steps fill the last stage's idle time."""
+    return sharding.make_mesh(1, [sharding.stage_meshes(pipeline_mesh)[-1].devices.flat[0]])
 
 
 def load_mesh(pipeline_mesh, tensor_parallel_size: int):
@@ -123,47 +138,53 @@ def load_mesh(pipeline_mesh, tensor_parallel_size: int):
     return next(m for m in sharding.stage_meshes(pipeline_mesh) if stage_is_local(m))
 
 
-class Stage(nnx.Module):
-    """One stage's part of a Llama-family model: its layers, plus the embedding on the first
-    stage and the final norm and LM head on the last (a tied head is the embedding, copied)."""
+class StageLayers(nnx.Module):
+    """A stage's share of the model's ``model`` submodule (same attribute names)."""
 
-    def __init__(self, model: LlamaForCausalLM, lo: int, hi: int, first: bool, last: bool):
-        self.rope = model.rope
-        self.attention_backend = model.attention_backend
+    def __init__(self, embed_tokens, layers, norm):
+        self.embed_tokens = embed_tokens
+        self.layers = nnx.List(layers)
+        self.norm = norm
+
+
+class Stage(nnx.Module):
+    """One stage's part of a model: its layers, plus the embedding on the first stage and the
+    final norm and LM head on the last (a tied head is the embedding, copied). It runs the
+    family's own forward pieces (``embed``, ``layer_inputs``, ``run_layer``,
+    ``compute_logits``) on its part: a stage is the model with the other stages' weights left
+    out, the family's static settings copied."""
+
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, mesh):
+        for name, value in vars(model).items():  # static settings (rope, backend, caps ...)
+            if not name.startswith("_") and not isinstance(
+                    value, (nnx.Module, nnx.Variable, jax.Array, nnx.List)):
+                setattr(self, name, value)
+        self.family = type(model)
+        self.mesh = mesh  # this stage's tp mesh (None without tensor parallelism)
         self.first, self.last = first, last
-        self.embed_tokens = model.model.embed_tokens if first else None
-        self.layers = nnx.List(list(model.model.layers[lo:hi]))
-        self.norm = model.model.norm if last else None
-        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-        self.lm_head = head if last else None
+        inner = model.model
+        tied = model.lm_head is None
+        self.model = StageLayers(inner.embed_tokens if first or (last and tied) else None,
+                                 list(inner.layers[lo:hi]), inner.norm if last else None)
+        self.lm_head = model.lm_head if last else None
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (last stage)."""
-        return lm_head_logits(self.lm_head, hidden)
-
-
-def _rope(stage: Stage, positions, md: AttentionMetadata, num_tokens: int):
-    head_dim, theta, scaling, max_pos = stage.rope
-    scaling = dict(scaling) if scaling is not None else None
-    token_seq_lens = None
-    if (scaling or {}).get("rope_type") in ("dynamic", "longrope"):
-        seq_of, _, _ = token_metadata(md.query_start, md.seq_lens, num_tokens)
-        token_seq_lens = md.seq_lens[seq_of]
-    return rope_cos_sin(positions, head_dim=head_dim, theta=theta, scaling=scaling,
-                        max_position_embeddings=max_pos, token_seq_lens=token_seq_lens)
+        return self.family.compute_logits(self, hidden)
 
 
 @lru_cache(maxsize=None)
-def stage_forward_fn(graphdef, state_treedef, mesh, tp: int, last: bool):
+def stage_forward_fn(graphdef, state_treedef, mesh, last: bool):
     """One stage's program, jitted on its mesh:
     ``(leaves, kv_pages, arrays, x, prev_tokens) -> (x, kv_pages)``, on the last stage
     ``(logits, kv_pages, hidden)`` as the single-program forward returns them. The first stage
-    takes token ids (``x`` unused), the others the previous stage's hidden states."""
-    layer_mesh = mesh if tp > 1 else None  # tp=1: the plain path, no shard_map
+    takes token ids (``x`` unused), the others the previous stage's hidden states. With LoRA,
+    ``arrays["lora"]`` holds this stage's layers' adapter slots."""
 
     def forward(state_leaves, kv_pages, arrays, x, prev_tokens):
         runner_lib._TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        family = stage.family
         md = AttentionMetadata(slot_mapping=arrays["slot_mapping"][0],
                                query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
                                block_tables=arrays["block_tables"][0],
@@ -172,15 +193,17 @@ def stage_forward_fn(graphdef, state_treedef, mesh, tp: int, last: bool):
             ref = arrays["prev_ref"]
             token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)],
                                   arrays["token_ids"])
-            x = stage.embed_tokens(token_ids)
-        cos, sin = _rope(stage, arrays["positions"], md, x.shape[0])
+            x = family.embed(stage, token_ids)
+        lora = (LoRABatch(arrays["lora_slots"], *arrays["lora"]) if "lora" in arrays
+                else None)
+        inputs = family.layer_inputs(stage, arrays["positions"], md, x.shape[0])
         new_pages = []
-        for layer, kv in zip(stage.layers, kv_pages):
-            x, kv = layer(x, cos, sin, kv, md, stage.attention_backend, layer_mesh)
+        for j, (layer, kv) in enumerate(zip(stage.model.layers, kv_pages)):
+            x, kv = family.run_layer(stage, j, layer, x, inputs, kv, md, lora)
             new_pages.append(kv)
         if not stage.last:
             return x, new_pages
-        hidden = stage.norm(x)
+        hidden = stage.model.norm(x)
         idx = arrays["logits_indices"]
         if idx.size > hidden.shape[0]:
             return stage.compute_logits(hidden)[idx], new_pages, hidden
@@ -263,6 +286,23 @@ def _abstract(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+class StageLoRASlots:
+    """Multi-LoRA under pipelining: each stage's ``LoRASlots`` holds its own layers' adapter
+    weights on its own devices; an adapter is written into the same slot on every stage, and
+    the plan's per-token slot indices go to every stage's program."""
+
+    def __init__(self, stages: list):
+        self.stages = stages
+
+    def write(self, slot: int, adapter) -> None:
+        for s in self.stages:
+            s.write(slot, adapter)
+
+    def clear(self, slot: int) -> None:
+        for s in self.stages:
+            s.clear(slot)
+
+
 class PipelineRunner(runner_lib.ModelRunner):
     """A ``ModelRunner`` whose step runs stage by stage (same plans, same outputs).
 
@@ -270,7 +310,8 @@ class PipelineRunner(runner_lib.ModelRunner):
     must be compiled before the first step); ``background_warmup`` waits for it too."""
 
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
-                 max_model_len: int, dtype, mesh, param_bytes: int = 0):
+                 max_model_len: int, dtype, mesh, param_bytes: int = 0,
+                 extra_page_bytes: int = 0):
         check_model(model)
         self.model_config = model_config
         self.config = engine_config
@@ -279,7 +320,9 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         sched = engine_config.scheduler
         self.max_num_seqs = sched.max_num_seqs
-        self.num_spec_tokens = 0
+        spec = engine_config.speculative
+        # a verify step is a multi-token step through the stages; the last samples and verifies
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.ladder = runner_lib.token_ladder(sched.max_num_batched_tokens,
                                               sched.min_token_bucket, sched.token_bucket_growth)
         self.pipeline_mesh = mesh
@@ -300,19 +343,21 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.pools = page_pools(self.cache_groups)  # one pool: a page id indexes every layer
         self.grouped = False
         self.num_cache_groups = len(self.pools)
-        self.state_layers, self.num_state_slots = (), None  # Llama/MoE: no LinearState layers
-        self.lora = None  # LoRA with pipelining is a start-up error (check_config)
+        self.state_layers, self.num_state_slots = (), None  # no LinearState layers (check_model)
+        self.lora = None  # StageLoRASlots when LoRA is on (set before warm-up)
         # every stage holds the same page ids for its own layers: size by the largest stage
         widest = max(hi - lo for lo, hi in self.partition)
         stage_cfg = dataclasses.replace(model_config, num_layers=widest)
         sizes = runner_lib.pool_sizes(page_pools(group_layers(specs[:widest])), stage_cfg,
-                                      engine_config, max_model_len, param_bytes // (tp * pp), tp)
+                                      engine_config, max_model_len, param_bytes // (tp * pp), tp,
+                                      extra_page_bytes)
         self.num_pages = sharding.agree_across_hosts(sizes[0])
         self.pool_pages = (self.num_pages,)
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)  # all stages
         self.stage_pages, self._stage_leaves, self._stage_fns = [], [], []
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
-            stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1)
+            stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1,
+                          mesh=smesh if tp > 1 else None)
             graphdef, state = nnx.split(stage)
             if not self.local[i]:  # another host's stage: its shapes only
                 leaves, treedef = jax.tree_util.tree_flatten(_abstract(state))
@@ -322,11 +367,10 @@ class PipelineRunner(runner_lib.ModelRunner):
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(_place(state, smesh))
             self._stage_leaves.append(leaves)
-            self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, tp, i == pp - 1))
-            self.stage_pages.append(allocate_kv_pages(
-                dataclasses.replace(model_config, num_layers=hi - lo), self.num_pages,
-                self.block_size, self.kv_dtype, sharding=sharding.kv_pool_sharding(smesh),
-                tp=tp))
+            self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1))
+            self.stage_pages.append(allocate_layer_pages(
+                specs[lo:hi], self.num_pages, self.block_size, self.kv_dtype,
+                sharding=sharding.kv_pool_sharding(smesh), tp=tp))
         # the last stage's graph (its leaves are shapes only on another host)
         self.graphdef, last_treedef = graphdef, treedef
         _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
@@ -352,8 +396,33 @@ class PipelineRunner(runner_lib.ModelRunner):
         self._pending = None  # across hosts: (handle, last stage's raw outputs) of one plan
         logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %d pages of %d tokens "
                     "(%.1f MiB per stage at most)", pp, tp, self.partition, self.num_pages,
-                    self.block_size, self.num_pages * page_bytes(stage_cfg, self.block_size,
-                                                                 self.kv_dtype) / 2**20)
+                    self.block_size, max(
+                        self.num_pages * specs_page_bytes(specs[lo:hi], self.block_size)
+                        for lo, hi in self.partition) / 2**20)
+
+    def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
+        from jaxserve.lora.slots import LoRASlots
+
+        return StageLoRASlots([
+            LoRASlots(targets, self.model_config.num_layers, max_loras, max_rank, dtype,
+                      mesh=smesh, weight_specs=targets.specs, layers=(lo, hi))
+            for (lo, hi), smesh in zip(self.partition, self.stage_meshes)])
+
+    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
+        """The plan's arrays (LoRA: the slots' weights are each stage's, see
+        ``_stage_arrays``) and the verifier's inputs."""
+        spec = None
+        if plan.num_draft is not None:
+            spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
+        arrays = plan.forward_arrays()
+        if self.lora is not None:
+            arrays["lora_slots"] = plan.lora_slots
+        return arrays, spec
+
+    def _stage_arrays(self, arrays: dict, i: int) -> dict:
+        if self.lora is None:
+            return arrays
+        return dict(arrays, lora=self.lora.stages[i].arrays)
 
     @property
     def kv_pages(self) -> list:
@@ -386,8 +455,8 @@ class PipelineRunner(runner_lib.ModelRunner):
             if i == last and before_last is not None:
                 before_last()
             if fn is not None:
-                out = fn(self._stage_leaves[i], self.stage_pages[i], arrays, x,
-                         prev if i == 0 else None)
+                out = fn(self._stage_leaves[i], self.stage_pages[i],
+                         self._stage_arrays(arrays, i), x, prev if i == 0 else None)
                 x, self.stage_pages[i] = out[0], out[1]
             else:
                 x = None
@@ -482,7 +551,8 @@ class PipelineRunner(runner_lib.ModelRunner):
             before = runner_lib._TRACES.n
             logits, _, hidden = self._forward_stages(plan)
             out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                  self._last_tokens, self._bitmask(plan), None)
+                                                  self._last_tokens, self._bitmask(plan),
+                                                  self._step_inputs(plan)[1])
             if plan.prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids))
             self._count_step_compiles(before, plan)
@@ -498,19 +568,26 @@ class PipelineRunner(runner_lib.ModelRunner):
         t0 = time.perf_counter()
         with self._pool_lock:
             before = runner_lib._TRACES.n
+            k = self.num_spec_tokens
             for t in self.ladder:
                 s = seq_bucket(t, self.max_num_seqs)
+                # drafts in every row: the verifier's random branch (as warmup.BucketWarmup)
+                drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                              num_draft=np.full(s, k, np.int32)) if k else None
                 for full in (False, True):
                     plan = w.warmup_plan(self, t, s, full)
+                    if full and self.lora is not None:  # the adapters' side of the delta
+                        plan = dataclasses.replace(plan,
+                                                   lora_slots=np.zeros_like(plan.lora_slots))
                     logits, _, hidden = self._forward_stages(plan)
                     jax.block_until_ready(self._sample(
                         logits, plan.sampling, plan.history_ref, self._last_tokens,
-                        self._ones_bitmask(s), None))
+                        self._ones_bitmask(s), self._step_inputs(plan)[1]))
                 half = w.warmup_bitmask(self, s)
                 for p in w._WARMUP_OTHER_BRANCHES:
                     jax.block_until_ready(self._sample(
                         logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
-                        self._last_tokens, half, None))
+                        self._last_tokens, half, drafts))
                 jax.block_until_ready(self._prompt_logprobs_everywhere(
                     hidden, np.zeros(t, np.int32)))
             self._add_compiles(runner_lib._TRACES.n - before)

@@ -531,6 +531,13 @@ class ModelRunner:
             arrays["lora"] = self.lora.arrays
         return arrays, spec
 
+    def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
+        """The device slots of every layer's adapters, placed like the weights they adapt."""
+        from jaxserve.lora.slots import LoRASlots
+
+        return LoRASlots(targets, self.model_config.num_layers, max_loras, max_rank, dtype,
+                         mesh=self.mesh, weight_specs=targets.specs)
+
     def write_lora(self, slot: int, adapter) -> None:
         """Lay an adapter into a device slot (between steps: the warm-up's runs read the slots
         too, and the update donates them)."""
