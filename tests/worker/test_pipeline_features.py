@@ -1,0 +1,214 @@
+"""Pipeline parallelism with the features and families beyond the dense/MoE core, on 4 fake CPU
+devices: greedy tokens under pp 2 (and pp 2 x tp 2) equal one device for
+
+* multi-LoRA: two PEFT adapters and the base mixed in one batch (each stage holds its own
+  layers' adapter slots on its own devices);
+* speculative decoding: n-gram and a draft model (on the last stage's first device), compared
+  with one device *without* speculation, drafts accepted and counted;
+* the Qwen3, Gemma 2, Gemma 3 (sliding and global layers) and Phi-3 families.
+
+Families whose layers cannot be cut into stages yet (Gemma 4, Qwen3.5) are start-up errors
+naming the family and the flag. The engines run in a child process started with
+``--xla_force_host_platform_device_count=4``; it prints one JSON document, asserted here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 10
+ENGINE_KW = dict(max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=4,
+                 max_model_len=128, dtype="float32", block_size=8)
+# prompts that repeat themselves: n-gram lookups find drafts the target accepts
+PROMPTS = [[20 + i, 40 + 3 * i, 7 + i, 90, 91, 92] * (2 + i % 3) for i in range(8)]
+LORA_KW = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+FAMILIES = {"qwen3": dict(layers=4), "gemma2": {}, "gemma3": {}, "phi3": {}}
+
+
+def _devices(arr) -> list[str]:
+    return sorted(str(d) for d in arr.sharding.device_set)
+
+
+def _generate(llm, lora=None):
+    from jaxserve.core.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    eng = llm.llm_engine
+    warm = eng.stats()["num_compiles"]
+    res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=lora,
+                       use_tqdm=False)
+    stats = eng.stats()
+    return dict(tokens=[list(r.outputs[0].token_ids) for r in res],
+                compiles_after_warmup=stats["num_compiles"] - warm,
+                max_in_flight=getattr(eng, "max_in_flight", 1),
+                drafts=stats.get("spec_decode_num_draft_tokens"),
+                accepted=stats.get("spec_decode_num_accepted_tokens"))
+
+
+def _child(paths: dict) -> dict:
+    import jax
+
+    from jaxserve import LoRARequest
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.errors import InvalidRequestError
+
+    out = {"num_devices": len(jax.devices())}
+
+    # multi-LoRA: adapter, base, other adapter, ... in every batch
+    loras = [LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(paths["adapters"].items())]
+    per_prompt = [[loras[0], None, loras[1]][i % 3] for i in range(len(PROMPTS))]
+    runs = {}
+    for name, pp, tp in [("single", 1, 1), ("pp2", 2, 1), ("pp2xtp2", 2, 2)]:
+        llm = LLM(paths["llama"], pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                  **ENGINE_KW, **LORA_KW)
+        runs[name] = _generate(llm, per_prompt)
+        if pp > 1:  # each stage's slots: its own layers, on its own devices
+            slots = llm.llm_engine.runner.lora.stages
+            runs[name]["slot_layers"] = [sorted({int(p.split(".")[2]) for p in s.paths})
+                                         for s in slots]
+            runs[name]["slot_devices"] = [
+                sorted({d for x in jax.tree_util.tree_leaves(s.arrays) for d in _devices(x)})
+                for s in slots]
+            runs[name]["stage_devices"] = [sorted(str(d) for d in m.devices.flat)
+                                           for m in llm.llm_engine.runner.stage_meshes]
+        del llm
+    runs["base"] = _generate(LLM(paths["llama"], **ENGINE_KW))
+    out["lora"] = runs
+
+    # speculative decoding, against one device without it
+    runs = {"single": _generate(LLM(paths["llama"], **ENGINE_KW))}
+    for name, pp, tp, spec in [
+            ("pp2-ngram", 2, 1, NGRAM), ("pp2xtp2-ngram", 2, 2, NGRAM),
+            ("pp2-draft", 2, 1, {"method": "draft_model", "model": paths["draft"],
+                                 "num_speculative_tokens": 3})]:
+        llm = LLM(paths["llama"], pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                  speculative_config=spec, **ENGINE_KW)
+        runs[name] = _generate(llm)
+        if spec["method"] == "draft_model":
+            eng = llm.llm_engine
+            draft = eng.proposer.runner
+            runs[name]["draft_devices"] = sorted(
+                {d for k, v in draft.kv_pages for d in _devices(k)}
+                | {d for x in draft._state_leaves for d in _devices(x)})
+            runs[name]["last_stage_devices"] = sorted(
+                str(d) for d in eng.runner.stage_meshes[-1].devices.flat)
+        del llm
+    out["spec"] = runs
+
+    # other families
+    out["families"] = {}
+    for family, path in paths["families"].items():
+        runs = {"single": _generate(LLM(path, **ENGINE_KW))}
+        runs["pp2"] = _generate(LLM(path, pipeline_parallel_size=2, **ENGINE_KW))
+        if family == "gemma3":
+            runs["pp2xtp2"] = _generate(LLM(path, pipeline_parallel_size=2,
+                                            tensor_parallel_size=2, **ENGINE_KW))
+        out["families"][family] = runs
+
+    # families that cannot be cut into stages yet
+    errors = {}
+    for family, path in paths["unsupported"].items():
+        try:
+            LLM(path, pipeline_parallel_size=2, **ENGINE_KW)
+            errors[family] = None
+        except InvalidRequestError as e:
+            errors[family] = [e.param, str(e)]
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(tiny_model_factory, tmp_path_factory):
+    pytest.importorskip("peft")
+    from jaxserve.testing.lora_adapters import make_peft_adapter
+    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
+    from jaxserve.testing.tiny_gemma4 import make_tiny_gemma4
+
+    root = tmp_path_factory.mktemp("pp-features")
+    llama = tiny_model_factory("llama", layers=4)
+    adapters = {  # both adapt layers of both stages
+        "attn-qv": make_peft_adapter(llama, root / "attn-qv", r=8,
+                                     target_modules=["q_proj", "v_proj"], seed=1),
+        "all-r4": make_peft_adapter(llama, root / "all-r4", r=4, seed=2, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    }
+    paths = dict(
+        llama=str(llama), adapters={k: str(v) for k, v in adapters.items()},
+        # the target as its own draft: the draft's argmax is the target's, so acceptance
+        # shows that the draft really ran (on its device, with its own pages)
+        draft=str(llama),
+        families={f: str(tiny_model_factory(f, **kw)) for f, kw in FAMILIES.items()},
+        unsupported={"gemma4": str(make_tiny_gemma4(root / "gemma4")),
+                     "qwen3_5": str(make_tiny_qwen3_5(root / "qwen3_5"))})
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
+    env.pop("VLLM_PP_LAYER_PARTITION", None)
+    proc = subprocess.run([sys.executable, __file__, json.dumps(paths)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_lora_mixed_with_base_equals_one_device(report):
+    assert report["num_devices"] == 4
+    runs = report["lora"]
+    single = runs["single"]["tokens"]
+    assert len(single) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in single)
+    # base rows (every third) are the base model's, adapter rows differ from it
+    base = runs["base"]["tokens"]
+    assert [single[i] for i in range(1, len(PROMPTS), 3)] == \
+        [base[i] for i in range(1, len(PROMPTS), 3)]
+    assert all(single[i] != base[i] for i in range(len(PROMPTS)) if i % 3 != 1)
+    for name in ("pp2", "pp2xtp2"):
+        r = runs[name]
+        assert r["tokens"] == single, name
+        assert r["compiles_after_warmup"] == 0, name
+        assert r["max_in_flight"] == 2, name
+        # stage 0 holds layers 0-1's adapter weights, stage 1 layers 2-3's, each on its devices
+        assert r["slot_layers"] == [[0, 1], [2, 3]], name
+        assert r["slot_devices"] == r["stage_devices"], name
+
+
+def test_speculative_decoding_equals_one_device_without_it(report):
+    runs = report["spec"]
+    single = runs["single"]["tokens"]
+    assert runs["single"]["drafts"] is None  # no speculation there
+    for name in ("pp2-ngram", "pp2xtp2-ngram", "pp2-draft"):
+        r = runs[name]
+        assert r["tokens"] == single, name
+        assert r["compiles_after_warmup"] == 0, name
+        # drafts were verified through the stages and some were kept
+        assert r["drafts"] > 0 and 0 < r["accepted"] <= r["drafts"], (name, r)
+    draft = runs["pp2-draft"]
+    assert draft["draft_devices"] == draft["last_stage_devices"][:1]
+    assert draft["accepted"] >= 0.9 * draft["drafts"], draft
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_families_equal_one_device(report, family):
+    runs = report["families"][family]
+    single = runs["single"]["tokens"]
+    assert len(set(map(tuple, single))) > 1
+    for name, r in runs.items():
+        assert r["tokens"] == single, (family, name)
+        assert r["compiles_after_warmup"] == 0, (family, name)
+
+
+def test_families_not_cut_into_stages_are_start_up_errors(report):
+    for family, cls in [("gemma4", "Gemma4ForCausalLM"), ("qwen3_5", "Qwen3_5ForCausalLM")]:
+        param, msg = report["errors"][family]
+        assert param == "pipeline_parallel_size"
+        assert cls in msg and "--pipeline-parallel-size" in msg, msg
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))
