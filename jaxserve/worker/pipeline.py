@@ -90,10 +90,10 @@ def layer_partition(num_layers: int, pp: int, env=None) -> list[tuple[int, int]]
 
 def check_config(config: EngineConfig) -> None:
     """What pipelining supports today; the rest is a start-up error, never a silent fallback."""
-    if config.parallel.data_parallel_size > 1:
+    if config.parallel.data_parallel_size > 1 and config.parallel.num_hosts > 1:
         raise InvalidRequestError(
-            f"data_parallel_size > 1 with {FLAG} > 1 is not supported yet",
-            param="pipeline_parallel_size")
+            f"data_parallel_size > 1 with {FLAG} > 1 across hosts is not supported yet (one "
+            "host: supported)", param="pipeline_parallel_size")
     if config.speculative is not None and config.parallel.num_hosts > 1:
         raise InvalidRequestError(
             f"speculative decoding with {FLAG} > 1 across hosts is not supported yet (one "
@@ -132,8 +132,10 @@ def draft_mesh(pipeline_mesh):
 
 def load_mesh(pipeline_mesh, tensor_parallel_size: int):
     """Where the checkpoint loads before the stages take their parts: this host's first stage
-    (its tp mesh), or the default device on one host without tensor parallelism."""
-    if jax.process_count() == 1 and tensor_parallel_size == 1:
+    (its tp mesh), or None (the plain path) when that stage is the default device alone."""
+    first = sharding.stage_meshes(pipeline_mesh)[0]
+    if (jax.process_count() == 1 and tensor_parallel_size == 1
+            and first.devices.flat[0] == jax.devices()[0]):
         return None
     return next(m for m in sharding.stage_meshes(pipeline_mesh) if stage_is_local(m))
 

@@ -174,10 +174,11 @@ def test_bad_sizes_are_start_up_errors_naming_the_flags(report):
 
 
 @pytest.mark.parametrize("feature,hosts", [
-    (dict(data_parallel_size=2), 1),
+    (dict(data_parallel_size=2), 2),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), 2)])
 def test_features_pipelining_lacks_are_start_up_errors(tiny_llama_dir, feature, hosts):
-    """Refused before any weight is read, naming the flag (not silently run without them)."""
+    """Refused before any weight is read, naming the flag (not silently run without them):
+    data parallelism and speculative decoding with pipelining across hosts."""
     import dataclasses
 
     from jaxserve.config import engine_config_from_kwargs

@@ -53,6 +53,36 @@ def _generate(llm, lora=None):
                 accepted=stats.get("spec_decode_num_accepted_tokens"))
 
 
+def _data_parallel(model: str) -> dict:
+    import asyncio
+
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.data_parallel import DataParallelAsyncLLM
+    from jaxserve.entrypoints.llm import engine_config_from_kwargs
+
+    cfg = engine_config_from_kwargs(model, data_parallel_size=2, pipeline_parallel_size=2,
+                                    **ENGINE_KW)
+    llm = DataParallelAsyncLLM(cfg)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def one(i, prompt):
+        last = None
+        async for o in llm.generate(prompt, sp, f"req-{i}"):
+            last = o
+        return list(last.outputs[0].token_ids)
+
+    async def main():
+        res = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        await llm.shutdown()
+        return res
+
+    tokens = asyncio.run(main())
+    return dict(tokens=tokens, requests_per_replica=llm.requests_per_replica,
+                stage_devices=[[sorted(str(d) for d in m.devices.flat)
+                                for m in r.engine.runner.stage_meshes] for r in llm.replicas],
+                max_in_flight=[r.engine.max_in_flight for r in llm.replicas])
+
+
 def _child(paths: dict) -> dict:
     import jax
 
@@ -112,6 +142,9 @@ def _child(paths: dict) -> dict:
             runs["pp2xtp2"] = _generate(LLM(path, pipeline_parallel_size=2,
                                             tensor_parallel_size=2, **ENGINE_KW))
         out["families"][family] = runs
+
+    # data parallel x pipeline parallel: two replicas of two stages each
+    out["dp2xpp2"] = _data_parallel(paths["llama"])
 
     # families that cannot be cut into stages yet
     errors = {}
@@ -191,6 +224,16 @@ def test_speculative_decoding_equals_one_device_without_it(report):
     draft = runs["pp2-draft"]
     assert draft["draft_devices"] == draft["last_stage_devices"][:1]
     assert draft["accepted"] >= 0.9 * draft["drafts"], draft
+
+
+def test_data_parallel_replicas_of_pipelines_equal_one_device(report):
+    r = report["dp2xpp2"]
+    assert r["tokens"] == report["spec"]["single"]["tokens"]
+    assert r["requests_per_replica"] == [4, 4]
+    # replica i: stages on devices 2i and 2i+1
+    assert r["stage_devices"] == [[["cpu:0"], ["cpu:1"]],
+                                  [["cpu:2"], ["cpu:3"]]]
+    assert r["max_in_flight"] == [2, 2]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
