@@ -308,8 +308,9 @@ class StageLoRASlots:
 class PipelineRunner(runner_lib.ModelRunner):
     """A ``ModelRunner`` whose step runs stage by stage (same plans, same outputs).
 
-    Warm-up compiles every bucket's stage programs and sampler in the foreground (all stages
-    must be compiled before the first step); ``background_warmup`` waits for it too."""
+    Warm-up compiles the buckets smallest first on a thread (``start_warmup``; across hosts in
+    the foreground): serving starts once the smallest is compiled and each step waits for its
+    own bucket, never compiling it."""
 
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
                  max_model_len: int, dtype, mesh, param_bytes: int = 0,
@@ -385,8 +386,15 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.num_compiles = 0
         self.enforce_eager = engine_config.enforce_eager
         self._pool_lock = threading.RLock()
-        self._warmup = None
-        self._warm = False
+        self._warmup = None  # the base runner's BucketWarmup: not used (see start_warmup)
+        self._warm = False  # every bucket compiled
+        self._warm_thread: threading.Thread | None = None
+        self._warm_stop = False
+        self._warm_error: BaseException | None = None
+        self._warm_seconds = 0.0
+        self._ready: list[int] = []  # compiled token buckets, smallest first
+        self._ready_cv = threading.Condition()
+        self._on_token_limit = None
         self._count_lock = threading.Lock()
         self._ones_bitmasks = {}
         self._np_rng = np.random.default_rng(engine_config.seed)
@@ -549,6 +557,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         return jax.tree_util.tree_unflatten(treedef, sent)
 
     def _run(self, plan: StepPlan):
+        self._wait_bucket(plan.token_bucket)
         with self._pool_lock:
             before = runner_lib._TRACES.n
             logits, _, hidden = self._forward_stages(plan)
@@ -560,64 +569,166 @@ class PipelineRunner(runner_lib.ModelRunner):
             self._count_step_compiles(before, plan)
         return out
 
-    # ---- warm-up: every bucket, in the foreground ------------------------------------------
+    # ---- warm-up: every bucket, smallest first, on a thread (or in the foreground) ----------
+    # Each bucket's stage programs are lowered and compiled without the pool lock (steps on
+    # the compiled buckets keep running meanwhile), then run once under it with the sampler
+    # and prompt-logprobs graphs. Steps use the compiled buckets only (``_plan_ladder``; the
+    # scheduler hears the largest through ``on_token_limit``) and wait for one still compiling
+    # rather than compile it. Across hosts the warm-up steps hold collectives that every host
+    # must issue in the same order as its steps, so it runs in the foreground there.
     def warmup(self) -> float:
-        from jaxserve.worker import warmup as w
-
         if self.enforce_eager:
             self._skip_warmup()
             return 0.0
-        t0 = time.perf_counter()
-        with self._pool_lock:
-            before = runner_lib._TRACES.n
-            k = self.num_spec_tokens
-            for t in self.ladder:
-                s = seq_bucket(t, self.max_num_seqs)
-                # drafts in every row: the verifier's random branch (as warmup.BucketWarmup)
-                drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
-                              num_draft=np.full(s, k, np.int32)) if k else None
-                for full in (False, True):
-                    plan = w.warmup_plan(self, t, s, full)
-                    if full and self.lora is not None:  # the adapters' side of the delta
-                        plan = dataclasses.replace(plan,
-                                                   lora_slots=np.zeros_like(plan.lora_slots))
-                    logits, _, hidden = self._forward_stages(plan)
-                    jax.block_until_ready(self._sample(
-                        logits, plan.sampling, plan.history_ref, self._last_tokens,
-                        self._ones_bitmask(s), self._step_inputs(plan)[1]))
-                half = w.warmup_bitmask(self, s)
-                for p in w._WARMUP_OTHER_BRANCHES:
-                    jax.block_until_ready(self._sample(
-                        logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
-                        self._last_tokens, half, drafts))
-                jax.block_until_ready(self._prompt_logprobs_everywhere(
-                    hidden, np.zeros(t, np.int32)))
-            self._add_compiles(runner_lib._TRACES.n - before)
-        self._warm = True
-        seconds = time.perf_counter() - t0
-        logger.info("warm-up: %d compiles for token buckets %s on %d stages in %.1f s",
-                    self.num_compiles, list(self.ladder), self.num_stages, seconds)
-        return seconds
+        self.start_warmup()
+        self._warm_thread.join()
+        if self._warm_error is not None:
+            raise self._warm_error
+        return self._warm_seconds
 
     def start_warmup(self, workers: int | None = None, on_token_limit=None) -> None:
-        self.warmup()
+        if self.enforce_eager:
+            self._skip_warmup()
+            return
+        if self._warm_thread is not None:
+            return
+        self._on_token_limit = on_token_limit
+        if on_token_limit is not None:
+            on_token_limit(self.step_token_limit())
+        self._warm_thread = threading.Thread(target=self._warm_all, name="pipeline-warmup",
+                                             daemon=True)
+        self._warm_thread.start()
+        if self.link is not None:  # across hosts: in lockstep with the other hosts
+            self._warm_thread.join()
+
+    def _warm_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for t in self.ladder:
+                if self._warm_stop:
+                    return
+                before = runner_lib._TRACES.n
+                self._warm_bucket(t)
+                self._add_compiles(runner_lib._TRACES.n - before)
+                with self._ready_cv:
+                    self._ready.append(t)
+                    self._warm = len(self._ready) == len(self.ladder)
+                    self._ready_cv.notify_all()
+                    if self._on_token_limit is not None:
+                        self._on_token_limit(self.step_token_limit())
+                logger.info("compiled token bucket %d (%d/%d) on %d stages", t,
+                            len(self._ready), len(self.ladder), self.num_stages)
+        except BaseException as e:  # a step waiting for a bucket hears it
+            self._warm_error = e
+            with self._ready_cv:
+                self._ready_cv.notify_all()
+            logger.exception("pipeline warm-up failed")
+            return
+        self._warm_seconds = time.perf_counter() - t0
+        logger.info("warm-up: %d compiles for token buckets %s on %d stages in %.1f s",
+                    self.num_compiles, list(self.ladder), self.num_stages, self._warm_seconds)
+
+    def _warmup_plans(self, t: int) -> tuple[int, list[StepPlan]]:
+        from jaxserve.worker import warmup as w
+
+        s = seq_bucket(t, self.max_num_seqs)
+        plans = [w.warmup_plan(self, t, s, full) for full in (False, True)]
+        if self.lora is not None:  # the adapters' side of the delta
+            plans[1] = dataclasses.replace(plans[1],
+                                           lora_slots=np.zeros_like(plans[1].lora_slots))
+        return s, plans
+
+    def _compile_stages(self, plan: StepPlan) -> None:
+        """Lower and compile bucket ``plan.token_bucket``'s stage programs (no run, no lock:
+        the step's later call finds them compiled)."""
+        from jaxserve.worker.compile_pool import TRACE_LOCK
+
+        with self._pool_lock:  # the arrays of the moment (their shapes and shardings)
+            leaves, pages = list(self._stage_leaves), list(self.stage_pages)
+            prev = self._no_tokens
+            arrays, _ = self._step_inputs(plan)
+            arrays = [self._stage_arrays(arrays, i) for i in range(self.num_stages)]
+        x = None
+        for i, fn in enumerate(self._stage_fns):
+            if fn is None:
+                return
+            with TRACE_LOCK:
+                lowered = fn.lower(leaves[i], pages[i], arrays[i], x, prev if i == 0 else None)
+            out = lowered.compile().out_info[0]
+            if i + 1 < len(self._stage_fns):
+                x = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding.replicated(
+                    self.stage_meshes[i + 1]))
+
+    def _warm_bucket(self, t: int) -> None:
+        """Bucket ``t``: its stage programs compiled, then run with the sampler (both
+        layouts, the other sampling branches, drafts) and the prompt logprobs."""
+        from jaxserve.worker import warmup as w
+
+        s, plans = self._warmup_plans(t)
+        if self.link is None:
+            self._compile_stages(plans[0])
+        k = self.num_spec_tokens
+        # drafts in every row: the verifier's random branch (as warmup.BucketWarmup)
+        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                      num_draft=np.full(s, k, np.int32)) if k else None
+        with self._pool_lock:
+            for plan in plans:
+                logits, _, hidden = self._forward_stages(plan)
+                jax.block_until_ready(self._sample(
+                    logits, plan.sampling, plan.history_ref, self._last_tokens,
+                    self._ones_bitmask(s), self._step_inputs(plan)[1]))
+            half = w.warmup_bitmask(self, s)
+            for p in w._WARMUP_OTHER_BRANCHES:
+                jax.block_until_ready(self._sample(
+                    logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
+                    self._last_tokens, half, drafts))
+            jax.block_until_ready(self._prompt_logprobs_everywhere(
+                hidden, np.zeros(t, np.int32)))
+
+    def _wait_bucket(self, t: int) -> None:
+        """A step waits for its bucket to be compiled: it never compiles."""
+        if self._warm or self._warm_thread is None:
+            return
+        with self._ready_cv:
+            while t not in self._ready and self._warm_error is None and not self._warm_stop:
+                self._ready_cv.wait()
+        if self._warm_error is not None:
+            raise RuntimeError("pipeline warm-up failed") from self._warm_error
 
     @property
     def warmed_up(self) -> bool:
         return self._warm
 
     def startup_progress(self) -> tuple[bool, int, int]:
+        """(ready to serve: the smallest bucket compiled, buckets compiled, buckets)."""
         n = len(self.ladder)
-        return (self._warm or self.enforce_eager), (n if self._warm else 0), n
+        if self.enforce_eager:
+            return True, 0, n
+        ready = list(self._ready)
+        return self.ladder[0] in ready, len(ready), n
 
     def step_token_limit(self) -> int | None:
-        return None
+        """While buckets compile, the largest compiled one (the smallest before any)."""
+        if self._warm or self.enforce_eager:
+            return None
+        return max(self._ready, default=self.ladder[0])
 
     def _plan_ladder(self) -> tuple[int, ...]:
-        return self.ladder
+        """The compiled buckets, and those above the largest compiled (a step too big for
+        every compiled bucket waits for the smallest that fits)."""
+        if self._warm or self._warm_thread is None:
+            return self.ladder
+        ready = list(self._ready)
+        top = max(ready, default=0)
+        return tuple(t for t in self.ladder if t in ready or t > top)
 
     def stop_warmup(self) -> None:
-        pass
+        """Drop the buckets not started and wait for the one compiling."""
+        self._warm_stop = True
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+        if self._warm_thread is not None and self._warm_thread is not threading.current_thread():
+            self._warm_thread.join()
 
     # ---- swap ----------------------------------------------------------------------------
     def swap_in(self, page_ids: list[int], saved) -> None:

@@ -83,6 +83,65 @@ def _data_parallel(model: str) -> dict:
                 max_in_flight=[r.engine.max_in_flight for r in llm.replicas])
 
 
+BG_KW = dict(ENGINE_KW, max_num_batched_tokens=64, min_token_bucket=8)  # 4 token buckets
+
+
+def _background(model: str) -> dict:
+    """Warm-up on a thread: the engine serves while the larger buckets compile."""
+    import threading
+    import time
+
+    from jaxserve.config import engine_config_from_kwargs
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.builder import build_engine
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.worker.pipeline import PipelineRunner
+
+    single = _generate(LLM(model, **BG_KW))["tokens"]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def run(eng):
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"r{i}-{time.monotonic()}", p, sp)
+        done, progress = {}, None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[int(o.request_id.split("-")[0][1:])] = list(o.outputs[0].token_ids)
+                    progress = progress or list(eng.startup_progress())
+        return [done[i] for i in range(len(PROMPTS))], progress
+
+    # the buckets above the smallest wait until the first requests are served (a gate on the
+    # warm-up thread, so the test does not race the compiles)
+    gate, warm_bucket = threading.Event(), PipelineRunner._warm_bucket
+
+    def gated(self, t):
+        if t > self.ladder[0]:
+            gate.wait(600)
+        warm_bucket(self, t)
+
+    PipelineRunner._warm_bucket = gated
+    try:
+        eng = build_engine(engine_config_from_kwargs(model, pipeline_parallel_size=2, **BG_KW),
+                           background_warmup=True)
+        runner = eng.runner
+        out = dict(single=single, at_start=list(eng.startup_progress()),
+                   warm_at_start=runner.warmed_up)
+        out["tokens"], out["progress_at_first_finish"] = run(eng)
+    finally:
+        gate.set()
+        PipelineRunner._warm_bucket = warm_bucket
+    deadline = time.monotonic() + 600
+    while not runner.warmed_up and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["warm_later"] = runner.warmed_up
+    compiles = runner.num_compiles
+    out["tokens_after"] = run(eng)[0]
+    out["compiles_after_warmup"] = runner.num_compiles - compiles
+    runner.stop_warmup()
+    return out
+
+
 def _child(paths: dict) -> dict:
     import jax
 
@@ -145,6 +204,8 @@ def _child(paths: dict) -> dict:
 
     # data parallel x pipeline parallel: two replicas of two stages each
     out["dp2xpp2"] = _data_parallel(paths["llama"])
+
+    out["background"] = _background(paths["llama"])
 
     # families that cannot be cut into stages yet
     errors = {}
@@ -234,6 +295,15 @@ def test_data_parallel_replicas_of_pipelines_equal_one_device(report):
     assert r["stage_devices"] == [[["cpu:0"], ["cpu:1"]],
                                   [["cpu:2"], ["cpu:3"]]]
     assert r["max_in_flight"] == [2, 2]
+
+
+def test_background_warmup_serves_while_buckets_compile(report):
+    r = report["background"]
+    assert r["at_start"][2] == 4 and r["at_start"][1] < 4 and not r["warm_at_start"]
+    # the requests were served on the smallest bucket alone (the others held back)
+    assert r["progress_at_first_finish"] == [True, 1, 4]
+    assert r["tokens"] == r["single"] == r["tokens_after"]
+    assert r["warm_later"] and r["compiles_after_warmup"] == 0
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
