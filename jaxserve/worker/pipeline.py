@@ -46,13 +46,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.kv_cache_spec import group_layers, page_pools
+from jaxserve.core.kv_cache_spec import LinearState, group_layers, page_pools, state_groups
 from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.worker import runner as runner_lib
-from jaxserve.worker.kv_cache import allocate_layer_pages, kv_cache_dtype, specs_page_bytes
+from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool,
+                                      kv_cache_dtype, specs_page_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +106,6 @@ _UNSUPPORTED_WHY = {
     "Gemma4ForCausalLM": "its KV-sharing layers read pages written in earlier layers, its "
                          "per-layer embeddings come from the first stage, and its cache groups "
                          "have pools of their own",
-    "Qwen3_5ForCausalLM": "its Gated DeltaNet layers keep recurrent state in a state pool",
-    "Qwen3_5MoeForCausalLM": "its Gated DeltaNet layers keep recurrent state in a state pool",
 }
 
 
@@ -175,13 +174,20 @@ class Stage(nnx.Module):
         return self.family.compute_logits(self, hidden)
 
 
+def _state_sharding(mesh, tp: int):
+    """A stage's state pool: split over its channel/head axis under tensor parallelism."""
+    return sharding.state_pool_sharding(mesh) if tp > 1 else sharding.replicated(mesh)
+
+
 @lru_cache(maxsize=None)
-def stage_forward_fn(graphdef, state_treedef, mesh, last: bool):
+def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
+                     state_layers: tuple[int, ...] = (), num_layers: int = 0):
     """One stage's program, jitted on its mesh:
     ``(leaves, kv_pages, arrays, x, prev_tokens) -> (x, kv_pages)``, on the last stage
     ``(logits, kv_pages, hidden)`` as the single-program forward returns them. The first stage
     takes token ids (``x`` unused), the others the previous stage's hidden states. With LoRA,
-    ``arrays["lora"]`` holds this stage's layers' adapter slots."""
+    ``arrays["lora"]`` holds this stage's layers' adapter slots. ``state_layers``: the stage's
+    LinearState layers (stage-local indices), whose caches are state-pool arrays."""
 
     def forward(state_leaves, kv_pages, arrays, x, prev_tokens):
         runner_lib._TRACES.n += 1
@@ -190,7 +196,9 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool):
         md = AttentionMetadata(slot_mapping=arrays["slot_mapping"][0],
                                query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
                                block_tables=arrays["block_tables"][0],
-                               num_seqs=arrays["num_seqs"])
+                               num_seqs=arrays["num_seqs"],
+                               state_slots=runner_lib._state_slots(arrays["state_slots"],
+                                                                   kv_pages, state_layers))
         if stage.first:
             ref = arrays["prev_ref"]
             token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)],
@@ -213,6 +221,9 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool):
         return logits.reshape(idx.shape + logits.shape[-1:]), new_pages, hidden
 
     rep, pool = sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)
+    if state_layers:
+        state = _state_sharding(mesh, sharding.tp_size(mesh))
+        pool = [state if j in state_layers else pool for j in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,),
                    out_shardings=(rep, pool, rep) if last else (rep, pool))
 
@@ -346,14 +357,27 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.pools = page_pools(self.cache_groups)  # one pool: a page id indexes every layer
         self.grouped = False
         self.num_cache_groups = len(self.pools)
-        self.state_layers, self.num_state_slots = (), None  # no LinearState layers (check_model)
+        # LinearState (Gated DeltaNet) layers: a state pool per stage, one slot per request,
+        # the same slot ids on every stage (the plan's state_slots reach every stage)
+        self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
+                                         for i in g.layers))
+        self.num_state_slots = None
         self.lora = None  # StageLoRASlots when LoRA is on (set before warm-up)
-        # every stage holds the same page ids for its own layers: size by the largest stage
-        widest = max(hi - lo for lo, hi in self.partition)
-        stage_cfg = dataclasses.replace(model_config, num_layers=widest)
-        sizes = runner_lib.pool_sizes(page_pools(group_layers(specs[:widest])), stage_cfg,
-                                      engine_config, max_model_len, param_bytes // (tp * pp), tp,
-                                      extra_page_bytes)
+        # every stage holds the same page ids for its own layers: size by the stage with the
+        # most paged layers (the state pool: by the whole model's state, an upper bound)
+        paged = [sum(not isinstance(sp, LinearState) for sp in specs[lo:hi])
+                 for lo, hi in self.partition]
+        lo, hi = self.partition[int(np.argmax(paged))]
+        stage_pools = page_pools(group_layers(specs[lo:hi]))
+        stage_cfg = dataclasses.replace(model_config, num_layers=hi - lo)
+        if self.state_layers:
+            slots, sizes = runner_lib.state_pool_sizes(
+                stage_pools, self.cache_groups, stage_cfg, engine_config, max_model_len,
+                param_bytes // (tp * pp), tp)
+            self.num_state_slots = sharding.agree_across_hosts(slots)
+        else:
+            sizes = runner_lib.pool_sizes(stage_pools, stage_cfg, engine_config, max_model_len,
+                                          param_bytes // (tp * pp), tp, extra_page_bytes)
         self.num_pages = sharding.agree_across_hosts(sizes[0])
         self.pool_pages = (self.num_pages,)
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)  # all stages
@@ -370,10 +394,10 @@ class PipelineRunner(runner_lib.ModelRunner):
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(_place(state, smesh))
             self._stage_leaves.append(leaves)
-            self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1))
-            self.stage_pages.append(allocate_layer_pages(
-                specs[lo:hi], self.num_pages, self.block_size, self.kv_dtype,
-                sharding=sharding.kv_pool_sharding(smesh), tp=tp))
+            local_state = tuple(j - lo for j in self.state_layers if lo <= j < hi)
+            self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1,
+                                                    local_state, hi - lo))
+            self.stage_pages.append(self._stage_caches(specs[lo:hi], smesh, tp))
         # the last stage's graph (its leaves are shapes only on another host)
         self.graphdef, last_treedef = graphdef, treedef
         _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
@@ -409,6 +433,16 @@ class PipelineRunner(runner_lib.ModelRunner):
                     self.block_size, max(
                         self.num_pages * specs_page_bytes(specs[lo:hi], self.block_size)
                         for lo, hi in self.partition) / 2**20)
+
+    def _stage_caches(self, specs, smesh, tp: int) -> list:
+        """One stage's caches: pages of its attention layers (the shared page ids), state-pool
+        arrays of its LinearState layers (the shared slot ids)."""
+        pages = allocate_layer_pages([sp for sp in specs if not isinstance(sp, LinearState)],
+                                     self.num_pages, self.block_size, self.kv_dtype,
+                                     sharding=sharding.kv_pool_sharding(smesh), tp=tp)
+        pages = iter(pages)
+        return [allocate_state_pool(sp, self.num_state_slots, _state_sharding(smesh, tp))
+                if isinstance(sp, LinearState) else next(pages) for sp in specs]
 
     def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
         from jaxserve.lora.slots import LoRASlots
@@ -732,11 +766,38 @@ class PipelineRunner(runner_lib.ModelRunner):
 
     # ---- swap ----------------------------------------------------------------------------
     def swap_in(self, page_ids: list[int], saved) -> None:
+        """Write a swapped request's pages back, stage by stage (paged layers only)."""
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
+        saved = iter(saved)
         with self._pool_lock:
-            at = 0
             for i, smesh in enumerate(self.stage_meshes):
-                n = len(self.stage_pages[i])
-                pages = runner_lib._write_pages(self.stage_pages[i], idx, saved[at:at + n])
-                self.stage_pages[i] = jax.device_put(pages, sharding.kv_pool_sharding(smesh))
-                at += n
+                lo, hi = self.partition[i]
+                layers = [j for j in range(hi - lo) if lo + j not in self.state_layers]
+                if not layers:
+                    continue
+                written = runner_lib._write_pages([self.stage_pages[i][j] for j in layers], idx,
+                                                  [next(saved) for _ in layers])
+                written = jax.device_put(written, sharding.kv_pool_sharding(smesh))
+                pages = list(self.stage_pages[i])
+                for j, kv in zip(layers, written):
+                    pages[j] = kv
+                self.stage_pages[i] = pages
+
+    def swap_in_state(self, slot: int, saved) -> None:
+        """Write a swapped request's recurrent state into its (new) slot on every stage."""
+        saved = iter(saved)
+        with self._pool_lock:
+            for i, smesh in enumerate(self.stage_meshes):
+                lo, hi = self.partition[i]
+                layers = [j for j in range(hi - lo) if lo + j in self.state_layers]
+                if not layers:
+                    continue
+                written = runner_lib._write_slot(
+                    [self.stage_pages[i][j] for j in layers], jnp.int32(slot),
+                    [tuple(jnp.asarray(a) for a in next(saved)) for _ in layers])
+                tp = sharding.tp_size(smesh)
+                written = jax.device_put(written, _state_sharding(smesh, tp))
+                pages = list(self.stage_pages[i])
+                for j, arrs in zip(layers, written):
+                    pages[j] = arrs
+                self.stage_pages[i] = pages

@@ -5,9 +5,11 @@ devices: greedy tokens under pp 2 (and pp 2 x tp 2) equal one device for
   layers' adapter slots on its own devices);
 * speculative decoding: n-gram and a draft model (on the last stage's first device), compared
   with one device *without* speculation, drafts accepted and counted;
-* the Qwen3, Gemma 2, Gemma 3 (sliding and global layers) and Phi-3 families.
+* the Qwen3, Gemma 2, Gemma 3 (sliding and global layers) and Phi-3 families, and the Qwen3.5
+  hybrid (Gated DeltaNet state pool per stage, through recompute and swap preemption);
+* data parallel x pipeline parallel, and warm-up on a thread.
 
-Families whose layers cannot be cut into stages yet (Gemma 4, Qwen3.5) are start-up errors
+A family whose layers cannot be cut into stages yet (Gemma 4) is a start-up error
 naming the family and the flag. The engines run in a child process started with
 ``--xla_force_host_platform_device_count=4``; it prints one JSON document, asserted here.
 """
@@ -197,9 +199,24 @@ def _child(paths: dict) -> dict:
     for family, path in paths["families"].items():
         runs = {"single": _generate(LLM(path, **ENGINE_KW))}
         runs["pp2"] = _generate(LLM(path, pipeline_parallel_size=2, **ENGINE_KW))
-        if family == "gemma3":
+        if family in ("gemma3", "qwen3_5"):
             runs["pp2xtp2"] = _generate(LLM(path, pipeline_parallel_size=2,
                                             tensor_parallel_size=2, **ENGINE_KW))
+        if family == "qwen3_5":  # a small pool: preemption drops (recompute) or swaps the state
+            for mode in ("recompute", "swap"):
+                llm = LLM(path, pipeline_parallel_size=2, preemption_mode=mode,
+                          num_gpu_blocks_override=12, **ENGINE_KW)
+                runs[f"pp2-{mode}"] = _generate(llm)
+                stats = llm.llm_engine.stats()
+                runs[f"pp2-{mode}"].update(
+                    preemptions=stats["num_preemptions"],
+                    swap_outs=llm.llm_engine.scheduler.num_swap_outs_total,
+                    state_slots=llm.llm_engine.runner.num_state_slots,
+                    stage_attention_layers=[
+                        # (k, v) pages are [Hkv, pages, block, D]; a state's conv part is 3-D
+                        sum(len(c) == 2 and c[0].ndim == 4 for c in pages) for pages in
+                        llm.llm_engine.runner.stage_pages])
+                del llm
         out["families"][family] = runs
 
     # data parallel x pipeline parallel: two replicas of two stages each
@@ -239,9 +256,9 @@ def report(tiny_model_factory, tmp_path_factory):
         # the target as its own draft: the draft's argmax is the target's, so acceptance
         # shows that the draft really ran (on its device, with its own pages)
         draft=str(llama),
-        families={f: str(tiny_model_factory(f, **kw)) for f, kw in FAMILIES.items()},
-        unsupported={"gemma4": str(make_tiny_gemma4(root / "gemma4")),
-                     "qwen3_5": str(make_tiny_qwen3_5(root / "qwen3_5"))})
+        families=dict({f: str(tiny_model_factory(f, **kw)) for f, kw in FAMILIES.items()},
+                      qwen3_5=str(make_tiny_qwen3_5(root / "qwen3_5"))),
+        unsupported={"gemma4": str(make_tiny_gemma4(root / "gemma4"))})
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
@@ -306,7 +323,7 @@ def test_background_warmup_serves_while_buckets_compile(report):
     assert r["warm_later"] and r["compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES) + ["qwen3_5"])
 def test_families_equal_one_device(report, family):
     runs = report["families"][family]
     single = runs["single"]["tokens"]
@@ -316,8 +333,21 @@ def test_families_equal_one_device(report, family):
         assert r["compiles_after_warmup"] == 0, (family, name)
 
 
+def test_hybrid_state_pool_per_stage_through_preemption(report):
+    """Qwen3.5: each stage holds the state-pool arrays of its Gated DeltaNet layers (layers
+    0-2 of 4; layer 3 is attention) under the same slot ids; preemption recomputes or swaps
+    the state and the tokens do not change (test_families_equal_one_device)."""
+    runs = report["families"]["qwen3_5"]
+    for mode in ("recompute", "swap"):
+        r = runs[f"pp2-{mode}"]
+        assert r["preemptions"] > 0, mode
+        assert (r["swap_outs"] > 0) == (mode == "swap"), mode
+        assert r["state_slots"] == ENGINE_KW["max_num_seqs"]
+        assert r["stage_attention_layers"] == [0, 1], r  # the rest hold state-pool arrays
+
+
 def test_families_not_cut_into_stages_are_start_up_errors(report):
-    for family, cls in [("gemma4", "Gemma4ForCausalLM"), ("qwen3_5", "Qwen3_5ForCausalLM")]:
+    for family, cls in [("gemma4", "Gemma4ForCausalLM")]:
         param, msg = report["errors"][family]
         assert param == "pipeline_parallel_size"
         assert cls in msg and "--pipeline-parallel-size" in msg, msg
