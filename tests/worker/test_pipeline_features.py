@@ -29,7 +29,8 @@ ENGINE_KW = dict(max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=4,
                  max_model_len=128, dtype="float32", block_size=8)
 # prompts that repeat themselves: n-gram lookups find drafts the target accepts
 PROMPTS = [[20 + i, 40 + 3 * i, 7 + i, 90, 91, 92] * (2 + i % 3) for i in range(8)]
-LORA_KW = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+# 6 rows: 3 per micro-batch, room for adapter A, the base and adapter B in one step
+LORA_KW = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=6)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
 FAMILIES = {"qwen3": dict(layers=4), "gemma2": {}, "gemma3": {}, "phi3": {}}
@@ -159,8 +160,18 @@ def _child(paths: dict) -> dict:
     runs = {}
     for name, pp, tp in [("single", 1, 1), ("pp2", 2, 1), ("pp2xtp2", 2, 2)]:
         llm = LLM(paths["llama"], pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                  **ENGINE_KW, **LORA_KW)
+                  **dict(ENGINE_KW, **LORA_KW))
+        sched, steps = llm.llm_engine.scheduler, []
+        schedule = sched.schedule
+
+        def spy(schedule=schedule, steps=steps):
+            out = schedule()
+            steps.append(sorted({s.request.lora_int_id for s in out.scheduled}))
+            return out
+
+        sched.schedule = spy
         runs[name] = _generate(llm, per_prompt)
+        runs[name]["widest_mix"] = max(steps, key=len)
         if pp > 1:  # each stage's slots: its own layers, on its own devices
             slots = llm.llm_engine.runner.lora.stages
             runs[name]["slot_layers"] = [sorted({int(p.split(".")[2]) for p in s.paths})
@@ -284,6 +295,7 @@ def test_lora_mixed_with_base_equals_one_device(report):
         assert r["tokens"] == single, name
         assert r["compiles_after_warmup"] == 0, name
         assert r["max_in_flight"] == 2, name
+        assert r["widest_mix"] == [0, 1, 2], name  # base and both adapters in one step
         # stage 0 holds layers 0-1's adapter weights, stage 1 layers 2-3's, each on its devices
         assert r["slot_layers"] == [[0, 1], [2, 3]], name
         assert r["slot_devices"] == r["stage_devices"], name
