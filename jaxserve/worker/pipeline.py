@@ -95,10 +95,11 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidRequestError(
             f"data_parallel_size > 1 with {FLAG} > 1 across hosts is not supported yet (one "
             "host: supported)", param="pipeline_parallel_size")
-    if config.speculative is not None and config.parallel.num_hosts > 1:
+    if (config.speculative is not None and config.speculative.method == "draft_model"
+            and config.parallel.num_hosts > 1):
         raise InvalidRequestError(
-            f"speculative decoding with {FLAG} > 1 across hosts is not supported yet (one "
-            "host: supported)", param="pipeline_parallel_size")
+            f"speculative_config method 'draft_model' with {FLAG} > 1 runs on one host "
+            "('ngram' works across hosts)", param="pipeline_parallel_size")
 
 
 # why a family cannot be cut into stages yet (the start-up error says it)
@@ -512,7 +513,9 @@ class PipelineRunner(runner_lib.ModelRunner):
     def _gather_logits(self, plan: StepPlan, logits, hidden):
         """Across hosts: the last stage's logits to every host's sampling stage."""
         last = len(self._stage_fns) - 1
-        shape = plan.logits_indices.shape + (self.model_config.vocab_size,)
+        idx = (plan.spec_logits_indices if plan.spec_logits_indices is not None
+               else plan.logits_indices)  # [S], or [S, k+1] when speculating
+        shape = idx.shape + (self.model_config.vocab_size,)
         logits = self.link.send(logits, last, shape, jnp.float32)[self.sample_stage]
         return logits, None, hidden
 
@@ -550,8 +553,10 @@ class PipelineRunner(runner_lib.ModelRunner):
         plan = h.plan
         before = runner_lib._TRACES.n
         logits, _, hidden = self._gather_logits(plan, logits, hidden)
-        h.sampled, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                    self._last_tokens, self._bitmask(plan), None)
+        out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
+                                              self._last_tokens, self._bitmask(plan),
+                                              self._step_inputs(plan)[1])
+        h.sampled, h.verify = out if self.num_spec_tokens else (out, None)
         if plan.prompt_next_ids is not None:
             h.prompt_logprobs = self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids)
         self._count_step_compiles(before, plan)
