@@ -275,6 +275,8 @@ def _tp2_child(path: str, prompts) -> list:
     for arr in runner.kv_pages[0]:  # layer 0's conv and delta-rule state pools
         assert arr.addressable_shards[0].data.shape[1] == arr.shape[1] // 2
     got = _greedy(llm, prompts)
+    for arr in runner.kv_pages[0]:  # still split after the steps: the step's output keeps it
+        assert arr.addressable_shards[0].data.shape[1] == arr.shape[1] // 2
     # swap preemption moves the split state out and back into the split pool
     llm = _engine(Path(path), tensor_parallel_size=2, block_size=8, num_gpu_blocks_override=20,
                   preemption_mode="swap")
