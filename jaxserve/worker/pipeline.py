@@ -32,10 +32,12 @@ The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import threading
 import time
+import types
 from functools import lru_cache
 
 import jax
@@ -46,7 +48,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.kv_cache_spec import LinearState, group_layers, page_pools, state_groups
+from jaxserve.core.kv_cache_spec import (LinearState, SharedKV, group_layers, page_pools,
+                                         state_groups)
 from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.layers import AttentionMetadata
@@ -103,24 +106,33 @@ def check_config(config: EngineConfig) -> None:
 
 
 # why a family cannot be cut into stages yet (the start-up error says it)
-_UNSUPPORTED_WHY = {
-    "Gemma4ForCausalLM": "its KV-sharing layers read pages written in earlier layers, its "
-                         "per-layer embeddings come from the first stage, and its cache groups "
-                         "have pools of their own",
-}
-
-
 def check_model(model) -> None:
     """Stages are cut from a family that gives its forward in pieces (``embed``,
     ``layer_inputs``, ``run_layer``; ``supports_pipeline``): the Llama family (Llama, Mistral,
-    Qwen2/3, Phi-3), the MoE families and Gemma 2/3. Others are a start-up error naming the
-    family and the flag."""
+    Qwen2/3, Phi-3), the MoE families, Gemma 2/3/4 and Qwen3.5. Others are a start-up error
+    naming the family and the flag."""
     name = type(model).__name__
     if not getattr(model, "supports_pipeline", False):
-        why = _UNSUPPORTED_WHY.get(name, "it does not give its forward in stage pieces")
         raise InvalidRequestError(
-            f"{FLAG} > 1 does not support {name} yet ({why}); serve it with "
-            f"{FLAG} 1 (tensor parallelism works)", param="pipeline_parallel_size")
+            f"{FLAG} > 1 does not support {name} yet (it does not give its forward in stage "
+            f"pieces); serve it with {FLAG} 1 (tensor parallelism works)",
+            param="pipeline_parallel_size")
+
+
+def check_shared_kv(specs, partition, pp: int) -> None:
+    """A KV-sharing layer reads its producer's pages: both must be in one stage (a start-up
+    error naming the partition variable otherwise)."""
+    stage_of = {i: s for s, (lo, hi) in enumerate(partition) for i in range(lo, hi)}
+    for i, spec in enumerate(specs):
+        p = getattr(spec, "producer_layer", None)
+        if p is not None and stage_of[p] != stage_of[i]:
+            sizes = ",".join(str(hi - lo) for lo, hi in partition)
+            raise InvalidRequestError(
+                f"layer {i} reads the KV pages of layer {p} (KV sharing), but {FLAG} {pp} puts "
+                f"them in stages {stage_of[p]} and {stage_of[i]} (layers per stage: {sizes}); "
+                f"give each stage's layer count in {PARTITION_ENVS[0]}='a,b,...' so that "
+                "every KV-sharing layer is in its producer's stage",
+                param="pipeline_parallel_size")
 
 
 def draft_mesh(pipeline_mesh):
@@ -141,12 +153,22 @@ def load_mesh(pipeline_mesh, tensor_parallel_size: int):
 
 
 class StageLayers(nnx.Module):
-    """A stage's share of the model's ``model`` submodule (same attribute names)."""
+    """A stage's share of the model's ``model`` submodule (same attribute names): its layers;
+    on the first stage the embedding side (``embed_tokens`` and any other submodule but the
+    layers and the norm, e.g. Gemma 4's per-layer embeddings); on the last the norm (and the
+    embedding again when it is the tied LM head)."""
 
-    def __init__(self, embed_tokens, layers, norm):
-        self.embed_tokens = embed_tokens
-        self.layers = nnx.List(layers)
-        self.norm = norm
+    def __init__(self, inner, lo: int, hi: int, first: bool, last: bool, tied: bool):
+        for name, value in vars(inner).items():
+            if name.startswith("_") or name in ("layers", "norm", "embed_tokens"):
+                continue
+            if isinstance(value, (nnx.Module, nnx.Variable, jax.Array)) or value is None:
+                setattr(self, name, nnx.data(value if first else None))
+            else:
+                setattr(self, name, value)
+        self.embed_tokens = inner.embed_tokens if first or (last and tied) else None
+        self.layers = nnx.List(list(inner.layers[lo:hi]))
+        self.norm = inner.norm if last else None
 
 
 class Stage(nnx.Module):
@@ -156,7 +178,8 @@ class Stage(nnx.Module):
     ``compute_logits``) on its part: a stage is the model with the other stages' weights left
     out, the family's static settings copied."""
 
-    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, mesh):
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, mesh,
+                 shared_from: tuple = ()):
         for name, value in vars(model).items():  # static settings (rope, backend, caps ...)
             if not name.startswith("_") and not isinstance(
                     value, (nnx.Module, nnx.Variable, jax.Array, nnx.List)):
@@ -164,15 +187,31 @@ class Stage(nnx.Module):
         self.family = type(model)
         self.mesh = mesh  # this stage's tp mesh (None without tensor parallelism)
         self.first, self.last = first, last
-        inner = model.model
-        tied = model.lm_head is None
-        self.model = StageLayers(inner.embed_tokens if first or (last and tied) else None,
-                                 list(inner.layers[lo:hi]), inner.norm if last else None)
+        self.layer_offset = lo  # the model layer of this stage's first layer
+        # per stage layer: the stage layer whose pages it reads (KV sharing), or None
+        self.shared_from = shared_from or (None,) * (hi - lo)
+        self.model = StageLayers(model.model, lo, hi, first, last, model.lm_head is None)
         self.lm_head = model.lm_head if last else None
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (last stage)."""
         return self.family.compute_logits(self, hidden)
+
+    def __getattr__(self, name: str):
+        """The family's other methods, run on this stage (a family's pieces call helpers
+        of their own, e.g. Gemma 4's per-layer inputs)."""
+        family = self.__dict__.get("family")
+        fn = inspect.getattr_static(family, name, None) if family is not None else None
+        if isinstance(fn, types.FunctionType) and not name.startswith("__"):
+            return types.MethodType(fn, self)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
+def _stage_specs(specs, lo: int, hi: int) -> list:
+    """Layers ``[lo, hi)``'s cache specs numbered within the stage (a KV-sharing layer's
+    producer is in the same stage: ``check_shared_kv``)."""
+    return [SharedKV(sp.producer_layer - lo) if isinstance(sp, SharedKV) else sp
+            for sp in specs[lo:hi]]
 
 
 def _state_sharding(mesh, tp: int):
@@ -207,14 +246,20 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
             x = family.embed(stage, token_ids)
         lora = (LoRABatch(arrays["lora_slots"], *arrays["lora"]) if "lora" in arrays
                 else None)
-        inputs = family.layer_inputs(stage, arrays["positions"], md, x.shape[0])
+        inputs = family.layer_inputs(stage, arrays["positions"], md,
+                                     arrays["positions"].shape[0])
         new_pages = []
         for j, (layer, kv) in enumerate(zip(stage.model.layers, kv_pages)):
+            if stage.shared_from[j] is not None:  # KV sharing: the producer's pages
+                kv = new_pages[stage.shared_from[j]]
             x, kv = family.run_layer(stage, j, layer, x, inputs, kv, md, lora)
             new_pages.append(kv)
+        new_pages = [() if src is not None else kv
+                     for src, kv in zip(stage.shared_from, new_pages)]
         if not stage.last:
-            return x, new_pages
-        hidden = stage.model.norm(x)
+            return x, new_pages  # the hidden states (with PLE: and the per-layer inputs)
+        final = getattr(family, "final_hidden", None)
+        hidden = final(stage, x) if final is not None else stage.model.norm(x)
         idx = arrays["logits_indices"]
         if idx.size > hidden.shape[0]:
             return stage.compute_logits(hidden)[idx], new_pages, hidden
@@ -353,6 +398,12 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.partition = layer_partition(model_config.num_layers, pp)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
         specs = runner_lib.model_cache_specs(model, model_config, self.kv_dtype)
+        check_shared_kv(specs, self.partition, pp)
+        if self.link is not None and getattr(model, "ple", 0):
+            raise InvalidRequestError(
+                f"{type(model).__name__} with per-layer embeddings and {FLAG} > 1 runs on one "
+                "host (the stages hand on more than the hidden states)",
+                param="pipeline_parallel_size")
         self.cache_specs = specs
         self.cache_groups = group_layers(specs)
         self.pools = page_pools(self.cache_groups)  # one pool: a page id indexes every layer
@@ -369,7 +420,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         paged = [sum(not isinstance(sp, LinearState) for sp in specs[lo:hi])
                  for lo, hi in self.partition]
         lo, hi = self.partition[int(np.argmax(paged))]
-        stage_pools = page_pools(group_layers(specs[lo:hi]))
+        stage_pools = page_pools(group_layers(_stage_specs(specs, lo, hi)))
         stage_cfg = dataclasses.replace(model_config, num_layers=hi - lo)
         if self.state_layers:
             slots, sizes = runner_lib.state_pool_sizes(
@@ -384,8 +435,10 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)  # all stages
         self.stage_pages, self._stage_leaves, self._stage_fns = [], [], []
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
+            shared = tuple(sp.producer_layer - lo if isinstance(sp, SharedKV) else None
+                           for sp in specs[lo:hi])
             stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1,
-                          mesh=smesh if tp > 1 else None)
+                          mesh=smesh if tp > 1 else None, shared_from=shared)
             graphdef, state = nnx.split(stage)
             if not self.local[i]:  # another host's stage: its shapes only
                 leaves, treedef = jax.tree_util.tree_flatten(_abstract(state))
@@ -695,8 +748,10 @@ class PipelineRunner(runner_lib.ModelRunner):
                 lowered = fn.lower(leaves[i], pages[i], arrays[i], x, prev if i == 0 else None)
             out = lowered.compile().out_info[0]
             if i + 1 < len(self._stage_fns):
-                x = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sharding.replicated(
-                    self.stage_meshes[i + 1]))
+                rep = sharding.replicated(self.stage_meshes[i + 1])
+                x = jax.tree_util.tree_map(
+                    lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=rep), out,
+                    is_leaf=lambda o: hasattr(o, "dtype") and hasattr(o, "shape"))
 
     def _warm_bucket(self, t: int) -> None:
         """Bucket ``t``: its stage programs compiled, then run with the sampler (both

@@ -5,12 +5,14 @@ devices: greedy tokens under pp 2 (and pp 2 x tp 2) equal one device for
   layers' adapter slots on its own devices);
 * speculative decoding: n-gram and a draft model (on the last stage's first device), compared
   with one device *without* speculation, drafts accepted and counted;
-* the Qwen3, Gemma 2, Gemma 3 (sliding and global layers) and Phi-3 families, and the Qwen3.5
-  hybrid (Gated DeltaNet state pool per stage, through recompute and swap preemption);
+* the Qwen3, Gemma 2, Gemma 3 (sliding and global layers) and Phi-3 families, the Qwen3.5
+  hybrid (Gated DeltaNet state pool per stage, through recompute and swap preemption) and
+  Gemma 4 dense and MoE (per-layer inputs handed on with the hidden states, KV-sharing layers
+  in their producer's stage);
 * data parallel x pipeline parallel, and warm-up on a thread.
 
-A family whose layers cannot be cut into stages yet (Gemma 4) is a start-up error
-naming the family and the flag. The engines run in a child process started with
+A split that separates a KV-sharing layer from its producer, and a family without stage pieces,
+are start-up errors naming the flag. The engines run in a child process started with
 ``--xla_force_host_platform_device_count=4``; it prints one JSON document, asserted here.
 """
 from __future__ import annotations
@@ -34,6 +36,8 @@ LORA_KW = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=6)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
 FAMILIES = {"qwen3": dict(layers=4), "gemma2": {}, "gemma3": {}, "phi3": {}}
+# tiny Gemma 4: layers 4 and 5 read the pages of layers 3 and 2 (KV sharing): 2 + 4 layers
+PARTITION = {"gemma4": "2,4", "gemma4_moe": "2,4"}
 
 
 def _devices(arr) -> list[str]:
@@ -209,10 +213,13 @@ def _child(paths: dict) -> dict:
     out["families"] = {}
     for family, path in paths["families"].items():
         runs = {"single": _generate(LLM(path, **ENGINE_KW))}
+        if family in PARTITION:
+            os.environ["JAXSERVE_PP_LAYER_PARTITION"] = PARTITION[family]
         runs["pp2"] = _generate(LLM(path, pipeline_parallel_size=2, **ENGINE_KW))
-        if family in ("gemma3", "qwen3_5"):
+        if family in ("gemma3", "qwen3_5", "gemma4", "gemma4_moe"):
             runs["pp2xtp2"] = _generate(LLM(path, pipeline_parallel_size=2,
                                             tensor_parallel_size=2, **ENGINE_KW))
+        os.environ.pop("JAXSERVE_PP_LAYER_PARTITION", None)
         if family == "qwen3_5":  # a small pool: preemption drops (recompute) or swaps the state
             for mode in ("recompute", "swap"):
                 llm = LLM(path, pipeline_parallel_size=2, preemption_mode=mode,
@@ -235,15 +242,12 @@ def _child(paths: dict) -> dict:
 
     out["background"] = _background(paths["llama"])
 
-    # families that cannot be cut into stages yet
-    errors = {}
-    for family, path in paths["unsupported"].items():
-        try:
-            LLM(path, pipeline_parallel_size=2, **ENGINE_KW)
-            errors[family] = None
-        except InvalidRequestError as e:
-            errors[family] = [e.param, str(e)]
-    out["errors"] = errors
+    # Gemma 4's KV-sharing layers split from their producers by the even split
+    try:
+        LLM(paths["families"]["gemma4"], pipeline_parallel_size=2, **ENGINE_KW)
+        out["kv_sharing_error"] = None
+    except InvalidRequestError as e:
+        out["kv_sharing_error"] = [e.param, str(e)]
     return out
 
 
@@ -268,8 +272,9 @@ def report(tiny_model_factory, tmp_path_factory):
         # shows that the draft really ran (on its device, with its own pages)
         draft=str(llama),
         families=dict({f: str(tiny_model_factory(f, **kw)) for f, kw in FAMILIES.items()},
-                      qwen3_5=str(make_tiny_qwen3_5(root / "qwen3_5"))),
-        unsupported={"gemma4": str(make_tiny_gemma4(root / "gemma4"))})
+                      qwen3_5=str(make_tiny_qwen3_5(root / "qwen3_5")),
+                      gemma4=str(make_tiny_gemma4(root / "gemma4")),
+                      gemma4_moe=str(make_tiny_gemma4(root / "gemma4-moe", moe=True))))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
@@ -335,7 +340,7 @@ def test_background_warmup_serves_while_buckets_compile(report):
     assert r["warm_later"] and r["compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("family", list(FAMILIES) + ["qwen3_5"])
+@pytest.mark.parametrize("family", list(FAMILIES) + ["qwen3_5", "gemma4", "gemma4_moe"])
 def test_families_equal_one_device(report, family):
     runs = report["families"][family]
     single = runs["single"]["tokens"]
@@ -358,11 +363,24 @@ def test_hybrid_state_pool_per_stage_through_preemption(report):
         assert r["stage_attention_layers"] == [0, 1], r  # the rest hold state-pool arrays
 
 
-def test_families_not_cut_into_stages_are_start_up_errors(report):
-    for family, cls in [("gemma4", "Gemma4ForCausalLM")]:
-        param, msg = report["errors"][family]
-        assert param == "pipeline_parallel_size"
-        assert cls in msg and "--pipeline-parallel-size" in msg, msg
+def test_kv_sharing_split_from_its_producer_is_a_start_up_error(report):
+    param, msg = report["kv_sharing_error"]
+    assert param == "pipeline_parallel_size"
+    assert "layer 5 reads the KV pages of layer 2" in msg, msg
+    assert "--pipeline-parallel-size 2" in msg and "JAXSERVE_PP_LAYER_PARTITION" in msg, msg
+
+
+def test_a_family_without_stage_pieces_is_a_start_up_error():
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.worker.pipeline import check_model
+
+    class OtherForCausalLM:
+        pass
+
+    with pytest.raises(InvalidRequestError) as e:
+        check_model(OtherForCausalLM())
+    assert e.value.param == "pipeline_parallel_size"
+    assert "OtherForCausalLM" in str(e.value) and "--pipeline-parallel-size" in str(e.value)
 
 
 if __name__ == "__main__":
