@@ -8,7 +8,11 @@ stage on the stage's own devices.
 Each stage holds its layers' weights and their part of the KV page pool (the same page ids on
 every stage: one logical pool, one block manager), placed on its ``tp`` mesh
 (``sharding.stage_meshes``); within a stage tensor parallelism (and expert parallelism) work as
-without pipelining. The first stage embeds, the last computes the logits and samples.
+without pipelining. The first stage embeds, the last computes the logits and samples. A stage
+runs its family's own forward pieces (``embed``, ``layer_inputs``, ``run_layer``) on its part of
+the model, so any family that gives them is cut the same way; what a stage holds besides pages
+(Qwen3.5's state pools, LoRA slots) is its own layers' share, indexed by the ids the plan
+carries to every stage. Speculative verify steps are multi-token steps like any other.
 
 Nothing blocks between stages: each stage's program and the hand-off of the hidden states are
 dispatched asynchronously, so while stage 1 runs step N, stage 0 is free to run step N+1. The
