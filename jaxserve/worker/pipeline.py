@@ -109,7 +109,6 @@ def check_config(config: EngineConfig) -> None:
             "('ngram' works across hosts)", param="pipeline_parallel_size")
 
 
-# why a family cannot be cut into stages yet (the start-up error says it)
 def check_model(model) -> None:
     """Stages are cut from a family that gives its forward in pieces (``embed``,
     ``layer_inputs``, ``run_layer``; ``supports_pipeline``): the Llama family (Llama, Mistral,
