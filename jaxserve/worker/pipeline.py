@@ -52,8 +52,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.kv_cache_spec import (LinearState, SharedKV, group_layers, page_pools,
-                                         state_groups)
+from jaxserve.core.kv_cache_spec import (LinearState, SharedKV, group_layers, group_pools,
+                                         page_pools, state_groups)
 from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.layers import AttentionMetadata
@@ -236,9 +236,14 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
         runner_lib._TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         family = stage.family
-        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"][0],
+        # one pool: group 0's tables; pools per group: every group's ([G, ...]), and the family
+        # picks each layer's (cache_groups_supported)
+        grouped = arrays["block_tables"].shape[0] > 1
+        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"] if grouped
+                               else arrays["slot_mapping"][0],
                                query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
-                               block_tables=arrays["block_tables"][0],
+                               block_tables=arrays["block_tables"] if grouped
+                               else arrays["block_tables"][0],
                                num_seqs=arrays["num_seqs"],
                                state_slots=runner_lib._state_slots(arrays["state_slots"],
                                                                    kv_pages, state_layers))
@@ -409,13 +414,18 @@ class PipelineRunner(runner_lib.ModelRunner):
                 param="pipeline_parallel_size")
         self.cache_specs = specs
         self.cache_groups = group_layers(specs)
-        self.pools = page_pools(self.cache_groups)  # one pool: a page id indexes every layer
-        self.grouped = False
-        self.num_cache_groups = len(self.pools)
         # LinearState (Gated DeltaNet) layers: a state pool per stage, one slot per request,
         # the same slot ids on every stage (the plan's state_slots reach every stage)
         self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
                                          for i in g.layers))
+        # a pool per cache group (Gemma 4's sliding and global layers) as on one device, or
+        # one pool: a page id indexes every layer; either way every stage holds its own
+        # layers' part of each pool under the same page ids
+        self.grouped = not self.state_layers and runner_lib.use_group_pools(
+            model, self.cache_groups, engine_config, extra_page_bytes)
+        self.pools = (group_pools(self.cache_groups) if self.grouped
+                      else page_pools(self.cache_groups))
+        self.num_cache_groups = len(self.pools)
         self.num_state_slots = None
         self.lora = None  # StageLoRASlots when LoRA is on (set before warm-up)
         # every stage holds the same page ids for its own layers: size by the stage with the
@@ -425,7 +435,10 @@ class PipelineRunner(runner_lib.ModelRunner):
         lo, hi = self.partition[int(np.argmax(paged))]
         stage_pools = page_pools(group_layers(_stage_specs(specs, lo, hi)))
         stage_cfg = dataclasses.replace(model_config, num_layers=hi - lo)
-        if self.state_layers:
+        if self.grouped:  # each group's pages from the whole model's (an upper bound)
+            sizes = runner_lib.group_pool_sizes(self.pools, stage_cfg, engine_config,
+                                                max_model_len, param_bytes // (tp * pp), tp)
+        elif self.state_layers:
             slots, sizes = runner_lib.state_pool_sizes(
                 stage_pools, self.cache_groups, stage_cfg, engine_config, max_model_len,
                 param_bytes // (tp * pp), tp)
@@ -433,8 +446,8 @@ class PipelineRunner(runner_lib.ModelRunner):
         else:
             sizes = runner_lib.pool_sizes(stage_pools, stage_cfg, engine_config, max_model_len,
                                           param_bytes // (tp * pp), tp, extra_page_bytes)
-        self.num_pages = sharding.agree_across_hosts(sizes[0])
-        self.pool_pages = (self.num_pages,)
+        self.pool_pages = tuple(sharding.agree_across_hosts(n) for n in sizes)
+        self.num_pages = self.pool_pages[0]
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)  # all stages
         self.stage_pages, self._stage_leaves, self._stage_fns = [], [], []
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
@@ -454,7 +467,7 @@ class PipelineRunner(runner_lib.ModelRunner):
             local_state = tuple(j - lo for j in self.state_layers if lo <= j < hi)
             self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1,
                                                     local_state, hi - lo))
-            self.stage_pages.append(self._stage_caches(specs[lo:hi], smesh, tp))
+            self.stage_pages.append(self._stage_caches(lo, hi, smesh, tp))
         # the last stage's graph (its leaves are shapes only on another host)
         self.graphdef, last_treedef = graphdef, treedef
         _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
@@ -491,13 +504,20 @@ class PipelineRunner(runner_lib.ModelRunner):
                         self.num_pages * specs_page_bytes(specs[lo:hi], self.block_size)
                         for lo, hi in self.partition) / 2**20)
 
-    def _stage_caches(self, specs, smesh, tp: int) -> list:
-        """One stage's caches: pages of its attention layers (the shared page ids), state-pool
-        arrays of its LinearState layers (the shared slot ids)."""
-        pages = allocate_layer_pages([sp for sp in specs if not isinstance(sp, LinearState)],
-                                     self.num_pages, self.block_size, self.kv_dtype,
-                                     sharding=sharding.kv_pool_sharding(smesh), tp=tp)
-        pages = iter(pages)
+    def _stage_caches(self, lo: int, hi: int, smesh, tp: int) -> list:
+        """One stage's caches (layers ``[lo, hi)``): pages of its attention layers (the shared
+        page ids, of each layer's group's pool when grouped), state-pool arrays of its
+        LinearState layers (the shared slot ids); ``()`` for a KV-sharing layer."""
+        kv = sharding.kv_pool_sharding(smesh)
+        if self.grouped:
+            group_of = {i: g for g, grp in enumerate(self.cache_groups) for i in grp.layers}
+            return [allocate_layer_pages([self.cache_specs[i]], self.pool_pages[group_of[i]],
+                                         self.block_size, self.kv_dtype, sharding=kv, tp=tp)[0]
+                    if i in group_of else () for i in range(lo, hi)]
+        specs = self.cache_specs[lo:hi]
+        pages = iter(allocate_layer_pages(
+            [sp for sp in specs if not isinstance(sp, LinearState)], self.num_pages,
+            self.block_size, self.kv_dtype, sharding=kv, tp=tp))
         return [allocate_state_pool(sp, self.num_state_slots, _state_sharding(smesh, tp))
                 if isinstance(sp, LinearState) else next(pages) for sp in specs]
 

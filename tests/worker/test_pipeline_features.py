@@ -219,6 +219,16 @@ def _child(paths: dict) -> dict:
         if family in ("gemma3", "qwen3_5", "gemma4", "gemma4_moe"):
             runs["pp2xtp2"] = _generate(LLM(path, pipeline_parallel_size=2,
                                             tensor_parallel_size=2, **ENGINE_KW))
+        if family == "gemma4":  # a pool per cache group (default), and one pool for all
+            llm = LLM(path, pipeline_parallel_size=2, **ENGINE_KW)
+            out["gemma4_pools"] = dict(
+                single=list(LLM(path, **ENGINE_KW).llm_engine.runner.pool_pages),
+                pp2=list(llm.llm_engine.runner.pool_pages),
+                grouped=llm.llm_engine.runner.grouped)
+            del llm
+            runs["pp2-one-pool"] = _generate(LLM(path, pipeline_parallel_size=2,
+                                                 disable_hybrid_kv_cache_manager=True,
+                                                 **ENGINE_KW))
         os.environ.pop("JAXSERVE_PP_LAYER_PARTITION", None)
         if family == "qwen3_5":  # a small pool: preemption drops (recompute) or swaps the state
             for mode in ("recompute", "swap"):
@@ -361,6 +371,14 @@ def test_hybrid_state_pool_per_stage_through_preemption(report):
         assert (r["swap_outs"] > 0) == (mode == "swap"), mode
         assert r["state_slots"] == ENGINE_KW["max_num_seqs"]
         assert r["stage_attention_layers"] == [0, 1], r  # the rest hold state-pool arrays
+
+
+def test_gemma4_pools_per_cache_group_under_pp(report):
+    """Each stage holds its layers' part of the sliding and the global pool, sized as on one
+    device (the sliding pool frees pages out of the window: fewer pages)."""
+    pools = report["gemma4_pools"]
+    assert pools["grouped"] and pools["pp2"] == pools["single"]
+    assert len(pools["pp2"]) == 2 and pools["pp2"][0] < pools["pp2"][1]
 
 
 def test_kv_sharing_split_from_its_producer_is_a_start_up_error(report):
