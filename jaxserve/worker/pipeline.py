@@ -407,11 +407,6 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
         specs = runner_lib.model_cache_specs(model, model_config, self.kv_dtype)
         check_shared_kv(specs, self.partition, pp)
-        if self.link is not None and getattr(model, "ple", 0):
-            raise InvalidRequestError(
-                f"{type(model).__name__} with per-layer embeddings and {FLAG} > 1 runs on one "
-                "host (the stages hand on more than the hidden states)",
-                param="pipeline_parallel_size")
         self.cache_specs = specs
         self.cache_groups = group_layers(specs)
         # LinearState (Gated DeltaNet) layers: a state pool per stage, one slot per request,
@@ -450,6 +445,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.num_pages = self.pool_pages[0]
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)  # all stages
         self.stage_pages, self._stage_leaves, self._stage_fns = [], [], []
+        self._stage_defs = []  # (graphdef, state treedef) of each stage
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
             shared = tuple(sp.producer_layer - lo if isinstance(sp, SharedKV) else None
                            for sp in specs[lo:hi])
@@ -458,11 +454,13 @@ class PipelineRunner(runner_lib.ModelRunner):
             graphdef, state = nnx.split(stage)
             if not self.local[i]:  # another host's stage: its shapes only
                 leaves, treedef = jax.tree_util.tree_flatten(_abstract(state))
+                self._stage_defs.append((graphdef, treedef))
                 self._stage_leaves.append(leaves)
                 self._stage_fns.append(None)
                 self.stage_pages.append([])
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(_place(state, smesh))
+            self._stage_defs.append((graphdef, treedef))
             self._stage_leaves.append(leaves)
             local_state = tuple(j - lo for j in self.state_layers if lo <= j < hi)
             self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1,
@@ -470,6 +468,9 @@ class PipelineRunner(runner_lib.ModelRunner):
             self.stage_pages.append(self._stage_caches(lo, hi, smesh, tp))
         # the last stage's graph (its leaves are shapes only on another host)
         self.graphdef, last_treedef = graphdef, treedef
+        # token bucket -> what a stage hands on (the hidden states; with Gemma 4's PLE, and
+        # the per-layer inputs), as shapes: the cross-host hand-off sends each part
+        self._carry_shapes: dict[int, object] = {}
         _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
         self._state_leaves = self._stage_leaves[-1]  # prompt logprobs run on the last stage
         self.num_top_logprobs = runner_lib.top_logprobs_width(engine_config.max_logprobs,
@@ -571,8 +572,7 @@ class PipelineRunner(runner_lib.ModelRunner):
             if i and self.link is None:
                 x = jax.device_put(x, sharding.replicated(self.stage_meshes[i]))
             elif i:  # every process joins the hand-off from stage i-1
-                x = self.link.send(x if self.local[i - 1] else None, i - 1,
-                                   (t, self.model_config.hidden_size), self.act_dtype).get(i)
+                x = self._send_carry(x if self.local[i - 1] else None, i - 1, t).get(i)
             if i == last and before_last is not None:
                 before_last()
             if fn is not None:
@@ -585,6 +585,25 @@ class PipelineRunner(runner_lib.ModelRunner):
             return out
         logits, hidden = (out[0], out[2]) if self.local[last] else (None, None)
         return self._gather_logits(plan, logits, hidden) if gather else (logits, hidden)
+
+    def _send_carry(self, x, src: int, t: int) -> dict:
+        """Across hosts: what stage ``src`` hands on, a leaf at a time (every process calls
+        it; ``x`` is None where ``src`` is not local)."""
+        shapes = self._carry_shapes.get(t)
+        if shapes is None:
+            graphdef, treedef = self._stage_defs[0]
+
+            def embed(leaves, ids):
+                stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+                return stage.family.embed(stage, ids)
+
+            shapes = self._carry_shapes[t] = jax.eval_shape(
+                embed, _abstract(self._stage_leaves[0]), jax.ShapeDtypeStruct((t,), jnp.int32))
+        specs, treedef = jax.tree_util.tree_flatten(shapes)
+        values = jax.tree_util.tree_leaves(x) if x is not None else [None] * len(specs)
+        sent = [self.link.send(v, src, a.shape, a.dtype) for v, a in zip(values, specs)]
+        return {i: jax.tree_util.tree_unflatten(treedef, [s[i] for s in sent])
+                for i in sent[0]}
 
     def _gather_logits(self, plan: StepPlan, logits, hidden):
         """Across hosts: the last stage's logits to every host's sampling stage."""

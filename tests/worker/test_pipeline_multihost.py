@@ -63,16 +63,27 @@ def _accepted_tokens(port: int, wait_s: float = 30.0) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [[], ["--speculative-config", NGRAM]], ids=["plain", "ngram"])
-def test_two_hosts_each_a_stage_equal_one_device(tiny_model_factory, tmp_path, spec):
-    """With n-gram speculation the leader proposes, every host verifies the same plans."""
+@pytest.mark.parametrize("family,spec", [("llama", []), ("llama", ["--speculative-config", NGRAM]),
+                                         ("gemma4", [])], ids=["plain", "ngram", "gemma4"])
+def test_two_hosts_each_a_stage_equal_one_device(tiny_model_factory, tmp_path, family, spec):
+    """With n-gram speculation the leader proposes, every host verifies the same plans. Gemma 4
+    hands on its per-layer inputs beside the hidden states (two arrays per hand-off), with its
+    KV-sharing layers (4 and 5 read 3 and 2) in their producers' stage."""
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.entrypoints.llm import LLM
 
-    model = str(tiny_model_factory("llama", layers=4))
-    port, coord = free_port(), free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env.pop("VLLM_PP_LAYER_PARTITION", None)
+    if family == "gemma4":
+        from jaxserve.testing.tiny_gemma4 import make_tiny_gemma4
+
+        model, layers = str(make_tiny_gemma4(tmp_path / "gemma4")), "[(0, 2), (2, 6)]"
+        env["JAXSERVE_PP_LAYER_PARTITION"] = "2,4"
+    else:
+        model, layers = str(tiny_model_factory("llama", layers=4)), "[(0, 2), (2, 4)]"
+        env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
+    port, coord = free_port(), free_port()
     procs, logs = [], []
     for host in (1, 0):
         log = open(tmp_path / f"host{host}.log", "w")
@@ -93,7 +104,7 @@ def test_two_hosts_each_a_stage_equal_one_device(tiny_model_factory, tmp_path, s
         assert leader.wait(timeout=60) == 0
         assert follower.wait(timeout=60) == 0
         host1 = (tmp_path / "host1.log").read_text()
-        assert "pipeline: 2 stages x tp 1, layers [(0, 2), (2, 4)]" in host1
+        assert f"pipeline: 2 stages x tp 1, layers {layers}" in host1
     finally:
         for p in procs:
             _stop(p)
