@@ -186,6 +186,10 @@ def _child(paths: dict) -> dict:
             runs[name]["stage_devices"] = [sorted(str(d) for d in m.devices.flat)
                                            for m in llm.llm_engine.runner.stage_meshes]
         del llm
+    # adapters and n-gram speculation together: verify rows carry their adapter's slot
+    runs["pp2-ngram"] = _generate(LLM(paths["llama"], pipeline_parallel_size=2,
+                                      speculative_config=NGRAM, **dict(ENGINE_KW, **LORA_KW)),
+                                  per_prompt)
     runs["base"] = _generate(LLM(paths["llama"], **ENGINE_KW))
     out["lora"] = runs
 
@@ -314,6 +318,9 @@ def test_lora_mixed_with_base_equals_one_device(report):
         # stage 0 holds layers 0-1's adapter weights, stage 1 layers 2-3's, each on its devices
         assert r["slot_layers"] == [[0, 1], [2, 3]], name
         assert r["slot_devices"] == r["stage_devices"], name
+    spec = runs["pp2-ngram"]  # with speculation: the same tokens, drafts kept
+    assert spec["tokens"] == single and spec["compiles_after_warmup"] == 0
+    assert spec["accepted"] > 0, spec
 
 
 def test_speculative_decoding_equals_one_device_without_it(report):
