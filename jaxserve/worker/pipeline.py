@@ -59,8 +59,8 @@ from jaxserve.errors import InvalidRequestError
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.worker import runner as runner_lib
-from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool,
-                                      kv_cache_dtype, specs_page_bytes)
+from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool, fork_copy,
+                                      fork_pairs, kv_cache_dtype, specs_page_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -884,6 +884,26 @@ class PipelineRunner(runner_lib.ModelRunner):
                 for j, kv in zip(layers, written):
                     pages[j] = kv
                 self.stage_pages[i] = pages
+
+    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
+        """n > 1 siblings start from their first child's computed prompt: on every stage its
+        layers' pages and recurrent states copied into theirs, in step order."""
+        src, dst = fork_pairs(pages, 0)  # page 0: the trash page
+        trash_slot = self.num_state_slots or 0  # the state pool's last slot
+        ssrc, sdst = fork_pairs(slots, trash_slot)
+        with self._pool_lock:
+            for i, smesh in enumerate(self.stage_meshes):
+                if not self.local[i]:
+                    continue
+                lo, hi = self.partition[i]
+                state = tuple(j - lo for j in self.state_layers if lo <= j < hi)
+                paged = tuple(j for j in range(hi - lo) if j not in state
+                              and len(self.stage_pages[i][j]))
+                pool = fork_copy(list(self.stage_pages[i]), paged, state, src, dst, ssrc, sdst)
+                tp = sharding.tp_size(smesh)
+                kv, st = sharding.kv_pool_sharding(smesh), _state_sharding(smesh, tp)
+                self.stage_pages[i] = [jax.device_put(c, st if j in state else kv)
+                                       for j, c in enumerate(pool)]
 
     def swap_in_state(self, slot: int, saved) -> None:
         """Write a swapped request's recurrent state into its (new) slot on every stage."""

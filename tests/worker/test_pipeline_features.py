@@ -152,6 +152,8 @@ def _background(model: str) -> dict:
 def _child(paths: dict) -> dict:
     import jax
 
+    from jaxserve.core.sampling_params import SamplingParams
+
     from jaxserve import LoRARequest
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.errors import InvalidRequestError
@@ -255,6 +257,24 @@ def _child(paths: dict) -> dict:
     out["dp2xpp2"] = _data_parallel(paths["llama"])
 
     out["background"] = _background(paths["llama"])
+
+    # n > 1: Qwen3.5's siblings fork from the first child (pages and state copied on every
+    # stage), Llama's share its cached prompt pages
+    out["n2"] = {}
+    for family in ("qwen3_5", "llama"):
+        path = paths["families"].get(family) or paths["llama"]
+        for name, kw in [("single", {}), ("pp2", dict(pipeline_parallel_size=2))]:
+            llm = LLM(path, **ENGINE_KW, **kw)
+            runner, forks = llm.llm_engine.runner, []
+            fork = runner.fork
+            runner.fork = lambda pages, slots, fork=fork, forks=forks: (
+                forks.append(len(pages) + len(slots)), fork(pages, slots))
+            out["n2"][f"{family}-{name}"] = dict(forks=sum(forks), outputs=[
+                [list(c.token_ids) for c in r.outputs] for r in llm.generate(
+                    [{"prompt_token_ids": p} for p in PROMPTS[:3]], SamplingParams(
+                        n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                    use_tqdm=False)])
+            del llm, runner
 
     # Gemma 4's KV-sharing layers split from their producers by the even split
     try:
@@ -365,6 +385,16 @@ def test_families_equal_one_device(report, family):
     for name, r in runs.items():
         assert r["tokens"] == single, (family, name)
         assert r["compiles_after_warmup"] == 0, (family, name)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_n2_siblings_equal_one_device(report, family):
+    """Greedy siblings agree with each other and with one device; Qwen3.5's fork from the
+    first child's pages and state on every stage."""
+    single, pp2 = report["n2"][f"{family}-single"], report["n2"][f"{family}-pp2"]
+    assert pp2["outputs"] == single["outputs"]
+    assert all(len(o) == 2 and o[0] == o[1] for o in pp2["outputs"])
+    assert (pp2["forks"] > 0) == (family == "qwen3_5"), pp2["forks"]
 
 
 def test_hybrid_state_pool_per_stage_through_preemption(report):
