@@ -24,6 +24,7 @@ class GroupedBlockManager:
         self.block_size = managers[0].block_size
         self.enable_prefix_caching = managers[0].enable_prefix_caching
         self.sliding_window = None  # per group: each manager has its own
+        self.state_slots = None  # grouped pools hold pages only (no LinearState layers)
 
     # -- one group at a time ------------------------------------------------------------------
     def _on(self, g: int, request: Request, fn):

@@ -92,15 +92,18 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
             f"max_model_len={max_model_len} exceeds the model's limit of {limit}",
             param="max_model_len")
     spec = config.speculative
-    draft = None
+    draft = draft_on = None
     extra_page_bytes = 0
     if spec is not None and spec.method == "draft_model":
         if config.parallel.num_hosts > 1:  # followers replay only the target's steps
             raise InvalidRequestError("speculative_config: method 'draft_model' runs on one"
                                       " host", param="speculative_config")
         from jaxserve.worker.draft_proposer import DraftModelProposer
+        if pp_mesh is not None:  # the draft runs on the last stage (see draft_mesh)
+            from jaxserve.worker.pipeline import draft_mesh
+            draft_on = draft_mesh(pp_mesh)
         draft = DraftModelProposer.load_model(spec, config, config.attention_backend,
-                                              mc.vocab_size)
+                                              mc.vocab_size, mesh=draft_on)
         extra_page_bytes = page_bytes(draft[1], config.cache.block_size, dtype)
     try:
         generation_config = load_generation_config(
@@ -119,11 +122,11 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     if pp_mesh is not None:
         from jaxserve.worker.pipeline import PipelineRunner
         runner = PipelineRunner(model, mc, config, max_model_len, dtype, pp_mesh,
-                                param_bytes=param_bytes)
+                                param_bytes=param_bytes, extra_page_bytes=extra_page_bytes)
     else:
         runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
                              mesh=mesh, extra_page_bytes=extra_page_bytes)
-    lora_manager = _lora_manager(config, model, mc, runner, dtype, mesh) \
+    lora_manager = _lora_manager(config, model, mc, runner, dtype) \
         if config.lora is not None else None
     # pages out of every layer's window are freed, unless a draft model (which lags behind
     # and may attend globally) reads the same page ids
@@ -158,7 +161,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     elif spec is not None:
         from jaxserve.worker.draft_proposer import DraftModelProposer
         proposer = DraftModelProposer.build(spec, config, *draft, runner, block_manager,
-                                            max_model_len, dtype)
+                                            max_model_len, dtype, mesh=draft_on)
     publisher = None
     if config.kv_events is not None and config.kv_events.enabled:
         from jaxserve.engine.kv_event_publisher import KVEventPublisher
@@ -200,12 +203,11 @@ def check_state_pool_support(config: EngineConfig) -> None:
             param="speculative_config")
 
 
-def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype, mesh):
+def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype):
     """--enable-lora: the device slots (on the runner, before warm-up: every step graph takes
     them) and the host side that fills them."""
     from jaxserve.loaders.peft import load_peft_adapter, lora_targets
     from jaxserve.lora.cache import LoRAManager
-    from jaxserve.lora.slots import LoRASlots
 
     lc = config.lora
     if not getattr(model, "supports_lora", False):
@@ -214,8 +216,7 @@ def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype, m
     if config.parallel.num_hosts > 1:
         raise InvalidRequestError("--enable-lora runs on one host", param="enable_lora")
     targets = lora_targets(model)
-    runner.lora = LoRASlots(targets, mc.num_layers, lc.max_loras, lc.max_lora_rank, dtype,
-                            mesh=mesh, weight_specs=targets.specs)
+    runner.lora = runner.make_lora_slots(targets, lc.max_loras, lc.max_lora_rank, dtype)
     logger.info("LoRA: %d device slots of rank %d over %d projections, host cache of %d",
                 lc.max_loras, lc.max_lora_rank, len(targets.shapes), lc.max_cpu_loras)
     return LoRAManager(

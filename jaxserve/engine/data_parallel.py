@@ -1,7 +1,7 @@
 """Data parallelism: independent engine replicas behind one ``AsyncLLM``-shaped front.
 
-``data_parallel_size`` replicas each own ``tensor_parallel_size`` devices (disjoint subsets, in
-``jax.devices()`` order), their own KV pool, scheduler and engine thread. Nothing is shared
+``data_parallel_size`` replicas each own ``pipeline_parallel_size x tensor_parallel_size``
+devices (disjoint subsets, in ``jax.devices()`` order), their own KV pool, scheduler and engine thread. Nothing is shared
 between them on the device, so a replica is exactly a single-replica engine. Each new request
 goes to the replica with the fewest unfinished requests (ties: the lowest index), which keeps
 batch sizes even under mixed lengths without any cross-replica traffic.
@@ -26,19 +26,31 @@ _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_h
            "num_free_pages", "num_pages")
 
 
-def replica_devices(data_parallel_size: int, tensor_parallel_size: int, devices=None) -> list:
-    """The device subset of each replica: ``tp`` consecutive devices per replica."""
+def replica_devices(data_parallel_size: int, tensor_parallel_size: int, devices=None,
+                    pipeline_parallel_size: int = 1) -> list:
+    """The device subset of each replica: ``pp x tp`` consecutive devices per replica (a
+    replica's pipeline stages are ``tp`` consecutive devices each)."""
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
-    need = data_parallel_size * tensor_parallel_size
+    t = tensor_parallel_size * pipeline_parallel_size
+    need = data_parallel_size * t
     if need > len(devices):
+        pp = (f" x pipeline_parallel_size={pipeline_parallel_size}"
+              if pipeline_parallel_size > 1 else "")
         raise InvalidRequestError(
             f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
-            f"{tensor_parallel_size} needs {need} devices; {len(devices)} available",
+            f"{tensor_parallel_size}{pp} needs {need} devices; {len(devices)} available",
             param="data_parallel_size")
-    t = tensor_parallel_size
     return [devices[i * t:(i + 1) * t] for i in range(data_parallel_size)]
+
+
+def replica_device_names(engine) -> list[str]:
+    """The devices a replica's engine runs on (every stage's under pipelining)."""
+    import jax
+
+    mesh = getattr(engine.runner, "pipeline_mesh", None) or engine.mesh
+    return [str(d) for d in (mesh.devices.flat if mesh is not None else jax.devices()[:1])]
 
 
 class DataParallelAsyncLLM:
@@ -48,7 +60,8 @@ class DataParallelAsyncLLM:
         p = config.parallel
         self.replicas = [AsyncLLM(config, engine=build_engine(config, devices=d))
                          for d in replica_devices(p.data_parallel_size,
-                                                  p.tensor_parallel_size, devices)]
+                                                  p.tensor_parallel_size, devices,
+                                                  p.pipeline_parallel_size)]
         first = self.replicas[0]
         self.config = first.config  # resolved for the platform
         self.engine = first.engine  # dtype, tokenizer, ... are the same in every replica
@@ -62,7 +75,7 @@ class DataParallelAsyncLLM:
         self.requests_per_replica = [0] * len(self.replicas)  # all routed so far
         self._replica_of: dict[str, int] = {}
         logger.info("data parallel: %d replicas on devices %s", len(self.replicas),
-                    [[str(d) for d in r.engine.mesh.devices.flat] for r in self.replicas])
+                    [replica_device_names(r.engine) for r in self.replicas])
 
     def _pick(self) -> int:
         return min(range(len(self.replicas)), key=lambda i: (self._inflight[i], i))

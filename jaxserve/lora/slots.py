@@ -32,10 +32,16 @@ class LoRASlots:
     """The stacked adapter weights on the device and the update that fills one slot."""
 
     def __init__(self, targets: LoRATargets, num_layers: int, max_loras: int, max_rank: int,
-                 dtype, mesh=None, weight_specs: dict[str, PartitionSpec] | None = None):
+                 dtype, mesh=None, weight_specs: dict[str, PartitionSpec] | None = None,
+                 layers: tuple[int, int] | None = None):
+        """``layers``: ``[lo, hi)``, the model layers these slots cover (a pipeline stage's);
+        their weights sit at ``layer - lo``. Default: every layer."""
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, jnp.dtype(dtype)
-        self.paths = sorted(targets.shapes)
-        self._where = {p: _layer_and_module(p) for p in self.paths}
+        lo, hi = layers if layers is not None else (0, num_layers)
+        num_layers = hi - lo
+        where = {p: _layer_and_module(p) for p in targets.shapes}
+        self.paths = sorted(p for p, (i, _) in where.items() if lo <= i < hi)
+        self._where = {p: (where[p][0] - lo, where[p][1]) for p in self.paths}
         self._shapes = targets.shapes
         layers: list[dict] = [dict() for _ in range(num_layers)]
         shardings: list[dict] = [dict() for _ in range(num_layers)]

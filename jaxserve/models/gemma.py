@@ -153,9 +153,17 @@ class GemmaForCausalLM(nnx.Module):
         """Each layer's cache spec (``jaxserve.core.kv_cache_spec``), pages of ``dtype``."""
         return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
+    # The forward in pieces, as in jaxserve.models.llama: one code path for the single
+    # program and the pipeline stages.
+    supports_pipeline = True
+
+    def embed(self, token_ids):
+        x = self.model.embed_tokens(token_ids)
+        # HF multiplies by sqrt(hidden) rounded to the weights' dtype.
+        return x * jnp.asarray(self.embed_scale, x.dtype)
+
+    def layer_inputs(self, positions, md: AttentionMetadata, num_tokens: int):
+        """The rotary tables of each layer type (local layers have their own base)."""
         cos_sin = {}
         for kind, (theta, scaling) in self.ropes:
             if (scaling and dict(scaling).get("rope_type")) == "dynamic":
@@ -163,13 +171,22 @@ class GemmaForCausalLM(nnx.Module):
             cos_sin[kind] = rope_cos_sin(positions, head_dim=self.head_dim, theta=theta,
                                          scaling=dict(scaling) if scaling else None,
                                          max_position_embeddings=self.max_pos)
-        x = self.model.embed_tokens(token_ids)
-        # HF multiplies by sqrt(hidden) rounded to the weights' dtype.
-        x = x * jnp.asarray(self.embed_scale, x.dtype)
+        return cos_sin
+
+    def run_layer(self, i: int, layer, x, inputs, kv, md, lora=None):
+        if lora is not None:
+            raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
+        cos, sin = inputs[layer.self_attn.layer_type]
+        return layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
+
+    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
+        if len(kv_pages) != self.num_layers:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
+        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
+        x = self.embed(token_ids)
         new_pages = []
-        for layer, kv in zip(self.model.layers, kv_pages):
-            cos, sin = cos_sin[layer.self_attn.layer_type]
-            x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
+            x, kv = self.run_layer(i, layer, x, inputs, kv, md)
             new_pages.append(kv)
         return self.model.norm(x), new_pages
 

@@ -371,31 +371,54 @@ class Gemma4ForCausalLM(nnx.Module):
         proj = m.per_layer_projection_norm(proj.reshape(t, L, self.ple))
         return (proj + tok) * jnp.asarray(2.0 ** -0.5, x.dtype)
 
+    # The forward in pieces (as jaxserve.models.llama): the single program and the pipeline
+    # stages run the same code. With PLE the hidden state carried from layer to layer (and
+    # from stage to stage) is ``(x, per-layer inputs [T, L, P])``; ``layer_offset`` is the
+    # model layer of ``model.layers[0]`` (a pipeline stage's first layer).
+    supports_pipeline = True
+    layer_offset = 0
+
+    def embed(self, token_ids):
+        x = self.model.embed_tokens(token_ids)
+        x = x * jnp.asarray(float(self.hidden_size) ** 0.5, x.dtype)
+        return (x, self._per_layer_inputs(token_ids, x)) if self.ple else x
+
+    def layer_inputs(self, positions, md: AttentionMetadata, num_tokens: int):
+        """The rotary tables of each layer type."""
+        return {kind: _cos_sin(positions, inv) for kind, inv in self.ropes}
+
+    def run_layer(self, i: int, layer, x, inputs, kv, md, lora=None):
+        """Layer ``i`` of ``model.layers``; a KV-sharing layer gets its producer's pages."""
+        if lora is not None:
+            raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
+        x, pli = x if self.ple else (x, None)
+        n = self.layer_offset + i
+        cos, sin = inputs[layer.self_attn.layer_type]
+        if md.block_tables.ndim == 3:  # pools per group: this layer's group's tables
+            g = self.layer_group[n]
+            md = md._replace(slot_mapping=md.slot_mapping[g], block_tables=md.block_tables[g])
+        x, kv = layer(x, None if pli is None else pli[:, n], cos, sin, kv, md,
+                      self.attention_backend, self.mesh)
+        return ((x, pli) if self.ple else x), kv
+
+    def final_hidden(self, x):
+        return self.model.norm(x[0] if self.ple else x)
+
     def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
         if len(kv_pages) != self.num_layers:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
-        cos_sin = {kind: _cos_sin(positions, inv) for kind, inv in self.ropes}
-        x = self.model.embed_tokens(token_ids)
-        x = x * jnp.asarray(float(self.hidden_size) ** 0.5, x.dtype)
-        pli = self._per_layer_inputs(token_ids, x) if self.ple else None
+        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
+        x = self.embed(token_ids)
         new_pages = []
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
-            attn = layer.self_attn
-            if attn.producer is not None:
-                kv = new_pages[attn.producer]
-            cos, sin = cos_sin[attn.layer_type]
-            layer_md = md
-            if md.block_tables.ndim == 3:  # pools per group: this layer's group's tables
-                g = self.layer_group[i]
-                layer_md = md._replace(slot_mapping=md.slot_mapping[g],
-                                       block_tables=md.block_tables[g])
-            x, kv = layer(x, None if pli is None else pli[:, i], cos, sin, kv, layer_md,
-                          self.attention_backend, self.mesh)
+            if layer.self_attn.producer is not None:
+                kv = new_pages[layer.self_attn.producer]
+            x, kv = self.run_layer(i, layer, x, inputs, kv, md)
             new_pages.append(kv)
         # a KV-sharing layer hands back no pages of its own
         pages = [() if layer.self_attn.producer is not None else kv
                  for layer, kv in zip(self.model.layers, new_pages)]
-        return self.model.norm(x), pages
+        return self.final_hidden(x), pages
 
     def compute_logits(self, hidden):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

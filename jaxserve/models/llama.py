@@ -128,28 +128,43 @@ class LlamaForCausalLM(nnx.Module):
     def supports_lora(self) -> bool:
         return getattr(self.decoder_layer, "supports_lora", False)
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata,
-                 lora: LoRABatch | None = None):
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
+    # The forward in pieces (embed, per-layer inputs, one layer): the single-program forward
+    # below and each pipeline stage (jaxserve.worker.pipeline) run the same code.
+    supports_pipeline = True
+
+    def embed(self, token_ids):
+        return self.model.embed_tokens(token_ids)
+
+    def layer_inputs(self, positions, md: AttentionMetadata, num_tokens: int):
+        """What every layer reads besides the hidden states: the rotary tables."""
         head_dim, theta, scaling, max_pos = self.rope
         scaling = dict(scaling) if scaling is not None else None
         token_seq_lens = None
         if (scaling or {}).get("rope_type") in ("dynamic", "longrope"):
-            seq_of, _, _ = token_metadata(md.query_start, md.seq_lens, token_ids.shape[0])
+            seq_of, _, _ = token_metadata(md.query_start, md.seq_lens, num_tokens)
             token_seq_lens = md.seq_lens[seq_of]
-        cos, sin = rope_cos_sin(positions, head_dim=head_dim, theta=theta, scaling=scaling,
-                                max_position_embeddings=max_pos, token_seq_lens=token_seq_lens)
-        x = self.model.embed_tokens(token_ids)
-        new_pages = []
+        return rope_cos_sin(positions, head_dim=head_dim, theta=theta, scaling=scaling,
+                            max_position_embeddings=max_pos, token_seq_lens=token_seq_lens)
+
+    def run_layer(self, i: int, layer, x, inputs, kv, md, lora: LoRABatch | None = None):
+        """Layer ``i`` of this module's ``model.layers`` (``lora`` holds the same layers)."""
+        cos, sin = inputs
+        if lora is None:
+            return layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
+        return layer(x, cos, sin, kv, md, self.attention_backend, self.mesh,
+                     lora=layer_lora(lora, i, self.mesh))
+
+    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata,
+                 lora: LoRABatch | None = None):
+        if len(kv_pages) != self.num_layers:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
         if lora is not None and not self.supports_lora:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
+        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
+        x = self.embed(token_ids)
+        new_pages = []
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
-            if lora is None:
-                x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
-            else:
-                x, kv = layer(x, cos, sin, kv, md, self.attention_backend, self.mesh,
-                              lora=layer_lora(lora, i, self.mesh))
+            x, kv = self.run_layer(i, layer, x, inputs, kv, md, lora)
             new_pages.append(kv)
         return self.model.norm(x), new_pages
 

@@ -276,16 +276,34 @@ class Qwen3_5ForCausalLM(nnx.Module):
         whatever the KV cache dtype) for the GDN layers."""
         return [layer.cache_spec(dtype) for layer in self.model.layers]
 
+    # The forward in pieces (as jaxserve.models.llama): the single program and the pipeline
+    # stages run the same code.
+    supports_pipeline = True
+
+    def embed(self, token_ids):
+        return self.model.embed_tokens(token_ids)
+
+    def layer_inputs(self, positions, md: AttentionMetadata, num_tokens: int):
+        """The rotary tables of the attention layers (partial rotary dims)."""
+        rotary, theta, max_pos = self.rope
+        return rope_cos_sin(positions, head_dim=rotary, theta=theta, scaling=None,
+                            max_position_embeddings=max_pos)
+
+    def run_layer(self, i: int, layer, x, inputs, cache, md, lora=None):
+        """Layer ``i``: its pages (attention) or its state-pool arrays (Gated DeltaNet)."""
+        if lora is not None:
+            raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
+        cos, sin = inputs
+        return layer(x, cos, sin, cache, md, self.attention_backend, self.mesh)
+
     def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
         if len(kv_pages) != self.num_layers:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
-        rotary, theta, max_pos = self.rope
-        cos, sin = rope_cos_sin(positions, head_dim=rotary, theta=theta, scaling=None,
-                                max_position_embeddings=max_pos)
-        x = self.model.embed_tokens(token_ids)
+        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
+        x = self.embed(token_ids)
         caches = []
-        for layer, cache in zip(self.model.layers, kv_pages):
-            x, cache = layer(x, cos, sin, cache, md, self.attention_backend, self.mesh)
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_pages)):
+            x, cache = self.run_layer(i, layer, x, inputs, cache, md)
             caches.append(cache)
         return self.model.norm(x), caches
 

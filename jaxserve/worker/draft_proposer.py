@@ -31,12 +31,13 @@ class DraftModelProposer:
         self._seen: dict[str, tuple[Request, int, int]] = {}
 
     @staticmethod
-    def load_model(spec, config, attention_backend: str, target_vocab: int):
-        """The draft's weights and config, before the target's pool is sized."""
+    def load_model(spec, config, attention_backend: str, target_vocab: int, mesh=None):
+        """The draft's weights and config, before the target's pool is sized. ``mesh``: a
+        one-device mesh to place it on (a pipeline's last stage); default: the default device."""
         from jaxserve.loaders.model_loader import load_model
 
         model, mc, _ = load_model(spec.model, dtype=config.dtype, load_format="auto",
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend, mesh=mesh)
         if mc.vocab_size != target_vocab:
             raise ValueError(f"speculative_config.model has a vocabulary of {mc.vocab_size},"
                              f" the target's is {target_vocab}: they must share a tokenizer")
@@ -44,14 +45,14 @@ class DraftModelProposer:
 
     @classmethod
     def build(cls, spec, config, model, mc, target_runner, block_manager, max_model_len,
-              dtype) -> "DraftModelProposer":
+              dtype, mesh=None) -> "DraftModelProposer":
         from jaxserve.worker.runner import ModelRunner
 
         cfg = dataclasses.replace(
             config, speculative=None,
             cache=dataclasses.replace(config.cache,
                                       num_gpu_blocks_override=target_runner.num_pages))
-        runner = ModelRunner(model, mc, cfg, max_model_len, dtype)
+        runner = ModelRunner(model, mc, cfg, max_model_len, dtype, mesh=mesh)
         runner.warmup()
         return cls(runner, block_manager, spec.num_speculative_tokens)
 

@@ -8,7 +8,11 @@ stage on the stage's own devices.
 Each stage holds its layers' weights and their part of the KV page pool (the same page ids on
 every stage: one logical pool, one block manager), placed on its ``tp`` mesh
 (``sharding.stage_meshes``); within a stage tensor parallelism (and expert parallelism) work as
-without pipelining. The first stage embeds, the last computes the logits and samples.
+without pipelining. The first stage embeds, the last computes the logits and samples. A stage
+runs its family's own forward pieces (``embed``, ``layer_inputs``, ``run_layer``) on its part of
+the model, so any family that gives them is cut the same way; what a stage holds besides pages
+(Qwen3.5's state pools, LoRA slots) is its own layers' share, indexed by the ids the plan
+carries to every stage. Speculative verify steps are multi-token steps like any other.
 
 Nothing blocks between stages: each stage's program and the hand-off of the hidden states are
 dispatched asynchronously, so while stage 1 runs step N, stage 0 is free to run step N+1. The
@@ -32,10 +36,12 @@ The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import threading
 import time
+import types
 from functools import lru_cache
 
 import jax
@@ -46,15 +52,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.kv_cache_spec import group_layers, page_pools
+from jaxserve.core.kv_cache_spec import (LinearState, SharedKV, group_layers, group_pools,
+                                         page_pools, state_groups)
 from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
-from jaxserve.models.layers import AttentionMetadata, rope_cos_sin
-from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.models.quantization import lm_head_logits
+from jaxserve.models.layers import AttentionMetadata
+from jaxserve.models.lora import LoRABatch
 from jaxserve.worker import runner as runner_lib
-from jaxserve.worker.kv_cache import allocate_kv_pages, kv_cache_dtype, page_bytes
-from pallas_kernels.reference import token_metadata
+from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool, fork_copy,
+                                      fork_pairs, kv_cache_dtype, specs_page_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -92,95 +98,176 @@ def layer_partition(num_layers: int, pp: int, env=None) -> list[tuple[int, int]]
 
 def check_config(config: EngineConfig) -> None:
     """What pipelining supports today; the rest is a start-up error, never a silent fallback."""
-    if config.speculative is not None:
+    if config.parallel.data_parallel_size > 1 and config.parallel.num_hosts > 1:
         raise InvalidRequestError(
-            f"speculative decoding with {FLAG} > 1 is not supported yet",
-            param="pipeline_parallel_size")
-    if config.parallel.data_parallel_size > 1:
+            f"data_parallel_size > 1 with {FLAG} > 1 across hosts is not supported yet (one "
+            "host: supported)", param="pipeline_parallel_size")
+    if (config.speculative is not None and config.speculative.method == "draft_model"
+            and config.parallel.num_hosts > 1):
         raise InvalidRequestError(
-            f"data_parallel_size > 1 with {FLAG} > 1 is not supported yet",
-            param="pipeline_parallel_size")
-    if getattr(config, "lora", None) is not None:
-        raise InvalidRequestError(
-            f"--enable-lora with {FLAG} > 1 is not supported yet",
-            param="pipeline_parallel_size")
+            f"speculative_config method 'draft_model' with {FLAG} > 1 runs on one host "
+            "('ngram' works across hosts)", param="pipeline_parallel_size")
 
 
 def check_model(model) -> None:
-    """Stages are cut from the Llama family's forward (Llama, Mistral, Qwen, the MoE families)."""
-    if not (isinstance(model, LlamaForCausalLM)
-            and type(model).__call__ is LlamaForCausalLM.__call__):
+    """Stages are cut from a family that gives its forward in pieces (``embed``,
+    ``layer_inputs``, ``run_layer``; ``supports_pipeline``): the Llama family (Llama, Mistral,
+    Qwen2/3, Phi-3), the MoE families, Gemma 2/3/4 and Qwen3.5. Others are a start-up error
+    naming the family and the flag."""
+    name = type(model).__name__
+    if not getattr(model, "supports_pipeline", False):
         raise InvalidRequestError(
-            f"{FLAG} > 1 supports the Llama-family and MoE models, not "
-            f"{type(model).__name__}", param="pipeline_parallel_size")
+            f"{FLAG} > 1 does not support {name} yet (it does not give its forward in stage "
+            f"pieces); serve it with {FLAG} 1 (tensor parallelism works)",
+            param="pipeline_parallel_size")
+
+
+def check_shared_kv(specs, partition, pp: int) -> None:
+    """A KV-sharing layer reads its producer's pages: both must be in one stage (a start-up
+    error naming the partition variable otherwise)."""
+    stage_of = {i: s for s, (lo, hi) in enumerate(partition) for i in range(lo, hi)}
+    for i, spec in enumerate(specs):
+        p = getattr(spec, "producer_layer", None)
+        if p is not None and stage_of[p] != stage_of[i]:
+            sizes = ",".join(str(hi - lo) for lo, hi in partition)
+            raise InvalidRequestError(
+                f"layer {i} reads the KV pages of layer {p} (KV sharing), but {FLAG} {pp} puts "
+                f"them in stages {stage_of[p]} and {stage_of[i]} (layers per stage: {sizes}); "
+                f"give each stage's layer count in {PARTITION_ENVS[0]}='a,b,...' so that "
+                "every KV-sharing layer is in its producer's stage",
+                param="pipeline_parallel_size")
+
+
+def draft_mesh(pipeline_mesh):
+    """Where a draft model runs: the first device of the last stage, unsharded. Its proposals
+    are made right after a plan is read from the last stage, while the next plan is still in
+    the earlier stages, so the draft's steps fill the last stage's idle time."""
+    return sharding.make_mesh(1, [sharding.stage_meshes(pipeline_mesh)[-1].devices.flat[0]])
 
 
 def load_mesh(pipeline_mesh, tensor_parallel_size: int):
     """Where the checkpoint loads before the stages take their parts: this host's first stage
-    (its tp mesh), or the default device on one host without tensor parallelism."""
-    if jax.process_count() == 1 and tensor_parallel_size == 1:
+    (its tp mesh), or None (the plain path) when that stage is the default device alone."""
+    first = sharding.stage_meshes(pipeline_mesh)[0]
+    if (jax.process_count() == 1 and tensor_parallel_size == 1
+            and first.devices.flat[0] == jax.devices()[0]):
         return None
     return next(m for m in sharding.stage_meshes(pipeline_mesh) if stage_is_local(m))
 
 
-class Stage(nnx.Module):
-    """One stage's part of a Llama-family model: its layers, plus the embedding on the first
-    stage and the final norm and LM head on the last (a tied head is the embedding, copied)."""
+class StageLayers(nnx.Module):
+    """A stage's share of the model's ``model`` submodule (same attribute names): its layers;
+    on the first stage the embedding side (``embed_tokens`` and any other submodule but the
+    layers and the norm, e.g. Gemma 4's per-layer embeddings); on the last the norm (and the
+    embedding again when it is the tied LM head)."""
 
-    def __init__(self, model: LlamaForCausalLM, lo: int, hi: int, first: bool, last: bool):
-        self.rope = model.rope
-        self.attention_backend = model.attention_backend
+    def __init__(self, inner, lo: int, hi: int, first: bool, last: bool, tied: bool):
+        for name, value in vars(inner).items():
+            if name.startswith("_") or name in ("layers", "norm", "embed_tokens"):
+                continue
+            if isinstance(value, (nnx.Module, nnx.Variable, jax.Array)) or value is None:
+                setattr(self, name, nnx.data(value if first else None))
+            else:
+                setattr(self, name, value)
+        self.embed_tokens = inner.embed_tokens if first or (last and tied) else None
+        self.layers = nnx.List(list(inner.layers[lo:hi]))
+        self.norm = inner.norm if last else None
+
+
+class Stage(nnx.Module):
+    """One stage's part of a model: its layers, plus the embedding on the first stage and the
+    final norm and LM head on the last (a tied head is the embedding, copied). It runs the
+    family's own forward pieces (``embed``, ``layer_inputs``, ``run_layer``,
+    ``compute_logits``) on its part: a stage is the model with the other stages' weights left
+    out, the family's static settings copied."""
+
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, mesh,
+                 shared_from: tuple = ()):
+        for name, value in vars(model).items():  # static settings (rope, backend, caps ...)
+            if not name.startswith("_") and not isinstance(
+                    value, (nnx.Module, nnx.Variable, jax.Array, nnx.List)):
+                setattr(self, name, value)
+        self.family = type(model)
+        self.mesh = mesh  # this stage's tp mesh (None without tensor parallelism)
         self.first, self.last = first, last
-        self.embed_tokens = model.model.embed_tokens if first else None
-        self.layers = nnx.List(list(model.model.layers[lo:hi]))
-        self.norm = model.model.norm if last else None
-        head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-        self.lm_head = head if last else None
+        self.layer_offset = lo  # the model layer of this stage's first layer
+        # per stage layer: the stage layer whose pages it reads (KV sharing), or None
+        self.shared_from = shared_from or (None,) * (hi - lo)
+        self.model = StageLayers(model.model, lo, hi, first, last, model.lm_head is None)
+        self.lm_head = model.lm_head if last else None
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (last stage)."""
-        return lm_head_logits(self.lm_head, hidden)
+        return self.family.compute_logits(self, hidden)
+
+    def __getattr__(self, name: str):
+        """The family's other methods, run on this stage (a family's pieces call helpers
+        of their own, e.g. Gemma 4's per-layer inputs)."""
+        family = self.__dict__.get("family")
+        fn = inspect.getattr_static(family, name, None) if family is not None else None
+        if isinstance(fn, types.FunctionType) and not name.startswith("__"):
+            return types.MethodType(fn, self)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-def _rope(stage: Stage, positions, md: AttentionMetadata, num_tokens: int):
-    head_dim, theta, scaling, max_pos = stage.rope
-    scaling = dict(scaling) if scaling is not None else None
-    token_seq_lens = None
-    if (scaling or {}).get("rope_type") in ("dynamic", "longrope"):
-        seq_of, _, _ = token_metadata(md.query_start, md.seq_lens, num_tokens)
-        token_seq_lens = md.seq_lens[seq_of]
-    return rope_cos_sin(positions, head_dim=head_dim, theta=theta, scaling=scaling,
-                        max_position_embeddings=max_pos, token_seq_lens=token_seq_lens)
+def _stage_specs(specs, lo: int, hi: int) -> list:
+    """Layers ``[lo, hi)``'s cache specs numbered within the stage (a KV-sharing layer's
+    producer is in the same stage: ``check_shared_kv``)."""
+    return [SharedKV(sp.producer_layer - lo) if isinstance(sp, SharedKV) else sp
+            for sp in specs[lo:hi]]
+
+
+def _state_sharding(mesh, tp: int):
+    """A stage's state pool: split over its channel/head axis under tensor parallelism."""
+    return sharding.state_pool_sharding(mesh) if tp > 1 else sharding.replicated(mesh)
 
 
 @lru_cache(maxsize=None)
-def stage_forward_fn(graphdef, state_treedef, mesh, tp: int, last: bool):
+def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
+                     state_layers: tuple[int, ...] = (), num_layers: int = 0):
     """One stage's program, jitted on its mesh:
     ``(leaves, kv_pages, arrays, x, prev_tokens) -> (x, kv_pages)``, on the last stage
     ``(logits, kv_pages, hidden)`` as the single-program forward returns them. The first stage
-    takes token ids (``x`` unused), the others the previous stage's hidden states."""
-    layer_mesh = mesh if tp > 1 else None  # tp=1: the plain path, no shard_map
+    takes token ids (``x`` unused), the others the previous stage's hidden states. With LoRA,
+    ``arrays["lora"]`` holds this stage's layers' adapter slots. ``state_layers``: the stage's
+    LinearState layers (stage-local indices), whose caches are state-pool arrays."""
 
     def forward(state_leaves, kv_pages, arrays, x, prev_tokens):
         runner_lib._TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
-        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"][0],
+        family = stage.family
+        # one pool: group 0's tables; pools per group: every group's ([G, ...]), and the family
+        # picks each layer's (cache_groups_supported)
+        grouped = arrays["block_tables"].shape[0] > 1
+        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"] if grouped
+                               else arrays["slot_mapping"][0],
                                query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
-                               block_tables=arrays["block_tables"][0],
-                               num_seqs=arrays["num_seqs"])
+                               block_tables=arrays["block_tables"] if grouped
+                               else arrays["block_tables"][0],
+                               num_seqs=arrays["num_seqs"],
+                               state_slots=runner_lib._state_slots(arrays["state_slots"],
+                                                                   kv_pages, state_layers))
         if stage.first:
             ref = arrays["prev_ref"]
             token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)],
                                   arrays["token_ids"])
-            x = stage.embed_tokens(token_ids)
-        cos, sin = _rope(stage, arrays["positions"], md, x.shape[0])
+            x = family.embed(stage, token_ids)
+        lora = (LoRABatch(arrays["lora_slots"], *arrays["lora"]) if "lora" in arrays
+                else None)
+        inputs = family.layer_inputs(stage, arrays["positions"], md,
+                                     arrays["positions"].shape[0])
         new_pages = []
-        for layer, kv in zip(stage.layers, kv_pages):
-            x, kv = layer(x, cos, sin, kv, md, stage.attention_backend, layer_mesh)
+        for j, (layer, kv) in enumerate(zip(stage.model.layers, kv_pages)):
+            if stage.shared_from[j] is not None:  # KV sharing: the producer's pages
+                kv = new_pages[stage.shared_from[j]]
+            x, kv = family.run_layer(stage, j, layer, x, inputs, kv, md, lora)
             new_pages.append(kv)
+        new_pages = [() if src is not None else kv
+                     for src, kv in zip(stage.shared_from, new_pages)]
         if not stage.last:
-            return x, new_pages
-        hidden = stage.norm(x)
+            return x, new_pages  # the hidden states (with PLE: and the per-layer inputs)
+        final = getattr(family, "final_hidden", None)
+        hidden = final(stage, x) if final is not None else stage.model.norm(x)
         idx = arrays["logits_indices"]
         if idx.size > hidden.shape[0]:
             return stage.compute_logits(hidden)[idx], new_pages, hidden
@@ -188,6 +275,9 @@ def stage_forward_fn(graphdef, state_treedef, mesh, tp: int, last: bool):
         return logits.reshape(idx.shape + logits.shape[-1:]), new_pages, hidden
 
     rep, pool = sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)
+    if state_layers:
+        state = _state_sharding(mesh, sharding.tp_size(mesh))
+        pool = [state if j in state_layers else pool for j in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,),
                    out_shardings=(rep, pool, rep) if last else (rep, pool))
 
@@ -263,14 +353,33 @@ def _abstract(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
+class StageLoRASlots:
+    """Multi-LoRA under pipelining: each stage's ``LoRASlots`` holds its own layers' adapter
+    weights on its own devices; an adapter is written into the same slot on every stage, and
+    the plan's per-token slot indices go to every stage's program."""
+
+    def __init__(self, stages: list):
+        self.stages = stages
+
+    def write(self, slot: int, adapter) -> None:
+        for s in self.stages:
+            s.write(slot, adapter)
+
+    def clear(self, slot: int) -> None:
+        for s in self.stages:
+            s.clear(slot)
+
+
 class PipelineRunner(runner_lib.ModelRunner):
     """A ``ModelRunner`` whose step runs stage by stage (same plans, same outputs).
 
-    Warm-up compiles every bucket's stage programs and sampler in the foreground (all stages
-    must be compiled before the first step); ``background_warmup`` waits for it too."""
+    Warm-up compiles the buckets smallest first on a thread (``start_warmup``; across hosts in
+    the foreground): serving starts once the smallest is compiled and each step waits for its
+    own bucket, never compiling it."""
 
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
-                 max_model_len: int, dtype, mesh, param_bytes: int = 0):
+                 max_model_len: int, dtype, mesh, param_bytes: int = 0,
+                 extra_page_bytes: int = 0):
         check_model(model)
         self.model_config = model_config
         self.config = engine_config
@@ -279,7 +388,9 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.max_pages_per_seq = -(-max_model_len // self.block_size)
         sched = engine_config.scheduler
         self.max_num_seqs = sched.max_num_seqs
-        self.num_spec_tokens = 0
+        spec = engine_config.speculative
+        # a verify step is a multi-token step through the stages; the last samples and verifies
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.ladder = runner_lib.token_ladder(sched.max_num_batched_tokens,
                                               sched.min_token_bucket, sched.token_bucket_growth)
         self.pipeline_mesh = mesh
@@ -295,40 +406,71 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.partition = layer_partition(model_config.num_layers, pp)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
         specs = runner_lib.model_cache_specs(model, model_config, self.kv_dtype)
+        check_shared_kv(specs, self.partition, pp)
         self.cache_specs = specs
         self.cache_groups = group_layers(specs)
-        self.pools = page_pools(self.cache_groups)  # one pool: a page id indexes every layer
-        self.grouped = False
+        # LinearState (Gated DeltaNet) layers: a state pool per stage, one slot per request,
+        # the same slot ids on every stage (the plan's state_slots reach every stage)
+        self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
+                                         for i in g.layers))
+        # a pool per cache group (Gemma 4's sliding and global layers) as on one device, or
+        # one pool: a page id indexes every layer; either way every stage holds its own
+        # layers' part of each pool under the same page ids
+        self.grouped = not self.state_layers and runner_lib.use_group_pools(
+            model, self.cache_groups, engine_config, extra_page_bytes)
+        self.pools = (group_pools(self.cache_groups) if self.grouped
+                      else page_pools(self.cache_groups))
         self.num_cache_groups = len(self.pools)
-        self.state_layers, self.num_state_slots = (), None  # Llama/MoE: no LinearState layers
-        self.lora = None  # LoRA with pipelining is a start-up error (check_config)
-        # every stage holds the same page ids for its own layers: size by the largest stage
-        widest = max(hi - lo for lo, hi in self.partition)
-        stage_cfg = dataclasses.replace(model_config, num_layers=widest)
-        sizes = runner_lib.pool_sizes(page_pools(group_layers(specs[:widest])), stage_cfg,
-                                      engine_config, max_model_len, param_bytes // (tp * pp), tp)
-        self.num_pages = sharding.agree_across_hosts(sizes[0])
-        self.pool_pages = (self.num_pages,)
+        self.num_state_slots = None
+        self.lora = None  # StageLoRASlots when LoRA is on (set before warm-up)
+        # every stage holds the same page ids for its own layers: size by the stage with the
+        # most paged layers (the state pool: by the whole model's state, an upper bound)
+        paged = [sum(not isinstance(sp, LinearState) for sp in specs[lo:hi])
+                 for lo, hi in self.partition]
+        lo, hi = self.partition[int(np.argmax(paged))]
+        stage_pools = page_pools(group_layers(_stage_specs(specs, lo, hi)))
+        stage_cfg = dataclasses.replace(model_config, num_layers=hi - lo)
+        if self.grouped:  # each group's pages from the whole model's (an upper bound)
+            sizes = runner_lib.group_pool_sizes(self.pools, stage_cfg, engine_config,
+                                                max_model_len, param_bytes // (tp * pp), tp)
+        elif self.state_layers:
+            slots, sizes = runner_lib.state_pool_sizes(
+                stage_pools, self.cache_groups, stage_cfg, engine_config, max_model_len,
+                param_bytes // (tp * pp), tp)
+            self.num_state_slots = sharding.agree_across_hosts(slots)
+        else:
+            sizes = runner_lib.pool_sizes(stage_pools, stage_cfg, engine_config, max_model_len,
+                                          param_bytes // (tp * pp), tp, extra_page_bytes)
+        self.pool_pages = tuple(sharding.agree_across_hosts(n) for n in sizes)
+        self.num_pages = self.pool_pages[0]
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)  # all stages
         self.stage_pages, self._stage_leaves, self._stage_fns = [], [], []
+        self._stage_defs = []  # (graphdef, state treedef) of each stage
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
-            stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1)
+            shared = tuple(sp.producer_layer - lo if isinstance(sp, SharedKV) else None
+                           for sp in specs[lo:hi])
+            stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1,
+                          mesh=smesh if tp > 1 else None, shared_from=shared)
             graphdef, state = nnx.split(stage)
             if not self.local[i]:  # another host's stage: its shapes only
                 leaves, treedef = jax.tree_util.tree_flatten(_abstract(state))
+                self._stage_defs.append((graphdef, treedef))
                 self._stage_leaves.append(leaves)
                 self._stage_fns.append(None)
                 self.stage_pages.append([])
                 continue
             leaves, treedef = jax.tree_util.tree_flatten(_place(state, smesh))
+            self._stage_defs.append((graphdef, treedef))
             self._stage_leaves.append(leaves)
-            self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, tp, i == pp - 1))
-            self.stage_pages.append(allocate_kv_pages(
-                dataclasses.replace(model_config, num_layers=hi - lo), self.num_pages,
-                self.block_size, self.kv_dtype, sharding=sharding.kv_pool_sharding(smesh),
-                tp=tp))
+            local_state = tuple(j - lo for j in self.state_layers if lo <= j < hi)
+            self._stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1,
+                                                    local_state, hi - lo))
+            self.stage_pages.append(self._stage_caches(lo, hi, smesh, tp))
         # the last stage's graph (its leaves are shapes only on another host)
         self.graphdef, last_treedef = graphdef, treedef
+        # token bucket -> what a stage hands on (the hidden states; with Gemma 4's PLE, and
+        # the per-layer inputs), as shapes: the cross-host hand-off sends each part
+        self._carry_shapes: dict[int, object] = {}
         _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
         self._state_leaves = self._stage_leaves[-1]  # prompt logprobs run on the last stage
         self.num_top_logprobs = runner_lib.top_logprobs_width(engine_config.max_logprobs,
@@ -339,8 +481,15 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.num_compiles = 0
         self.enforce_eager = engine_config.enforce_eager
         self._pool_lock = threading.RLock()
-        self._warmup = None
-        self._warm = False
+        self._warmup = None  # the base runner's BucketWarmup: not used (see start_warmup)
+        self._warm = False  # every bucket compiled
+        self._warm_thread: threading.Thread | None = None
+        self._warm_stop = False
+        self._warm_error: BaseException | None = None
+        self._warm_seconds = 0.0
+        self._ready: list[int] = []  # compiled token buckets, smallest first
+        self._ready_cv = threading.Condition()
+        self._on_token_limit = None
         self._count_lock = threading.Lock()
         self._ones_bitmasks = {}
         self._np_rng = np.random.default_rng(engine_config.seed)
@@ -352,8 +501,50 @@ class PipelineRunner(runner_lib.ModelRunner):
         self._pending = None  # across hosts: (handle, last stage's raw outputs) of one plan
         logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %d pages of %d tokens "
                     "(%.1f MiB per stage at most)", pp, tp, self.partition, self.num_pages,
-                    self.block_size, self.num_pages * page_bytes(stage_cfg, self.block_size,
-                                                                 self.kv_dtype) / 2**20)
+                    self.block_size, max(
+                        self.num_pages * specs_page_bytes(specs[lo:hi], self.block_size)
+                        for lo, hi in self.partition) / 2**20)
+
+    def _stage_caches(self, lo: int, hi: int, smesh, tp: int) -> list:
+        """One stage's caches (layers ``[lo, hi)``): pages of its attention layers (the shared
+        page ids, of each layer's group's pool when grouped), state-pool arrays of its
+        LinearState layers (the shared slot ids); ``()`` for a KV-sharing layer."""
+        kv = sharding.kv_pool_sharding(smesh)
+        if self.grouped:
+            group_of = {i: g for g, grp in enumerate(self.cache_groups) for i in grp.layers}
+            return [allocate_layer_pages([self.cache_specs[i]], self.pool_pages[group_of[i]],
+                                         self.block_size, self.kv_dtype, sharding=kv, tp=tp)[0]
+                    if i in group_of else () for i in range(lo, hi)]
+        specs = self.cache_specs[lo:hi]
+        pages = iter(allocate_layer_pages(
+            [sp for sp in specs if not isinstance(sp, LinearState)], self.num_pages,
+            self.block_size, self.kv_dtype, sharding=kv, tp=tp))
+        return [allocate_state_pool(sp, self.num_state_slots, _state_sharding(smesh, tp))
+                if isinstance(sp, LinearState) else next(pages) for sp in specs]
+
+    def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
+        from jaxserve.lora.slots import LoRASlots
+
+        return StageLoRASlots([
+            LoRASlots(targets, self.model_config.num_layers, max_loras, max_rank, dtype,
+                      mesh=smesh, weight_specs=targets.specs, layers=(lo, hi))
+            for (lo, hi), smesh in zip(self.partition, self.stage_meshes)])
+
+    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
+        """The plan's arrays (LoRA: the slots' weights are each stage's, see
+        ``_stage_arrays``) and the verifier's inputs."""
+        spec = None
+        if plan.num_draft is not None:
+            spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
+        arrays = plan.forward_arrays()
+        if self.lora is not None:
+            arrays["lora_slots"] = plan.lora_slots
+        return arrays, spec
+
+    def _stage_arrays(self, arrays: dict, i: int) -> dict:
+        if self.lora is None:
+            return arrays
+        return dict(arrays, lora=self.lora.stages[i].arrays)
 
     @property
     def kv_pages(self) -> list:
@@ -381,13 +572,12 @@ class PipelineRunner(runner_lib.ModelRunner):
             if i and self.link is None:
                 x = jax.device_put(x, sharding.replicated(self.stage_meshes[i]))
             elif i:  # every process joins the hand-off from stage i-1
-                x = self.link.send(x if self.local[i - 1] else None, i - 1,
-                                   (t, self.model_config.hidden_size), self.act_dtype).get(i)
+                x = self._send_carry(x if self.local[i - 1] else None, i - 1, t).get(i)
             if i == last and before_last is not None:
                 before_last()
             if fn is not None:
-                out = fn(self._stage_leaves[i], self.stage_pages[i], arrays, x,
-                         prev if i == 0 else None)
+                out = fn(self._stage_leaves[i], self.stage_pages[i],
+                         self._stage_arrays(arrays, i), x, prev if i == 0 else None)
                 x, self.stage_pages[i] = out[0], out[1]
             else:
                 x = None
@@ -396,10 +586,31 @@ class PipelineRunner(runner_lib.ModelRunner):
         logits, hidden = (out[0], out[2]) if self.local[last] else (None, None)
         return self._gather_logits(plan, logits, hidden) if gather else (logits, hidden)
 
+    def _send_carry(self, x, src: int, t: int) -> dict:
+        """Across hosts: what stage ``src`` hands on, a leaf at a time (every process calls
+        it; ``x`` is None where ``src`` is not local)."""
+        shapes = self._carry_shapes.get(t)
+        if shapes is None:
+            graphdef, treedef = self._stage_defs[0]
+
+            def embed(leaves, ids):
+                stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+                return stage.family.embed(stage, ids)
+
+            shapes = self._carry_shapes[t] = jax.eval_shape(
+                embed, _abstract(self._stage_leaves[0]), jax.ShapeDtypeStruct((t,), jnp.int32))
+        specs, treedef = jax.tree_util.tree_flatten(shapes)
+        values = jax.tree_util.tree_leaves(x) if x is not None else [None] * len(specs)
+        sent = [self.link.send(v, src, a.shape, a.dtype) for v, a in zip(values, specs)]
+        return {i: jax.tree_util.tree_unflatten(treedef, [s[i] for s in sent])
+                for i in sent[0]}
+
     def _gather_logits(self, plan: StepPlan, logits, hidden):
         """Across hosts: the last stage's logits to every host's sampling stage."""
         last = len(self._stage_fns) - 1
-        shape = plan.logits_indices.shape + (self.model_config.vocab_size,)
+        idx = (plan.spec_logits_indices if plan.spec_logits_indices is not None
+               else plan.logits_indices)  # [S], or [S, k+1] when speculating
+        shape = idx.shape + (self.model_config.vocab_size,)
         logits = self.link.send(logits, last, shape, jnp.float32)[self.sample_stage]
         return logits, None, hidden
 
@@ -437,8 +648,10 @@ class PipelineRunner(runner_lib.ModelRunner):
         plan = h.plan
         before = runner_lib._TRACES.n
         logits, _, hidden = self._gather_logits(plan, logits, hidden)
-        h.sampled, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                    self._last_tokens, self._bitmask(plan), None)
+        out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
+                                              self._last_tokens, self._bitmask(plan),
+                                              self._step_inputs(plan)[1])
+        h.sampled, h.verify = out if self.num_spec_tokens else (out, None)
         if plan.prompt_next_ids is not None:
             h.prompt_logprobs = self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids)
         self._count_step_compiles(before, plan)
@@ -478,75 +691,235 @@ class PipelineRunner(runner_lib.ModelRunner):
         return jax.tree_util.tree_unflatten(treedef, sent)
 
     def _run(self, plan: StepPlan):
+        self._wait_bucket(plan.token_bucket)
         with self._pool_lock:
             before = runner_lib._TRACES.n
             logits, _, hidden = self._forward_stages(plan)
             out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                  self._last_tokens, self._bitmask(plan), None)
+                                                  self._last_tokens, self._bitmask(plan),
+                                                  self._step_inputs(plan)[1])
             if plan.prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids))
             self._count_step_compiles(before, plan)
         return out
 
-    # ---- warm-up: every bucket, in the foreground ------------------------------------------
+    # ---- warm-up: every bucket, smallest first, on a thread (or in the foreground) ----------
+    # Each bucket's stage programs are lowered and compiled without the pool lock (steps on
+    # the compiled buckets keep running meanwhile), then run once under it with the sampler
+    # and prompt-logprobs graphs. Steps use the compiled buckets only (``_plan_ladder``; the
+    # scheduler hears the largest through ``on_token_limit``) and wait for one still compiling
+    # rather than compile it. Across hosts the warm-up steps hold collectives that every host
+    # must issue in the same order as its steps, so it runs in the foreground there.
     def warmup(self) -> float:
-        from jaxserve.worker import warmup as w
-
         if self.enforce_eager:
             self._skip_warmup()
             return 0.0
-        t0 = time.perf_counter()
-        with self._pool_lock:
-            before = runner_lib._TRACES.n
-            for t in self.ladder:
-                s = seq_bucket(t, self.max_num_seqs)
-                for full in (False, True):
-                    plan = w.warmup_plan(self, t, s, full)
-                    logits, _, hidden = self._forward_stages(plan)
-                    jax.block_until_ready(self._sample(
-                        logits, plan.sampling, plan.history_ref, self._last_tokens,
-                        self._ones_bitmask(s), None))
-                half = w.warmup_bitmask(self, s)
-                for p in w._WARMUP_OTHER_BRANCHES:
-                    jax.block_until_ready(self._sample(
-                        logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
-                        self._last_tokens, half, None))
-                jax.block_until_ready(self._prompt_logprobs_everywhere(
-                    hidden, np.zeros(t, np.int32)))
-            self._add_compiles(runner_lib._TRACES.n - before)
-        self._warm = True
-        seconds = time.perf_counter() - t0
-        logger.info("warm-up: %d compiles for token buckets %s on %d stages in %.1f s",
-                    self.num_compiles, list(self.ladder), self.num_stages, seconds)
-        return seconds
+        self.start_warmup()
+        self._warm_thread.join()
+        if self._warm_error is not None:
+            raise self._warm_error
+        return self._warm_seconds
 
     def start_warmup(self, workers: int | None = None, on_token_limit=None) -> None:
-        self.warmup()
+        if self.enforce_eager:
+            self._skip_warmup()
+            return
+        if self._warm_thread is not None:
+            return
+        self._on_token_limit = on_token_limit
+        if on_token_limit is not None:
+            on_token_limit(self.step_token_limit())
+        self._warm_thread = threading.Thread(target=self._warm_all, name="pipeline-warmup",
+                                             daemon=True)
+        self._warm_thread.start()
+        if self.link is not None:  # across hosts: in lockstep with the other hosts
+            self._warm_thread.join()
+
+    def _warm_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for t in self.ladder:
+                if self._warm_stop:
+                    return
+                before = runner_lib._TRACES.n
+                self._warm_bucket(t)
+                self._add_compiles(runner_lib._TRACES.n - before)
+                with self._ready_cv:
+                    self._ready.append(t)
+                    self._warm = len(self._ready) == len(self.ladder)
+                    self._ready_cv.notify_all()
+                    if self._on_token_limit is not None:
+                        self._on_token_limit(self.step_token_limit())
+                logger.info("compiled token bucket %d (%d/%d) on %d stages", t,
+                            len(self._ready), len(self.ladder), self.num_stages)
+        except BaseException as e:  # a step waiting for a bucket hears it
+            self._warm_error = e
+            with self._ready_cv:
+                self._ready_cv.notify_all()
+            logger.exception("pipeline warm-up failed")
+            return
+        self._warm_seconds = time.perf_counter() - t0
+        logger.info("warm-up: %d compiles for token buckets %s on %d stages in %.1f s",
+                    self.num_compiles, list(self.ladder), self.num_stages, self._warm_seconds)
+
+    def _warmup_plans(self, t: int) -> tuple[int, list[StepPlan]]:
+        from jaxserve.worker import warmup as w
+
+        s = seq_bucket(t, self.max_num_seqs)
+        plans = [w.warmup_plan(self, t, s, full) for full in (False, True)]
+        if self.lora is not None:  # the adapters' side of the delta
+            plans[1] = dataclasses.replace(plans[1],
+                                           lora_slots=np.zeros_like(plans[1].lora_slots))
+        return s, plans
+
+    def _compile_stages(self, plan: StepPlan) -> None:
+        """Lower and compile bucket ``plan.token_bucket``'s stage programs (no run, no lock:
+        the step's later call finds them compiled)."""
+        from jaxserve.worker.compile_pool import TRACE_LOCK
+
+        with self._pool_lock:  # the arrays of the moment (their shapes and shardings)
+            leaves, pages = list(self._stage_leaves), list(self.stage_pages)
+            prev = self._no_tokens
+            arrays, _ = self._step_inputs(plan)
+            arrays = [self._stage_arrays(arrays, i) for i in range(self.num_stages)]
+        x = None
+        for i, fn in enumerate(self._stage_fns):
+            if fn is None:
+                return
+            with TRACE_LOCK:
+                lowered = fn.lower(leaves[i], pages[i], arrays[i], x, prev if i == 0 else None)
+            out = lowered.compile().out_info[0]
+            if i + 1 < len(self._stage_fns):
+                rep = sharding.replicated(self.stage_meshes[i + 1])
+                x = jax.tree_util.tree_map(
+                    lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=rep), out,
+                    is_leaf=lambda o: hasattr(o, "dtype") and hasattr(o, "shape"))
+
+    def _warm_bucket(self, t: int) -> None:
+        """Bucket ``t``: its stage programs compiled, then run with the sampler (both
+        layouts, the other sampling branches, drafts) and the prompt logprobs."""
+        from jaxserve.worker import warmup as w
+
+        s, plans = self._warmup_plans(t)
+        if self.link is None:
+            self._compile_stages(plans[0])
+        k = self.num_spec_tokens
+        # drafts in every row: the verifier's random branch (as warmup.BucketWarmup)
+        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                      num_draft=np.full(s, k, np.int32)) if k else None
+        with self._pool_lock:
+            for plan in plans:
+                logits, _, hidden = self._forward_stages(plan)
+                jax.block_until_ready(self._sample(
+                    logits, plan.sampling, plan.history_ref, self._last_tokens,
+                    self._ones_bitmask(s), self._step_inputs(plan)[1]))
+            half = w.warmup_bitmask(self, s)
+            for p in w._WARMUP_OTHER_BRANCHES:
+                jax.block_until_ready(self._sample(
+                    logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
+                    self._last_tokens, half, drafts))
+            jax.block_until_ready(self._prompt_logprobs_everywhere(
+                hidden, np.zeros(t, np.int32)))
+
+    def _wait_bucket(self, t: int) -> None:
+        """A step waits for its bucket to be compiled: it never compiles."""
+        if self._warm or self._warm_thread is None:
+            return
+        with self._ready_cv:
+            while t not in self._ready and self._warm_error is None and not self._warm_stop:
+                self._ready_cv.wait()
+        if self._warm_error is not None:
+            raise RuntimeError("pipeline warm-up failed") from self._warm_error
 
     @property
     def warmed_up(self) -> bool:
         return self._warm
 
     def startup_progress(self) -> tuple[bool, int, int]:
+        """(ready to serve: the smallest bucket compiled, buckets compiled, buckets)."""
         n = len(self.ladder)
-        return (self._warm or self.enforce_eager), (n if self._warm else 0), n
+        if self.enforce_eager:
+            return True, 0, n
+        ready = list(self._ready)
+        return self.ladder[0] in ready, len(ready), n
 
     def step_token_limit(self) -> int | None:
-        return None
+        """While buckets compile, the largest compiled one (the smallest before any)."""
+        if self._warm or self.enforce_eager:
+            return None
+        return max(self._ready, default=self.ladder[0])
 
     def _plan_ladder(self) -> tuple[int, ...]:
-        return self.ladder
+        """The compiled buckets, and those above the largest compiled (a step too big for
+        every compiled bucket waits for the smallest that fits)."""
+        if self._warm or self._warm_thread is None:
+            return self.ladder
+        ready = list(self._ready)
+        top = max(ready, default=0)
+        return tuple(t for t in self.ladder if t in ready or t > top)
 
     def stop_warmup(self) -> None:
-        pass
+        """Drop the buckets not started and wait for the one compiling."""
+        self._warm_stop = True
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+        if self._warm_thread is not None and self._warm_thread is not threading.current_thread():
+            self._warm_thread.join()
 
     # ---- swap ----------------------------------------------------------------------------
     def swap_in(self, page_ids: list[int], saved) -> None:
+        """Write a swapped request's pages back, stage by stage (paged layers only)."""
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
+        saved = iter(saved)
         with self._pool_lock:
-            at = 0
             for i, smesh in enumerate(self.stage_meshes):
-                n = len(self.stage_pages[i])
-                pages = runner_lib._write_pages(self.stage_pages[i], idx, saved[at:at + n])
-                self.stage_pages[i] = jax.device_put(pages, sharding.kv_pool_sharding(smesh))
-                at += n
+                lo, hi = self.partition[i]
+                layers = [j for j in range(hi - lo) if lo + j not in self.state_layers]
+                if not layers:
+                    continue
+                written = runner_lib._write_pages([self.stage_pages[i][j] for j in layers], idx,
+                                                  [next(saved) for _ in layers])
+                written = jax.device_put(written, sharding.kv_pool_sharding(smesh))
+                pages = list(self.stage_pages[i])
+                for j, kv in zip(layers, written):
+                    pages[j] = kv
+                self.stage_pages[i] = pages
+
+    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
+        """n > 1 siblings start from their first child's computed prompt: on every stage its
+        layers' pages and recurrent states copied into theirs, in step order."""
+        src, dst = fork_pairs(pages, 0)  # page 0: the trash page
+        trash_slot = self.num_state_slots or 0  # the state pool's last slot
+        ssrc, sdst = fork_pairs(slots, trash_slot)
+        with self._pool_lock:
+            for i, smesh in enumerate(self.stage_meshes):
+                if not self.local[i]:
+                    continue
+                lo, hi = self.partition[i]
+                state = tuple(j - lo for j in self.state_layers if lo <= j < hi)
+                paged = tuple(j for j in range(hi - lo) if j not in state
+                              and len(self.stage_pages[i][j]))
+                pool = fork_copy(list(self.stage_pages[i]), paged, state, src, dst, ssrc, sdst)
+                tp = sharding.tp_size(smesh)
+                kv, st = sharding.kv_pool_sharding(smesh), _state_sharding(smesh, tp)
+                self.stage_pages[i] = [jax.device_put(c, st if j in state else kv)
+                                       for j, c in enumerate(pool)]
+
+    def swap_in_state(self, slot: int, saved) -> None:
+        """Write a swapped request's recurrent state into its (new) slot on every stage."""
+        saved = iter(saved)
+        with self._pool_lock:
+            for i, smesh in enumerate(self.stage_meshes):
+                lo, hi = self.partition[i]
+                layers = [j for j in range(hi - lo) if lo + j in self.state_layers]
+                if not layers:
+                    continue
+                written = runner_lib._write_slot(
+                    [self.stage_pages[i][j] for j in layers], jnp.int32(slot),
+                    [tuple(jnp.asarray(a) for a in next(saved)) for _ in layers])
+                tp = sharding.tp_size(smesh)
+                written = jax.device_put(written, _state_sharding(smesh, tp))
+                pages = list(self.stage_pages[i])
+                for j, arrs in zip(layers, written):
+                    pages[j] = arrs
+                self.stage_pages[i] = pages

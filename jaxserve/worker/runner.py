@@ -114,8 +114,8 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
     # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
     # shards) and the donated pool keeps its head sharding, so every step reuses one program.
     pool = sharding.kv_pool_sharding(mesh)
-    if state_layers:  # the state pool is replicated, the page pools split over heads
-        pool = [sharding.replicated(mesh) if i in state_layers else pool
+    if state_layers:  # the state pools split over their channel/head axis, the pages over heads
+        pool = [sharding.state_pool_sharding(mesh) if i in state_layers else pool
                 for i in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,), out_shardings=(
         sharding.replicated(mesh), pool, sharding.replicated(mesh)))
@@ -532,6 +532,13 @@ class ModelRunner:
             arrays["lora_slots"] = plan.lora_slots
             arrays["lora"] = self.lora.arrays
         return arrays, spec
+
+    def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
+        """The device slots of every layer's adapters, placed like the weights they adapt."""
+        from jaxserve.lora.slots import LoRASlots
+
+        return LoRASlots(targets, self.model_config.num_layers, max_loras, max_rank, dtype,
+                         mesh=self.mesh, weight_specs=targets.specs)
 
     def write_lora(self, slot: int, adapter) -> None:
         """Lay an adapter into a device slot (between steps: the warm-up's runs read the slots

@@ -311,6 +311,8 @@ def _tp2_child(path: str, prompts) -> list:
     for arr in runner.kv_pages[0]:  # layer 0's conv and delta-rule state pools
         assert arr.addressable_shards[0].data.shape[1] == arr.shape[1] // 2
     got = _greedy(llm, prompts)
+    for arr in runner.kv_pages[0]:  # still split after the steps: the step's output keeps it
+        assert arr.addressable_shards[0].data.shape[1] == arr.shape[1] // 2
     # n > 1 forks: the split pages and state slot are copied shard by shard
     from jaxserve.core.sampling_params import SamplingParams
 

@@ -173,18 +173,27 @@ def test_bad_sizes_are_start_up_errors_naming_the_flags(report):
     assert "4 available" in msg
 
 
-@pytest.mark.parametrize("feature", [dict(enable_lora=True),
-                                     dict(speculative_config={"method": "ngram",
-                                                              "num_speculative_tokens": 2})])
-def test_features_pipelining_lacks_are_start_up_errors(tiny_llama_dir, feature):
-    """Refused before any weight is read, naming the flag (not silently run without them)."""
-    from jaxserve.config import engine_config_from_kwargs
-    from jaxserve.engine.builder import build_engine
-    from jaxserve.errors import InvalidRequestError
+@pytest.mark.parametrize("feature,hosts", [
+    (dict(data_parallel_size=2), 2),
+    (dict(speculative_config={"method": "draft_model", "model": "DRAFT",
+                              "num_speculative_tokens": 2}), 2)])
+def test_features_pipelining_lacks_are_start_up_errors(tiny_llama_dir, feature, hosts):
+    """Refused before any weight is read, naming the flag (not silently run without them):
+    data parallelism and a draft model with pipelining across hosts."""
+    import dataclasses
 
+    from jaxserve.config import engine_config_from_kwargs
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.worker.pipeline import check_config
+
+    if "speculative_config" in feature:
+        feature = dict(speculative_config=dict(feature["speculative_config"],
+                                               model=str(tiny_llama_dir)))
+    config = engine_config_from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=2, **feature)
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                      num_hosts=hosts))
     with pytest.raises(InvalidRequestError) as e:
-        build_engine(engine_config_from_kwargs(str(tiny_llama_dir), pipeline_parallel_size=2,
-                                               **feature))
+        check_config(config)
     assert e.value.param == "pipeline_parallel_size" and "--pipeline-parallel-size" in str(e.value)
 
 
