@@ -1,5 +1,9 @@
 """Tiny random Qwen 3.5 / 3.6 checkpoints (dense or MoE; text-only ``*ForCausalLM`` or the
-vision-language ``*ForConditionalGeneration`` layout), built with transformers' own classes."""
+vision-language ``*ForConditionalGeneration`` layout), built with transformers' own classes,
+plus random weights for the multi-token-prediction head under the released checkpoints' names
+(``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.layers.0.*`` a
+full-attention decoder layer, ``mtp.norm``): transformers ignores ``mtp.*`` on load, so HF
+``generate`` on the same directory stays the reference."""
 from __future__ import annotations
 
 import json
@@ -21,10 +25,10 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 
 
 def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int = 0,
-                      **text_overrides) -> Path:
+                      mtp: bool = True, **text_overrides) -> Path:
     """Write the checkpoint, a trained tokenizer and the generation config to ``out_dir``.
     Zero-centred norms, the gated norm, ``A_log`` and ``dt_bias`` get random values so the
-    tests see every one of them."""
+    tests see every one of them. ``mtp``: add a random MTP head (``mtp.*``)."""
     import torch
     import transformers as tf
 
@@ -58,8 +62,41 @@ def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int
     out = Path(out_dir)
     model.save_pretrained(out)
     train_tokenizer(text["vocab_size"]).save_pretrained(out)
+    if mtp:
+        _add_mtp_head(out, text, rng)
     cfg_path = out / "config.json"
     c = json.loads(cfg_path.read_text())
     c["_jaxserve_note"] = "random weights: tests only"
+    if mtp:
+        (c["text_config"] if "text_config" in c else c)["mtp_num_hidden_layers"] = 1
     cfg_path.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _add_mtp_head(out: Path, text: dict, rng: np.random.Generator) -> None:
+    """Random ``mtp.*`` tensors written into the checkpoint beside the model's. The decoder
+    layer copies the shapes (and expert layout) of the model's last full-attention layer as
+    transformers saved it, with fresh random values."""
+    from safetensors.numpy import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    h = text["hidden_size"]
+    every = int(text.get("full_attention_interval") or 4)
+    last_full = max(i for i in range(text["num_hidden_layers"]) if (i + 1) % every == 0)
+    layer = next(p for p in (f"model.language_model.layers.{last_full}.",
+                             f"model.layers.{last_full}.") if any(k.startswith(p) for k in tensors))
+    mtp = {}
+    for name, arr in tensors.items():
+        if not name.startswith(layer):
+            continue
+        new = "mtp.layers.0." + name[len(layer):]
+        if name.endswith("norm.weight"):  # zero-centred (1 + w)
+            mtp[new] = 0.1 * rng.standard_normal(arr.shape)
+        else:
+            mtp[new] = rng.standard_normal(arr.shape) * float(np.std(arr) or 0.02)
+    mtp["mtp.fc.weight"] = rng.standard_normal((h, 2 * h)) * (2 * h) ** -0.5
+    for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        mtp[f"mtp.{norm}.weight"] = 0.1 * rng.standard_normal((h,))
+    tensors.update({k: v.astype(np.float32) for k, v in mtp.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
