@@ -1,0 +1,329 @@
+"""Speculative decoding with Qwen 3.5 / 3.6's own multi-token-prediction head (method ``mtp``).
+
+Tiny random ``qwen3_5`` checkpoints carry a random MTP head under the released names
+(``mtp.*``); transformers ignores it, so HF ``generate`` on the same directory is the reference.
+Shown here: the head's logits equal a torch reference built from HF's own decoder layer; greedy
+output with MTP (k = 1, 3) equals greedy without it and HF, with prompts longer than the token
+budget and four concurrent requests; drafts that are always wrong, or right for a prefix only,
+still give exactly those tokens (the Gated DeltaNet state rolls back to the last accepted
+token: without the rollback they do not); acceptance counters; the state pool all free after;
+no compile after warm-up; start-up errors naming the field.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ATOL = 2e-4
+NEW_TOKENS = 12
+PROMPT_LENS = [90, 70, 81, 75]  # all longer than the 32-token budget: chunked prefill
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
+
+    root = tmp_path_factory.mktemp("qwen3_5_mtp")
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            kw = dict(dense=dict(moe=False), moe=dict(moe=True, vl=True),
+                      no_mtp=dict(moe=False, mtp=False))[variant]
+            made[variant] = make_tiny_qwen3_5(root / variant, **kw)
+        return made[variant]
+
+    return get
+
+
+def _prompts(lengths=PROMPT_LENS, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 500, n).tolist() for n in lengths]
+
+
+def _hf(path: Path):
+    import transformers as tf
+
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    return getattr(tf, arch).from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(ckpt):
+    cache: dict = {}
+
+    def get(variant: str, prompts, n: int = NEW_TOKENS):
+        key = (variant, json.dumps(prompts), n)
+        if key not in cache:
+            hf = _hf(ckpt(variant))
+            with torch.no_grad():
+                cache[key] = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                              for p in prompts]
+        return cache[key]
+
+    return get
+
+
+def _engine(path: Path, spec: dict | None = None, **kw):
+    from jaxserve.entrypoints.llm import LLM
+
+    args = dict(dtype="float32", max_num_batched_tokens=32, min_token_bucket=32,
+                max_num_seqs=4, max_model_len=256, enforce_eager=True, block_size=8)
+    args.update(kw)
+    return LLM(str(path), speculative_config=spec, **args)
+
+
+def _greedy(llm, prompts, n=NEW_TOKENS):
+    from jaxserve.core.sampling_params import SamplingParams
+
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                       use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in res]
+
+
+def _assert_pools_free(llm):
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.state_slots.num_free == bm.state_slots.num_slots
+    assert bm.num_used_pages == 0
+    bm.check_invariants()
+
+
+def _mtp(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+# -- the head itself ------------------------------------------------------------------------------
+
+def _torch_mtp_logits(path: Path, prompt: list[int]) -> np.ndarray:
+    """HF's target hidden states (normed), then the MTP head built from HF's own full-attention
+    decoder layer and norms with the checkpoint's ``mtp.*`` weights: logits of the token two
+    ahead at positions ``0 .. L-2``."""
+    from safetensors.numpy import load_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    hf = _hf(path)
+    cfg = hf.config
+    w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in
+         load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
+    full = cfg.layer_types.index("full_attention")
+    layer = m.Qwen3_5DecoderLayer(cfg, layer_idx=full).eval()
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items()
+                           if k.startswith("layers.0.")})
+    norms = {}
+    for name in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        norms[name] = m.Qwen3_5RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps).eval()
+        norms[name].load_state_dict({"weight": w[f"{name}.weight"]})
+    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+    fc.load_state_dict({"weight": w["fc.weight"]})
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        hidden = hf.model(ids).last_hidden_state[:, :-1]
+        emb = hf.model.embed_tokens(ids[:, 1:])
+        x = fc(torch.cat([norms["pre_fc_norm_embedding"](emb),
+                          norms["pre_fc_norm_hidden"](hidden)], dim=-1))
+        pos = torch.arange(len(prompt) - 1)[None]
+        x = layer(x, hf.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos)
+        x = x[0] if isinstance(x, tuple) else x
+        return hf.lm_head(norms["norm"](x))[0].numpy()
+
+
+def _our_mtp_logits(path: Path, prompt: list[int]) -> np.ndarray:
+    """Our model's hidden states, then ``mtp_forward`` over the same positions with its own
+    pages (its K/V written and attended like any attention layer)."""
+    import jax.numpy as jnp
+
+    from jaxserve.core.kv_cache_spec import group_layers
+    from jaxserve.loaders.model_loader import load_model
+    from jaxserve.models.layers import AttentionMetadata
+    from jaxserve.worker.kv_cache import allocate_hybrid_caches
+
+    model, cfg, _ = load_model(str(path), dtype="float32", load_mtp=True)
+    block, n = 8, len(prompt)
+    n_pages = n // block + 2
+    groups = group_layers(model.cache_specs("float32"))
+    caches = allocate_hybrid_caches(cfg, groups, n_pages, 2, block, jnp.float32)
+    assert len(caches) == cfg.num_layers + 1  # the head's pages: one more attention layer
+    table = jnp.arange(1, n_pages, dtype=jnp.int32)[None, :]
+
+    def md(length):
+        pos = np.arange(length)
+        return AttentionMetadata(
+            slot_mapping=jnp.asarray(table[0, pos // block] * block + pos % block),
+            query_start=jnp.asarray([0, length], jnp.int32),
+            seq_lens=jnp.asarray([length], jnp.int32), block_tables=table,
+            num_seqs=jnp.int32(1), state_slots=jnp.asarray([1], jnp.int32))
+
+    hidden, caches = model(jnp.asarray(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32),
+                           caches, md(n))
+    h, _ = model.mtp_forward(jnp.asarray(prompt[1:], jnp.int32),
+                             jnp.arange(n - 1, dtype=jnp.int32), hidden[:-1], caches[-1],
+                             md(n - 1))
+    return np.asarray(model.compute_logits(h))
+
+
+def test_mtp_head_logits_match_a_torch_reference_of_hf_layers(ckpt):
+    path = ckpt("dense")
+    prompt, = _prompts([40], seed=7)
+    np.testing.assert_allclose(_our_mtp_logits(path, prompt), _torch_mtp_logits(path, prompt),
+                               atol=ATOL, rtol=0)
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_mtp_equals_greedy_without_and_hf(ckpt, hf_greedy, k):
+    """Four requests, prompts of 70-90 tokens through a 32-token budget: every step runs the
+    head over its tokens (prefill chunks too), so its pages cover the whole context."""
+    path = ckpt("dense")
+    prompts = _prompts()
+    ref = hf_greedy("dense", prompts)
+    llm = _engine(path, _mtp(k))
+    eng = llm.llm_engine
+    assert eng.runner.snapshots == (4, k)  # 4 requests' slots, then k scratch slots per row
+    assert _greedy(llm, prompts) == ref
+    s = eng.spec_stats.as_dict()
+    assert s["spec_decode_num_drafts"] >= len(prompts)
+    assert s["spec_decode_num_draft_tokens"] >= s["spec_decode_num_drafts"]
+    assert len(s["spec_decode_num_accepted_tokens_per_pos"]) == k
+    _assert_pools_free(llm)
+    assert _greedy(_engine(path), prompts) == ref  # and without speculation
+
+
+def _scripted(llm, ref: list[list[int]], prompts, wrong_at):
+    """Replace the head's drafts by the reference continuation with the draft at index
+    ``wrong_at(i)`` made wrong (i = the request's proposals so far; None: all right)."""
+    by_prompt = {tuple(p): r for p, r in zip(prompts, ref)}
+    calls: dict[str, int] = {}
+
+    def override(req, drafts):
+        want = by_prompt[tuple(req.prompt_token_ids)]
+        n = req.num_output_tokens
+        out = [want[n + j] if n + j < len(want) else 0 for j in range(len(drafts))]
+        i = calls[req.request_id] = calls.get(req.request_id, -1) + 1
+        bad = wrong_at(i)
+        if bad is not None and bad < len(out):
+            out[bad] = (out[bad] + 1) % 512
+        return out
+
+    llm.llm_engine.proposer.override = override
+
+
+def test_always_wrong_drafts_give_the_same_tokens_and_need_the_rollback(ckpt, hf_greedy):
+    """Every draft wrong: each verify step keeps only the target's own token, so the GDN state
+    must come back to the one after the first token of the row (its snapshot). The same run
+    with the rollback switched off diverges from HF."""
+    path = ckpt("dense")
+    prompts = _prompts()
+    ref = hf_greedy("dense", prompts)
+    llm = _engine(path, _mtp(3))
+    _scripted(llm, ref, prompts, lambda i: 0)
+    assert _greedy(llm, prompts) == ref
+    s = llm.llm_engine.spec_stats
+    assert s.num_draft_tokens > 3 * len(prompts) and s.num_accepted_tokens == 0
+    _assert_pools_free(llm)
+
+    broken = _engine(path, _mtp(3))
+    broken.llm_engine.runner._rollback = None  # rejected drafts stay in the state
+    _scripted(broken, ref, prompts, lambda i: 0)
+    assert _greedy(broken, prompts) != ref
+
+
+def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, hf_greedy):
+    """Drafts right up to a position that cycles (draft 1, 2, 3 or none wrong) from one
+    proposal to the next: every rollback depth of k = 3 happens, and the tokens stay HF's."""
+    path = ckpt("dense")
+    prompts = _prompts()
+    ref = hf_greedy("dense", prompts)
+    llm = _engine(path, _mtp(3))
+    _scripted(llm, ref, prompts, lambda i: [0, 1, 2, None][i % 4])
+    assert _greedy(llm, prompts) == ref
+    s = llm.llm_engine.spec_stats
+    acc = s.accepted_per_pos
+    assert acc[0] > acc[1] > acc[2] > 0  # some accepted at each depth, fewer further on
+    assert s.num_accepted_tokens < s.num_draft_tokens  # and some rejected
+    _assert_pools_free(llm)
+
+
+def test_ngram_on_a_state_model_rolls_back_too(ckpt, hf_greedy):
+    """The same snapshots serve n-gram drafts on a Gated DeltaNet model (allowed now)."""
+    path = ckpt("dense")
+    prompts = [p + p[:30] for p in _prompts([40, 50], seed=3)]  # repeats for lookups to hit
+    ref = hf_greedy("dense", prompts)
+    llm = _engine(path, {"method": "ngram", "num_speculative_tokens": 3,
+                         "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    assert _greedy(llm, prompts) == ref
+    assert llm.llm_engine.spec_stats.num_drafts > 0
+    _assert_pools_free(llm)
+
+
+@pytest.mark.slow  # warm-up compiles every graph ahead of time
+def test_nothing_compiles_after_warm_up(ckpt, hf_greedy):
+    path = ckpt("dense")
+    prompts = _prompts()
+    ref = hf_greedy("dense", prompts)
+    llm = _engine(path, _mtp(2), enforce_eager=False)
+    runner = llm.llm_engine.runner
+    warm = runner.num_compiles
+    assert _greedy(llm, prompts) == ref
+    assert runner.num_compiles == warm
+    _assert_pools_free(llm)
+
+
+@pytest.mark.slow
+def test_moe_greedy_with_mtp_equals_hf(ckpt, hf_greedy):
+    """Qwen 3.5 MoE in the vision-language layout: the head's layer is a sparse MoE block
+    whose per-expert ``mtp.layers.0.mlp.experts.*`` tensors are stacked like the model's."""
+    path = ckpt("moe")
+    prompts = _prompts()
+    ref = hf_greedy("moe", prompts)
+    llm = _engine(path, _mtp(2))
+    assert _greedy(llm, prompts) == ref
+    assert llm.llm_engine.spec_stats.num_drafts > 0
+    _assert_pools_free(llm)
+
+
+# -- configuration errors -------------------------------------------------------------------------
+
+def test_mtp_without_a_head_is_a_start_up_error_naming_the_field(ckpt, tmp_path):
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.testing.tiny_model import make_tiny_model
+
+    with pytest.raises(InvalidRequestError, match="mtp") as e:
+        _engine(ckpt("no_mtp"), _mtp(2))
+    assert e.value.param == "speculative_config"
+    llama = make_tiny_model("llama", tmp_path / "llama", layers=1, hidden=32, heads=2,
+                            kv_heads=1, vocab=512)
+    with pytest.raises(InvalidRequestError, match="multi-token-prediction") as e:
+        _engine(llama, _mtp(2))
+    assert e.value.param == "speculative_config"
+
+
+def test_cli_speculative_config_mtp_parses_and_bad_values_name_the_field(capsys):
+    from jaxserve.entrypoints.cli import build_parser, engine_config_from_args, main
+
+    def config(*argv):
+        return engine_config_from_args(build_parser().parse_args(["serve", "m", *argv]))
+
+    c = config("--speculative-config", '{"method":"mtp","num_speculative_tokens":2}').speculative
+    assert (c.method, c.num_speculative_tokens, c.model) == ("mtp", 2, None)
+    for bad, field in (('{"method": "mtpp", "num_speculative_tokens": 2}', "method"),
+                       ('{"method": "mtp", "num_speculative_tokens": 0}',
+                        "num_speculative_tokens"),
+                       ('{"method": "mtp", "num_speculative_tokens": "2"}',
+                        "num_speculative_tokens"),
+                       ('{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}', "model"),
+                       ('{"method": "mtp", "num_speculative_tokens": 2, '
+                        '"prompt_lookup_max": 3}', "prompt_lookup_max")):
+        with pytest.raises(ValueError, match=f"speculative_config.{field}"):
+            config("--speculative-config", bad)
+    assert main(["serve", "m", "--speculative-config",
+                 '{"method": "mtp", "num_speculative_tokens": -1}']) == 2
+    err = capsys.readouterr().err
+    assert "num_speculative_tokens" in err and "Traceback" not in err
