@@ -609,6 +609,11 @@ class ModelRunner:
             len(self.pools[0].layers), page / self.block_size, self.num_state_slots,
             slot / 2**20, len(self.state_layers), self.num_state_slots, tokens,
             min(self.num_state_slots, tokens / max_model_len), max_model_len)
+        if self.snapshots is not None:
+            n = self.max_num_seqs * self.num_spec_tokens
+            logger.info("state pool: %d more slots (%.1f MiB) for the per-token snapshots of "
+                        "speculative verify rows (%d per row)", n, n * slot / 2**20,
+                        self.num_spec_tokens)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
