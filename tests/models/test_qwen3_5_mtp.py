@@ -12,6 +12,9 @@ no compile after warm-up; start-up errors naming the field.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+ROOT = Path(__file__).resolve().parents[2]
 ATOL = 2e-4
 NEW_TOKENS = 12
 PROMPT_LENS = [90, 70, 81, 75]  # all longer than the 32-token budget: chunked prefill
@@ -251,6 +255,27 @@ def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, 
     _assert_pools_free(llm)
 
 
+def test_mtp_under_preemption_beside_requests_that_do_not_speculate(ckpt, hf_greedy):
+    """A pool of 20 pages of 8 tokens for four ~80-token requests (they preempt each other and
+    recompute, the head's pages with the rest), one of them opted out of speculation and one
+    with a seed at temperature 0: greedy tokens still equal HF, every slot and page is free."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    path = ckpt("dense")
+    prompts = _prompts()
+    ref = hf_greedy("dense", prompts)
+    llm = _engine(path, _mtp(2), num_gpu_blocks_override=20)
+    base = dict(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = [SamplingParams(**base), SamplingParams(**base, disable_speculative_decoding=True),
+              SamplingParams(**base, seed=3), SamplingParams(**base)]
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(r.outputs[0].token_ids) for r in res] == ref
+    eng = llm.llm_engine
+    assert eng.scheduler.num_preemptions_total > 0
+    assert eng.spec_stats.num_drafts > 0
+    _assert_pools_free(llm)
+
+
 def test_ngram_on_a_state_model_rolls_back_too(ckpt, hf_greedy):
     """The same snapshots serve n-gram drafts on a Gated DeltaNet model (allowed now)."""
     path = ckpt("dense")
@@ -327,3 +352,32 @@ def test_cli_speculative_config_mtp_parses_and_bad_values_name_the_field(capsys)
                  '{"method": "mtp", "num_speculative_tokens": -1}']) == 2
     err = capsys.readouterr().err
     assert "num_speculative_tokens" in err and "Traceback" not in err
+
+
+def _tp2_child(path: str, prompts, ref) -> dict:
+    llm = _engine(Path(path), _mtp(3), tensor_parallel_size=2)
+    _scripted(llm, ref, prompts, lambda i: [0, 1, 2, None][i % 4])
+    got = _greedy(llm, prompts)
+    _assert_pools_free(llm)
+    return dict(tokens=got, accepted=llm.llm_engine.spec_stats.accepted_per_pos)
+
+
+@pytest.mark.slow  # a child process with 2 CPU devices
+def test_tp2_with_mtp_and_rollback_equals_hf(ckpt, hf_greedy):
+    """Tensor parallel 2: the head's attention split over heads like the model's, the state
+    pool (snapshots included) replicated; prefix-right drafts roll back at every depth."""
+    path = ckpt("dense")
+    prompts = _prompts([70, 40], seed=4)
+    ref = hf_greedy("dense", prompts)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__, json.dumps([str(path), prompts, ref])],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == ref
+    assert min(got["accepted"]) > 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(_tp2_child(*json.loads(sys.argv[1]))))
