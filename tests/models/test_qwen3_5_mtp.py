@@ -255,16 +255,18 @@ def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, 
     _assert_pools_free(llm)
 
 
-def test_mtp_under_preemption_beside_requests_that_do_not_speculate(ckpt, hf_greedy):
-    """A pool of 20 pages of 8 tokens for four ~80-token requests (they preempt each other and
-    recompute, the head's pages with the rest), one of them opted out of speculation and one
-    with a seed at temperature 0: greedy tokens still equal HF, every slot and page is free."""
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
+def test_mtp_under_preemption_beside_requests_that_do_not_speculate(ckpt, hf_greedy, mode):
+    """A pool of 20 pages of 8 tokens for four ~80-token requests (they preempt each other;
+    recompute rebuilds the head's pages with the rest, swap moves them with the rest), one of
+    them opted out of speculation and one with a seed at temperature 0: greedy tokens still
+    equal HF, every slot and page is free."""
     from jaxserve.core.sampling_params import SamplingParams
 
     path = ckpt("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
-    llm = _engine(path, _mtp(2), num_gpu_blocks_override=20)
+    llm = _engine(path, _mtp(2), num_gpu_blocks_override=20, preemption_mode=mode)
     base = dict(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     params = [SamplingParams(**base), SamplingParams(**base, disable_speculative_decoding=True),
               SamplingParams(**base, seed=3), SamplingParams(**base)]
@@ -272,6 +274,9 @@ def test_mtp_under_preemption_beside_requests_that_do_not_speculate(ckpt, hf_gre
     assert [list(r.outputs[0].token_ids) for r in res] == ref
     eng = llm.llm_engine
     assert eng.scheduler.num_preemptions_total > 0
+    if mode == "swap":
+        assert eng.scheduler.num_swap_outs_total > 0
+        assert not eng._swapped and not eng._swapped_state
     assert eng.spec_stats.num_drafts > 0
     _assert_pools_free(llm)
 
@@ -352,6 +357,52 @@ def test_cli_speculative_config_mtp_parses_and_bad_values_name_the_field(capsys)
                  '{"method": "mtp", "num_speculative_tokens": -1}']) == 2
     err = capsys.readouterr().err
     assert "num_speculative_tokens" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # a server process
+def test_served_with_mtp(ckpt, tmp_path):
+    """`jaxserve serve --speculative-config '{"method": "mtp", ...}'`: the engine core loads the
+    head and speculates; the completion equals the offline greedy one and /metrics counts the
+    drafts."""
+    import httpx
+    from server_process import free_port, stop, wait_healthy
+
+    path = ckpt("dense")
+    prompt, = _prompts([50], seed=5)
+    want = _engine(path).generate([{"prompt_token_ids": prompt}], _greedy_params(),
+                                  use_tqdm=False)[0].outputs[0].text
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("JAXSERVE_API_KEY", None)
+    port = free_port()
+    log = tmp_path / "log.txt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", str(path), "--port",
+         str(port), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "32", "--min-token-bucket", "32", "--block-size", "8",
+         "--uvicorn-log-level", "warning",
+         "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}'],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_healthy(port, [proc], [log], timeout=600)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        [drafts] = [float(ln.split()[-1]) for ln in metrics.splitlines()
+                    if ln.startswith("jaxserve:spec_decode_num_drafts_total")]
+        assert drafts > 0
+    finally:
+        stop(proc, timeout=60)
+
+
+def _greedy_params():
+    from jaxserve.core.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def _tp2_child(path: str, prompts, ref) -> dict:
