@@ -105,42 +105,73 @@ def _mtp(k: int) -> dict:
 
 # -- the head itself ------------------------------------------------------------------------------
 
+class _TorchMtp:
+    """The MTP head built from HF's own full-attention decoder layer and norms with the
+    checkpoint's ``mtp.*`` weights, over HF's target hidden states (normed)."""
+
+    def __init__(self, path: Path):
+        from safetensors.numpy import load_file
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+        self.hf = hf = _hf(path)
+        cfg = hf.config
+        w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in
+             load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
+        full = cfg.layer_types.index("full_attention")
+        self.layer = m.Qwen3_5DecoderLayer(cfg, layer_idx=full).eval()
+        self.layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items()
+                                    if k.startswith("layers.0.")})
+        self.norms = {}
+        for name in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            self.norms[name] = m.Qwen3_5RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps).eval()
+            self.norms[name].load_state_dict({"weight": w[f"{name}.weight"]})
+        self.fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc.load_state_dict({"weight": w["fc.weight"]})
+
+    def _head(self, next_ids, hidden):
+        """Head outputs (normed) at positions 0..len-1, causal over the whole sequence."""
+        n = self.norms
+        x = self.fc(torch.cat([n["pre_fc_norm_embedding"](self.hf.model.embed_tokens(next_ids)),
+                               n["pre_fc_norm_hidden"](hidden)], dim=-1))
+        pos = torch.arange(x.shape[1])[None]
+        x = self.layer(x, self.hf.model.rotary_emb(x, pos), attention_mask=None,
+                       position_ids=pos)
+        return n["norm"](x[0] if isinstance(x, tuple) else x)
+
+    @torch.no_grad()
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """Logits of the token two ahead at positions ``0 .. L-2``."""
+        ids = torch.tensor([tokens])
+        hidden = self.hf.model(ids).last_hidden_state[:, :-1]
+        return self.hf.lm_head(self._head(ids[:, 1:], hidden))[0].numpy()
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """What the head proposes after ``tokens``: draft 1 from the last token's predecessor,
+        then ``k - 1`` steps on its own hidden state and draft, one position on each."""
+        ids = torch.tensor([tokens])
+        hidden = self.hf.model(ids).last_hidden_state[:, :-1]
+        nxt = ids[:, 1:]
+        out = []
+        for _ in range(k):
+            h = self._head(nxt, hidden)[:, -1:]
+            d = int(self.hf.lm_head(h)[0, 0].argmax())
+            out.append(d)
+            nxt = torch.cat([nxt, torch.tensor([[d]])], dim=1)
+            hidden = torch.cat([hidden, h], dim=1)
+        return out
+
+
 def _torch_mtp_logits(path: Path, prompt: list[int]) -> np.ndarray:
-    """HF's target hidden states (normed), then the MTP head built from HF's own full-attention
-    decoder layer and norms with the checkpoint's ``mtp.*`` weights: logits of the token two
-    ahead at positions ``0 .. L-2``."""
-    from safetensors.numpy import load_file
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-    hf = _hf(path)
-    cfg = hf.config
-    w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in
-         load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
-    full = cfg.layer_types.index("full_attention")
-    layer = m.Qwen3_5DecoderLayer(cfg, layer_idx=full).eval()
-    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items()
-                           if k.startswith("layers.0.")})
-    norms = {}
-    for name in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
-        norms[name] = m.Qwen3_5RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps).eval()
-        norms[name].load_state_dict({"weight": w[f"{name}.weight"]})
-    fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-    fc.load_state_dict({"weight": w["fc.weight"]})
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        hidden = hf.model(ids).last_hidden_state[:, :-1]
-        emb = hf.model.embed_tokens(ids[:, 1:])
-        x = fc(torch.cat([norms["pre_fc_norm_embedding"](emb),
-                          norms["pre_fc_norm_hidden"](hidden)], dim=-1))
-        pos = torch.arange(len(prompt) - 1)[None]
-        x = layer(x, hf.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos)
-        x = x[0] if isinstance(x, tuple) else x
-        return hf.lm_head(norms["norm"](x))[0].numpy()
+    return _TorchMtp(path).logits(prompt)
 
 
-def _our_mtp_logits(path: Path, prompt: list[int]) -> np.ndarray:
+
+
+def _our_mtp_logits(path: Path, prompt: list[int], pages: bool = False):
     """Our model's hidden states, then ``mtp_forward`` over the same positions with its own
-    pages (its K/V written and attended like any attention layer)."""
+    pages (its K/V written and attended like any attention layer). ``pages``: return the
+    head's keys ``[Hkv, L-1, D]`` of positions ``0 .. L-2`` instead."""
     import jax.numpy as jnp
 
     from jaxserve.core.kv_cache_spec import group_layers
@@ -166,9 +197,12 @@ def _our_mtp_logits(path: Path, prompt: list[int]) -> np.ndarray:
 
     hidden, caches = model(jnp.asarray(prompt, jnp.int32), jnp.arange(n, dtype=jnp.int32),
                            caches, md(n))
-    h, _ = model.mtp_forward(jnp.asarray(prompt[1:], jnp.int32),
-                             jnp.arange(n - 1, dtype=jnp.int32), hidden[:-1], caches[-1],
-                             md(n - 1))
+    h, kv = model.mtp_forward(jnp.asarray(prompt[1:], jnp.int32),
+                              jnp.arange(n - 1, dtype=jnp.int32), hidden[:-1], caches[-1],
+                              md(n - 1))
+    if pages:
+        pos = np.arange(n - 1)
+        return np.asarray(kv[0])[:, np.asarray(table[0])[pos // block], pos % block]
     return np.asarray(model.compute_logits(h))
 
 
@@ -180,6 +214,45 @@ def test_mtp_head_logits_match_a_torch_reference_of_hf_layers(ckpt):
 
 
 # -- the engine -----------------------------------------------------------------------------------
+
+def test_engine_drafts_are_the_heads_chain_of_the_torch_reference(ckpt):
+    """k = 3, two requests whose prompts cross many 8-token chunks: the head's keys of every
+    prompt position equal one pass of the head over the whole prompt (each chunk's last token
+    read the next prompt token), and each of their first proposals (after the prompt, then
+    after verify steps) equals the torch head's chain on the same tokens (verify rows feed the
+    token emitted at the last accepted position; the draft steps read their own K/V)."""
+    path = ckpt("dense")
+    prompts = _prompts([90, 70], seed=6)
+    llm = _engine(path, _mtp(3), max_num_batched_tokens=8, min_token_bucket=8)
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def record(req, drafts):
+        if len(req.all_token_ids) == len(req.prompt_token_ids) + 1:  # right after the prompt
+            # the head's keys of every prompt position, written chunk by chunk
+            k_pages = np.asarray(llm.llm_engine.runner.kv_pages[-1][0])
+            pos = np.arange(len(req.prompt_token_ids))
+            pages = np.asarray(req.block_ids)[pos // 8]
+            keys[tuple(req.all_token_ids)] = k_pages[:, pages, pos % 8]
+        seen.append((list(req.all_token_ids), list(drafts)))
+        return drafts
+
+    keys: dict[tuple, np.ndarray] = {}
+    llm.llm_engine.proposer.override = record
+    _greedy(llm, prompts, n=8)
+    assert len(keys) == len(prompts)
+    for tokens, k in keys.items():
+        np.testing.assert_allclose(k, _our_mtp_logits(path, list(tokens), pages=True),
+                                   atol=ATOL, rtol=0)
+    ref = _TorchMtp(path)
+    checked = 0
+    for p in prompts:
+        mine = [(t, d) for t, d in seen if t[:len(p)] == p][:3]
+        assert len(mine) == 3
+        for tokens, drafts in mine:
+            assert drafts == ref.drafts(tokens, len(drafts)), len(tokens)
+            checked += len(drafts) == 3
+    assert checked >= 4  # most with all three drafts (the chain)
+
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_with_mtp_equals_greedy_without_and_hf(ckpt, hf_greedy, k):
