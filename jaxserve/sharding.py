@@ -97,6 +97,11 @@ def check_model(model_config, tp: int) -> None:
         raise InvalidRequestError(
             f"tensor_parallel_size={tp} and num_key_value_heads={hkv} must divide one another",
             param="tensor_parallel_size")
+    for key in ("linear_num_key_heads", "linear_num_value_heads"):  # Gated DeltaNet heads
+        n = (getattr(model_config, "hf", None) or {}).get(key)
+        if n is not None and int(n) % tp:
+            raise InvalidRequestError(f"tensor_parallel_size={tp} must divide {key}={n}",
+                                      param="tensor_parallel_size")
 
 
 def pool_kv_heads(num_kv_heads: int, tp: int) -> int:
@@ -120,6 +125,12 @@ def agree_across_hosts(num_pages: int) -> int:
 
 def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(TP_AXIS))
+
+
+def state_pool_sharding(mesh: Mesh) -> NamedSharding:
+    """A state pool ``[slots, C or H, ...]``: split over its channel/head axis, as the layers
+    that own it split their heads."""
+    return NamedSharding(mesh, PartitionSpec(None, TP_AXIS))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

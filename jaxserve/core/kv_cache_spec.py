@@ -191,7 +191,8 @@ def state_groups(groups: Sequence[CacheGroup]) -> tuple[CacheGroup, ...]:
 
 
 def state_bytes_per_slot(groups: Sequence[CacheGroup]) -> int:
-    """One slot across every LinearState layer (all devices together: the pool is replicated)."""
+    """One slot across every LinearState layer, all devices together (under tensor parallelism
+    each device holds ``1/tp`` of it: the pool splits over heads)."""
     return sum(g.spec.slot_bytes() * len(g.layers) for g in state_groups(groups))
 
 
@@ -200,7 +201,7 @@ def split_budget_with_state(pools: Sequence[PagePool], slot_bytes: int, budget_b
                             ) -> tuple[int, tuple[int, ...]]:
     """(state slots, pages per pool) from one byte budget: as many full-length requests as fit
     (each a slot plus its pages), at most ``max_num_seqs`` slots; what the slots leave goes to
-    pages. The pool is replicated, so a slot costs ``slot_bytes`` on every device."""
+    pages. ``slot_bytes`` and ``budget_bytes`` are one device's."""
     page = [p.page_bytes(block_size, tp) // tp for p in pools]
     need = [p.max_pages(max_model_len, block_size) for p in pools]
     per_request = slot_bytes + sum(n * b for n, b in zip(need, page))

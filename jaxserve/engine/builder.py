@@ -206,11 +206,6 @@ def _pipeline_mesh(config: EngineConfig, devices):
 
 def check_state_pool_support(config: EngineConfig) -> None:
     """What a model with a recurrent-state pool cannot do yet: errors naming the flag."""
-    if config.cache.calculate_kv_scales:
-        raise InvalidRequestError(
-            "--calculate-kv-scales is not supported for models with LinearState (Gated "
-            "DeltaNet) layers yet (the calibration pass pages every layer)",
-            param="calculate_kv_scales")
     spec = config.speculative
     # ngram and mtp verify on the target alone, whose state rolls back to the last accepted
     # token (snapshots per verified token); a draft model would need its own state handled

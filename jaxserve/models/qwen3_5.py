@@ -16,7 +16,10 @@ Checkpoints: ``Qwen3_5ForCausalLM`` (``model.*``) and the vision-language layout
 (``Qwen3_5ForConditionalGeneration``: ``model.language_model.*``, ``model.visual.*`` skipped);
 the multi-token-prediction head (``mtp.*``) is loaded only for speculative decoding with method
 ``mtp`` (``ModelConfig.load_mtp``; see :class:`MultiTokenPredictor`). Tensor parallel: attention
-heads and the MLPs are split (Megatron rules), the GDN layers are replicated on every device.
+heads and the MLPs are split (Megatron rules); a GDN layer is split over its key/value heads: the
+checkpoint's fused ``in_proj_qkv`` and ``conv1d`` load as separate q, k and v parts so each
+device holds whole heads of each, its state pool slice holds those heads' conv channels and
+delta-rule states, and ``out_proj`` sums the devices' partial products.
 """
 from __future__ import annotations
 
@@ -49,8 +52,6 @@ from jaxserve.models.quantization import lm_head_logits
 from pallas_kernels import gated_delta_rule as gdn
 
 LINEAR = "linear_attention"
-# GDN tensors are replicated under tensor parallelism (their heads are not split)
-_REPLICATED = ("linear_attn.",)
 _SKIPPED_PREFIXES = ("model.visual.", "visual.")
 _MTP_PREFIXES = ("mtp.", "model.mtp.")
 
@@ -105,11 +106,16 @@ class GatedDeltaNet(nnx.Module):
         value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * key_dim + value_dim
         lin = dict(bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_qkv = Linear(h, self.conv_dim, **lin)
+        self.in_proj_q = Linear(h, key_dim, **lin)
+        self.in_proj_k = Linear(h, key_dim, **lin)
+        self.in_proj_v = Linear(h, value_dim, **lin)
         self.in_proj_z = Linear(h, value_dim, **lin)
         self.in_proj_b = Linear(h, self.num_v_heads, **lin)
         self.in_proj_a = Linear(h, self.num_v_heads, **lin)
-        self.conv1d = Conv1dWeight(self.conv_dim, self.conv_kernel, dtype=dtype, rngs=rngs)
+        conv = dict(dtype=dtype, rngs=rngs)
+        self.conv1d_q = Conv1dWeight(key_dim, self.conv_kernel, **conv)
+        self.conv1d_k = Conv1dWeight(key_dim, self.conv_kernel, **conv)
+        self.conv1d_v = Conv1dWeight(value_dim, self.conv_kernel, **conv)
         self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), dtype))
         self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, self.num_v_heads)).astype(dtype))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -126,35 +132,43 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x, state, md: AttentionMetadata, mesh=None):
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)
+        qkv = (self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x))
+        conv_w = tuple(c.weight[...][:, 0, :] for c in (self.conv1d_q, self.conv1d_k,
+                                                          self.conv1d_v))
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a + self.dt_bias[...].astype(jnp.float32))
         core = self._recurrence
-        if mesh is not None:  # every device runs the whole recurrence on its replicated state
-            rep = PartitionSpec()
-            core = sharding._shard_map(core, mesh, in_specs=(rep,) * 6,
-                                       out_specs=(rep, rep, rep))
-        o, conv_state, rec_state = core(mixed, self.conv1d.weight[...][:, 0, :], g, beta,
-                                        state, md)
+        if mesh is not None:  # each device runs the recurrence of its own heads
+            cols = PartitionSpec(None, sharding.TP_AXIS)
+            rows = PartitionSpec(sharding.TP_AXIS, None)
+            heads = PartitionSpec(None, sharding.TP_AXIS, None)
+            pool = PartitionSpec(None, sharding.TP_AXIS)
+            core = sharding._shard_map(
+                core, mesh, in_specs=((cols,) * 3, (rows,) * 3, cols, cols, (pool, pool),
+                                      PartitionSpec()),
+                out_specs=(heads, pool, pool))
+        o, conv_state, rec_state = core(qkv, conv_w, g, beta, state, md)
         z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.astype(x.dtype), z)
         return self.out_proj(o.reshape(t, -1)), (conv_state, rec_state)
 
-    def _recurrence(self, mixed, conv_w, g, beta, state, md):
+    def _recurrence(self, qkv, conv_w, g, beta, state, md):
         """Causal conv then the gated delta rule, reading and writing the rows' slots (and the
-        per-token snapshots of verify rows, ``md.snapshot_slots``)."""
-        t = mixed.shape[0]
+        per-token snapshots of verify rows, ``md.snapshot_slots``). Head counts come from the
+        shapes: under a mesh this runs on one device's heads."""
+        t = qkv[0].shape[0]
         conv_state, rec_state = state
-        y, conv_state = gdn.causal_conv1d(mixed, conv_w, None, conv_state, md.query_start,
-                                          md.seq_lens, md.state_slots,
+        y, conv_state = gdn.causal_conv1d(jnp.concatenate(qkv, axis=-1),
+                                          jnp.concatenate(conv_w, axis=0), None, conv_state,
+                                          md.query_start, md.seq_lens, md.state_slots,
                                           activation=self.activation,
                                           snapshot_slots=md.snapshot_slots)
-        kd = self.num_k_heads * self.head_k_dim
-        q = y[:, :kd].reshape(t, self.num_k_heads, self.head_k_dim)
-        k = y[:, kd:2 * kd].reshape(t, self.num_k_heads, self.head_k_dim)
-        v = y[:, 2 * kd:].reshape(t, self.num_v_heads, self.head_v_dim)
+        kd, vd = qkv[0].shape[-1], qkv[2].shape[-1]
+        q = y[:, :kd].reshape(t, kd // self.head_k_dim, self.head_k_dim)
+        k = y[:, kd:2 * kd].reshape(t, kd // self.head_k_dim, self.head_k_dim)
+        v = y[:, 2 * kd:].reshape(t, vd // self.head_v_dim, self.head_v_dim)
         o, rec_state = gdn.gated_delta_rule(q, k, v, g, beta, rec_state, md.query_start,
                                             md.seq_lens, md.state_slots, use_qk_l2norm=True,
                                             snapshot_slots=md.snapshot_slots)
@@ -336,8 +350,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     @classmethod
     def param_partition_spec(cls, name: str, cfg: ModelConfig) -> PartitionSpec:
-        if any(p in name for p in _REPLICATED):
-            return PartitionSpec()
+        if ".linear_attn." in name:
+            return _gdn_partition_spec(name)
         if cls.moe:
             return MoeForCausalLM.param_partition_spec(name, cfg)
         return megatron_partition_spec(name)
@@ -345,8 +359,9 @@ class Qwen3_5ForCausalLM(nnx.Module):
     @classmethod
     def checkpoint_tensors(cls, cfg: ModelConfig, tensors):
         """The VL layout's ``model.language_model.*`` as ``model.*``; vision tower dropped, the
-        MTP head (``mtp.*``) too unless ``cfg.load_mtp``; MoE experts (fused ``gate_up_proj``
-        or per expert) stacked, the MTP layer's as well."""
+        MTP head (``mtp.*``) too unless ``cfg.load_mtp``; GDN ``in_proj_qkv``/``conv1d`` split
+        into q, k, v parts; MoE experts (fused ``gate_up_proj`` or per expert) stacked, the MTP
+        layer's as well."""
         out = {}
         for name, load in tensors.items():
             if name.startswith(_SKIPPED_PREFIXES):
@@ -357,6 +372,9 @@ class Qwen3_5ForCausalLM(nnx.Module):
                 name = name[name.index("mtp."):]
             if name.startswith("model.language_model."):
                 name = "model." + name[len("model.language_model."):]
+            if name.endswith((".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")):
+                out.update(_split_qkv(cfg, name, load))
+                continue
             out[name] = load
         if cfg.load_mtp and not any(n.startswith("mtp.") for n in out):
             raise ValueError("speculative_config.method 'mtp' needs the checkpoint's multi-token-"
@@ -379,6 +397,34 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen 3.5 / 3.6 MoE (routed experts plus a gated shared expert in every layer)."""
 
     moe = True
+
+
+def _gdn_partition_spec(name: str) -> PartitionSpec:
+    """A GDN layer split over its heads: projections and conv weights by output rows, the
+    per-head decay parameters by head, ``out_proj`` by input columns; the gated norm (one
+    weight shared by every head) replicated."""
+    tp = sharding.TP_AXIS
+    if name.endswith(("out_proj.weight",)):
+        return PartitionSpec(None, tp)
+    if ".in_proj_" in name:
+        return PartitionSpec(tp, None)
+    if ".conv1d_" in name:
+        return PartitionSpec(tp, None, None)
+    if name.endswith(("A_log", "dt_bias")):
+        return PartitionSpec(tp)
+    return PartitionSpec()
+
+
+def _split_qkv(cfg: ModelConfig, name: str, load) -> dict:
+    """HF's fused ``[q | k | v]`` rows (``in_proj_qkv`` and the conv over them) as three
+    tensors, so a row split under tensor parallelism keeps whole heads of each."""
+    hf = cfg.hf
+    kd = int(hf["linear_num_key_heads"]) * int(hf["linear_key_head_dim"])
+    bounds = {"q": (0, kd), "k": (kd, 2 * kd), "v": (2 * kd, None)}
+    proj = name.endswith("in_proj_qkv.weight")
+    stem = name[:-len("in_proj_qkv.weight" if proj else "conv1d.weight")]
+    return {stem + (f"in_proj_{p}.weight" if proj else f"conv1d_{p}.weight"):
+            (lambda lo=lo, hi=hi: load()[lo:hi]) for p, (lo, hi) in bounds.items()}
 
 
 def _fused_experts(cfg: ModelConfig, tensors: dict) -> dict:

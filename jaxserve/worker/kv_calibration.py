@@ -22,7 +22,9 @@ from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models import kv_scales
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve import sharding
-from jaxserve.worker.kv_cache import allocate_kv_pages
+from jaxserve.core.kv_cache_spec import LinearState, group_layers, state_groups
+from jaxserve.worker.kv_cache import allocate_hybrid_caches, allocate_kv_pages
+from jaxserve.worker.runner import model_cache_specs
 from pallas_kernels.reference import is_fp8
 
 logger = logging.getLogger(__name__)
@@ -34,28 +36,41 @@ CALIBRATION_TOKENS = 1024  # at most this many tokens (and at most max_model_len
 def kv_amax(model, model_config: ModelConfig, token_ids, *, block_size: int, dtype,
             mesh=None) -> np.ndarray:
     """``[L, Hkv, 2]`` float32: the largest ``|k|`` and ``|v|`` each layer's attention writes
-    for ``token_ids`` (one prefill, one jitted pass)."""
+    for ``token_ids`` (one prefill, one jitted pass). A LinearState layer (no pages) gets 0,
+    which :func:`scales_from_amax` turns into an unused 1.0."""
     n = len(token_ids)
     tp = sharding.tp_size(mesh)
     pages = -(-n // block_size)
     pool_sharding = sharding.kv_pool_sharding(mesh) if mesh is not None else None
-    pool = allocate_kv_pages(model_config, pages + 1, block_size, dtype, sharding=pool_sharding,
-                             tp=tp)
+    specs = model_cache_specs(model, model_config, dtype)
+    groups = group_layers(specs)
+    if state_groups(groups):  # a state pool of one slot beside the pages
+        pool = allocate_hybrid_caches(
+            model_config, groups, pages + 1, 1, block_size, dtype, kv_sharding=pool_sharding,
+            state_sharding=sharding.state_pool_sharding(mesh) if mesh is not None else None,
+            tp=tp)
+    else:
+        pool = allocate_kv_pages(model_config, pages + 1, block_size, dtype,
+                                 sharding=pool_sharding, tp=tp)
+    paged = [not isinstance(spec, LinearState) for spec in specs]
     md = AttentionMetadata(
         slot_mapping=jnp.arange(n, dtype=jnp.int32) + block_size,  # page 1 on; 0 is trash
         query_start=jnp.asarray([0, n], jnp.int32),
         seq_lens=jnp.asarray([n], jnp.int32),
         block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-        num_seqs=jnp.int32(1))
+        num_seqs=jnp.int32(1), state_slots=jnp.zeros((1,), jnp.int32))
     graphdef, state = nnx.split(model)
+    heads = sharding.pool_kv_heads(model_config.num_kv_heads, tp)
 
     @jax.jit
     def amax(state, pool, ids, md):
         m = nnx.merge(graphdef, state)
         _, pool = m(ids, jnp.arange(ids.shape[0], dtype=jnp.int32), pool, md)
-        return jnp.stack([jnp.stack([jnp.max(jnp.abs(k.astype(jnp.float32)), axis=(1, 2, 3)),
-                                     jnp.max(jnp.abs(v.astype(jnp.float32)), axis=(1, 2, 3))],
-                                    axis=-1) for k, v in pool])
+        return jnp.stack([
+            jnp.stack([jnp.max(jnp.abs(kv[0].astype(jnp.float32)), axis=(1, 2, 3)),
+                       jnp.max(jnp.abs(kv[1].astype(jnp.float32)), axis=(1, 2, 3))], axis=-1)
+            if is_paged else jnp.zeros((heads, 2), jnp.float32)
+            for kv, is_paged in zip(pool, paged)])
 
     out = np.asarray(jax.device_get(amax(state, pool, jnp.asarray(token_ids, jnp.int32), md)))
     hkv = model_config.num_kv_heads
@@ -108,9 +123,10 @@ def prepare_kv_scales(model, model_config: ModelConfig, cache: CacheConfig, kv_d
 
 
 def _uniform_kv(model) -> bool:
-    """Every layer owns KV of one shape (what ``[L, Hkv, 2]`` scales describe)."""
+    """Every paged layer owns KV of one shape (what ``[L, Hkv, 2]`` scales describe); a
+    LinearState layer holds an unused scale."""
     if not hasattr(model, "cache_specs"):
         return True
-    specs = model.cache_specs("float32")
+    specs = [s for s in model.cache_specs("float32") if not isinstance(s, LinearState)]
     return (all(hasattr(s, "kv_heads") for s in specs)
             and len({(s.kv_heads, s.head_dim) for s in specs}) == 1)

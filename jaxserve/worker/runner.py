@@ -152,7 +152,8 @@ def _rollback_fn(base: int, k: int, mesh=None):
 
     if mesh is None:
         return jax.jit(rollback, donate_argnums=(0,))
-    return jax.jit(rollback, donate_argnums=(0,), out_shardings=sharding.replicated(mesh))
+    return jax.jit(rollback, donate_argnums=(0,),
+                   out_shardings=sharding.state_pool_sharding(mesh))
 
 
 @lru_cache(maxsize=None)
@@ -457,9 +458,9 @@ def state_pool_sizes(pools, cache_groups, model_config: ModelConfig,
     sizes = pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp)
     budget = sum(n * p.page_bytes(engine_config.cache.block_size, tp) // tp
                  for n, p in zip(sizes, pools))
-    budget -= scratch_slots * state_bytes_per_slot(cache_groups)
+    budget -= scratch_slots * state_bytes_per_slot(cache_groups) // tp
     slots, sizes = split_budget_with_state(
-        pools, state_bytes_per_slot(cache_groups), budget,
+        pools, state_bytes_per_slot(cache_groups) // tp, budget,
         block_size=engine_config.cache.block_size, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, tp=tp)
     if slots < 1 or min(sizes) < 2:
@@ -535,8 +536,8 @@ class ModelRunner:
             self.kv_pages = allocate_hybrid_caches(
                 model_config, self.cache_groups, self.pool_pages[0], self.num_state_slots,
                 self.block_size, self.kv_dtype, kv_sharding=kv_sharding,
-                state_sharding=sharding.replicated(mesh or sharding.default_mesh()), tp=tp,
-                scratch_slots=scratch)
+                state_sharding=(sharding.state_pool_sharding(mesh) if mesh is not None
+                                else None), tp=tp, scratch_slots=scratch)
         else:  # one pool: a page id indexes every layer's array (core.kv_cache_spec.page_pools)
             self.pools = page_pools(self.cache_groups)
             sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
@@ -599,12 +600,12 @@ class ModelRunner:
     def _log_hybrid_cache(self, max_model_len: int, tp: int) -> None:
         """What the page pool and the state pool hold: requests and context tokens."""
         page = self.pools[0].page_bytes(self.block_size, tp) // tp
-        slot = state_bytes_per_slot(self.cache_groups)
+        slot = state_bytes_per_slot(self.cache_groups) // tp
         tokens = (self.num_pages - 1) * self.block_size
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MiB, %d attention layers, %.0f bytes per "
-            "context token); state pool: %d slots of %.2f MiB (%d LinearState layers, float32): "
-            "%d requests at once, %d context tokens in all (%.1f requests at max_model_len %d)",
+            "context token); state pool: %d slots of %.2f MiB a device (%d LinearState layers, "
+            "float32): %d requests at once, %d context tokens in all (%.1f requests at max_model_len %d)",
             self.num_pages, self.block_size, self.num_pages * page / 2**20,
             len(self.pools[0].layers), page / self.block_size, self.num_state_slots,
             slot / 2**20, len(self.state_layers), self.num_state_slots, tokens,
@@ -880,11 +881,11 @@ class ModelRunner:
 
     def _set_pool(self, pool) -> None:
         """Keep the step's input sharding (no recompile under tp): page pools split over KV
-        heads, state pools replicated."""
+        heads, state pools over their channel/head axis."""
         if self.mesh is not None:
             kv = sharding.kv_pool_sharding(self.mesh)
-            rep = sharding.replicated(self.mesh)
-            pool = jax.device_put(pool, [rep if i in self.state_layers else kv
+            state = sharding.state_pool_sharding(self.mesh)
+            pool = jax.device_put(pool, [state if i in self.state_layers else kv
                                          for i in range(len(pool))])
         self.kv_pages = pool
 

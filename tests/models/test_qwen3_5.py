@@ -220,6 +220,23 @@ def test_fp8_weights_and_fp8_kv_cache_keep_the_state_float32(qwen35):
     _assert_pools_free(llm)
 
 
+@pytest.mark.slow  # a calibration pass, then fp8 serving
+def test_calculate_kv_scales_calibrates_the_attention_layers(qwen35):
+    """``--calculate-kv-scales``: one calibration pass over pages and a one-slot state pool;
+    the attention layers get their measured scales, the GDN layers an unused 1.0, and greedy
+    decoding with the scaled fp8 pages stays on HF's first tokens."""
+    from jaxserve.models.kv_scales import get_kv_scales
+
+    path = qwen35("dense")
+    llm = _engine(path, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    scales = get_kv_scales(llm.llm_engine.model)
+    assert scales.shape == (4, 2, 2)
+    assert np.all(scales[:3] == 1.0) and np.all(scales[3] != 1.0)
+    prompt = _prompts([60], seed=6)
+    assert _greedy(llm, prompt, n=4) == _hf_greedy(path, prompt, 4)
+    _assert_pools_free(llm)
+
+
 def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
     from jaxserve.config import engine_config_from_kwargs
     from jaxserve.engine.builder import check_state_pool_support
@@ -234,31 +251,57 @@ def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
     with pytest.raises(InvalidRequestError, match="--speculative-config") as e:
         check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec))
     assert e.value.param == "speculative_config"
-    with pytest.raises(InvalidRequestError, match="--calculate-kv-scales"):
-        check_state_pool_support(engine_config_from_kwargs("m", kv_cache_dtype="fp8",
-                                                           calculate_kv_scales=True))
     check_state_pool_support(engine_config_from_kwargs("m"))
+
+
+def test_tensor_parallel_must_divide_the_gdn_heads():
+    from types import SimpleNamespace
+
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.sharding import check_model
+
+    cfg = SimpleNamespace(num_heads=8, num_kv_heads=4,
+                          hf={"linear_num_key_heads": 2, "linear_num_value_heads": 6})
+    check_model(cfg, 2)
+    with pytest.raises(InvalidRequestError, match="linear_num_key_heads=2") as e:
+        check_model(cfg, 4)
+    assert e.value.param == "tensor_parallel_size"
 
 
 def _tp2_child(path: str, prompts) -> list:
     llm = _engine(Path(path), tensor_parallel_size=2)
     q = llm.llm_engine.model.model.layers[3].self_attn.q_proj.weight.get_value()
     assert q.addressable_shards[0].data.shape[0] == q.shape[0] // 2  # heads split
-    return _greedy(llm, prompts)
+    gdn = llm.llm_engine.model.model.layers[0].linear_attn
+    for w in (gdn.in_proj_q.weight, gdn.in_proj_v.weight, gdn.conv1d_k.weight, gdn.A_log):
+        w = w.get_value()
+        assert w.addressable_shards[0].data.shape[0] == w.shape[0] // 2  # GDN heads split
+    runner = llm.llm_engine.runner
+    for arr in runner.kv_pages[0]:  # layer 0's conv and delta-rule state pools
+        assert arr.addressable_shards[0].data.shape[1] == arr.shape[1] // 2
+    got = _greedy(llm, prompts)
+    # swap preemption moves the split state out and back into the split pool
+    llm = _engine(Path(path), tensor_parallel_size=2, block_size=8, num_gpu_blocks_override=20,
+                  preemption_mode="swap")
+    swapped = _greedy(llm, prompts + prompts)
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    _assert_pools_free(llm)
+    return [got, swapped]
 
 
 @pytest.mark.slow  # a child process with 2 CPU devices
 @pytest.mark.parametrize("variant", ["dense", "moe-vl"])
 def test_tp2_equals_hf(qwen35, variant):
     path = qwen35(variant)
-    prompts = _prompts([70, 40], seed=4)
+    prompts = _prompts([90, 70], seed=4)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, __file__, json.dumps([str(path), prompts])],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == _hf_greedy(path, prompts, NEW_TOKENS)
+    got, swapped = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = _hf_greedy(path, prompts, NEW_TOKENS)
+    assert got == ref and swapped == ref + ref
 
 
 if __name__ == "__main__":
