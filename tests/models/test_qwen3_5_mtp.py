@@ -105,65 +105,10 @@ def _mtp(k: int) -> dict:
 
 # -- the head itself ------------------------------------------------------------------------------
 
-class _TorchMtp:
-    """The MTP head built from HF's own full-attention decoder layer and norms with the
-    checkpoint's ``mtp.*`` weights, over HF's target hidden states (normed)."""
-
-    def __init__(self, path: Path):
-        from safetensors.numpy import load_file
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-        self.hf = hf = _hf(path)
-        cfg = hf.config
-        w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in
-             load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
-        full = cfg.layer_types.index("full_attention")
-        self.layer = m.Qwen3_5DecoderLayer(cfg, layer_idx=full).eval()
-        self.layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items()
-                                    if k.startswith("layers.0.")})
-        self.norms = {}
-        for name in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
-            self.norms[name] = m.Qwen3_5RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps).eval()
-            self.norms[name].load_state_dict({"weight": w[f"{name}.weight"]})
-        self.fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.fc.load_state_dict({"weight": w["fc.weight"]})
-
-    def _head(self, next_ids, hidden):
-        """Head outputs (normed) at positions 0..len-1, causal over the whole sequence."""
-        n = self.norms
-        x = self.fc(torch.cat([n["pre_fc_norm_embedding"](self.hf.model.embed_tokens(next_ids)),
-                               n["pre_fc_norm_hidden"](hidden)], dim=-1))
-        pos = torch.arange(x.shape[1])[None]
-        x = self.layer(x, self.hf.model.rotary_emb(x, pos), attention_mask=None,
-                       position_ids=pos)
-        return n["norm"](x[0] if isinstance(x, tuple) else x)
-
-    @torch.no_grad()
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        """Logits of the token two ahead at positions ``0 .. L-2``."""
-        ids = torch.tensor([tokens])
-        hidden = self.hf.model(ids).last_hidden_state[:, :-1]
-        return self.hf.lm_head(self._head(ids[:, 1:], hidden))[0].numpy()
-
-    @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        """What the head proposes after ``tokens``: draft 1 from the last token's predecessor,
-        then ``k - 1`` steps on its own hidden state and draft, one position on each."""
-        ids = torch.tensor([tokens])
-        hidden = self.hf.model(ids).last_hidden_state[:, :-1]
-        nxt = ids[:, 1:]
-        out = []
-        for _ in range(k):
-            h = self._head(nxt, hidden)[:, -1:]
-            d = int(self.hf.lm_head(h)[0, 0].argmax())
-            out.append(d)
-            nxt = torch.cat([nxt, torch.tensor([[d]])], dim=1)
-            hidden = torch.cat([hidden, h], dim=1)
-        return out
-
-
 def _torch_mtp_logits(path: Path, prompt: list[int]) -> np.ndarray:
-    return _TorchMtp(path).logits(prompt)
+    from jaxserve.testing.qwen3_5 import TorchMtpHead
+
+    return TorchMtpHead(path).logits(prompt)
 
 
 
@@ -243,7 +188,9 @@ def test_engine_drafts_are_the_heads_chain_of_the_torch_reference(ckpt):
     for tokens, k in keys.items():
         np.testing.assert_allclose(k, _our_mtp_logits(path, list(tokens), pages=True),
                                    atol=ATOL, rtol=0)
-    ref = _TorchMtp(path)
+    from jaxserve.testing.qwen3_5 import TorchMtpHead
+
+    ref = TorchMtpHead(path)
     checked = 0
     for p in prompts:
         mine = [(t, d) for t, d in seen if t[:len(p)] == p][:3]
@@ -430,6 +377,31 @@ def test_cli_speculative_config_mtp_parses_and_bad_values_name_the_field(capsys)
                  '{"method": "mtp", "num_speculative_tokens": -1}']) == 2
     err = capsys.readouterr().err
     assert "num_speculative_tokens" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # the head's training takes about a minute
+def test_a_trained_head_gets_its_drafts_accepted(tmp_path):
+    """The tiny head distilled on the model's own greedy text (tools/make_tiny_model.py
+    --distill-mtp): with k = 3 the head's own drafts, draft steps included, are accepted
+    often enough to shorten decoding, and the tokens stay HF's."""
+    import subprocess as sp
+
+    out = tmp_path / "trained"
+    sp.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--arch", "qwen3_5",
+            "--out", str(out), "--distill-mtp", "60"], check=True, capture_output=True,
+           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=900)
+    prompts = _prompts()
+    hf = _hf(out)
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+               for p in prompts]
+    llm = _engine(out, _mtp(3))
+    assert _greedy(llm, prompts, n=32) == ref
+    s = llm.llm_engine.spec_stats
+    assert s.mean_acceptance_length > 1.5
+    assert s.accepted_per_pos[2] > 0  # the third draft (two draft steps deep) is right too
+    _assert_pools_free(llm)
 
 
 @pytest.mark.slow  # a server process
