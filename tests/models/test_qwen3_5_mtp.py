@@ -339,6 +339,26 @@ def test_moe_greedy_with_mtp_equals_hf(ckpt, hf_greedy):
     _assert_pools_free(llm)
 
 
+@pytest.mark.slow  # fp8 quantization at start-up
+def test_fp8_kv_cache_with_calculated_scales_and_mtp(ckpt, hf_greedy):
+    """``--kv-cache-dtype fp8 --calculate-kv-scales``: the head's layer is one more cache layer
+    (its scale 1.0: the calibration pass runs the model, not the head), its pages float8; the
+    greedy tokens equal the same engine's without speculation."""
+    import jax.numpy as jnp
+
+    path = ckpt("dense")
+    prompts = _prompts([50, 40], seed=5)
+    kw = dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    want = _greedy(_engine(path, **kw), prompts)
+    llm = _engine(path, _mtp(2), **kw)
+    assert _greedy(llm, prompts) == want
+    model = llm.llm_engine.model
+    assert model.mtp.layers[0].self_attn.kv_scale == ((1.0, 1.0),) * 2
+    assert model.model.layers[3].self_attn.kv_scale != ((1.0, 1.0),) * 2
+    assert llm.llm_engine.runner.kv_pages[-1][0].dtype == jnp.float8_e4m3fn
+    _assert_pools_free(llm)
+
+
 # -- configuration errors -------------------------------------------------------------------------
 
 def test_mtp_without_a_head_is_a_start_up_error_naming_the_field(ckpt, tmp_path):
