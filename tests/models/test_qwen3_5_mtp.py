@@ -318,7 +318,7 @@ def test_nothing_compiles_after_warm_up(ckpt, hf_greedy):
     path = ckpt("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
-    llm = _engine(path, _mtp(2), enforce_eager=False)
+    llm = _engine(path, _mtp(2), enforce_eager=False, min_token_bucket=8)  # buckets 8, 16, 32
     runner = llm.llm_engine.runner
     warm = runner.num_compiles
     assert _greedy(llm, prompts) == ref
