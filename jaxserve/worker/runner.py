@@ -139,7 +139,9 @@ def _rollback_fn(base: int, k: int, mesh=None):
     kept ``a < num_draft`` drafts copies its snapshot after token ``a`` (the last accepted
     one, :func:`snapshot_slots`) into its own slot, which the verify step left holding the
     state after every draft. Rows that kept all their drafts, and rows without, are untouched.
-    ``state_pools``: the LinearState layers' arrays (donated)."""
+    Per-position snapshots rather than snapshot + recompute: k small copies per row in the
+    verify step and one copy here, never a second forward. ``state_pools``: the LinearState
+    layers' arrays (donated)."""
 
     def rollback(state_pools, slots, num_draft, num_emitted):
         _TRACES.n += 1
@@ -525,12 +527,12 @@ class ModelRunner:
                                                  sharding=kv_sharding, tp=tp)
         elif self.state_layers:  # one page pool beside the state pool
             self.pools = page_pools(self.cache_groups)
+            scratch = self.max_num_seqs * self.num_spec_tokens
             slots, sizes = state_pool_sizes(self.pools, self.cache_groups, model_config,
                                             engine_config, max_model_len, param_bytes // tp, tp,
-                                            self.max_num_seqs * self.num_spec_tokens)
+                                            scratch)
             self.num_state_slots = sharding.agree_across_hosts(slots)
             self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
-            scratch = self.max_num_seqs * self.num_spec_tokens
             if scratch:
                 self.snapshots = (self.num_state_slots, self.num_spec_tokens)
             self.kv_pages = allocate_hybrid_caches(
