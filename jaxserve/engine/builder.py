@@ -122,7 +122,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                              getattr(tokenizer, "eos_token_id", None)))
     if any(isinstance(s, LinearState) for s in getattr(model, "cache_specs", lambda d: [])(
             "float32")):
-        check_state_pool_support(config)
+        check_state_pool_support(config, None if draft is None else draft[0])
     # float8 KV scales are settled before the runner splits the model (they are static)
     prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
                       serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
@@ -204,15 +204,16 @@ def _pipeline_mesh(config: EngineConfig, devices):
                          config.parallel.tensor_parallel_size, devices)
 
 
-def check_state_pool_support(config: EngineConfig) -> None:
-    """What a model with a recurrent-state pool cannot do yet: errors naming the flag."""
-    spec = config.speculative
-    # ngram and mtp verify on the target alone, whose state rolls back to the last accepted
-    # token (snapshots per verified token); a draft model would need its own state handled
-    if spec is not None and spec.method not in ("ngram", "mtp"):
+def check_state_pool_support(config: EngineConfig, draft_model=None) -> None:
+    """What a model with a recurrent-state pool cannot do yet: errors naming the flag. Every
+    speculative method verifies with the target's state rolled back to the last accepted token
+    (per-token snapshots); a draft model with LinearState layers of its own is refused (its
+    proposer keeps no state slots)."""
+    specs = getattr(draft_model, "cache_specs", lambda d: [])("float32")
+    if any(isinstance(s, LinearState) for s in specs):
         raise InvalidRequestError(
-            f"--speculative-config method {spec.method!r} is not supported for models with "
-            "LinearState (Gated DeltaNet) layers yet (use 'mtp' or 'ngram')",
+            "--speculative-config: a draft model with LinearState (Gated DeltaNet) layers is "
+            "not supported (use method 'mtp', 'ngram', or an attention-only draft model)",
             param="speculative_config")
 
 

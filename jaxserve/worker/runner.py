@@ -445,19 +445,23 @@ def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConf
 
 def state_pool_sizes(pools, cache_groups, model_config: ModelConfig,
                      engine_config: EngineConfig, max_model_len, param_bytes: int, tp: int = 1,
-                     scratch_slots: int = 0) -> tuple[int, tuple[int, ...]]:
+                     scratch_slots: int = 0, extra_page_bytes: int = 0
+                     ) -> tuple[int, tuple[int, ...]]:
     """(state slots, pages of each pool) of a model with LinearState layers, from the same
     budget as :func:`pool_sizes`: a slot and a full-length request's pages per request, at most
     ``max_num_seqs`` slots, after ``scratch_slots`` fixed slots (speculative snapshots). With
     ``num_gpu_blocks_override`` or on CPU (no memory limit) every ``max_num_seqs`` request gets
-    a slot and the pages are sized as for any model."""
+    a slot and the pages are sized as for any model. ``extra_page_bytes`` (a draft model's
+    pool on the same page ids): the budget re-split is the target's share of the pages
+    :func:`pool_sizes` leaves room for beside the draft's."""
     max_num_seqs = engine_config.scheduler.max_num_seqs
     stats = jax.local_devices()[0].memory_stats() or {}
     if engine_config.cache.num_gpu_blocks_override is not None or not stats.get("bytes_limit"):
         return max_num_seqs, pool_sizes(pools, model_config, engine_config, max_model_len,
-                                        param_bytes, tp)
+                                        param_bytes, tp, extra_page_bytes)
     # the page budget pool_sizes would give, re-split between slots and pages
-    sizes = pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp)
+    sizes = pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp,
+                       extra_page_bytes)
     budget = sum(n * p.page_bytes(engine_config.cache.block_size, tp) // tp
                  for n, p in zip(sizes, pools))
     budget -= scratch_slots * state_bytes_per_slot(cache_groups) // tp
@@ -530,7 +534,7 @@ class ModelRunner:
             scratch = self.max_num_seqs * self.num_spec_tokens
             slots, sizes = state_pool_sizes(self.pools, self.cache_groups, model_config,
                                             engine_config, max_model_len, param_bytes // tp, tp,
-                                            scratch)
+                                            scratch, extra_page_bytes)
             self.num_state_slots = sharding.agree_across_hosts(slots)
             self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
             if scratch:

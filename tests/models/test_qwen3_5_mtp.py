@@ -313,6 +313,28 @@ def test_ngram_on_a_state_model_rolls_back_too(ckpt, hf_greedy):
     _assert_pools_free(llm)
 
 
+def test_draft_model_on_a_state_model_rolls_back_too(ckpt, hf_greedy, tmp_path):
+    """An attention-only draft model proposes; the target's GDN state rolls back the same way.
+    A draft with LinearState layers of its own is a start-up error naming the field."""
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.testing.tiny_model import make_tiny_model
+
+    path = ckpt("dense")
+    prompts = _prompts([60, 45], seed=8)
+    ref = hf_greedy("dense", prompts)
+    draft = make_tiny_model("llama", tmp_path / "draft", layers=1, hidden=32, heads=2,
+                            kv_heads=1, vocab=512)
+    llm = _engine(path, {"method": "draft_model", "model": str(draft),
+                         "num_speculative_tokens": 2})
+    assert _greedy(llm, prompts) == ref
+    assert llm.llm_engine.spec_stats.num_draft_tokens > 0
+    _assert_pools_free(llm)
+    with pytest.raises(InvalidRequestError, match="draft model with LinearState") as e:
+        _engine(path, {"method": "draft_model", "model": str(path),
+                       "num_speculative_tokens": 2})
+    assert e.value.param == "speculative_config"
+
+
 @pytest.mark.slow  # warm-up compiles every graph ahead of time
 def test_nothing_compiles_after_warm_up(ckpt, hf_greedy):
     path = ckpt("dense")
