@@ -259,13 +259,16 @@ def test_always_wrong_drafts_give_the_same_tokens_and_need_the_rollback(ckpt, hf
     assert _greedy(broken, prompts) != ref
 
 
-def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, hf_greedy):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, hf_greedy,
+                                                                          async_scheduling):
     """Drafts right up to a position that cycles (draft 1, 2, 3 or none wrong) from one
-    proposal to the next: every rollback depth of k = 3 happens, and the tokens stay HF's."""
+    proposal to the next: every rollback depth of k = 3 happens, and the tokens stay HF's,
+    with the overlapped loop and without it."""
     path = ckpt("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
-    llm = _engine(path, _mtp(3))
+    llm = _engine(path, _mtp(3), async_scheduling=async_scheduling)
     _scripted(llm, ref, prompts, lambda i: [0, 1, 2, None][i % 4])
     assert _greedy(llm, prompts) == ref
     s = llm.llm_engine.spec_stats
