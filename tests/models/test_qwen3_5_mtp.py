@@ -278,6 +278,32 @@ def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, 
     _assert_pools_free(llm)
 
 
+def test_a_stop_token_inside_an_accepted_run_and_n_2(ckpt, hf_greedy):
+    """Drafts always right (k = 3): a stop token in the middle of an accepted run ends the
+    request there (nothing after it is kept); n = 2 children each draft from their own slot;
+    every slot and page is free afterwards."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    path = ckpt("dense")
+    prompts = _prompts([60, 45], seed=9)
+    ref = hf_greedy("dense", prompts)
+    llm = _engine(path, _mtp(3))
+    _scripted(llm, ref, prompts, lambda i: None)
+    stop = ref[0][6]
+    cut = ref[0].index(stop) + 1
+    res = llm.generate([{"prompt_token_ids": prompts[0]}],
+                       SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                      stop_token_ids=[stop]), use_tqdm=False)
+    assert list(res[0].outputs[0].token_ids) == ref[0][:cut]
+    res = llm.generate([{"prompt_token_ids": prompts[1]}],
+                       SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS,
+                                      ignore_eos=True), use_tqdm=False)
+    assert [list(c.token_ids) for c in res[0].outputs] == [ref[1], ref[1]]
+    s = llm.llm_engine.spec_stats
+    assert s.num_accepted_tokens == s.num_draft_tokens > 0  # every draft right
+    _assert_pools_free(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_mtp_under_preemption_beside_requests_that_do_not_speculate(ckpt, hf_greedy, mode):
     """A pool of 20 pages of 8 tokens for four ~80-token requests (they preempt each other;
