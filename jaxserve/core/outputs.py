@@ -65,26 +65,33 @@ class TokenLogprobs:
     top_ids: list[int] = field(default_factory=list)  # the top-k asked for, best first
     top_logprobs: list[float] = field(default_factory=list)
 
-
-@dataclass
-class CoreCompletion:
-    """One sequence's news from a step: the ids it gained and, when the core ended it, why."""
-
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None  # one per new id when logprobs were asked
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    @classmethod
+    def of_row(cls, tok: int, out, row: int, k: int | None) -> "TokenLogprobs":
+        """The logprobs of id ``tok`` sampled in ``row`` of a step's output (the runner's
+        ``StepOutput``): its own, its rank and the top ``k``."""
+        tl = cls(tok, float(out.logprobs[row]),
+                 int(out.ranks[row]) if out.ranks is not None else None)
+        if k and out.topk_ids is not None:
+            tl.top_ids = out.topk_ids[row, :k].tolist()
+            tl.top_logprobs = out.topk_logprobs[row, :k].tolist()
+        return tl
 
 
 @dataclass
 class CoreOutput:
-    """One request's news from a step (every sequence it touched); the API process turns it
-    into a cumulative ``RequestOutput``."""
+    """One core request's news from a step: the ids it gained and, when the core ended it, why.
+    The front end merges the outputs of an ``n > 1`` request's children into one
+    ``RequestOutput`` (engine/parallel_sampling.py)."""
 
     request_id: str
-    completions: list[CoreCompletion]
-    finished: bool = False
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new id when logprobs were asked
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

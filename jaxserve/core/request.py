@@ -11,6 +11,7 @@ import enum
 import time
 from typing import Any, Sequence
 
+from jaxserve.core.outputs import CoreOutput, RequestMetrics, TokenLogprobs
 
 PLACEHOLDER = -1  # an output id sampled on the device, not yet copied to the host
 
@@ -53,7 +54,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        prefix_parent: "Request | None" = None,
+        prefix_parent: str | None = None,
         lora_request: Any = None,
     ):
         self.request_id = request_id
@@ -65,8 +66,9 @@ class Request:
         # the adapter it runs with (jaxserve.lora.LoRARequest; None: the base model): kept
         # through preemption and swap, part of its prefix-cache keys
         self.lora_request = lora_request
-        # n > 1: siblings name the first child here; the scheduler admits them once its prompt
-        # is computed, so they take its full prompt pages from the prefix cache (copy-free).
+        # n > 1: the id of the request (child 0) whose prompt this one repeats; the scheduler
+        # admits it once that prompt is computed, so it takes the full prompt pages from the
+        # prefix cache (copy-free)
         self.prefix_parent = prefix_parent
         # prompt_logprobs need every prompt position computed, so no prefix-cache reads (vLLM)
         self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
@@ -98,7 +100,14 @@ class Request:
         self.token_filter: Any = None
         self.stop_reason: int | str | None = None  # stop token id / stop string, set by engine
         self.abort_reason: str | None = None  # why the scheduler aborted it, if it did
-        self.first_scheduled_time: float | None = None
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        # what update_from_output has reported: output ids, and (when asked) the logprobs of
+        # ids and prompt positions not reported yet; prompt positions recorded so far
+        self.num_reported = 0
+        self.new_logprobs: list | None = (
+            [] if getattr(sampling_params, "logprobs", None) is not None else None)
+        self.num_prompt_logprobs: int | None = 1 if self.skip_prefix_cache else None
+        self.new_prompt_logprobs: list = []
         self._seq_no = 0  # tie-breaker for equal (priority, arrival), set by the scheduler
         # Effective generation cap (the scheduler lowers it to fit max_model_len).
         mt = getattr(sampling_params, "max_tokens", None)
@@ -166,6 +175,30 @@ class Request:
             del self.output_token_ids[-self.num_pending:]
             del self.all_token_ids[-self.num_pending:]
             self.num_pending = 0
+
+    def record_prompt_logprobs(self, arrays, t0: int, lo: int, hi: int) -> None:
+        """Keep the logprobs of prompt tokens lo+1..hi, read at plan tokens t0.. of a step
+        (``arrays``: the step's (logprob [T], top-k ids [T, K], top-k logprobs [T, K], rank [T]))."""
+        tok_lp, top_ids, top_lp, ranks = arrays
+        k = self.sampling_params.prompt_logprobs
+        for j in range(lo, hi):
+            t = t0 + (j - lo)
+            self.new_prompt_logprobs.append(TokenLogprobs(
+                self.prompt_token_ids[j + 1], float(tok_lp[t]), int(ranks[t]),
+                top_ids[t, :k].tolist(), top_lp[t, :k].tolist()))
+            self.num_prompt_logprobs += 1
+
+    def take_output(self) -> CoreOutput:
+        """What this request gained since its last report (known ids, their logprobs, prompt
+        logprobs), and why it finished if it did."""
+        known = self.num_known_output_tokens
+        new, self.num_reported = self.output_token_ids[self.num_reported:known], known
+        logprobs = self.new_logprobs
+        if logprobs is not None:
+            self.new_logprobs = []
+        prompt_lps, self.new_prompt_logprobs = self.new_prompt_logprobs or None, []
+        return CoreOutput(self.request_id, new, logprobs, self.finish_reason, self.stop_reason,
+                          prompt_lps, self.metrics, self.num_cached_tokens)
 
     def pages_per_group(self) -> list[list[int]]:
         """The block-table rows of this request, one per paged cache group."""

@@ -9,84 +9,30 @@ Each ``schedule()`` call builds one step:
    (priority, arrival) order while budget, ``max_num_seqs`` and pages last; a new request
    first takes the longest cached prefix from the prefix cache.
 
-The engine feeds the step result back with ``update_from_output`` and, as each sampled id
-reaches the host, ``check_stop`` (EOS, stop token ids, max_tokens, max_model_len, a finished
-grammar). Progress is counted only there, so ``num_computed_tokens`` never runs
-ahead of what the device has computed (schedule() only sets it to a prefix-cache hit, or to 0
-on a recompute preemption).
+The engine's step is ``schedule`` -> dispatch -> ``update_after_dispatch`` (the sampled ids
+are placeholders while on the device) -> ``update_from_output`` once the ids reach the host:
+placeholders resolved, verified drafts committed, logprobs kept, stops checked on ids
+(``check_stop``: EOS, stop token ids, max_tokens, max_model_len, a finished grammar) and one
+``CoreOutput`` per request that gained ids. Progress is counted only after dispatch, so
+``num_computed_tokens`` never runs ahead of what the device has been asked to compute
+(schedule() only sets it to a prefix-cache hit, or to 0 on a recompute preemption).
 """
 from __future__ import annotations
 
 import bisect
-import logging
 import time
-from dataclasses import dataclass, field
 from typing import Iterable
 
 from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
+from jaxserve.core.outputs import CoreOutput, TokenLogprobs
 from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
-from jaxserve.core.step_plan import ScheduledSeq
+from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.siblings import Siblings
+from jaxserve.core.stop_check import stop_status
 
 ABORT_KV_CACHE_EXHAUSTED = "kv_cache_exhausted"
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    start_pos: int  # num_computed_tokens before the step
-    sample: bool  # the step completes the request's known tokens: its sampled token is kept
-    new_token_ids: list[int]
-    num_draft: int = 0  # speculative tokens at the end of new_token_ids (not yet the request's)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # preempted this step (both modes)
-    # (request_id, page ids): copy these pages device -> host BEFORE running the step (the
-    # pages are already free and may be reused by this very step).
-    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
-    # (request_id, page ids): copy the host copy back into these pages BEFORE running the step.
-    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
-    # (request_id, state slot): the recurrent state of a swapped request, copied out of its old
-    # slot / back into its new one, beside its pages (LinearState models)
-    swap_out_state: list[tuple[str, int]] = field(default_factory=list)
-    swap_in_state: list[tuple[str, int]] = field(default_factory=list)
-    finished_aborted: list[str] = field(default_factory=list)  # aborted by the scheduler now
-    # every request finished since the previous schedule() (engine stops, aborts, and the
-    # above): the runner drops per-request state (host swap copies, sampler state).
-    finished_req_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def to_rows(self, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
-        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order. ``prev_rows``:
-        request id -> its row in the previous (still running) step, for pending tokens."""
-        prev_rows = prev_rows or {}
-        return [
-            ScheduledSeq(
-                new_token_ids=s.new_token_ids,
-                start_pos=s.start_pos,
-                block_ids=s.request.pages_per_group(),
-                sample=s.sample,
-                prev_row=prev_rows.get(s.request.request_id, -1),
-                num_draft=s.num_draft,
-                state_slot=s.request.state_slot,
-            )
-            for s in self.scheduled
-        ]
 
 
 def _order_key(req: Request):
@@ -126,7 +72,6 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)  # stop ids of every request (ignore_eos)
         self.max_num_seqs = scheduler_config.max_num_seqs
-        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.preemption_mode = scheduler_config.preemption_mode
         # LoRA: at most this many distinct adapters run at once (None: LoRA off)
         self.max_loras = max_loras
@@ -151,9 +96,13 @@ class Scheduler:
         self._swapped_pages: dict[str, int] = {}  # request_id -> pages held in host memory
         self._finished_since_schedule: list[str] = []
         self._seq_counter = 0
+        # n > 1 siblings: who waits for whose prompt, and (fork_prompts) who forks from it
+        self.siblings = Siblings(self.requests, block_manager)
         self.num_preemptions_total = 0
         self.num_swap_outs_total = 0
         self.num_aborted_by_scheduler = 0
+        self.generation_tokens_total = 0  # output ids read from the device
+        self.spec_stats = None  # SpecDecodeStats of a speculating engine
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -227,6 +176,7 @@ class Scheduler:
         cap = max(1, self.max_model_len - n)
         request.max_tokens = cap if request.max_tokens is None else min(request.max_tokens, cap)
         request.status = RequestStatus.WAITING
+        self.siblings.add(request)
         request._seq_no = self._seq_counter
         self._seq_counter += 1
         self.requests[request.request_id] = request
@@ -245,6 +195,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free(req)
         self._swapped_pages.pop(request_id, None)
+        self.siblings.drop(req)
         req.status = status
         self._finished_since_schedule.append(request_id)
         return req
@@ -269,7 +220,7 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
         n = min(n, self.max_model_len - req.num_computed_tokens)
-        return min(n, budget)
+        return self.siblings.cap(req, min(n, budget))
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -301,17 +252,7 @@ class Scheduler:
         req.abort_reason = ABORT_KV_CACHE_EXHAUSTED
         self.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
         self.num_aborted_by_scheduler += 1
-        out.finished_aborted.append(req.request_id)
-
-    def _waits_for_parent(self, req: Request) -> bool:
-        p = req.prefix_parent
-        if p is None or not self.block_manager.enable_prefix_caching or req.num_preemptions:
-            return False
-        if (p.is_finished or p.num_computed_tokens >= p.num_prompt_tokens
-                or self.requests.get(p.request_id) is not p):
-            req.prefix_parent = None  # gate open for good; drop the reference
-            return False
-        return True
+        out.finished_outputs.append(req.take_output())
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int,
                        drafts: list[int] | None = None) -> None:
@@ -327,8 +268,13 @@ class Scheduler:
             num_draft=nd,
         ))
         out.num_batched_tokens += n
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.time()
+        if req.num_prompt_logprobs is not None:
+            lo = max(start, req.num_prompt_logprobs - 1)  # a recomputed prefix is not redone
+            hi = min(start + n, req.num_prompt_tokens - 1)
+            if hi > lo:
+                out.scheduled[-1].prompt_span = (lo, hi)
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.time()
 
     def limit_tokens(self, token_limit: int | None) -> None:
         """Keep every step within ``token_limit`` tokens (None: the configured budget). The
@@ -339,14 +285,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step within the token budget (and ``token_limit`` while it is set)."""
         out = SchedulerOutput()
-        bm = self.block_manager
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         if self.token_limit is not None:
             budget = max(1, min(budget, self.token_limit))
-
-        # 1. running requests (sorted: the preemption victim is always the last one)
-        i = 0
         rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
+        budget = self._schedule_running(out, budget, rows)
+        if not out.preempted:  # vLLM V1: no admissions in a step that had to preempt
+            self._schedule_waiting(out, budget, rows)
+        out.finished_req_ids = self._finished_since_schedule
+        self._finished_since_schedule = []
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, rows: int) -> int:
+        """Running requests, in order (the preemption victim is always the last one): a
+        decode or their next prefill chunk each. Returns the budget left."""
+        bm = self.block_manager
+        i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < rows:
             req = self.running[i]
             if req.num_pending and self.skip_pending:
@@ -367,6 +321,7 @@ class Scheduler:
             n = self._num_new_tokens(req, budget)
             if n <= 0:  # at max_model_len; a correct engine has stopped it at max_tokens
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                out.finished_outputs.append(req.take_output())
                 continue
             nd = self._num_drafts(req, n, budget)
             drafts = req.spec_token_ids[:nd]
@@ -387,65 +342,72 @@ class Scheduler:
                 req.spec_token_ids = []
                 budget -= n
                 i += 1
+        return budget
 
-        # 2. waiting requests, unless this step had to preempt (vLLM V1: avoid thrashing)
-        if not out.preempted:
-            j = 0
-            loras = self._running_loras()
-            while (j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
-                   and len(out.scheduled) < rows):
-                req = self.waiting[j]
-                # preempted mid-verify, or (pipelined) its token still in flight: read it first
-                if req.spec_in_flight or (req.num_pending and self.skip_pending):
-                    j += 1
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, rows: int) -> None:
+        """Waiting requests (new, preempted, swapped) in order while budget, rows and pages
+        last; a new one first takes its cached prefix."""
+        bm = self.block_manager
+        j = 0
+        loras = self._running_loras()
+        while (j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.scheduled) < rows):
+            req = self.waiting[j]
+            if self._lets_others_pass(req, loras):
+                j += 1
+                continue
+            fork = self.siblings.fork_source(req)
+            if fork is not None:
+                req.num_computed_tokens = fork.num_computed_tokens
+            resumed_swap = req.status == RequestStatus.SWAPPED
+            hits: list[int] | None = None
+            n_hit = 0
+            if not resumed_swap and req.num_computed_tokens == 0:
+                hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
+            n = req.num_tokens - req.num_computed_tokens - n_hit
+            n = self.siblings.cap(req, min(n, self.max_model_len - req.num_computed_tokens - n_hit))
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not bm.allocate_slots(req, n, hits):
+                if fork is not None:
+                    req.num_computed_tokens = 0
+                if not self.running:  # nothing else holds pages: it can never fit
+                    self.waiting.pop(j)
+                    self._abort_unfittable(req, out)
                     continue
-                if self._waits_for_parent(req):  # an n>1 sibling: admit once the prompt is cached
-                    j += 1
-                    continue
-                if req.grammar is not None and not req.grammar.ready:
-                    j += 1  # its grammar is still compiling: wait without holding a slot
-                    continue
-                if not self._lora_fits(req, loras):
-                    j += 1  # max_loras other adapters are running: wait for one to finish
-                    continue
-                resumed_swap = req.status == RequestStatus.SWAPPED
-                hits: list[int] | None = None
-                n_hit = 0
-                if not resumed_swap and req.num_computed_tokens == 0:
-                    hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
-                n = req.num_tokens - req.num_computed_tokens - n_hit
-                n = min(n, self.max_model_len - req.num_computed_tokens - n_hit)
-                if n > budget:
-                    if not self.config.enable_chunked_prefill:
-                        break
-                    n = budget
-                if not bm.allocate_slots(req, n, hits):
-                    if not self.running:  # nothing else holds pages: it can never fit
-                        self.waiting.pop(j)
-                        self._abort_unfittable(req, out)
-                        continue
-                    break  # FCFS: nobody overtakes the head of the queue
-                self.waiting.pop(j)
-                if resumed_swap:
-                    n_pages = self._swapped_pages.pop(req.request_id)
-                    dead = bm.num_dead_pages(req.num_computed_tokens)
-                    out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
-                    if req.state_slot >= 0:  # a fresh slot: the saved state goes there
-                        out.swap_in_state.append((req.request_id, req.state_slot))
-                elif hits is not None:
-                    req.num_computed_tokens = n_hit
-                    if req.num_preemptions == 0:
-                        req.num_cached_tokens = n_hit
-                req.status = RequestStatus.RUNNING
-                if req.lora_int_id:
-                    loras.add(req.lora_int_id)
-                bisect.insort(self.running, req, key=_order_key)
-                self._add_scheduled(out, req, n)
-                budget -= n
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.pop(j)
+            if fork is not None:  # copy its first child's computed prompt, pages and state
+                pages, states = self.siblings.fork(fork, req)
+                out.fork_pages += pages
+                out.fork_states += states
+            elif resumed_swap:
+                n_pages = self._swapped_pages.pop(req.request_id)
+                dead = bm.num_dead_pages(req.num_computed_tokens)
+                out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
+                if req.state_slot >= 0:  # a fresh slot: the saved state goes there
+                    out.swap_in_state.append((req.request_id, req.state_slot))
+            elif hits is not None:
+                req.num_computed_tokens = n_hit
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = n_hit
+            req.status = RequestStatus.RUNNING
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
+            bisect.insort(self.running, req, key=_order_key)
+            self._add_scheduled(out, req, n)
+            budget -= n
 
-        out.finished_req_ids = self._finished_since_schedule
-        self._finished_since_schedule = []
-        return out
+    def _lets_others_pass(self, req: Request, loras: set[int]) -> bool:
+        """A waiting request that is not admitted yet, without holding up the ones behind."""
+        return bool(
+            # preempted mid-verify, or (pipelined) its token still in flight: read it first
+            req.spec_in_flight or (req.num_pending and self.skip_pending)
+            or self.siblings.waits(req)  # an n > 1 sibling: once its first child's prompt is in
+            or (req.grammar is not None and not req.grammar.ready)  # grammar still compiling
+            or not self._lora_fits(req, loras))  # max_loras other adapters are running
 
     def _running_loras(self) -> set[int]:
         return {r.lora_int_id for r in self.running if r.lora_int_id}
@@ -457,12 +419,12 @@ class Scheduler:
             return True
         return self.max_loras is not None and len(loras) < self.max_loras
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           sampled: dict[str, int] | None = None) -> list[Request]:
-        """Advance the scheduled requests after the step was dispatched; append the sampled token
-        of every row that samples (``PLACEHOLDER`` when ``sampled`` is None: the engine resolves
-        it once the ids reach the host); register newly full pages in the prefix cache. Returns
-        the requests that got a new token (the engine checks them for stopping)."""
+    def update_after_dispatch(self, scheduler_output: SchedulerOutput,
+                              sampled: dict[str, int] | None = None) -> list[Request]:
+        """The step was dispatched: advance its requests and append the sampled token of every
+        row that samples (``PLACEHOLDER`` when ``sampled`` is None, until ``update_from_output``
+        reads the ids); register newly full pages in the prefix cache. Returns the requests
+        that got a token (with ``sampled``: a host-only caller then checks their stops)."""
         got_token = []
         for s in scheduler_output.scheduled:
             req = s.request
@@ -486,32 +448,66 @@ class Scheduler:
             self.block_manager.cache_full_blocks(req)
         return got_token
 
+    def update_from_output(self, scheduler_output: SchedulerOutput, out) -> list[CoreOutput]:
+        """A dispatched step's ids reached the host (``out``: the runner's ``StepOutput``, numpy
+        arrays, one row per scheduled request): resolve each row's placeholder or verified
+        drafts, keep logprobs, stop what ends (``check_stop``) and report what each request
+        gained. Rows of requests finished or aborted since are dropped."""
+        now = time.time()
+        token_ids = out.token_ids.tolist()  # Python ints
+        touched: dict[str, Request] = {}
+        t0 = 0  # the row's first token in the plan (rows are laid out in order)
+        for i, s in enumerate(scheduler_output.scheduled):
+            req, row_t0 = s.request, t0
+            t0 += len(s.new_token_ids)
+            if s.prompt_span is not None:
+                req.record_prompt_logprobs(out.prompt_logprobs, row_t0, *s.prompt_span)
+            if not s.sample or req.is_finished or self.requests.get(req.request_id) is not req:
+                continue  # no token, or stopped / aborted since: its token is dropped
+            touched[req.request_id] = req
+            if s.num_draft:
+                self._accept_verified(req, s.num_draft, out, i, now)
+            else:
+                req.resolve_pending(token_ids[i])
+                self.block_manager.cache_full_blocks(req)
+                self._on_token(req, token_ids[i], out, i, now)
+        return [r.take_output() for r in touched.values()]
+
+    def _accept_verified(self, req: Request, num_draft: int, out, row: int, now: float) -> None:
+        """A verify row: accepted drafts + the target's token, each through the stop checks
+        (a stop inside the run drops what follows it)."""
+        n = int(out.num_emitted[row])
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_draft, n - 1)
+        self.commit_verified(req, n - 1)
+        for tok in out.spec_token_ids[row, :n].tolist():
+            req.append_output_token(tok)
+            self._on_token(req, tok, out, row, now)
+            if req.is_finished:
+                return
+        self.block_manager.cache_full_blocks(req)
+
+    def _on_token(self, req: Request, tok: int, out, row: int, now: float) -> None:
+        """A known output id: its logprobs kept for the next report, then the stops on ids."""
+        self.generation_tokens_total += 1
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        if req.new_logprobs is not None:
+            req.new_logprobs.append(
+                TokenLogprobs.of_row(tok, out, row, req.sampling_params.logprobs))
+        if self.check_stop(req, tok):
+            m.finished_time = now
+
     def check_stop(self, req: Request, token: int) -> bool:
         """``token`` became known as ``req``'s latest output id: finish the request (True) when
-        it stops it: a grammar that rejects it or is complete, EOS or one of the request's
-        stop token ids once ``min_tokens`` are out, ``max_tokens``, or ``max_model_len``. Ids
-        sampled after it (still on the device) are dropped."""
-        params = req.sampling_params
-        n_out = req.num_known_output_tokens
-        status, stop_reason = None, None
-        if req.grammar is not None:
-            if not req.grammar.accept(token):
-                logger.warning("request %s: token %d is outside its grammar (%s)",
-                               req.request_id, token, req.grammar.error)
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.grammar.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and n_out >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-        if status is None and (n_out >= req.max_tokens
-                               or req.num_tokens - req.num_pending >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is None:
+        it stops it (``stop_check.stop_status``). Ids sampled after it (still on the device)
+        are dropped."""
+        stop = stop_status(req, token, self.eos_token_ids, self.max_model_len)
+        if stop is None:
             return False
-        req.stop_reason = stop_reason
+        status, req.stop_reason = stop
         req.drop_pending()
         self.finish_request(req.request_id, status)
         return True
@@ -525,3 +521,4 @@ class Scheduler:
         req.spec_in_flight = False
         if req.status == RequestStatus.RUNNING:
             req.num_computed_tokens += num_accepted
+

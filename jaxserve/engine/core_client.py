@@ -2,8 +2,9 @@
 
 Same surface as ``AsyncLLM`` (``generate``/``abort``/``check_health``/``stats``/``shutdown``,
 ``tokenizer``, ``model_config``, ``max_model_len``), so the server does not know which one it
-holds. This side is the input and output processor: prompts go to the core as token ids, and
-the core's ids come back through the ``OutputProcessor`` (detokenization, stop strings,
+holds. This side is the input and output processor: prompts go to the core as token ids (an
+``n > 1`` request as ``n`` core requests, engine/parallel_sampling.py), and the core's ids come
+back through the ``OutputProcessor`` (detokenization, stop strings,
 logprob text) on the reader thread, which hands each ``RequestOutput`` to its request's
 asyncio queue and tells the core about stop strings. The reader also watches the child: when
 the core dies every stream gets ``EngineDeadError`` and ``check_health`` raises within
@@ -178,29 +179,52 @@ class EngineCoreClient:
         params = sampling_params or SamplingParams()
         text, ids = prompt_ids(self.tokenizer, prompt)
         q = self._streams.open(request_id)
-        added = asyncio.get_running_loop().create_future()
-        self._adds[request_id] = added
-        with self._processor_lock:
-            self._processor.add_request(request_id, text, ids, params)
-        self._send(AddRequest(request_id, ids, params, priority, lora_request))
+        try:
+            with self._processor_lock:
+                parent = self._processor.add_request(request_id, text, ids, params)
+        except BaseException:
+            self._streams.close(request_id)
+            raise
+        core_ids = [c.request_id for c in parent.children]
+        loop = asyncio.get_running_loop()
+        answers = []
+        for child in parent.children:
+            answers.append(loop.create_future())
+            self._adds[child.request_id] = answers[-1]
+            self._send(AddRequest(child.request_id, ids, child.params, priority, lora_request,
+                                  child.prefix_parent))
+
+        added = asyncio.gather(*answers)
+
+        def rejected(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None and len(core_ids) > 1:
+                self._abort_core(core_ids)  # the siblings the core took: nobody reads them
+
+        added.add_done_callback(rejected)
 
         def end(finished: bool) -> None:
-            self._adds.pop(request_id, None)
+            for rid in core_ids:
+                self._adds.pop(rid, None)
             with self._processor_lock:
                 self._processor.abort_request(request_id)
-            if not finished and self._dead is None and not self._stopping:
-                self._send(AbortRequest(request_id))
+            if not finished:
+                self._abort_core(core_ids)
 
-        async with contextlib.aclosing(self._streams.follow(request_id, q, added, end)) as outputs:
+        async with contextlib.aclosing(
+                self._streams.follow(request_id, q, added, end)) as outputs:
             async for out in outputs:
                 yield out
 
+    def _abort_core(self, core_ids: list[str]) -> None:
+        if self._dead is None and not self._stopping:
+            self._send(AbortRequest(core_ids))
+
 
     async def abort(self, request_id: str) -> None:
-        if self._dead is None and not self._stopping:
-            self._send(AbortRequest(request_id))
         with self._processor_lock:
-            self._processor.abort_request(request_id)
+            core_ids = self._processor.abort_request(request_id)
+        if core_ids:
+            self._abort_core(core_ids)
         self._streams.put(request_id, FINISHED)
 
     async def add_lora(self, lora_request) -> bool:

@@ -48,13 +48,15 @@ POLL_MS = 50  # how long an idle core waits for input before it checks its paren
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """A tokenized request (the API process validated and tokenized it)."""
+    """A tokenized request of one sequence (the API process validated, tokenized and fanned it
+    out: ``prefix_parent`` names the core request whose prompt pages an n > 1 sibling shares)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
     lora_request: LoRARequest | None = None
+    prefix_parent: str | None = None
 
 
 class LoRAUpdate(msgspec.Struct, tag="lora", array_like=True):
@@ -67,7 +69,7 @@ class LoRAUpdate(msgspec.Struct, tag="lora", array_like=True):
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
-    request_id: str
+    request_ids: list[str]  # core request ids (every child of an n > 1 request)
 
 
 class FinishSequences(msgspec.Struct, tag="finish", array_like=True):
@@ -185,7 +187,8 @@ def _handle(engine, msg: CoreRequest, outbox) -> bool:
     if isinstance(msg, AddRequest):
         try:
             engine.add_core_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                    priority=msg.priority, lora_request=msg.lora_request)
+                                    priority=msg.priority, lora_request=msg.lora_request,
+                                    prefix_parent=msg.prefix_parent)
             err = None
         except InvalidRequestError as e:
             err = e
@@ -193,7 +196,7 @@ def _handle(engine, msg: CoreRequest, outbox) -> bool:
             err = InvalidRequestError(str(e))
         outbox.send(_pickled(("added", msg.request_id, err)))
     elif isinstance(msg, AbortRequest):
-        engine.abort_request(msg.request_id)
+        engine.abort_core_requests(msg.request_ids)
     elif isinstance(msg, FinishSequences):
         engine.finish_sequences(msg.stops)
     elif isinstance(msg, ResetPrefixCache):

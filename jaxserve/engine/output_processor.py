@@ -4,11 +4,12 @@ It owns everything textual about a generation: incremental detokenization, stop 
 logprob entries with their decoded tokens, and the cumulative outputs (n > 1 choices, offline
 requests that report only when done). It never touches jax, so ``jaxserve serve`` runs it in
 the API process and the core only ever sends ids; ``LLM`` and ``AsyncLLM`` run the same class
-in-process behind ``LLMEngine.step``.
+in-process behind ``LLMEngine.step``. An ``n > 1`` request reaches the core as ``n`` independent
+requests (engine/parallel_sampling.py); their outputs are merged back here into one state.
 
 The core decides the stops it can see on ids (EOS, stop token ids, max_tokens, max_model_len,
 a finished grammar). A stop string is only visible here: ``process`` returns those stops, and
-the caller tells the core to finish the sequence (``LLMEngine.finish_sequences``). Ids the core
+the caller tells the core to finish that core request (``LLMEngine.finish_sequences``). Ids the core
 produced after the stop string (it keeps stepping until told) are dropped here, never shown.
 """
 from __future__ import annotations
@@ -18,21 +19,23 @@ from dataclasses import dataclass, field
 from jaxserve.core.outputs import (CompletionOutput, CoreOutput, Logprob, RequestOutput,
                                    TokenLogprobs)
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.parallel_sampling import ParentRequest, merge_metrics
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, check_stop_strings, decode_token
+from jaxserve.errors import InvalidRequestError
 
 
 @dataclass
 class SequenceStop:
-    """A stop string ended sequence ``index`` of ``request_id`` after ``num_kept`` output ids."""
+    """A stop string ended core request ``request_id`` after ``num_kept`` output ids."""
 
     request_id: str
-    index: int
     num_kept: int
 
 
 @dataclass
 class _Sequence:
     index: int
+    core_id: str  # the core request that produces it
     detok: IncrementalDetokenizer | None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -40,6 +43,7 @@ class _Sequence:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    metrics: object = None  # the core request's RequestMetrics
 
 
 @dataclass
@@ -51,35 +55,64 @@ class _RequestState:
     sequences: list[_Sequence]
     final_only: bool
     prompt_logprobs: list | None
-    metrics: object = None
     num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
 
+    @property
+    def metrics(self):
+        return merge_metrics([s.metrics for s in self.sequences])
+
 
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, _RequestState] = {}  # by the caller's request id
+        self._seq_of: dict[str, tuple[_RequestState, _Sequence]] = {}  # by core request id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, final_only: bool = False) -> None:
+                    params: SamplingParams, final_only: bool = False) -> ParentRequest:
+        """Register a request; returns its fan-out, the core requests to send (a request id
+        already running is an error)."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running",
+                                      param="request_id")
+        parent = ParentRequest(request_id, params)
         seqs = []
-        for i in range(params.n):
+        for child in parent.children:
             detok = None
             if params.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                params.skip_special_tokens,
                                                params.spaces_between_special_tokens)
-            seqs.append(_Sequence(i, detok, logprobs=[] if params.logprobs is not None else None))
-        self._requests[request_id] = _RequestState(
-            request_id, prompt, list(prompt_token_ids), params, seqs, final_only,
-            [None] if params.prompt_logprobs is not None else None)
+            seqs.append(_Sequence(child.index, child.request_id, detok,
+                                  logprobs=[] if params.logprobs is not None else None))
+        st = _RequestState(request_id, prompt, list(prompt_token_ids), params, seqs, final_only,
+                           [None] if params.prompt_logprobs is not None else None)
+        self._requests[request_id] = st
+        for seq in seqs:
+            self._seq_of[seq.core_id] = (st, seq)
+        return parent
 
-    def abort_request(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+    def abort_requests(self, request_ids) -> list[str]:
+        """Forget requests; returns the core requests to abort."""
+        core_ids = []
+        for rid in request_ids:
+            st = self._requests.get(rid)
+            if st is not None:
+                core_ids += [s.core_id for s in st.sequences]
+                self._forget(st)
+        return core_ids
+
+    def abort_request(self, request_id: str) -> list[str]:
+        return self.abort_requests([request_id])
+
+    def _forget(self, st: _RequestState) -> None:
+        self._requests.pop(st.request_id, None)
+        for seq in st.sequences:
+            self._seq_of.pop(seq.core_id, None)
 
     @property
     def num_requests(self) -> int:
@@ -87,35 +120,37 @@ class OutputProcessor:
 
     def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput],
                                                              list[SequenceStop]]:
-        """Apply one step's core outputs. -> (the outputs to hand out, the stop-string stops
-        the core must be told about)."""
-        outputs, stops = [], []
+        """Apply one step's core outputs. -> (one output per request they touched, the
+        stop-string stops the core must be told about)."""
+        touched: dict[str, _RequestState] = {}
+        stops = []
         for co in core_outputs:
-            st = self._requests.get(co.request_id)
-            if st is None:
+            hit = self._seq_of.get(co.request_id)
+            if hit is None:
                 continue  # aborted, or finished here by a stop string: late ids are dropped
+            st, seq = hit
+            touched[st.request_id] = st
             if co.metrics is not None:
-                st.metrics = co.metrics
-            st.num_cached_tokens = co.num_cached_tokens
+                seq.metrics = co.metrics
+            if seq.index == 0:
+                st.num_cached_tokens = co.num_cached_tokens
             if co.new_prompt_logprobs and st.prompt_logprobs is not None:
                 k = st.params.prompt_logprobs
                 st.prompt_logprobs.extend(self._entry(tl, k) for tl in co.new_prompt_logprobs)
-            for cc in co.completions:
-                seq = st.sequences[cc.index]
-                if seq.finish_reason is not None:
-                    continue
-                self._append(st, seq, cc.new_token_ids, cc.new_logprobs)
-                if seq.finish_reason is not None:  # a stop string
-                    stops.append(SequenceStop(st.request_id, seq.index, len(seq.token_ids)))
-                elif cc.finish_reason is not None:
-                    seq.finish_reason, seq.stop_reason = cc.finish_reason, cc.stop_reason
+            if seq.finish_reason is not None:
+                continue
+            self._append(st, seq, co.new_token_ids, co.new_logprobs)
+            if seq.finish_reason is not None:  # a stop string
+                stops.append(SequenceStop(seq.core_id, len(seq.token_ids)))
+            elif co.finish_reason is not None:
+                seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
+        outputs = []
+        for st in touched.values():
             finished = st.finished
-            if finished and st.metrics is not None and st.metrics.finished_time is None:
-                st.metrics.finished_time = st.metrics.last_token_time
             if finished or not st.final_only:
                 outputs.append(self._output(st))
             if finished:
-                del self._requests[st.request_id]
+                self._forget(st)
         return outputs, stops
 
     def _append(self, st: _RequestState, seq: _Sequence, ids: list[int],
@@ -162,8 +197,11 @@ class OutputProcessor:
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in st.sequences]
+        metrics = st.metrics
+        if st.finished and metrics is not None and metrics.finished_time is None:
+            metrics.finished_time = metrics.last_token_time
         return RequestOutput(
             request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
             outputs=comps, finished=st.finished,
             prompt_logprobs=list(st.prompt_logprobs) if st.prompt_logprobs else None,
-            metrics=st.metrics, num_cached_tokens=st.num_cached_tokens)
+            metrics=metrics, num_cached_tokens=st.num_cached_tokens)

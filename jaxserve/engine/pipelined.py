@@ -52,13 +52,12 @@ class PipelinedEngine(LLMEngine):
         return len(self._queue)
 
     def core_step(self) -> list[CoreOutput]:
-        touched: dict = {}
         sched = self.scheduler.schedule()
-        self._move_pages(sched, touched)
-        if sched.scheduled:
-            self._queue.append(self._dispatch(sched))
+        step = self._execute(sched)
+        if step is not None:
+            self._queue.append(step)
             self.max_in_flight = max(self.max_in_flight, len(self._queue))
-        if self._queue and (len(self._queue) >= self.depth or not sched.scheduled):
-            self._process(self._queue.popleft(), touched)
-        self._publish_kv_events()
-        return self._outputs(touched)
+        outputs = []
+        if self._queue and (len(self._queue) >= self.depth or step is None):
+            outputs = self._update(self._queue.popleft())
+        return self._end_step(sched, outputs)

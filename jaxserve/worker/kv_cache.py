@@ -156,3 +156,28 @@ def allocate_hybrid_caches(model_config: ModelConfig, cache_groups, num_pages: i
                          if isinstance(g.spec, LinearState)
                          else _layer_pages(g.spec, num_pages, block_size, tp, zeros))
     return caches
+
+
+def _fork_copy(pool, paged: tuple[int, ...], state: tuple[int, ...], src, dst, ssrc, sdst):
+    """Pages ``src`` -> ``dst`` of every paged layer and state slots ``ssrc`` -> ``sdst`` of
+    every LinearState layer (pad pairs copy the trash page / slot onto itself)."""
+    pool = list(pool)
+    for i in paged:
+        pool[i] = tuple(a.at[:, dst].set(a[:, src]) for a in pool[i])
+    for i in state:
+        pool[i] = tuple(a.at[sdst].set(a[ssrc]) for a in pool[i])
+    return pool
+
+
+# the pool is donated: the copy is made in place, never beside a second pool
+fork_copy = jax.jit(_fork_copy, static_argnums=(1, 2), donate_argnums=(0,))
+
+
+def fork_pairs(pairs: list[tuple[int, int]], trash: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sources, destinations) padded to a power of two (one compile per width) with
+    ``trash`` -> ``trash`` copies."""
+    width = max(8, 1 << max(0, len(pairs) - 1).bit_length())
+    idx = np.full((2, width), trash, np.int32)
+    if pairs:
+        idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+    return idx[0], idx[1]

@@ -33,7 +33,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
-                                      allocate_layer_pages, kv_cache_dtype)
+                                      allocate_layer_pages, fork_copy, fork_pairs,
+                                      kv_cache_dtype)
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
@@ -884,6 +885,17 @@ class ModelRunner:
             for i, arrs in zip(self.state_layers, written):
                 pool[i] = arrs
             self._set_pool(pool)
+
+    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
+        """n > 1 siblings start from their first child's computed prompt: its pages and
+        recurrent state copied into theirs, on the device, in step order."""
+        src, dst = fork_pairs(pages, 0)  # page 0: the trash page
+        trash_slot = self.kv_pages[self.state_layers[0]][0].shape[0] - 1 if self.state_layers \
+            else 0
+        ssrc, sdst = fork_pairs(slots, trash_slot)
+        with self._pool_lock:
+            self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
+                                     tuple(self.state_layers), src, dst, ssrc, sdst))
 
     def _set_pool(self, pool) -> None:
         """Keep the step's input sharding (no recompile under tp): page pools split over KV

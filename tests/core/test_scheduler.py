@@ -49,7 +49,7 @@ class FakeDevice:
         bs = sched.block_size
         self.kv = np.full(sched.block_manager.num_pages * bs, -1, dtype=np.int64)
         self.host: dict[str, np.ndarray] = {}
-        self.ladder = token_ladder(sched.max_num_batched_tokens, 4)
+        self.ladder = token_ladder(sched.config.max_num_batched_tokens, 4)
         self.max_pages = sched.max_pages_per_seq  # build_step_plan raises if a row needs more
 
     def step(self, out) -> dict[str, int]:
@@ -83,7 +83,7 @@ class FakeDevice:
 
 def check_step(sched, out):
     assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
-    assert out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert len(out.scheduled) <= sched.max_num_seqs
     ids = [s.request_id for s in out.scheduled]
     assert len(ids) == len(set(ids))
@@ -117,10 +117,10 @@ def run_all(sched, requests, abort_at=None, max_steps=5000):
             sched.abort_request(rid)
         out = sched.schedule()
         check_step(sched, out)
-        assert out.scheduled or out.finished_aborted or not sched.has_unfinished() or \
+        assert out.scheduled or out.finished_outputs or not sched.has_unfinished() or \
             out.preempted, "scheduler idles with work left (deadlock)"
         sampled = dev.step(out)
-        for r in sched.update_from_output(out, sampled):
+        for r in sched.update_after_dispatch(out, sampled):
             if r.num_output_tokens >= r.max_tokens:
                 sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
         steps += 1
@@ -193,7 +193,7 @@ def test_chunked_prefill_respects_budget():
         check_step(s, out)
         (sr,) = out.scheduled
         chunks.append((sr.start_pos, sr.num_new_tokens, sr.sample))
-        got = s.update_from_output(out, {"long": 5} if sr.sample else {})
+        got = s.update_after_dispatch(out, {"long": 5} if sr.sample else {})
         if got and r.num_output_tokens >= r.max_tokens:
             s.finish_request("long", RequestStatus.FINISHED_LENGTH)
     assert chunks == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True), (100, 1, True)]
@@ -205,7 +205,7 @@ def test_decodes_first_then_prefill_chunks_fill_the_budget():
     a = req("a", range(10), max_tokens=50, arrival=0)
     s.add_request(a)
     out = s.schedule()
-    s.update_from_output(out, {"a": 1})
+    s.update_after_dispatch(out, {"a": 1})
     b = req("b", range(100, 140), max_tokens=5, arrival=1)
     c = req("c", range(200, 203), max_tokens=5, arrival=2)
     s.add_request(b)
@@ -213,7 +213,7 @@ def test_decodes_first_then_prefill_chunks_fill_the_budget():
     out = s.schedule()
     check_step(s, out)
     assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 15)]
-    s.update_from_output(out, {"a": 2})
+    s.update_after_dispatch(out, {"a": 2})
     out = s.schedule()
     assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 15)]
 
@@ -250,7 +250,7 @@ def test_priority_then_arrival_order():
         for x in out.scheduled:
             if not order or order[-1] != x.request_id:
                 order.append(x.request_id)
-        for r in s.update_from_output(out, dev.step(out)):
+        for r in s.update_after_dispatch(out, dev.step(out)):
             if r.num_output_tokens >= r.max_tokens:
                 s.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
     assert order == ["high-late", "high", "mid", "mid-late", "low-early"]
@@ -283,23 +283,23 @@ def test_n_siblings_share_the_parents_prompt_pages():
     s = make_sched(block_size=4, budget=64, max_seqs=8)
     prompt = list(range(300, 322))  # 22 tokens: 5 full pages
     parent = req("p", prompt, max_tokens=4, arrival=0)
-    kids = [Request(f"p-{k}", prompt, Params(4), arrival_time=0, prefix_parent=parent)
+    kids = [Request(f"p-{k}", prompt, Params(4), arrival_time=0, prefix_parent="p")
             for k in range(1, 4)]
     dev = FakeDevice(s)
     for r in [parent] + kids:
         s.add_request(r)
     first = s.schedule()
     assert [x.request_id for x in first.scheduled] == ["p"]  # siblings wait for the prompt
-    s.update_from_output(first, dev.step(first))
+    s.update_after_dispatch(first, dev.step(first))
     second = s.schedule()
     assert {x.request_id for x in second.scheduled} == {"p", "p-1", "p-2", "p-3"}
     for k in kids:
         assert k.num_cached_tokens == 20 and k.block_ids[:5] == parent.block_ids[:5]
     assert [s.block_manager.ref_counts[p] for p in parent.block_ids[:5]] == [4] * 5
-    s.update_from_output(second, dev.step(second))
+    s.update_after_dispatch(second, dev.step(second))
     while s.has_unfinished():
         out = s.schedule()
-        for r in s.update_from_output(out, dev.step(out)):
+        for r in s.update_after_dispatch(out, dev.step(out)):
             if r.num_output_tokens >= r.max_tokens:
                 s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
     # the fake sampler is deterministic, so all siblings generate the same tokens
@@ -310,7 +310,7 @@ def test_n_siblings_share_the_parents_prompt_pages():
 def test_sibling_of_an_aborted_or_unknown_parent_is_not_blocked():
     s = make_sched()
     ghost = req("ghost", range(8))  # never added
-    kid = Request("kid", list(range(8)), Params(2), prefix_parent=ghost)
+    kid = Request("kid", list(range(8)), Params(2), prefix_parent=ghost.request_id)
     s.add_request(kid)
     assert [x.request_id for x in s.schedule().scheduled] == ["kid"]
 
@@ -379,7 +379,7 @@ def test_swap_output_lists_pages_then_swaps_back_in():
         check_step(s, out)
         swap_outs += out.swap_out
         swap_ins += out.swap_in
-        for r in s.update_from_output(out, dev.step(out)):
+        for r in s.update_after_dispatch(out, dev.step(out)):
             if r.num_output_tokens >= r.max_tokens:
                 s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
     assert swap_outs and swap_outs[0][0] == "b"  # the later request is the victim
@@ -411,7 +411,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_pages():
     s.add_request(b)
     for _ in range(2):
         out = s.schedule()
-        s.update_from_output(out, dev.step(out))
+        s.update_after_dispatch(out, dev.step(out))
     assert 0 < a.num_computed_tokens < 40 and a.block_ids
     s.abort_request("a")
     assert a.status == RequestStatus.FINISHED_ABORTED and a.block_ids == []
@@ -419,7 +419,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_pages():
     for _ in range(4):
         out = s.schedule()
         assert "a" in out.finished_req_ids or _ > 0
-        s.update_from_output(out, dev.step(out))
+        s.update_after_dispatch(out, dev.step(out))
     assert b.num_output_tokens > 0 and b.block_ids
     s.abort_request(["b", "unknown"])
     assert not s.has_unfinished()
@@ -433,7 +433,7 @@ def test_abort_while_step_in_flight_is_ignored_by_update():
     s.add_request(r)
     out = s.schedule()
     s.abort_request("a")
-    assert s.update_from_output(out, {"a": 3}) == []
+    assert s.update_after_dispatch(out, {"a": 3}) == []
     assert r.output_token_ids == [] and r.block_ids == []
 
 
@@ -446,7 +446,7 @@ def test_abort_swapped_request_releases_host_space():
     s.add_request(b)
     while b.status != RequestStatus.SWAPPED:
         out = s.schedule()
-        s.update_from_output(out, dev.step(out))
+        s.update_after_dispatch(out, dev.step(out))
     assert s.num_swapped == 1
     s.abort_request("b")
     assert s.num_swapped == 0 and s.swap_used_pages == 0
@@ -505,7 +505,8 @@ def test_random_workloads_keep_invariants(w):
             sp = pending.pop(0)
             r = Request(sp["rid"], sp["prompt"], Params(sp["max_tokens"]), arrival_time=sp["arrival"],
                         priority=sp["priority"], cache_salt=sp["salt"],
-                        prefix_parent=by_id.get(f"r{sp['parent']}") if sp["parent"] is not None else None)
+                        prefix_parent=getattr(by_id.get(f"r{sp['parent']}"), "request_id", None)
+                        if sp["parent"] is not None else None)
             by_id[r.request_id] = r
             try:
                 s.add_request(r)
@@ -516,8 +517,8 @@ def test_random_workloads_keep_invariants(w):
             s.abort_request(rid)
         out = s.schedule()
         check_step(s, out)
-        assert out.scheduled or out.finished_aborted or not s.has_unfinished(), "idle step"
-        for r in s.update_from_output(out, dev.step(out)):
+        assert out.scheduled or out.finished_outputs or not s.has_unfinished(), "idle step"
+        for r in s.update_after_dispatch(out, dev.step(out)):
             if r.num_output_tokens >= r.max_tokens:
                 s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
         steps += 1
@@ -544,7 +545,7 @@ def test_token_limit_caps_each_step_until_lifted():
     s.limit_tokens(8)  # what warm-up sets while bigger buckets compile
     out = s.schedule()
     assert out.num_batched_tokens == 8
-    s.update_from_output(out)
+    s.update_after_dispatch(out)
     s.limit_tokens(None)
     assert s.schedule().num_batched_tokens == 32
 
@@ -566,7 +567,7 @@ def test_check_stop_on_ids():
         s.add_request(r)
     for step in range(3):
         out = s.schedule()
-        s.update_from_output(out, {sr.request_id: cases[sr.request_id][1][step]
+        s.update_after_dispatch(out, {sr.request_id: cases[sr.request_id][1][step]
                                    for sr in out.scheduled})
         for sr in out.scheduled:
             r = sr.request
@@ -586,9 +587,9 @@ def test_pipelined_steps_are_micro_batches_of_different_requests():
     for i in range(4):
         s.add_request(req(f"r{i}", [1, 2, 3]))
     first = s.schedule()
-    s.update_from_output(first)  # placeholders: the tokens are in flight
+    s.update_after_dispatch(first)  # placeholders: the tokens are in flight
     second = s.schedule()
-    s.update_from_output(second)
+    s.update_after_dispatch(second)
     ids = lambda out: [x.request.request_id for x in out.scheduled]  # noqa: E731
     assert ids(first) == ["r0", "r1"] and ids(second) == ["r2", "r3"]
     assert s.schedule().scheduled == []  # every request waits for its token
@@ -596,3 +597,40 @@ def test_pipelined_steps_are_micro_batches_of_different_requests():
         x.request.resolve_pending(7)
     third = s.schedule()
     assert ids(third) == ["r0", "r1"] and all(x.num_new_tokens == 1 for x in third.scheduled)
+
+
+def test_update_from_output_resolves_stops_and_reports_one_output_per_request():
+    """The fetch half of a step, host only: placeholders resolved with the step's ids, logprobs
+    kept, stops on ids, one CoreOutput per request that gained ids; a row of a request aborted
+    while its step ran, and the token sampled past a stop, are dropped."""
+    from types import SimpleNamespace
+
+    from jaxserve.core.sampling_params import SamplingParams
+
+    cc, sc = CacheConfig(block_size=4), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    s = Scheduler(sc, cc, BlockManager(64, 4), 256, eos_token_ids=[2])
+    a = Request("a", [1, 3], SamplingParams(max_tokens=9, logprobs=0))
+    b = Request("b", [1, 3, 4], SamplingParams(max_tokens=9))
+    c = Request("c", [5], SamplingParams(max_tokens=9))
+    for r in (a, b, c):
+        s.add_request(r)
+
+    def fetched(ids):
+        return SimpleNamespace(token_ids=np.array(ids), logprobs=-np.arange(1.0, len(ids) + 1),
+                               ranks=np.ones(len(ids), int), topk_ids=None, prompt_logprobs=None)
+
+    first = s.schedule()
+    s.update_after_dispatch(first)  # three placeholders in flight
+    second = s.schedule()  # async: the next decode of each is scheduled before the read
+    s.update_after_dispatch(second)
+    assert [r.output_token_ids for r in (a, b, c)] == [[-1, -1]] * 3
+    s.abort_request("c")
+    outs = s.update_from_output(first, fetched([7, 2, 9]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
+        ("a", [7], None), ("b", [2], "stop")]  # b hit EOS; c was aborted: no output
+    assert [(t.token_id, t.logprob, t.rank) for t in outs[0].new_logprobs] == [(7, -1.0, 1)]
+    assert b.output_token_ids == [2] and b.is_finished  # its next token (in flight) dropped
+    assert a.metrics.first_token_time is not None and s.generation_tokens_total == 2
+    outs = s.update_from_output(second, fetched([8, 4, 6]))
+    assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [8])]
+    assert a.output_token_ids == [7, 8] and s.generation_tokens_total == 3

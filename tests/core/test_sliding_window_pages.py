@@ -52,7 +52,7 @@ class WindowDevice:
         bs = sched.block_size
         self.kv = np.full(sched.block_manager.num_pages * bs, -1, dtype=np.int64)
         self.host: dict[str, np.ndarray] = {}
-        self.ladder = token_ladder(sched.max_num_batched_tokens, 4)
+        self.ladder = token_ladder(sched.config.max_num_batched_tokens, 4)
 
     def step(self, out) -> dict[str, int]:
         bs = self.s.block_size
@@ -110,7 +110,7 @@ def run(sched, window, specs, aborts=None, on_step=None, max_steps=4000):
             for i, p in enumerate(r.block_ids):
                 if p != NULL_PAGE and sched.block_manager.page_hash[p] is not None:
                     assert r.block_hashes[i] == sched.block_manager.page_hash[p]
-        for r in sched.update_from_output(out, dev.step(out)):
+        for r in sched.update_after_dispatch(out, dev.step(out)):
             if r.num_output_tokens >= r.max_tokens:
                 sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
         if on_step:

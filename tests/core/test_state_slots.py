@@ -52,7 +52,7 @@ def test_admission_waits_for_a_free_slot_and_the_plan_carries_it():
     plan = build_step_plan(out.to_rows(), block_size=4, max_pages_per_seq=32,
                            ladder=token_ladder(64, 4), max_num_seqs=4)
     assert plan.state_slots[:2].tolist() == [0, 1] and set(plan.state_slots[2:]) == {-1}
-    sched.update_from_output(out, {"r0": 1, "r1": 1})
+    sched.update_after_dispatch(out, {"r0": 1, "r1": 1})
     sched.finish_request("r0", RequestStatus.FINISHED_ABORTED)
     assert sched.block_manager.state_slots.num_free == 1
     out = sched.schedule()
@@ -69,7 +69,7 @@ def test_recompute_preemption_drops_the_slot():
     for _ in range(10):
         out = sched.schedule()
         preempted += out.preempted
-        sched.update_from_output(out, {s.request_id: 7 for s in out.scheduled if s.sample})
+        sched.update_after_dispatch(out, {s.request_id: 7 for s in out.scheduled if s.sample})
         for r in sched.running + sched.waiting:
             assert (r.state_slot >= 0) == (r in sched.running)
         sched.block_manager.check_invariants(list(sched.requests.values()))
@@ -80,3 +80,36 @@ def test_recompute_preemption_drops_the_slot():
         sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
     assert sched.block_manager.state_slots.num_free == 2
     assert np.all(np.asarray(sched.block_manager.ref_counts) == 0)
+
+
+def test_n_siblings_fork_one_token_before_the_prompt_end():
+    """fork_prompts: the first child stops one token short of its prompt while its siblings
+    wait; they are then admitted at its progress, with its pages and slot to copy, and each
+    computes the last prompt token itself. A sibling with no slot then computes its own
+    prompt."""
+    sched = make(slots=3, max_seqs=4)
+    sched.siblings.fork_prompts = True
+    prompt = list(range(10, 20))  # 10 tokens: the fork point is 9, in the third page of 4
+    kids = [Request("k0", prompt, Params())] + [
+        Request(f"k{i}", prompt, Params(), prefix_parent="k0") for i in (1, 2, 3)]
+    for k in kids:
+        sched.add_request(k)
+    first = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in first.scheduled] == [("k0", 9)]
+    sched.update_after_dispatch(first)
+    second = sched.schedule()
+    assert [(s.request_id, s.start_pos, s.num_new_tokens, s.sample)
+            for s in second.scheduled] == [("k0", 9, 1, True), ("k1", 9, 1, True),
+                                           ("k2", 9, 1, True)]  # k3: no free slot
+    k0, k1, k2, k3 = kids
+    assert second.fork_pages == (list(zip(k0.block_ids[:3], k1.block_ids[:3]))
+                                 + list(zip(k0.block_ids[:3], k2.block_ids[:3])))
+    assert second.fork_states == [(k0.state_slot, k1.state_slot), (k0.state_slot, k2.state_slot)]
+    assert len({k.state_slot for k in kids[:3]}) == 3 and (k1.num_cached_tokens == 9)
+    sched.update_after_dispatch(second, {s.request_id: 7 for s in second.scheduled})
+    sched.finish_request("k1", RequestStatus.FINISHED_ABORTED)  # frees a slot for k3
+    third = sched.schedule()
+    late = next(s for s in third.scheduled if s.request_id == "k3")
+    assert (late.start_pos, late.num_new_tokens) == (0, 10)  # its chance passed: recompute
+    assert not third.fork_pages and k3.prefix_parent is None
+    sched.block_manager.check_invariants(list(sched.requests.values()))

@@ -72,7 +72,7 @@ def test_async_is_on_by_default_and_overlaps(llama_dir, pair):
     eng.add_request("a", _prompts(1, seed=3)[0], SamplingParams(max_tokens=6, ignore_eos=True))
     eng.step()  # dispatches the prefill; nothing read yet
     assert eng._inflight is not None
-    req = eng._parents["a"].children[0].request  # the scheduler keys it by an engine id
+    (req,) = eng.scheduler.requests.values()  # keyed by a core id, never the caller's
     assert req.num_pending == 1 and req.output_token_ids == [-1]
     outs = []
     while eng.has_unfinished_requests():

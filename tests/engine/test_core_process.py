@@ -79,7 +79,8 @@ def test_aborted_streams_leave_no_kv_page(server):
         try:
             with httpx.stream("POST", url + "/v1/completions", timeout=60,
                               json={"prompt": f"burst {i} " * 8, "max_tokens": 200,
-                                    "ignore_eos": True, "stream": True}) as r:
+                                    "ignore_eos": True, "stream": True,
+                                    "n": 1 + 2 * (i % 2)}) as r:  # n = 3: every child aborted
                 for n, _ in enumerate(r.iter_lines()):
                     if n >= 3:
                         return  # closing the stream mid-way aborts the request

@@ -173,6 +173,43 @@ def test_n_and_stop_strings(llama_dir):
     _assert_pool_full(llm)
 
 
+def test_n_fans_out_into_core_requests_that_share_the_prompt_pages(llama_dir):
+    """The core sees one request per choice (seed + i, prompt logprobs on choice 0 only);
+    siblings take choice 0's full prompt pages from the prefix cache; choice i equals the
+    n = 1 request with seed + i; prompt logprobs come once; aborting the request aborts every
+    child and frees every page."""
+    llm = _llm(llama_dir, enable_prefix_caching=True)
+    eng = llm.llm_engine
+    prompt = _prompts(1, 500, seed=4, lo=36, hi=36)[0]  # 2 full pages of 16
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True,
+                            prompt_logprobs=1)
+    eng.add_request("p", prompt, params)
+    kids = sorted(eng.scheduler.requests.values(), key=lambda r: r.request_id)
+    assert [r.sampling_params.seed for r in kids] == [7, 8, 9]
+    assert all(r.sampling_params.n == 1 for r in kids)
+    assert [r.sampling_params.prompt_logprobs for r in kids] == [1, None, None]
+    assert [r.prefix_parent for r in kids] == [None] + [kids[0].request_id] * 2
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [k.num_cached_tokens for k in kids] == [0, 32, 32]
+    assert all(o.request_id == "p" for o in outs)
+    final = outs[-1]
+    assert final.finished and [c.index for c in final.outputs] == [0, 1, 2]
+    assert len(final.prompt_logprobs) == len(prompt)  # once, not per choice
+    for i, c in enumerate(final.outputs):
+        one = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6,
+                                          ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == one.token_ids and c.finish_reason == "length"
+    eng.add_request("q", prompt, SamplingParams(n=3, max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.abort_request("q")
+    assert not eng.scheduler.requests and not eng.has_unfinished_requests()
+    _assert_pool_full(llm)
+
+
 def test_bad_input_raises_named_field(llama_dir):
     llm = _llm(llama_dir)
     with pytest.raises(ValueError, match="prompt"):

@@ -100,7 +100,7 @@ def test_scheduler_lookahead_slots_and_rollback():
     r.use_spec = True
     sched.add_request(r)
     out = sched.schedule()
-    sched.update_from_output(out, {"a": 8})  # prefill samples 8; 7 computed
+    sched.update_after_dispatch(out, {"a": 8})  # prefill samples 8; 7 computed
     r.spec_token_ids = [9, 10, 11, 12, 13]
     out = sched.schedule()
     (s,) = out.scheduled
@@ -108,7 +108,7 @@ def test_scheduler_lookahead_slots_and_rollback():
     assert s.num_draft == 4 and s.new_token_ids == [8, 9, 10, 11, 12]
     assert len(r.block_ids) == 3  # 7 + 5 = 12 positions: lookahead pages allocated
     assert s.start_pos == 7 and out.to_rows()[0].num_draft == 4
-    sched.update_from_output(out)
+    sched.update_after_dispatch(out)
     assert r.num_computed_tokens == 8 and r.spec_in_flight and r.spec_token_ids == []
     assert sched.schedule().scheduled == []  # unread verify step: not scheduled again
     assert bm.num_cached_pages == 2  # pages of tokens 1-4 and 5-8 (all accepted or prompt)
@@ -342,7 +342,7 @@ def test_abort_mid_speculation_frees_everything(engines):
     eng = engines[2].llm_engine
     eng.add_request("x", _repeating_prompts(1, seed=5)[0],
                     SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-    req = next(iter(eng._child_of.values()))[1].request
+    (req,) = eng.scheduler.requests.values()
     for _ in range(60):
         eng.step()
         if req.spec_in_flight:

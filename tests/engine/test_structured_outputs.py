@@ -135,11 +135,11 @@ def test_scheduler_waits_for_the_grammar_and_for_the_pending_token():
     out = sch.schedule()
     assert [s.request_id for s in out.scheduled] == ["b"]  # a compiles; b overtakes it
     assert a.status == RequestStatus.WAITING and not a.block_ids  # no slot, no pages
-    sch.update_from_output(out)  # b: a placeholder
+    sch.update_after_dispatch(out)  # b: a placeholder
     a.grammar.ready = True
     out = sch.schedule()
     assert sorted(s.request_id for s in out.scheduled) == ["a", "b"]
-    sch.update_from_output(out)  # both have a token in flight
+    sch.update_after_dispatch(out)  # both have a token in flight
     out = sch.schedule()
     # b decodes on its placeholder; a's mask needs its pending token, so a sits this step out
     assert [s.request_id for s in out.scheduled] == ["b"]

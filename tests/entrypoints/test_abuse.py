@@ -121,7 +121,7 @@ def test_seed_outside_the_sampler_range_is_400(http, seed):
 
 
 def test_child_seeds_stay_in_range_and_distinct():
-    from jaxserve.engine.llm_engine import child_seed
+    from jaxserve.engine.parallel_sampling import child_seed
 
     for parent in (0, 1, 2**32 - 1, 2**32, MAX_SEED - 3, MAX_SEED):
         kids = [child_seed(parent, i) for i in range(128)]

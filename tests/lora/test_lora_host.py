@@ -36,7 +36,7 @@ def test_scheduler_runs_at_most_max_loras_adapters():
     assert {x.request.lora_int_id for x in out.scheduled} - {0} == {1, 2}
     # once every a2 request is gone, a3 runs
     s.finish_request("r1", RequestStatus.FINISHED_STOPPED)
-    s.update_from_output(out, {x.request_id: 9 for x in out.scheduled})
+    s.update_after_dispatch(out, {x.request_id: 9 for x in out.scheduled})
     out2 = s.schedule()
     assert {x.request.lora_int_id for x in out2.scheduled} == {0, 1, 3}
     assert {x.request_id for x in out2.scheduled} >= {"r2", "r5"}

@@ -193,7 +193,7 @@ def test_state_pool_is_all_free_after_aborts_stops_and_preemption(qwen35):
             eng.abort_request(["r2"])
     assert eng.scheduler.num_preemptions_total > 0
     _assert_pools_free(llm)
-    # n > 1: the children recompute the prompt (no prefix cache), each from its own slot
+    # n > 1: the siblings fork from the first child's prompt, each into its own slot
     prompt = _prompts([45], seed=3)
     res = llm.generate([{"prompt_token_ids": prompt[0]}],
                        SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS,
@@ -201,6 +201,42 @@ def test_state_pool_is_all_free_after_aborts_stops_and_preemption(qwen35):
     ref = _hf_greedy(path, prompt, NEW_TOKENS)[0]
     assert [list(c.token_ids) for c in res[0].outputs] == [ref, ref]
     _assert_pools_free(llm)
+
+
+def test_n_siblings_fork_the_first_childs_pages_and_state(qwen35):
+    """n > 1 without a prefix cache: the first child computes the prompt but its last token,
+    the siblings copy its pages and state slot there and compute that token themselves. Their
+    tokens equal the recompute path's (greedy and seeded), and every slot and page is free
+    afterwards."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    path = qwen35("dense")
+    prompt = _prompts([45], seed=3)[0]  # two chunks of the 32-token budget
+    runs = {}
+    for fork in (True, False):
+        llm = _engine(path, block_size=8)
+        eng = llm.llm_engine
+        assert eng.scheduler.siblings.fork_prompts
+        eng.scheduler.siblings.fork_prompts = fork
+        got = []
+        for params in (SamplingParams(n=3, temperature=0.0, max_tokens=NEW_TOKENS,
+                                      ignore_eos=True),
+                       SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=NEW_TOKENS,
+                                      ignore_eos=True)):
+            eng.add_request("r", prompt, params)
+            kids = sorted(eng.scheduler.requests.values(), key=lambda r: r.request_id)
+            outs = []
+            while eng.has_unfinished_requests():
+                outs += eng.step()
+            got.append([list(c.token_ids) for c in outs[-1].outputs])
+            # the siblings reused the first 44 prompt tokens, or recomputed them
+            assert [k.num_cached_tokens for k in kids] == ([0, 44, 44] if fork else [0, 0, 0])
+            _assert_pools_free(llm)
+        runs[fork] = got
+    ref = _hf_greedy(path, [prompt], NEW_TOKENS)[0]
+    assert runs[True][0] == [ref] * 3
+    assert runs[True] == runs[False]
+    assert len({tuple(t) for t in runs[True][1]}) > 1  # seeded choices differ from each other
 
 
 @pytest.mark.slow  # fp8 quantization of every projection at start-up
@@ -277,13 +313,21 @@ def _tp2_child(path: str, prompts) -> list:
     for arr in runner.kv_pages[0]:  # layer 0's conv and delta-rule state pools
         assert arr.addressable_shards[0].data.shape[1] == arr.shape[1] // 2
     got = _greedy(llm, prompts)
+    # n > 1 forks: the split pages and state slot are copied shard by shard
+    from jaxserve.core.sampling_params import SamplingParams
+
+    forked = llm.generate([{"prompt_token_ids": prompts[0]}],
+                          SamplingParams(n=2, temperature=0.0, max_tokens=NEW_TOKENS,
+                                         ignore_eos=True), use_tqdm=False)[0]
+    forked = [list(c.token_ids) for c in forked.outputs]
+    _assert_pools_free(llm)
     # swap preemption moves the split state out and back into the split pool
     llm = _engine(Path(path), tensor_parallel_size=2, block_size=8, num_gpu_blocks_override=20,
                   preemption_mode="swap")
     swapped = _greedy(llm, prompts + prompts)
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     _assert_pools_free(llm)
-    return [got, swapped]
+    return [got, swapped, forked]
 
 
 @pytest.mark.slow  # a child process with 2 CPU devices
@@ -296,9 +340,9 @@ def test_tp2_equals_hf(qwen35, variant):
     proc = subprocess.run([sys.executable, __file__, json.dumps([str(path), prompts])],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got, swapped = json.loads(proc.stdout.strip().splitlines()[-1])
+    got, swapped, forked = json.loads(proc.stdout.strip().splitlines()[-1])
     ref = _hf_greedy(path, prompts, NEW_TOKENS)
-    assert got == ref and swapped == ref + ref
+    assert got == ref and swapped == ref + ref and forked == [ref[0], ref[0]]
 
 
 if __name__ == "__main__":
