@@ -316,3 +316,18 @@ def lora_delta(x, lora_a, lora_b, slot, scale):
     out = jnp.einsum("tr,tro->to", xa, lora_b[s].astype(jnp.float32), precision=hi)
     out = out * jnp.where(on, scale[s].astype(jnp.float32), 0.0)[:, None]
     return out.astype(x.dtype)
+
+
+def int8_matmul_reference(x, weight, weight_scale):
+    """``x[M, K] @ (weight[N, K] * weight_scale[N]).T`` with the activation in two int8 terms
+    per row: ``x / a = hi + lo / 254``, ``a = max|x| / 127``; int8 x int8 -> int32 dots;
+    ``(hi_acc + lo_acc / 254) * a * weight_scale``. float32 in and out."""
+    xf = x.astype(jnp.float32)
+    a_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0, 1e-12)
+    hi = jnp.clip(jnp.round(xf / a_scale), -127, 127)
+    lo = jnp.clip(jnp.round((xf / a_scale - hi) * 254.0), -127, 127)
+    rows = xf.shape[0]
+    xq = jnp.concatenate([hi, lo]).astype(jnp.int8)
+    acc = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32).astype(jnp.float32)
+    return (acc[:rows] + acc[rows:] * (1.0 / 254.0)) * a_scale * weight_scale

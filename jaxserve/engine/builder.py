@@ -31,6 +31,7 @@ from jaxserve.sharding import engine_mesh, pipeline_mesh
 from jaxserve.worker.kv_cache import kv_cache_dtype, page_bytes
 from jaxserve.worker.kv_calibration import prepare_kv_scales
 from jaxserve.worker.runner import ModelRunner, enable_compilation_cache
+from pallas_kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     except ValueError as e:
         raise InvalidRequestError(str(e), param="dtype") from None
     t0 = time.perf_counter()
+    cpu_kernels.prebuild()  # a first start compiles the CPU kernels beside the model's load
     pp_mesh = _pipeline_mesh(config, devices)  # None: no pipeline parallelism
     if pp_mesh is None:
         mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path

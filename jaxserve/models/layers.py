@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.models.lora import project
+from jaxserve.models.lora import project, project_many
 from pallas_kernels import reference
 from pallas_kernels.reference import write_kv
 
@@ -89,9 +90,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, lora=None):
-        act = ACTIVATIONS[self.act](project(self.gate_proj, x, lora, "gate_proj"))
-        return project(self.down_proj, act * project(self.up_proj, x, lora, "up_proj"), lora,
-                       "down_proj")
+        gate, up = project_many([self.gate_proj, self.up_proj], x, lora, ("gate_proj", "up_proj"))
+        return project(self.down_proj, ACTIVATIONS[self.act](gate) * up, lora, "down_proj")
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -257,8 +257,12 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
         interpret = jax.default_backend() == "cpu"
         return rpa.ragged_paged_attention(*args, interpret=interpret, **kwargs)
     if backend == "xla":
-        from pallas_kernels import xla_attention
+        from pallas_kernels import cpu_kernels, xla_attention
 
+        if (kv_scale is None and k_pages.dtype == jnp.float32 and cpu_kernels.available()
+                and os.environ.get("JAXSERVE_CPU_ATTENTION") != "0"):
+            return cpu_kernels.paged_attention(q, k_pages, v_pages, *args[3:], sm_scale=sm_scale,
+                                               sliding_window=sliding_window, soft_cap=soft_cap)
         return xla_attention.ragged_paged_attention(*args, **kwargs)
     if backend == "mosaic":
         from pallas_kernels import mosaic_gpu_attention

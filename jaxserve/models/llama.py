@@ -25,7 +25,7 @@ from jaxserve.models.layers import (
     rope_cos_sin,
 )
 from jaxserve.models.contract import megatron_partition_spec
-from jaxserve.models.lora import LoRABatch, layer_lora, project
+from jaxserve.models.lora import LoRABatch, layer_lora, project, project_many
 from jaxserve.models.quantization import lm_head_logits
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from pallas_kernels.reference import token_metadata
@@ -55,9 +55,11 @@ class Attention(nnx.Module):
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None,
                  lora=None):
         t = x.shape[0]
-        q = project(self.q_proj, x, lora, "q_proj").reshape(t, self.num_heads, self.head_dim)
-        k = project(self.k_proj, x, lora, "k_proj").reshape(t, self.num_kv_heads, self.head_dim)
-        v = project(self.v_proj, x, lora, "v_proj").reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_many([self.q_proj, self.k_proj, self.v_proj], x, lora,
+                               ("q_proj", "k_proj", "v_proj"))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -40,7 +40,23 @@ def layer_lora(lora: LoRABatch | None, i: int, mesh=None) -> LayerLoRA | None:
 
 def project(linear, x, lora: LayerLoRA | None, module: str):
     """``linear(x)`` plus each row's adapter delta when ``module`` is adapted."""
-    y = linear(x)
+    return _add_delta(linear(x), x, lora, module)
+
+
+def project_many(linears, x, lora: LayerLoRA | None, modules):
+    """``project`` of one input through several projections (q/k/v, gate/up). int8 (W8A8)
+    projections share one matmul call that quantizes ``x`` once
+    (``quantization.int8_dynamic_matmuls``)."""
+    if len(linears) > 1 and all(hasattr(m, "int8_operands") for m in linears):
+        from jaxserve.models.quantization import int8_dynamic_matmuls
+
+        ys = int8_dynamic_matmuls(x, [m.int8_operands() for m in linears])
+        ys = [m.add_bias(y) for m, y in zip(linears, ys)]
+        return [_add_delta(y, x, lora, name) for y, name in zip(ys, modules)]
+    return [project(m, x, lora, name) for m, name in zip(linears, modules)]
+
+
+def _add_delta(y, x, lora: LayerLoRA | None, module: str):
     if lora is None or module not in lora.modules:
         return y
     a, b = lora.modules[module]

@@ -39,6 +39,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import QUANTIZATION_METHODS
+from pallas_kernels import cpu_kernels, reference
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 FP8 = jnp.float8_e4m3fn
@@ -89,25 +90,32 @@ def fp8_dynamic_matmul(x, weight, weight_scale, *, emulate: bool = False):
     return (y * a_scale * weight_scale).astype(x.dtype)
 
 
+def int8_kernel_enabled() -> bool:
+    """The C++ W8A8 kernel serves int8 matmuls (``pallas_kernels.cpu_kernels.available``)."""
+    return cpu_kernels.available()
+
+
 def int8_dynamic_matmul(x, weight, weight_scale):
     """W8A8 with a two-term activation: ``x / a = hi + lo / 254`` per token (``a = max|x| /
     127``; ``hi``, ``lo`` int8), both rows through one int8 x int8 -> int32 ``dot_general``
     against the stored int8 ``weight [out, in]``, then ``(hi_acc + lo_acc / 254) * a *
     weight_scale``. The second term makes the activation ~15 bits (one int8 row per token
-    lost SmolLM2 1.7 % of held-out perplexity; two keep it at float32's), and it is free where
-    decode is memory-bound: XLA:CPU runs the dot as an int8 GEMM reading the weight once, and
-    takes a slow generic path for a one-row dot, which the second row avoids anyway."""
+    lost SmolLM2 1.7 % of held-out perplexity; two keep it at float32's). On one CPU device
+    the C++ kernel runs it (``pallas_kernels.cpu_kernels``: XLA:CPU reads a one-row int8 dot
+    at a quarter of the machine's bandwidth); elsewhere XLA runs the same rule."""
+    return int8_dynamic_matmuls(x, [(weight, weight_scale)])[0]
+
+
+def int8_dynamic_matmuls(x, weights):
+    """:func:`int8_dynamic_matmul` of one input against 1 to 3 ``(weight, weight_scale)``
+    (q/k/v, gate/up): with the CPU kernel, one call that quantizes ``x`` once."""
     lead, n = x.shape[:-1], x.shape[-1]
     xf = x.reshape(-1, n).astype(jnp.float32)
-    a_scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127.0, 1e-12)
-    hi = jnp.clip(jnp.round(xf / a_scale), -127, 127)
-    lo = jnp.clip(jnp.round((xf / a_scale - hi) * 254.0), -127, 127)
-    rows = xf.shape[0]
-    xq = jnp.concatenate([hi, lo]).astype(jnp.int8)
-    acc = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())),
-                              preferred_element_type=jnp.int32).astype(jnp.float32)
-    y = (acc[:rows] + acc[rows:] * (1.0 / 254.0)) * a_scale * weight_scale
-    return y.reshape(*lead, -1).astype(x.dtype)
+    if int8_kernel_enabled():
+        ys = cpu_kernels.int8_matmul(xf, list(weights))
+    else:
+        ys = [reference.int8_matmul_reference(xf, w, s) for w, s in weights]
+    return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
 
 
 def fp8_compute_supported(device=None) -> bool:
@@ -177,10 +185,14 @@ class Int8Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
     def __call__(self, x):
-        y = int8_dynamic_matmul(x, self.weight[...], self.weight_scale[...])
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        return self.add_bias(int8_dynamic_matmul(x, self.weight[...], self.weight_scale[...]))
+
+    def int8_operands(self):
+        """(weight, weight_scale): for a matmul call shared with other projections."""
+        return self.weight[...], self.weight_scale[...]
+
+    def add_bias(self, y):
+        return y if self.bias is None else y + self.bias[...]
 
 
 class Int4Linear(nnx.Module):

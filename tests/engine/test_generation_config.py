@@ -10,7 +10,8 @@ import pytest
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.generation_config import (default_sampling, eos_token_ids,
                                                load_generation_config)
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.entrypoints.openai.protocol import CompletionRequest
+from jaxserve.entrypoints.openai.protocol_chat import ChatCompletionRequest
 
 SMALL = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, min_token_bucket=32,
              num_gpu_blocks_override=64)

@@ -14,7 +14,7 @@ from llguidance._tokenizer import TokenizerWrapper  # noqa: E402
 
 from jaxserve.core.sampling_params import StructuredOutputsParams  # noqa: E402
 from jaxserve.engine.structured_output import grammar_text, strict_json_schema  # noqa: E402
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
+from jaxserve.entrypoints.openai.protocol_chat import ChatCompletionRequest  # noqa: E402
 from jaxserve.entrypoints.openai.tool_parsers import MAX_PARALLEL_TOOL_CALLS  # noqa: E402
 
 

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.entrypoints.openai import protocol_chat as PC
 from jaxserve.entrypoints.openai.logprobs import chat_logprobs as _chat_logprobs, legacy_logprobs as _legacy_logprobs, Tokens as _Tokens
 from jaxserve.errors import InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
@@ -59,7 +60,7 @@ def test_completion_request_errors_name_the_field(body, param):
       "add_generation_prompt": True}, "continue_final_message"),
 ])
 def test_chat_request_errors_name_the_field(body, param):
-    assert parse_err(P.ChatCompletionRequest, body).param == param
+    assert parse_err(PC.ChatCompletionRequest, body).param == param
 
 
 def test_non_object_body_is_rejected():
@@ -68,16 +69,16 @@ def test_non_object_body_is_rejected():
 
 
 def test_unknown_fields_are_ignored():
-    req = P.parse_request(P.ChatCompletionRequest, {
+    req = P.parse_request(PC.ChatCompletionRequest, {
         "messages": [{"role": "user", "content": "hi"}], "tools": [], "metadata": {"a": 1}})
     assert req.messages[0].content == "hi"
 
 
 def test_content_parts_join_and_reject_images():
-    req = P.parse_request(P.ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+    req = P.parse_request(PC.ChatCompletionRequest, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert req.message_dicts() == [{"role": "user", "content": "ab"}]
-    req = P.parse_request(P.ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+    req = P.parse_request(PC.ChatCompletionRequest, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]})
     with pytest.raises(InvalidRequestError) as e:
         req.message_dicts()
@@ -137,20 +138,20 @@ def test_max_tokens_beyond_the_context_is_rejected():
 def test_chat_sampling_params_mapping():
     msgs = [{"role": "user", "content": "hi"}]
     base = {"messages": msgs}
-    sp = P.parse_request(P.ChatCompletionRequest, base).to_sampling_params(100, 30)
+    sp = P.parse_request(PC.ChatCompletionRequest, base).to_sampling_params(100, 30)
     assert sp.max_tokens == 70 and sp.logprobs is None  # chat: no limit by default
-    sp = P.parse_request(P.ChatCompletionRequest, {**base, "max_tokens": 5,
+    sp = P.parse_request(PC.ChatCompletionRequest, {**base, "max_tokens": 5,
                                                    "max_completion_tokens": 7}
                          ).to_sampling_params(100, 30)
     assert sp.max_tokens == 7  # the newer name wins
-    sp = P.parse_request(P.ChatCompletionRequest, {**base, "logprobs": True}
+    sp = P.parse_request(PC.ChatCompletionRequest, {**base, "logprobs": True}
                          ).to_sampling_params(100, 30)
     assert sp.logprobs == 0  # sampled token only
-    sp = P.parse_request(P.ChatCompletionRequest, {**base, "logprobs": True, "top_logprobs": 4}
+    sp = P.parse_request(PC.ChatCompletionRequest, {**base, "logprobs": True, "top_logprobs": 4}
                          ).to_sampling_params(100, 30)
     assert sp.logprobs == 4
     with pytest.raises(InvalidRequestError) as e:
-        P.parse_request(P.ChatCompletionRequest, {**base, "max_completion_tokens": 71}
+        P.parse_request(PC.ChatCompletionRequest, {**base, "max_completion_tokens": 71}
                         ).to_sampling_params(100, 30)
     assert e.value.param == "max_completion_tokens"
 
@@ -175,16 +176,16 @@ def test_responses_match_openai_types():
             top_logprobs=[{"hi": -0.5}]))])
     c = ot.Completion.model_validate(roundtrip(comp))
     assert c.choices[0].logprobs.token_logprobs == [-0.5] and c.usage.total_tokens == 5
-    chat = P.ChatCompletionResponse(model="m", usage=usage, choices=[
-        P.ChatCompletionResponseChoice(
-            index=0, message=P.ChatMessage(role="assistant", content="yo"), finish_reason="stop",
-            logprobs=P.ChatCompletionLogProbs(content=[P.ChatCompletionLogProbsContent(
+    chat = PC.ChatCompletionResponse(model="m", usage=usage, choices=[
+        PC.ChatCompletionResponseChoice(
+            index=0, message=PC.ChatMessage(role="assistant", content="yo"), finish_reason="stop",
+            logprobs=PC.ChatCompletionLogProbs(content=[PC.ChatCompletionLogProbsContent(
                 token="yo", logprob=-0.1, bytes=[121, 111],
-                top_logprobs=[P.ChatCompletionLogProb(token="yo", logprob=-0.1)])]))])
+                top_logprobs=[PC.ChatCompletionLogProb(token="yo", logprob=-0.1)])]))])
     cc = oc.ChatCompletion.model_validate(roundtrip(chat))
     assert cc.choices[0].logprobs.content[0].top_logprobs[0].token == "yo"
-    chunk = P.ChatCompletionStreamResponse(id="x", created=1, model="m", choices=[
-        P.ChatCompletionStreamChoice(index=0, delta=P.DeltaMessage(role="assistant",
+    chunk = PC.ChatCompletionStreamResponse(id="x", created=1, model="m", choices=[
+        PC.ChatCompletionStreamChoice(index=0, delta=PC.DeltaMessage(role="assistant",
                                                                     content=""))])
     assert oc.ChatCompletionChunk.model_validate(roundtrip(chunk)).choices[0].delta.role \
         == "assistant"
@@ -295,7 +296,7 @@ ALWAYS_INERT = {"metadata", "service_tier"}
 @pytest.mark.parametrize("name", sorted(set(P.UNSUPPORTED_FIELDS) - ALWAYS_INERT))
 @pytest.mark.parametrize("cls,base", [
     (P.CompletionRequest, {"prompt": "x"}),
-    (P.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    (PC.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
     (P.TokenizeCompletionRequest, {"prompt": "x"}),
 ])
 def test_unsupported_fields_are_refused_by_name(cls, base, name):
@@ -313,7 +314,7 @@ def test_unsupported_fields_are_refused_by_name(cls, base, name):
     {"parallel_tool_calls": True}, {"modalities": ["text"]}, {"user": "u-1"},
 ])
 def test_inert_values_of_unsupported_fields_are_accepted(extra):
-    req = P.parse_request(P.ChatCompletionRequest,
+    req = P.parse_request(PC.ChatCompletionRequest,
                           {"messages": [{"role": "user", "content": "x"}], **extra})
     assert req.messages[0].content == "x"
 
@@ -333,7 +334,7 @@ def test_unknown_fields_are_refused_by_name(body, param):
 
 def test_unknown_message_field_names_its_path():
     with pytest.raises(InvalidRequestError) as e:
-        P.parse_request(P.ChatCompletionRequest, {"messages": [
+        P.parse_request(PC.ChatCompletionRequest, {"messages": [
             {"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "foo": 1}]})
     assert e.value.param == "messages.1.foo"
 
@@ -342,7 +343,7 @@ def test_speculative_decoding_opt_out_field():
     sp = P.parse_request(P.CompletionRequest, {"prompt": "x", "disable_speculative_decoding":
                                                True}).to_sampling_params(100, 10)
     assert sp.disable_speculative_decoding is True
-    assert P.parse_request(P.ChatCompletionRequest, {
+    assert P.parse_request(PC.ChatCompletionRequest, {
         "messages": [{"role": "user", "content": "x"}]}).to_sampling_params(
             100, 10).disable_speculative_decoding is False
     assert parse_err(P.CompletionRequest, {"prompt": "x", "disable_speculative_decoding":

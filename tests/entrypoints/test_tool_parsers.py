@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.entrypoints.openai import protocol_chat as PC
 from jaxserve.errors import InvalidRequestError
 from jaxserve.entrypoints.openai.tool_parsers import (get_tool_parser, parse_required,
                                                       required_tools_schema)
@@ -53,7 +54,7 @@ def test_unknown_parser():
 
 
 def _tools():
-    return [P.ChatCompletionToolsParam.model_validate(t) for t in (
+    return [PC.ChatCompletionToolsParam.model_validate(t) for t in (
         {"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
         {"type": "function", "function": {"name": "g"}})]
@@ -85,13 +86,13 @@ def test_required_schema_accepts_calls_and_refuses_the_rest():
 ])
 def test_bad_tool_choice_is_refused_by_name(body, param):
     with pytest.raises(InvalidRequestError) as e:
-        P.parse_request(P.ChatCompletionRequest,
+        P.parse_request(PC.ChatCompletionRequest,
                         {"messages": [{"role": "user", "content": "x"}], **body})
     assert getattr(e.value, "param", None) == param, e.value
 
 
 def test_assistant_tool_calls_reach_the_template_as_mappings():
-    req = P.parse_request(P.ChatCompletionRequest, {"messages": [
+    req = P.parse_request(PC.ChatCompletionRequest, {"messages": [
         {"role": "user", "content": "add"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},

@@ -156,19 +156,26 @@ def test_int8_dynamic_matmul_matches_numpy_and_float(rows):
     assert np.abs(y - ref).max() < 0.02 * np.abs(ref).max()
 
 
-def test_int8_dynamic_matmul_reads_the_int8_weight_in_its_dot():
-    """No float copy of the weight: the optimised HLO's dot takes the s8 weight itself and
-    no weight-shaped float array appears anywhere in the step."""
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_int8_dynamic_matmul_reads_the_int8_weight_in_its_dot(monkeypatch, kernel):
+    """No float copy of the weight: the optimised HLO's matmul (the CPU kernel's custom call,
+    or XLA's s32 dot without it) takes the s8 weight itself and no weight-shaped float array
+    appears anywhere in the step."""
+    from pallas_kernels import cpu_kernels
+
+    monkeypatch.setenv("JAXSERVE_CPU_KERNELS", kernel)
+    use_kernel = kernel == "1" and Q.int8_kernel_enabled()
     x = jnp.ones((1, 576), jnp.float32)
     q = jnp.ones((1536, 576), jnp.int8)
     s = jnp.ones((1536,), jnp.float32)
-    hlo = jax.jit(Q.int8_dynamic_matmul).lower(x, q, s).compile().as_text()
+    hlo = jax.jit(lambda *a: Q.int8_dynamic_matmul(*a)).lower(x, q, s).compile().as_text()
     assert "f32[1536,576]" not in hlo and "bf16[1536,576]" not in hlo
     entry = hlo[hlo.index("ENTRY"):]
     [weight] = re.findall(r"(%\S+) = s8\[1536,576\]\{[0-9,]+\} parameter", entry)
-    assert any(re.search(r"= s32\[2,1536\]", ln) and weight + ")" in ln or
-               re.search(r"= s32\[2,1536\]", ln) and weight + "," in ln
+    out = r"= f32\[1,1536\].*custom-call\(" if use_kernel else r"= s32\[2,1536\]"
+    assert any(re.search(out, ln) and (weight + ")" in ln or weight + "," in ln)
                for ln in entry.splitlines()), entry
+    assert (cpu_kernels._TARGETS[1] in hlo) == use_kernel
 
 
 @pytest.mark.parametrize("head", [False, True])

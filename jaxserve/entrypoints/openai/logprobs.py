@@ -5,6 +5,7 @@ import math
 
 
 from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.entrypoints.openai import protocol_chat as PC
 from jaxserve.core.outputs import RequestOutput
 
 
@@ -68,7 +69,7 @@ def legacy_logprobs(tokens: Tokens, token_ids: list[int], positions: list, start
 
 
 def chat_logprobs(tokens: Tokens, token_ids: list[int], positions: list, k: int
-                   ) -> list[P.ChatCompletionLogProbsContent]:
+                   ) -> list[PC.ChatCompletionLogProbsContent]:
     """The chat format: one entry per generated token with its top-k alternatives."""
     content = []
     for tid, pos in zip(token_ids, positions):
@@ -76,11 +77,11 @@ def chat_logprobs(tokens: Tokens, token_ids: list[int], positions: list, k: int
         s = tokens.entry_text(tid, lp) if lp is not None else tokens.text(tid)
         ranked = sorted((pos or {}).items(),
                         key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
-        top = [P.ChatCompletionLogProb(token=tokens.entry_text(t, e),
+        top = [PC.ChatCompletionLogProb(token=tokens.entry_text(t, e),
                                        logprob=clamp_logprob(e.logprob),
                                        bytes=list(tokens.entry_text(t, e).encode()))
                for t, e in ranked[:k]]
-        content.append(P.ChatCompletionLogProbsContent(
+        content.append(PC.ChatCompletionLogProbsContent(
             token=s, logprob=clamp_logprob(lp.logprob) if lp is not None else LOGPROB_FLOOR,
             bytes=list(s.encode()), top_logprobs=top))
     return content

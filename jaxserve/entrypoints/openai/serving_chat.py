@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.entrypoints.openai import protocol_chat as PC
 from jaxserve.errors import InvalidRequestError
 from jaxserve.engine.tokenizer import stop_buffer_length
 from jaxserve.entrypoints.openai.tool_call_stream import ToolCallStreamer
@@ -27,7 +28,7 @@ class StreamedToolCalls:
     in fragments that concatenate to the arguments JSON; finish_reason "tool_calls" when the
     finished answer parses as calls."""
 
-    def __init__(self, serving: OpenAIServing, req: P.ChatCompletionRequest, echo: str):
+    def __init__(self, serving: OpenAIServing, req: PC.ChatCompletionRequest, echo: str):
         self.serving, self.req, self.echo = serving, req, echo
         mode = req.tool_mode
         self.parser = serving.tool_parser if mode == "auto" and req.tools else None
@@ -55,25 +56,25 @@ class StreamedToolCalls:
         return self.parser.content_end(text) if self.parser is not None else len(text)
 
     def delta(self, i: int, shown: str, done: bool, finish_reason: str | None
-              ) -> tuple[P.DeltaMessage | None, str | None]:
+              ) -> tuple[PC.DeltaMessage | None, str | None]:
         req = self.req
         if req.tool_mode == "named":
             new = shown[self.sent[i]:]
             self.sent[i] = len(shown)
             if not new and not done:
                 return None, None
-            fn = P.DeltaFunctionCall(arguments=new)
-            call = P.DeltaToolCall(index=0, function=fn)
+            fn = PC.DeltaFunctionCall(arguments=new)
+            call = PC.DeltaToolCall(index=0, function=fn)
             if not self.named_started[i]:
                 self.named_started[i] = True
                 call.id, call.type, fn.name = self.call_id[i], "function", req.named_tool.function.name
-            return P.DeltaMessage(tool_calls=[call]), finish_reason
+            return PC.DeltaMessage(tool_calls=[call]), finish_reason
         reasoning, text = self.serving._split_reasoning(req, self.echo + shown, done)
         new_reasoning = reasoning[self.sent_reasoning[i]:]
         self.sent_reasoning[i] = len(reasoning)
         streamer = self.streamers[i]
-        calls = [P.DeltaToolCall(index=k, id=cid, type="function" if cid else None,
-                                 function=P.DeltaFunctionCall(name=name, arguments=args))
+        calls = [PC.DeltaToolCall(index=k, id=cid, type="function" if cid else None,
+                                 function=PC.DeltaFunctionCall(name=name, arguments=args))
                  for k, cid, name, args in streamer.update(self._partial_calls(text))]
         if not done:
             end = self._content_end(text)
@@ -81,14 +82,14 @@ class StreamedToolCalls:
             self.sent[i] = max(self.sent[i], end)
             if not (new or new_reasoning or calls):
                 return None, None
-            return P.DeltaMessage(content=new or None, reasoning_content=new_reasoning or None,
+            return PC.DeltaMessage(content=new or None, reasoning_content=new_reasoning or None,
                                   tool_calls=calls), None
         content, parsed, finish = self.serving._tool_calls(req, text, finish_reason or "abort")
         if streamer.started:  # what is left before the calls; the calls went as deltas
             rest = text[self.sent[i]:self._content_end(text)]
         else:
             rest = (content or "")[self.sent[i]:] if parsed else text[self.sent[i]:]
-        return P.DeltaMessage(content=rest or None, reasoning_content=new_reasoning or None,
+        return PC.DeltaMessage(content=rest or None, reasoning_content=new_reasoning or None,
                               tool_calls=calls), finish
 
 
@@ -98,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest,
+        req: PC.ChatCompletionRequest = P.parse_request(PC.ChatCompletionRequest,
                                                        await self._body(request))
         model = self._model_name(req.model)
         if req.tool_mode == "auto" and req.tools and not (self.enable_auto_tool_choice
@@ -132,12 +133,12 @@ class OpenAIServingChat(OpenAIServing):
         for c in out.outputs:
             logprobs = None
             if top_k is not None:
-                logprobs = P.ChatCompletionLogProbs(content=chat_logprobs(
+                logprobs = PC.ChatCompletionLogProbs(content=chat_logprobs(
                     self.tokens, c.token_ids, c.logprobs or [{}] * len(c.token_ids), top_k))
             reasoning, text = self._split_reasoning(req, echo + c.text, True)
             content, calls, finish = self._tool_calls(req, text, c.finish_reason or "abort")
-            choices.append(P.ChatCompletionResponseChoice(
-                index=c.index, message=P.ChatMessage(role=self._role(req), content=content,
+            choices.append(PC.ChatCompletionResponseChoice(
+                index=c.index, message=PC.ChatMessage(role=self._role(req), content=content,
                                                      reasoning_content=reasoning or None,
                                                      tool_calls=calls),
                 logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
@@ -146,11 +147,11 @@ class OpenAIServingChat(OpenAIServing):
                             total_tokens=len(ids) + completion,
                             prompt_tokens_details=P.PromptTokensDetails(
                                 cached_tokens=out.num_cached_tokens))
-        return JSONModel(P.ChatCompletionResponse(id=request_id, model=model, choices=choices,
+        return JSONModel(PC.ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                               usage=usage,
                                               prompt_logprobs=prompt_logprobs(self.tokens, out)))
 
-    def _parses_special_markers(self, req: P.ChatCompletionRequest) -> bool:
+    def _parses_special_markers(self, req: PC.ChatCompletionRequest) -> bool:
         """A parser that finds its markers among special tokens (Gemma 4's tool calls and
         thought channel) needs them in the text, as vLLM's parsers ask for."""
         tools = (req.tool_mode == "auto" and req.tools and self.tool_parser is not None
@@ -159,12 +160,12 @@ class OpenAIServingChat(OpenAIServing):
                      and req.tool_mode not in ("named", "required"))
         return bool(tools or reasoning)
 
-    def _role(self, req: P.ChatCompletionRequest) -> str:
+    def _role(self, req: PC.ChatCompletionRequest) -> str:
         """The answer's role: --response-role after a generation prompt, else the role of the
         message being continued (vLLM's rule)."""
         return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
-    def _split_reasoning(self, req: P.ChatCompletionRequest, text: str, done: bool
+    def _split_reasoning(self, req: PC.ChatCompletionRequest, text: str, done: bool
                          ) -> tuple[str, str]:
         """(reasoning, the rest) with ``--reasoning-parser``; a tool call forced by the
         grammar has no reasoning."""
@@ -172,8 +173,8 @@ class OpenAIServingChat(OpenAIServing):
             return "", text
         return self.reasoning_parser.split_streaming(text, done)
 
-    def _tool_calls(self, req: P.ChatCompletionRequest, text: str, finish: str
-                    ) -> tuple[str | None, list[P.ToolCall], str]:
+    def _tool_calls(self, req: PC.ChatCompletionRequest, text: str, finish: str
+                    ) -> tuple[str | None, list[PC.ToolCall], str]:
         """(content, tool calls, finish_reason) of a finished answer. A named function's answer
         is its arguments (finish_reason as generated, as OpenAI); "required" answers a JSON
         array of calls; "auto" is split by the tool call parser. Unparsable (cut by max_tokens)
@@ -191,25 +192,25 @@ class OpenAIServingChat(OpenAIServing):
             content, calls = self.tool_parser.extract(text)
             if calls and req.parallel_tool_calls is False:
                 calls = calls[:1]
-        tool_calls = [P.ToolCall(function=P.FunctionCall(name=n, arguments=a)) for n, a in calls]
+        tool_calls = [PC.ToolCall(function=PC.FunctionCall(name=n, arguments=a)) for n, a in calls]
         if tool_calls and mode != "named":
             finish = "tool_calls"
         return content, tool_calls, finish
 
-    def _chat_stream(self, req: P.ChatCompletionRequest, fanin: FanIn, model: str,
+    def _chat_stream(self, req: PC.ChatCompletionRequest, fanin: FanIn, model: str,
                      echo: str, top_k: int | None) -> AsyncIterator[str]:
         created = int(time.time())
         chunks = self._chat_chunks(req, fanin, model, created, echo, top_k)
         return self._stream_tail(chunks, fanin, req.include_usage,
-                                 P.ChatCompletionStreamResponse, created, model)
+                                 PC.ChatCompletionStreamResponse, created, model)
 
-    async def _chat_chunks(self, req: P.ChatCompletionRequest, fanin: FanIn, model: str,
+    async def _chat_chunks(self, req: PC.ChatCompletionRequest, fanin: FanIn, model: str,
                            created: int, echo: str, top_k: int | None) -> AsyncIterator[str]:
         def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None,
                   prompt_logprobs=None):
-            return sse(P.ChatCompletionStreamResponse(
+            return sse(PC.ChatCompletionStreamResponse(
                 id=fanin.request_id, created=created, model=model,
-                choices=[P.ChatCompletionStreamChoice(
+                choices=[PC.ChatCompletionStreamChoice(
                     index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                     stop_reason=stop_reason)], prompt_logprobs=prompt_logprobs))
 
@@ -219,7 +220,7 @@ class OpenAIServingChat(OpenAIServing):
         hold = stop_buffer_length(fanin.params.stop, fanin.params.include_stop_str_in_output)
         tools = StreamedToolCalls(self, req, echo)
         for i in range(req.n):
-            yield chunk(i, P.DeltaMessage(role=self._role(req), content=echo))
+            yield chunk(i, PC.DeltaMessage(role=self._role(req), content=echo))
         prompt_lps_due = fanin.params.prompt_logprobs is not None  # with the first output
         async for ev in fanin.events():
             if ev.output is None:
@@ -233,7 +234,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = None
                 if top_k is not None and new_ids:
                     positions = (c.logprobs or [])[sent_tokens[i]:] or [{}] * len(new_ids)
-                    logprobs = P.ChatCompletionLogProbs(
+                    logprobs = PC.ChatCompletionLogProbs(
                         content=chat_logprobs(self.tokens, new_ids, positions, top_k))
                 if tools.active:  # tool calls and/or reasoning: the message is split
                     if not done and not new_ids and not prompt_lps:
@@ -245,7 +246,7 @@ class OpenAIServingChat(OpenAIServing):
                     elif delta_msg is None and logprobs is None and not prompt_lps:
                         continue
                     prompt_lps_due = prompt_lps_due and prompt_lps is None
-                    yield chunk(i, delta_msg or P.DeltaMessage(), logprobs,
+                    yield chunk(i, delta_msg or PC.DeltaMessage(), logprobs,
                                 finish if done else None, c.stop_reason if done else None,
                                 prompt_lps)
                     continue
@@ -257,11 +258,11 @@ class OpenAIServingChat(OpenAIServing):
                 sent_tokens[i] = len(c.token_ids)
                 if done:
                     finished.add(i)
-                yield chunk(i, P.DeltaMessage(content=delta), logprobs,
+                yield chunk(i, PC.DeltaMessage(content=delta), logprobs,
                             c.finish_reason if done else None,
                             c.stop_reason if done else None, prompt_lps)
         for i in range(req.n):  # streams that ended without a finish (aborted elsewhere)
             if i not in finished:
-                yield chunk(i, P.DeltaMessage(), finish_reason="abort")
+                yield chunk(i, PC.DeltaMessage(), finish_reason="abort")
 
     # -- small routes --------------------------------------------------------------------------

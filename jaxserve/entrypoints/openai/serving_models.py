@@ -6,6 +6,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.entrypoints.openai import protocol_chat as PC
 from jaxserve.errors import InvalidRequestError
 from jaxserve.entrypoints.openai.responses import JSONModel
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing
@@ -44,7 +45,7 @@ class OpenAIServingModels(OpenAIServing):
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)
         if isinstance(body, dict) and "messages" in body:
-            req = P.parse_request(P.TokenizeChatRequest, body)
+            req = P.parse_request(PC.TokenizeChatRequest, body)
             self._model_name(req.model)
             ids = await self._chat_ids(req)
         else:

@@ -1,0 +1,375 @@
+// W8A8 matmul for XLA:CPU through jax.ffi: y[M, N] = x[M, K] @ (w[N, K] * scale[N]).T
+//
+// The rule is pallas_kernels/cpu_kernels.py's reference (int8_matmul_reference): each row of x is
+// quantized in two int8 terms, x / a = hi + lo / 254 with a = max(max|x| / 127, 1e-12),
+// hi = clip(round(x / a)), lo = clip(round((x / a - hi) * 254)) (round half to even); both
+// terms are dotted with the int8 weight in int32, and y = (acc_hi + acc_lo * (1 / 254)) * a *
+// scale[n]. The integer sums are exact, so the result differs from XLA's only by float
+// rounding order.
+//
+// AVX-512 VNNI (vpdpbusd: u8 x s8 -> s32) takes the weight as unsigned (w + 128, a sign-bit
+// flip as it is loaded) and each output subtracts 128 * sum_k x[k], once per activation row.
+// Without VNNI the same loops are plain C++ for the compiler to vectorize. Work is split over output rows on XLA's
+// intra-op thread pool when a call is large enough to pay for the hand-off.
+//
+// One FFI target takes 1 to 3 weights sharing the input (q/k/v, gate/up): the activation is
+// quantized once and each weight is read once.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define JS_VNNI 1
+#include <immintrin.h>
+#else
+#define JS_VNNI 0
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Quantized activations: per row, hi and lo as int8 padded to kp bytes with zeros, their sums
+// (the unsigned-weight correction) and the row's scale.
+struct QuantX {
+  int64_t m = 0, k = 0, kp = 0;
+  std::vector<int8_t> hi, lo;
+  std::vector<int32_t> hi_sum, lo_sum;
+  std::vector<float> a;
+};
+
+void quantize_rows(const float* x, int64_t m, int64_t k, QuantX& q) {
+  q.m = m;
+  q.k = k;
+  q.kp = (k + 63) / 64 * 64;
+  q.hi.assign(m * q.kp, 0);
+  q.lo.assign(m * q.kp, 0);
+  q.hi_sum.assign(m, 0);
+  q.lo_sum.assign(m, 0);
+  q.a.resize(m);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    float mx = 0.f;
+    for (int64_t j = 0; j < k; ++j) mx = std::max(mx, std::fabs(xr[j]));
+    const float a = std::max(mx / 127.0f, 1e-12f);
+    q.a[r] = a;
+    int8_t* hr = q.hi.data() + r * q.kp;
+    int8_t* lr = q.lo.data() + r * q.kp;
+    int32_t sh = 0, sl = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = xr[j] / a;
+      const float h = std::min(std::max(std::nearbyint(v), -127.0f), 127.0f);
+      const float l = std::min(std::max(std::nearbyint((v - h) * 254.0f), -127.0f), 127.0f);
+      hr[j] = static_cast<int8_t>(h);
+      lr[j] = static_cast<int8_t>(l);
+      sh += static_cast<int32_t>(h);
+      sl += static_cast<int32_t>(l);
+    }
+    q.hi_sum[r] = sh;
+    q.lo_sum[r] = sl;
+  }
+}
+
+// acc_* = sum_k (w + 128) * x: the true sums are acc - 128 * sum(x).
+inline float combine(const QuantX& q, int64_t r, int32_t acc_hi, int32_t acc_lo, float s) {
+  const float fh = static_cast<float>(acc_hi - 128 * q.hi_sum[r]);
+  const float fl = static_cast<float>(acc_lo - 128 * q.lo_sum[r]);
+  return (fh + fl * (1.0f / 254.0f)) * q.a[r] * s;
+}
+
+#if JS_VNNI
+// From this many activation rows on, weights are packed per block (see packed_rows).
+constexpr int64_t kPackedMinRows = 8;
+
+// The weight as unsigned bytes (w + 128, by flipping the sign bit; zeros past k), for
+// vpdpbusd's unsigned operand.
+inline __m512i load_w(const int8_t* p, int64_t left) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  if (left >= 64) return _mm512_xor_si512(flip, _mm512_loadu_si512(p));
+  const __mmask64 mask = (~0ULL) >> (64 - left);
+  return _mm512_maskz_mov_epi8(mask, _mm512_xor_si512(flip, _mm512_maskz_loadu_epi8(mask, p)));
+}
+
+// 16 weight rows, packed as [kp / 4][16][4] unsigned bytes (w + 128; zeros past k): one
+// vector holds 4 inputs of each of the 16 rows, so an accumulator holds 16 outputs of one
+// activation row and needs no horizontal sum.
+void pack16(const int8_t* w, int64_t k, int64_t kp, uint8_t* out) {
+  for (int64_t kk = 0; kk < kp / 4; ++kk)
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t b = 0; b < 4; ++b) {
+        const int64_t j = 4 * kk + b;
+        out[(kk * 16 + i) * 4 + b] =
+            j < k ? static_cast<uint8_t>(static_cast<int32_t>(w[i * k + j]) + 128) : 128;
+      }
+}
+
+// Activation rows r0 .. r0 + NT (tokens) against one packed block of 16 weight rows.
+template <int NT>
+void block16(const QuantX& q, const uint8_t* wp, const float* scale, float* y, int64_t n_out,
+             int64_t n, int64_t r0) {
+  const int64_t kp = q.kp;
+  __m512i acc[2 * NT];
+  for (auto& v : acc) v = _mm512_setzero_si512();
+  const int8_t* H = q.hi.data() + r0 * kp;
+  const int8_t* L = q.lo.data() + r0 * kp;
+  for (int64_t kk = 0; kk < kp / 4; ++kk) {
+    const __m512i wv = _mm512_loadu_si512(wp + kk * 64);
+    for (int t = 0; t < NT; ++t) {
+      int32_t hb, lb;
+      std::memcpy(&hb, H + t * kp + 4 * kk, 4);
+      std::memcpy(&lb, L + t * kp + 4 * kk, 4);
+      acc[2 * t] = _mm512_dpbusd_epi32(acc[2 * t], wv, _mm512_set1_epi32(hb));
+      acc[2 * t + 1] = _mm512_dpbusd_epi32(acc[2 * t + 1], wv, _mm512_set1_epi32(lb));
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(scale + n);
+  const __m512 c = _mm512_set1_ps(1.0f / 254.0f);
+  for (int t = 0; t < NT; ++t) {
+    const int64_t r = r0 + t;
+    const __m512 fh = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(acc[2 * t], _mm512_set1_epi32(128 * q.hi_sum[r])));
+    const __m512 fl = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(acc[2 * t + 1], _mm512_set1_epi32(128 * q.lo_sum[r])));
+    const __m512 v = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_add_ps(fh, _mm512_mul_ps(fl, c)), _mm512_set1_ps(q.a[r])), s);
+    _mm512_storeu_ps(y + r * n_out + n, v);
+  }
+}
+
+// Many activation rows (prefill, batched decode): weight rows in packed blocks of 16 against
+// tokens 6 at a time (12 accumulators). Returns the first row it did not do.
+int64_t packed_rows(const QuantX& q, const int8_t* w, const float* scale, float* y,
+                    int64_t n_out, int64_t n0, int64_t n1) {
+  std::vector<uint8_t> wp(q.kp * 16);
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    pack16(w + n * q.k, q.k, q.kp, wp.data());
+    int64_t r = 0;
+    for (; r + 6 <= q.m; r += 6) block16<6>(q, wp.data(), scale, y, n_out, n, r);
+    switch (q.m - r) {
+      case 5: block16<5>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 4: block16<4>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 3: block16<3>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 2: block16<2>(q, wp.data(), scale, y, n_out, n, r); break;
+      case 1: block16<1>(q, wp.data(), scale, y, n_out, n, r); break;
+      default: break;
+    }
+  }
+  return n;
+}
+
+// Output rows [n0, n1) of one weight, every activation row. Few activation rows (decode):
+// one weight row at a time, a sequential read; more: blocks of 4 weight rows x 2 activation
+// rows, each weight vector loaded once per block.
+void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,
+                 int64_t n0, int64_t n1) {
+  const int64_t k = q.k, kp = q.kp, m = q.m;
+  const int8_t* H = q.hi.data();
+  const int8_t* L = q.lo.data();
+  int64_t n = m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
+  if (m >= 4) {
+    for (; n + 4 <= n1; n += 4) {
+      const int8_t* w0 = w + n * k;
+      int64_t r = 0;
+      for (; r + 2 <= m; r += 2) {
+        const int8_t *h0p = H + r * kp, *l0p = L + r * kp, *h1p = h0p + kp, *l1p = l0p + kp;
+        __m512i acc[16];
+        for (auto& v : acc) v = _mm512_setzero_si512();
+        for (int64_t j = 0; j < kp; j += 64) {
+          const __m512i xh0 = _mm512_loadu_si512(h0p + j), xl0 = _mm512_loadu_si512(l0p + j);
+          const __m512i xh1 = _mm512_loadu_si512(h1p + j), xl1 = _mm512_loadu_si512(l1p + j);
+          for (int i = 0; i < 4; ++i) {
+            const __m512i wv = load_w(w0 + i * k + j, k - j);
+            acc[4 * i + 0] = _mm512_dpbusd_epi32(acc[4 * i + 0], wv, xh0);
+            acc[4 * i + 1] = _mm512_dpbusd_epi32(acc[4 * i + 1], wv, xl0);
+            acc[4 * i + 2] = _mm512_dpbusd_epi32(acc[4 * i + 2], wv, xh1);
+            acc[4 * i + 3] = _mm512_dpbusd_epi32(acc[4 * i + 3], wv, xl1);
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          y[r * n_out + n + i] = combine(q, r, _mm512_reduce_add_epi32(acc[4 * i]),
+                                         _mm512_reduce_add_epi32(acc[4 * i + 1]), scale[n + i]);
+          y[(r + 1) * n_out + n + i] =
+              combine(q, r + 1, _mm512_reduce_add_epi32(acc[4 * i + 2]),
+                      _mm512_reduce_add_epi32(acc[4 * i + 3]), scale[n + i]);
+        }
+      }
+      for (; r < m; ++r) {
+        for (int i = 0; i < 4; ++i) {
+          __m512i hh = _mm512_setzero_si512(), ll = hh;
+          for (int64_t j = 0; j < kp; j += 64) {
+            const __m512i wv = load_w(w0 + i * k + j, k - j);
+            hh = _mm512_dpbusd_epi32(hh, wv, _mm512_loadu_si512(H + r * kp + j));
+            ll = _mm512_dpbusd_epi32(ll, wv, _mm512_loadu_si512(L + r * kp + j));
+          }
+          y[r * n_out + n + i] = combine(q, r, _mm512_reduce_add_epi32(hh),
+                                         _mm512_reduce_add_epi32(ll), scale[n + i]);
+        }
+      }
+    }
+  }
+  for (; n < n1; ++n) {
+    const int8_t* wr = w + n * k;
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* hp = H + r * kp;
+      const int8_t* lp = L + r * kp;
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+      int64_t j = 0;
+      for (; j + 128 <= kp; j += 128) {
+        const __m512i a0 = load_w(wr + j, k - j), a1 = load_w(wr + j + 64, k - j - 64);
+        h0 = _mm512_dpbusd_epi32(h0, a0, _mm512_loadu_si512(hp + j));
+        h1 = _mm512_dpbusd_epi32(h1, a1, _mm512_loadu_si512(hp + j + 64));
+        l0 = _mm512_dpbusd_epi32(l0, a0, _mm512_loadu_si512(lp + j));
+        l1 = _mm512_dpbusd_epi32(l1, a1, _mm512_loadu_si512(lp + j + 64));
+      }
+      for (; j < kp; j += 64) {
+        const __m512i a0 = load_w(wr + j, k - j);
+        h0 = _mm512_dpbusd_epi32(h0, a0, _mm512_loadu_si512(hp + j));
+        l0 = _mm512_dpbusd_epi32(l0, a0, _mm512_loadu_si512(lp + j));
+      }
+      y[r * n_out + n] = combine(q, r, _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1)),
+                                 _mm512_reduce_add_epi32(_mm512_add_epi32(l0, l1)), scale[n]);
+    }
+  }
+}
+#else
+void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,
+                 int64_t n0, int64_t n1) {
+  const int64_t k = q.k, kp = q.kp, m = q.m;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * k;
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* h = q.hi.data() + r * kp;
+      const int8_t* l = q.lo.data() + r * kp;
+      int32_t sh = 0, sl = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t wu = static_cast<int32_t>(wr[j]) + 128;
+        sh += wu * h[j];
+        sl += wu * l[j];
+      }
+      y[r * n_out + n] = combine(q, r, sh, sl, scale[n]);
+    }
+  }
+}
+#endif
+
+struct Job {
+  const int8_t* w;
+  const float* scale;
+  float* y;
+  int64_t n;
+};
+
+// Output rows in chunks of kChunk over all jobs; chunks are taken from a shared counter by the
+// calling thread and by helpers on XLA's pool (a helper that starts late finds none left).
+constexpr int64_t kChunk = 64;
+// Below this many weight bytes x activation rows a call runs on the calling thread only.
+constexpr int64_t kThreadMinWork = 1 << 16;
+
+struct Shared {
+  std::vector<Job> jobs;
+  std::vector<std::pair<int, int64_t>> chunks;  // (job, first row)
+  QuantX q;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void run_chunks(Shared& s) {
+  const int64_t total = static_cast<int64_t>(s.chunks.size());
+  for (;;) {
+    const int64_t c = s.next.fetch_add(1);
+    if (c >= total) return;
+    const auto [j, n0] = s.chunks[c];
+    const Job& job = s.jobs[j];
+    rows_kernel(s.q, job.w, job.scale, job.y, job.n, n0, std::min(n0 + kChunk, job.n));
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       std::vector<std::tuple<ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
+                                              ffi::ResultBuffer<ffi::F32>>> ws) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
+  const int64_t m = xd[0], k = xd[1];
+  auto shared = std::make_shared<Shared>();
+  quantize_rows(x.typed_data(), m, k, shared->q);
+  int64_t work = 0;
+  for (auto& [w, s, y] : ws) {
+    const auto wd = w.dimensions();
+    if (wd.size() != 2 || wd[1] != k) return ffi::Error::InvalidArgument("w must be [N, K]");
+    const int64_t n = wd[0];
+    const int j = static_cast<int>(shared->jobs.size());
+    shared->jobs.push_back(Job{w.typed_data(), s.typed_data(), y->typed_data(), n});
+    for (int64_t n0 = 0; n0 < n; n0 += kChunk) shared->chunks.emplace_back(j, n0);
+    work += n * k * m;
+  }
+  const int64_t total = static_cast<int64_t>(shared->chunks.size());
+  const int64_t helpers =
+      work < kThreadMinWork ? 0 : std::min<int64_t>(pool.num_threads() - 1, total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { run_chunks(*shared); });
+  run_chunks(*shared);
+  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w0,
+                       ffi::Buffer<ffi::F32> s0, ffi::ResultBuffer<ffi::F32> y0) {
+  return matmul_impl(pool, x, {{w0, s0, y0}});
+}
+
+ffi::Error Int8Matmul2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w0,
+                       ffi::Buffer<ffi::F32> s0, ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
+                       ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1) {
+  return matmul_impl(pool, x, {{w0, s0, y0}, {w1, s1, y1}});
+}
+
+ffi::Error Int8Matmul3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w0,
+                       ffi::Buffer<ffi::F32> s0, ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
+                       ffi::Buffer<ffi::S8> w2, ffi::Buffer<ffi::F32> s2,
+                       ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1,
+                       ffi::ResultBuffer<ffi::F32> y2) {
+  return matmul_impl(pool, x, {{w0, s0, y0}, {w1, s1, y1}, {w2, s2, y2}});
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_matmul_1, Int8Matmul1,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_matmul_2, Int8Matmul2,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_matmul_3, Int8Matmul3,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

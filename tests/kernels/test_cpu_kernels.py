@@ -1,0 +1,95 @@
+"""The C++ CPU kernels (pallas_kernels/cpu_*.cc) against their jnp references: the W8A8
+matmul and the paged attention."""
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu_kernels, reference
+from tests.kernels.test_xla_attention import make_batch, ragged_batches
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="no C++ compiler, or the backend is not the CPU")
+
+
+def _numpy_reference(x, w, s):
+    """Exact integer dots of the two int8 activation terms, then the scales."""
+    a = np.maximum(np.abs(x).max(-1, keepdims=True) / 127.0, 1e-12).astype(np.float32)
+    hi = np.clip(np.rint(x / a), -127, 127)
+    lo = np.clip(np.rint((x / a - hi) * 254.0), -127, 127)
+    wt = w.astype(np.int64).T
+    acc_hi, acc_lo = hi.astype(np.int64) @ wt, lo.astype(np.int64) @ wt
+    return (acc_hi.astype(np.float32) + acc_lo.astype(np.float32) * np.float32(1 / 254)) * a * s
+
+
+# rows: one (decode), the 4-row block path and its odd tail; K: whole 64-byte vectors, a
+# masked tail, and one shorter than a vector; N: whole 64-row chunks and not
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (2, 1536, 576), (5, 576, 1536),
+                                   (37, 100, 70), (4, 7, 40), (64, 257, 576),
+                                   (13, 48, 64), (8, 16, 1536)])
+def test_kernel_matches_reference(m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
+    x[0, : min(k, 3)] = 0.0
+    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    s = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+    y = np.asarray(jax.jit(lambda *a: cpu_kernels.int8_matmul(a[0], [a[1:]])[0])(x, w, s))
+    ref = np.asarray(jax.jit(reference.int8_matmul_reference)(x, w, s))
+    scale = np.abs(ref).max()
+    # the integer sums are exact; only float rounding order differs
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(y, _numpy_reference(x, w, s), rtol=0, atol=1e-5 * scale)
+
+
+def test_kernel_shares_one_input_between_weights():
+    """Three weights in one call (q/k/v) give each weight's own matmul."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 576)).astype(np.float32)
+    ws = [(rng.integers(-127, 128, (n, 576)).astype(np.int8),
+           rng.uniform(0.01, 0.1, n).astype(np.float32)) for n in (576, 192, 192)]
+    ys = jax.jit(cpu_kernels.int8_matmul)(x, ws)
+    assert [y.shape for y in ys] == [(3, 576), (3, 192), (3, 192)]
+    for y, (w, s) in zip(ys, ws):
+        ref = np.asarray(reference.int8_matmul_reference(x, w, s))
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_all_zero_rows_give_zeros():
+    x = np.zeros((2, 128), np.float32)
+    w = np.ones((8, 128), np.int8)
+    s = np.ones(8, np.float32)
+    y = np.asarray(cpu_kernels.int8_matmul(jnp.asarray(x), [(w, s)])[0])
+    assert np.all(y == 0)
+
+
+# ----------------------------------------------------------------------------- attention
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=ragged_batches(),
+    groups=st.sampled_from([1, 3]),
+    window_cap=st.sampled_from([(None, None), (5, None), (None, 7.0), (6, 5.0)]),
+    pass_num_seqs=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_attention_matches_reference(batch, groups, window_cap, pass_num_seqs, seed):
+    """Random ragged batches (decodes, prefill chunks, padding rows and tokens, stale block
+    table entries): the kernel equals the jnp reference, padding tokens come back zero."""
+    sliding_window, soft_cap = window_cap
+    t_bucket, s_bucket, q_lens, ctx_lens = batch
+    rng = np.random.default_rng(seed)
+    q, kp, vp, qs, sl, bt = make_batch(rng, q_lens, ctx_lens, t_bucket, s_bucket, groups,
+                                       jnp.float32)
+    num_seqs = jnp.int32(len(q_lens)) if pass_num_seqs else None
+    kw = dict(sm_scale=0.25, sliding_window=sliding_window, soft_cap=soft_cap)
+    ref = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(q, kp, vp, qs, sl,
+                                                                             bt)
+    out = jax.jit(functools.partial(cpu_kernels.paged_attention, **kw))(q, kp, vp, qs, sl, bt,
+                                                                        num_seqs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[sum(q_lens):] == 0)
