@@ -123,7 +123,7 @@ class ParallelConfig:
 # --quantization methods (vLLM's names) jaxserve implements; see jaxserve/models/quantization.py.
 QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq", "gguf")
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
 _SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                 "model", "draft_tensor_parallel_size")
 
@@ -135,7 +135,8 @@ class SpeculativeConfig:
     ``ngram`` looks the last ``prompt_lookup_min..prompt_lookup_max`` tokens up in the request's
     own prompt + output (vLLM's defaults: max 5, min = max when only max is given, else 1).
     ``draft_model`` names a smaller model with the target's tokenizer (``model``), run
-    unsharded (``draft_tensor_parallel_size`` 1).
+    unsharded (``draft_tensor_parallel_size`` 1). ``mtp`` drafts with the target checkpoint's
+    own multi-token-prediction head (``mtp.*``, Qwen 3.5 / 3.6); it takes no other field.
     """
 
     method: str = "ngram"
@@ -180,6 +181,12 @@ class SpeculativeConfig:
             if self.draft_tensor_parallel_size not in (None, 1):
                 raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 (the"
                                  " draft runs unsharded) is supported")
+        elif self.method == "mtp":
+            for name in ("model", "prompt_lookup_max", "prompt_lookup_min",
+                         "draft_tensor_parallel_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is not used by method 'mtp'"
+                                     " (the head is part of the target checkpoint)")
 
     @classmethod
     def from_dict(cls, d: dict | "SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -330,6 +337,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     hidden_act: str = "silu"
     enable_expert_parallel: bool = False  # serving choice (ParallelConfig), read by MoE families
+    load_mtp: bool = False  # serving choice: build the checkpoint's MTP head (speculative "mtp")
     # The whole HF config.json: a family's own fields (soft-capping, experts, ...) are read from
     # here by its model module, so a new family needs no new ModelConfig field.
     hf: dict = field(default_factory=dict, repr=False, compare=False)

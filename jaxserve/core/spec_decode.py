@@ -59,6 +59,40 @@ class NgramProposer:
                 for r, m in zip(requests, max_len)]
 
 
+class MtpProposer:
+    """Method ``mtp``: the drafts the model's multi-token-prediction head made on the device
+    in the step just read (``StepOutput.draft_ids``, see ``jaxserve.worker.runner._mtp_fn``),
+    handed out per request. A speculating request runs synchronously, so the step just read is
+    always its latest and its row's drafts follow its last token.
+
+    ``override``: a test hook ``(request, drafts) -> drafts`` that replaces what is proposed
+    (e.g. always-wrong drafts, to exercise the rollback of the recurrent state)."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.k = int(num_speculative_tokens)
+        self.override = None
+        self._drafts: dict[str, np.ndarray] = {}
+
+    def observe(self, scheduled: Sequence[Any], out: Any) -> None:
+        """Keep the drafts of the step's sampling rows (``scheduled[i]`` is row ``i``)."""
+        if out.draft_ids is None:
+            return
+        for i, s in enumerate(scheduled):
+            if s.sample:
+                self._drafts[s.request.request_id] = out.draft_ids[i]
+
+    def propose(self, requests: Sequence[Any], max_len: Sequence[int]) -> list[list[int]]:
+        out = []
+        for r, m in zip(requests, max_len):
+            d = self._drafts.get(r.request_id)
+            d = [] if d is None else d[:min(self.k, int(m))].tolist()
+            if self.override is not None and d:
+                d = list(self.override(r, d))
+            out.append(d)
+        self._drafts.clear()
+        return out
+
+
 def can_speculate(params: Any) -> bool:
     """The request did not opt out, and the verifier reproduces its sampling at every drafted
     position: no history-dependent logits (penalties, min_tokens), no token mask and no

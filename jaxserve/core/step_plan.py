@@ -71,6 +71,9 @@ class ScheduledSeq:
     prompt_next_ids: Sequence[int] | None = None
     state_slot: int = -1  # the row's recurrent-state pool slot (LinearState layers); -1: none
     lora_slot: int = -1  # the device slot of the row's adapter; -1: the base model
+    # the known token after the row's last new one (a prefill chunk's next prompt token), read
+    # by the MTP head; -1: the token this row samples
+    next_token: int = -1
 
 
 # StepPlan fields the jitted forward reads (the sampler reads ``sampling`` and the extras).
@@ -107,6 +110,7 @@ class StepPlan:
     draft_token_ids: np.ndarray | None  # [S, k] int32
     num_draft: np.ndarray | None  # [S] int32
     prompt_next_ids: np.ndarray | None  # [T] int32 next prompt token (prompt_logprobs)
+    next_token_ids: np.ndarray | None  # [S] int32 ScheduledSeq.next_token (speculating steps)
     # -- host counts (static)
     num_seqs: int  # real rows
     num_tokens: int  # real tokens
@@ -201,9 +205,12 @@ def build_step_plan(
         mask[:n_rows] = token_bitmask
         token_bitmask = mask
     spec = (None, None, None)
+    next_token_ids = None
     if num_spec_tokens:
         spec = verify_arrays(logits_indices, token_ids, prev_ref,
                              [r.num_draft for r in rows], num_spec_tokens)
+        next_token_ids = np.full(s_bucket, -1, dtype=np.int32)
+        next_token_ids[:n_rows] = [r.next_token for r in rows]
     return StepPlan(
         token_ids=token_ids,
         positions=positions,
@@ -224,6 +231,7 @@ def build_step_plan(
         draft_token_ids=spec[1],
         num_draft=spec[2],
         prompt_next_ids=prompt_next_ids,
+        next_token_ids=next_token_ids,
         num_seqs=n_rows,
         num_tokens=n_tok,
     )
@@ -298,7 +306,9 @@ def padding_plan(t: int, s: int, num_groups: int, max_pages_per_seq: int, *,
                     lora_slots=np.full(t, -1, np.int32), sampling=sampling,
                     history_ref=np.full((s, 2), -1, np.int32), sample_mask=np.zeros(s, bool),
                     token_bitmask=None, spec_logits_indices=spec[0], draft_token_ids=spec[1],
-                    num_draft=spec[2], prompt_next_ids=None, num_seqs=0, num_tokens=0)
+                    num_draft=spec[2], prompt_next_ids=None,
+                    next_token_ids=np.full(s, -1, np.int32) if num_spec_tokens else None,
+                    num_seqs=0, num_tokens=0)
 
 
 def verify_arrays(logits_indices: np.ndarray, token_ids: np.ndarray, prev_ref: np.ndarray,

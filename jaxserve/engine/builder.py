@@ -22,7 +22,7 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.kv_cache_groups import GroupedBlockManager
 from jaxserve.core.kv_cache_spec import LinearState
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.spec_decode import NgramProposer
+from jaxserve.core.spec_decode import MtpProposer, NgramProposer
 from jaxserve.engine.generation_config import eos_token_ids, load_generation_config
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
@@ -70,18 +70,32 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         from jaxserve.worker.pipeline import load_mesh
         mesh = load_mesh(pp_mesh, config.parallel.tensor_parallel_size)
     local = Path(str(config.model)).expanduser()
+    spec = config.speculative
+    mtp = spec is not None and spec.method == "mtp"
+    if mtp and pp_mesh is not None:
+        raise InvalidRequestError("speculative_config: method 'mtp' does not run with "
+                                  "pipeline parallelism", param="speculative_config")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # a local model's tokenizer loads beside its weights (transformers' import and the
         # vocabulary overlap the dequantization and placement)
         early = pool.submit(_load_tokenizer, local, config.tokenizer) if local.exists() else None
-        model, mc, model_dir = load_model(
-            config.model, dtype=config.dtype, load_format=config.load_format,
-            attention_backend=config.attention_backend, mesh=mesh,
-            enable_expert_parallel=config.parallel.enable_expert_parallel,
-            quantization=config.quantization, lm_head_quantized=config.lm_head_quantized,
-            **config.model_source())
+        try:
+            model, mc, model_dir = load_model(
+                config.model, dtype=config.dtype, load_format=config.load_format,
+                attention_backend=config.attention_backend, mesh=mesh,
+                enable_expert_parallel=config.parallel.enable_expert_parallel,
+                quantization=config.quantization, lm_head_quantized=config.lm_head_quantized,
+                load_mtp=mtp, **config.model_source())
+        except ValueError as e:
+            if str(e).startswith("speculative_config"):  # no (usable) MTP head
+                raise InvalidRequestError(str(e), param="speculative_config") from None
+            raise
         tokenizer = early.result() if early is not None else \
             _load_tokenizer(model_dir, config.tokenizer)
+    if mtp and getattr(model, "mtp", None) is None:
+        raise InvalidRequestError(
+            f"speculative_config.method 'mtp' needs a model with a multi-token-prediction "
+            f"head (Qwen 3.5 / 3.6); {mc.architecture} has none", param="speculative_config")
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model) if hasattr(x, "nbytes"))
     logger.info("loaded %s (%s, %.1f MiB of params) in %.1f s", config.model,
                 jnp.dtype(dtype).name, param_bytes / 2**20, time.perf_counter() - t0)
@@ -91,7 +105,6 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         raise InvalidRequestError(
             f"max_model_len={max_model_len} exceeds the model's limit of {limit}",
             param="max_model_len")
-    spec = config.speculative
     draft = draft_on = None
     extra_page_bytes = 0
     if spec is not None and spec.method == "draft_model":
@@ -114,7 +127,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                              getattr(tokenizer, "eos_token_id", None)))
     if any(isinstance(s, LinearState) for s in getattr(model, "cache_specs", lambda d: [])(
             "float32")):
-        check_state_pool_support(config)
+        check_state_pool_support(config, None if draft is None else draft[0])
     # float8 KV scales are settled before the runner splits the model (they are static)
     prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
                       serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
@@ -158,6 +171,8 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     if spec is not None and spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                  spec.prompt_lookup_max)
+    elif mtp:
+        proposer = MtpProposer(spec.num_speculative_tokens)
     elif spec is not None:
         from jaxserve.worker.draft_proposer import DraftModelProposer
         proposer = DraftModelProposer.build(spec, config, *draft, runner, block_manager,
@@ -194,12 +209,16 @@ def _pipeline_mesh(config: EngineConfig, devices):
                          config.parallel.tensor_parallel_size, devices)
 
 
-def check_state_pool_support(config: EngineConfig) -> None:
-    """What a model with a recurrent-state pool cannot do yet: errors naming the flag."""
-    if config.speculative is not None:
+def check_state_pool_support(config: EngineConfig, draft_model=None) -> None:
+    """What a model with a recurrent-state pool cannot do yet: errors naming the flag. Every
+    speculative method verifies with the target's state rolled back to the last accepted token
+    (per-token snapshots); a draft model with LinearState layers of its own is refused (its
+    proposer keeps no state slots)."""
+    specs = getattr(draft_model, "cache_specs", lambda d: [])("float32")
+    if any(isinstance(s, LinearState) for s in specs):
         raise InvalidRequestError(
-            "--speculative-config is not supported for models with LinearState (Gated "
-            "DeltaNet) layers yet (rejected drafts would stay in the recurrent state)",
+            "--speculative-config: a draft model with LinearState (Gated DeltaNet) layers is "
+            "not supported (use method 'mtp', 'ngram', or an attention-only draft model)",
             param="speculative_config")
 
 

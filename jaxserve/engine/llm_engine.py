@@ -321,8 +321,11 @@ class LLMEngine:
 
     def _update(self, done: _InFlight) -> list[CoreOutput]:
         """Read a dispatched step's ids into the scheduler; drafts for what may speculate."""
-        outputs = self.scheduler.update_from_output(done.sched, self.runner.fetch(done.handle))
+        out = self.runner.fetch(done.handle)
+        outputs = self.scheduler.update_from_output(done.sched, out)
         if self.proposer is not None:
+            if hasattr(self.proposer, "observe"):  # drafts made on the device in this step
+                self.proposer.observe(done.sched.scheduled, out)
             to_propose = [s.request for s in done.sched.scheduled
                           if s.sample and s.request.use_spec and not s.request.is_finished
                           and not s.request.num_pending]
@@ -367,7 +370,17 @@ class LLMEngine:
             sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
                                  self._eos_list, r.num_output_tokens) if s.sample else None,
             history_ref=history_ref, prompt_next_ids=next_ids, state_slot=r.state_slot,
-            lora_slot=lora_slot)
+            lora_slot=lora_slot, next_token=self._next_known_token(s))
+
+    @staticmethod
+    def _next_known_token(s) -> int:
+        """The known token after a row that does not sample (a prefill chunk's next prompt
+        token), for the MTP head; -1 for a sampling row (its own sampled token follows)."""
+        if s.sample:
+            return -1
+        i = s.start_pos + s.num_new_tokens
+        ids = s.request.all_token_ids
+        return int(ids[i]) if i < len(ids) else -1
 
     def _token_bitmask(self, sched) -> tuple[np.ndarray | None, bool]:
         """The rows' allowed tokens (grammars, allowed_token_ids, bad_words), or None when no

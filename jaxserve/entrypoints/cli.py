@@ -215,7 +215,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
+                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or \'{"method": '
+                         '"mtp", "num_speculative_tokens": 2}\' for a Qwen 3.6 checkpoint\'s own '
+                         'multi-token-prediction head (default: off)')
     sd.add_argument("--speculative-model", default=None, metavar="MODEL",
                     help="older spelling: '[ngram]' for prompt lookup (needs "
                          "--num-speculative-tokens)")

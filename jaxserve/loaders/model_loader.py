@@ -424,7 +424,8 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
                attention_backend: str = "reference", enable_expert_parallel: bool = False,
                quantization: str | None = None, lm_head_quantized: bool = False,
                revision: str | None = None, download_dir: str | None = None,
-               hf_overrides: dict | None = None, trust_remote_code: bool = False):
+               hf_overrides: dict | None = None, trust_remote_code: bool = False,
+               load_mtp: bool = False):
     """Load ``model`` (HF dir, ``.gguf`` file, orbax dir from :func:`convert_to_orbax`, an HF
     hub id or ``demo-random``) -> (model, ModelConfig, dir). ``enable_expert_parallel``: MoE
     experts split whole over the mesh instead of each expert split by tensor parallelism.
@@ -433,10 +434,11 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
     ``lm_head_quantized``: with fp8 or int8, the LM head (or the tied embedding) in int8 (per
     row) too. ``revision``, ``download_dir``: for a Hub id; ``hf_overrides``: laid over
     config.json; ``trust_remote_code`` is accepted, but remote code is never run
-    (:func:`check_no_remote_code`)."""
+    (:func:`check_no_remote_code`). ``load_mtp``: also the checkpoint's multi-token-prediction
+    head (speculative decoding method ``mtp``; families without one ignore it)."""
     quant_lib.validate_method(quantization)
     quant_lib.validate_lm_head_quantized(lm_head_quantized)
-    serving = dict(enable_expert_parallel=enable_expert_parallel)
+    serving = dict(enable_expert_parallel=enable_expert_parallel, load_mtp=bool(load_mtp))
     formats = ("auto", "safetensors", "gguf", "orbax", "dummy")
     if load_format not in formats:
         raise ValueError(f"load_format {load_format!r} not one of {formats}")

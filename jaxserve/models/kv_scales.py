@@ -37,11 +37,14 @@ _NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(.+)$")
 
 
 def attention_modules(model) -> list:
-    """Each decoder layer's attention module, in layer order."""
+    """Each cache layer's attention module, in layer order (an MTP head's layer last)."""
     # a layer without attention (Gated DeltaNet) holds an unused scale of its own, so the
     # scales stay indexed by layer
+    layers = list(model.model.layers)
+    if getattr(model, "mtp", None) is not None:
+        layers += list(model.mtp.layers)
     return [layer.self_attn if getattr(layer, "self_attn", None) is not None
-            else layer.linear_attn for layer in model.model.layers]
+            else layer.linear_attn for layer in layers]
 
 
 def set_kv_scales(model, scales: np.ndarray | None) -> None:
@@ -52,6 +55,9 @@ def set_kv_scales(model, scales: np.ndarray | None) -> None:
             m.kv_scale = None
         return
     scales = np.asarray(scales, np.float32)
+    if getattr(model, "mtp", None) is not None and scales.ndim == 3 and \
+            scales.shape[0] == len(mods) - 1:  # the model's layers only: the head's 1.0
+        scales = np.concatenate([scales, np.ones((1,) + scales.shape[1:], np.float32)])
     if scales.ndim != 3 or scales.shape[0] != len(mods) or scales.shape[2] != 2:
         raise ValueError(f"kv scales must be [num_layers={len(mods)}, num_kv_heads, 2], "
                          f"got {scales.shape}")

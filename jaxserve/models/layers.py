@@ -230,6 +230,9 @@ class AttentionMetadata(NamedTuple):
     block_tables: jax.Array  # [S, M] pages of each sequence
     num_seqs: jax.Array  # scalar: real rows
     state_slots: jax.Array | None = None  # [S] state-pool slot of each row (LinearState layers)
+    # [S, k+1] where a verify row's state after each of its tokens is kept (-1: not kept), so
+    # a step that rejects drafts can resume from the last accepted token (speculative decoding)
+    snapshot_slots: jax.Array | None = None
 
 
 # "pallas": Pallas-Triton; "mosaic": Pallas Mosaic GPU (Hopper, bf16/f16); "triton": Triton's

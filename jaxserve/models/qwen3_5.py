@@ -14,13 +14,16 @@ Caches: ``kv_pages[i]`` is ``(k_pages, v_pages)`` for an attention layer and
 
 Checkpoints: ``Qwen3_5ForCausalLM`` (``model.*``) and the vision-language layout
 (``Qwen3_5ForConditionalGeneration``: ``model.language_model.*``, ``model.visual.*`` skipped);
-the multi-token-prediction head (``mtp.*``) is not loaded. Tensor parallel: attention heads and
-the MLPs are split (Megatron rules); a GDN layer is split over its key/value heads: the checkpoint's
-fused ``in_proj_qkv`` and ``conv1d`` load as separate q, k and v parts so each device holds whole
-heads of each, its state pool slice holds those heads' conv channels and delta-rule states, and
-``out_proj`` sums the devices' partial products.
+the multi-token-prediction head (``mtp.*``) is loaded only for speculative decoding with method
+``mtp`` (``ModelConfig.load_mtp``; see :class:`MultiTokenPredictor`). Tensor parallel: attention
+heads and the MLPs are split (Megatron rules); a GDN layer is split over its key/value heads: the
+checkpoint's fused ``in_proj_qkv`` and ``conv1d`` load as separate q, k and v parts so each
+device holds whole heads of each, its state pool slice holds those heads' conv channels and
+delta-rule states, and ``out_proj`` sums the devices' partial products.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +52,8 @@ from jaxserve.models.quantization import lm_head_logits
 from pallas_kernels import gated_delta_rule as gdn
 
 LINEAR = "linear_attention"
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_SKIPPED_PREFIXES = ("model.visual.", "visual.")
+_MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
 def layer_types(cfg: ModelConfig) -> tuple[str, ...]:
@@ -151,20 +155,23 @@ class GatedDeltaNet(nnx.Module):
         return self.out_proj(o.reshape(t, -1)), (conv_state, rec_state)
 
     def _recurrence(self, qkv, conv_w, g, beta, state, md):
-        """Causal conv then the gated delta rule, reading and writing the rows' slots. Head
-        counts come from the shapes: under a mesh this runs on one device's heads."""
+        """Causal conv then the gated delta rule, reading and writing the rows' slots (and the
+        per-token snapshots of verify rows, ``md.snapshot_slots``). Head counts come from the
+        shapes: under a mesh this runs on one device's heads."""
         t = qkv[0].shape[0]
         conv_state, rec_state = state
         y, conv_state = gdn.causal_conv1d(jnp.concatenate(qkv, axis=-1),
                                           jnp.concatenate(conv_w, axis=0), None, conv_state,
                                           md.query_start, md.seq_lens, md.state_slots,
-                                          activation=self.activation)
+                                          activation=self.activation,
+                                          snapshot_slots=md.snapshot_slots)
         kd, vd = qkv[0].shape[-1], qkv[2].shape[-1]
         q = y[:, :kd].reshape(t, kd // self.head_k_dim, self.head_k_dim)
         k = y[:, kd:2 * kd].reshape(t, kd // self.head_k_dim, self.head_k_dim)
         v = y[:, 2 * kd:].reshape(t, vd // self.head_v_dim, self.head_v_dim)
         o, rec_state = gdn.gated_delta_rule(q, k, v, g, beta, rec_state, md.query_start,
-                                            md.seq_lens, md.state_slots, use_qk_l2norm=True)
+                                            md.seq_lens, md.state_slots, use_qk_l2norm=True,
+                                            snapshot_slots=md.snapshot_slots)
         return o, conv_state, rec_state
 
 
@@ -204,9 +211,10 @@ class GatedAttention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, moe: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, moe: bool,
+                 kind: str | None = None):
         eps = cfg.rms_norm_eps
-        self.kind = layer_types(cfg)[layer]
+        self.kind = kind or layer_types(cfg)[layer]
         if self.kind == LINEAR:
             self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
             self.self_attn = None
@@ -248,6 +256,31 @@ class Qwen3_5TextModel(nnx.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
+class MultiTokenPredictor(nnx.Module):
+    """The checkpoint's MTP head (``mtp.*``, vLLM's ``qwen3_5_mtp``): at position ``t`` it reads
+    the target's final (normed) hidden state of ``t`` and the embedding of token ``t + 1``, and
+    its logits (through the target's ``lm_head``) guess token ``t + 2``::
+
+        x = fc([pre_fc_norm_embedding(embed(tok_{t+1})), pre_fc_norm_hidden(h_t)])
+        h' = norm(full-attention decoder layer(x))       # its own K/V pages, position t
+
+    Drafts after the first feed ``h'`` back in with the draft just made, one position on
+    (the one layer reused, as vLLM does). Embedding and LM head are the target's."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, moe: bool):
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        n = int(cfg.hf.get("mtp_num_hidden_layers") or 1)
+        if n != 1:
+            raise ValueError(f"speculative_config.method 'mtp': the checkpoint's head has {n} "
+                             "layers (mtp_num_hidden_layers); one is supported")
+        self.pre_fc_norm_embedding = GemmaRMSNorm(h, eps=eps, dtype=dtype)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(h, eps=eps, dtype=dtype)
+        self.fc = Linear(2 * h, h, bias=False, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, 0, dtype=dtype, rngs=rngs, moe=moe,
+                                             kind="full_attention")])
+        self.norm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
+
+
 class Qwen3_5ForCausalLM(nnx.Module):
     """Dense Qwen 3.5 / 3.6 (both checkpoint layouts)."""
 
@@ -270,11 +303,22 @@ class Qwen3_5ForCausalLM(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
                                rngs=rngs))
+        self.mtp = (MultiTokenPredictor(cfg, dtype=dtype, rngs=rngs, moe=self.moe)
+                    if cfg.load_mtp else None)
 
     def cache_specs(self, dtype: str) -> list:
         """``FullAttention`` pages of ``dtype`` for attention layers, ``LinearState`` (float32,
-        whatever the KV cache dtype) for the GDN layers."""
-        return [layer.cache_spec(dtype) for layer in self.model.layers]
+        whatever the KV cache dtype) for the GDN layers; with the MTP head, its attention layer
+        last (index ``num_layers``: one more layer of the attention group's page pool)."""
+        specs = [layer.cache_spec(dtype) for layer in self.model.layers]
+        if self.mtp is not None:
+            specs.append(self.mtp.layers[0].cache_spec(dtype))
+        return specs
+
+    def _rope(self, positions):
+        rotary, theta, max_pos = self.rope
+        return rope_cos_sin(positions, head_dim=rotary, theta=theta, scaling=None,
+                            max_position_embeddings=max_pos)
 
     # The forward in pieces (as jaxserve.models.llama): the single program and the pipeline
     # stages run the same code.
@@ -285,9 +329,7 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     def layer_inputs(self, positions, md: AttentionMetadata, num_tokens: int):
         """The rotary tables of the attention layers (partial rotary dims)."""
-        rotary, theta, max_pos = self.rope
-        return rope_cos_sin(positions, head_dim=rotary, theta=theta, scaling=None,
-                            max_position_embeddings=max_pos)
+        return self._rope(positions)
 
     def run_layer(self, i: int, layer, x, inputs, cache, md, lora=None):
         """Layer ``i``: its pages (attention) or its state-pool arrays (Gated DeltaNet)."""
@@ -297,15 +339,28 @@ class Qwen3_5ForCausalLM(nnx.Module):
         return layer(x, cos, sin, cache, md, self.attention_backend, self.mesh)
 
     def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
+        """The target model; the MTP head's pages (after the layers' own) pass through."""
+        want = self.num_layers + (self.mtp is not None)
+        if len(kv_pages) != want:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {want}")
         inputs = self.layer_inputs(positions, md, token_ids.shape[0])
         x = self.embed(token_ids)
         caches = []
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_pages)):
             x, cache = self.run_layer(i, layer, x, inputs, cache, md)
             caches.append(cache)
-        return self.model.norm(x), caches
+        return self.model.norm(x), caches + list(kv_pages[self.num_layers:])
+
+    def mtp_forward(self, next_token_ids, positions, hidden, kv, md: AttentionMetadata):
+        """The MTP head over ``T`` tokens: ``hidden[T, H]`` (the target's normed output, or the
+        head's own for a later draft) at ``positions``, ``next_token_ids`` the token after
+        each; ``kv`` its layer's pages. Returns (its normed hidden ``[T, H]``, kv)."""
+        m = self.mtp
+        e = m.pre_fc_norm_embedding(self.model.embed_tokens(next_token_ids))
+        x = m.fc(jnp.concatenate([e, m.pre_fc_norm_hidden(hidden.astype(e.dtype))], axis=-1))
+        cos, sin = self._rope(positions)
+        x, kv = m.layers[0](x, cos, sin, kv, md, self.attention_backend, self.mesh)
+        return m.norm(x), kv
 
     def compute_logits(self, hidden):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
@@ -321,22 +376,38 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     @classmethod
     def checkpoint_tensors(cls, cfg: ModelConfig, tensors):
-        """The VL layout's ``model.language_model.*`` as ``model.*``; vision tower and MTP head
-        dropped; GDN ``in_proj_qkv``/``conv1d`` split into q, k, v parts; MoE experts (fused
-        ``gate_up_proj`` or per expert) stacked."""
+        """The VL layout's ``model.language_model.*`` as ``model.*``; vision tower dropped, the
+        MTP head (``mtp.*``) too unless ``cfg.load_mtp``; GDN ``in_proj_qkv``/``conv1d`` split
+        into q, k, v parts; MoE experts (fused ``gate_up_proj`` or per expert) stacked, the MTP
+        layer's as well."""
         out = {}
         for name, load in tensors.items():
             if name.startswith(_SKIPPED_PREFIXES):
                 continue
+            if name.startswith(_MTP_PREFIXES):
+                if not cfg.load_mtp:
+                    continue
+                name = name[name.index("mtp."):]
             if name.startswith("model.language_model."):
                 name = "model." + name[len("model.language_model."):]
             if name.endswith((".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")):
                 out.update(_split_qkv(cfg, name, load))
                 continue
             out[name] = load
+        if cfg.load_mtp and not any(n.startswith("mtp.") for n in out):
+            raise ValueError("speculative_config.method 'mtp' needs the checkpoint's multi-token-"
+                             "prediction head, and this checkpoint has no mtp.* tensors")
         if cls.moe:
-            out = _fused_experts(cfg, out)
-            out = MoeForCausalLM.checkpoint_tensors(cfg, out)
+            # the MTP layer's experts go through the same conversions as a layer past the last
+            n = cfg.num_layers
+            mtp, virtual = "mtp.layers.0.", f"model.layers.{n}."
+            out = {(virtual + k[len(mtp):] if k.startswith(mtp) else k): v
+                   for k, v in out.items()}
+            wide = dataclasses.replace(cfg, num_layers=n + 1) if cfg.load_mtp else cfg
+            out = _fused_experts(wide, out)
+            out = MoeForCausalLM.checkpoint_tensors(wide, out)
+            out = {(mtp + k[len(virtual):] if k.startswith(virtual) else k): v
+                   for k, v in out.items()}
         return out
 
 

@@ -1,5 +1,9 @@
 """Tiny random Qwen 3.5 / 3.6 checkpoints (dense or MoE; text-only ``*ForCausalLM`` or the
-vision-language ``*ForConditionalGeneration`` layout), built with transformers' own classes."""
+vision-language ``*ForConditionalGeneration`` layout), built with transformers' own classes,
+plus random weights for the multi-token-prediction head under the released checkpoints' names
+(``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.layers.0.*`` a
+full-attention decoder layer, ``mtp.norm``): transformers ignores ``mtp.*`` on load, so HF
+``generate`` on the same directory stays the reference."""
 from __future__ import annotations
 
 import json
@@ -21,10 +25,10 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 
 
 def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int = 0,
-                      **text_overrides) -> Path:
+                      mtp: bool = True, **text_overrides) -> Path:
     """Write the checkpoint, a trained tokenizer and the generation config to ``out_dir``.
     Zero-centred norms, the gated norm, ``A_log`` and ``dt_bias`` get random values so the
-    tests see every one of them."""
+    tests see every one of them. ``mtp``: add a random MTP head (``mtp.*``)."""
     import torch
     import transformers as tf
 
@@ -58,8 +62,148 @@ def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int
     out = Path(out_dir)
     model.save_pretrained(out)
     train_tokenizer(text["vocab_size"]).save_pretrained(out)
+    if mtp:
+        _add_mtp_head(out, text, rng)
     cfg_path = out / "config.json"
     c = json.loads(cfg_path.read_text())
     c["_jaxserve_note"] = "random weights: tests only"
+    if mtp:
+        (c["text_config"] if "text_config" in c else c)["mtp_num_hidden_layers"] = 1
     cfg_path.write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _add_mtp_head(out: Path, text: dict, rng: np.random.Generator) -> None:
+    """Random ``mtp.*`` tensors written into the checkpoint beside the model's. The decoder
+    layer copies the shapes (and expert layout) of the model's last full-attention layer as
+    transformers saved it, with fresh random values."""
+    from safetensors.numpy import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    h = text["hidden_size"]
+    every = int(text.get("full_attention_interval") or 4)
+    last_full = max(i for i in range(text["num_hidden_layers"]) if (i + 1) % every == 0)
+    layer = next(p for p in (f"model.language_model.layers.{last_full}.",
+                             f"model.layers.{last_full}.") if any(k.startswith(p) for k in tensors))
+    mtp = {}
+    for name, arr in tensors.items():
+        if not name.startswith(layer):
+            continue
+        new = "mtp.layers.0." + name[len(layer):]
+        if name.endswith("norm.weight"):  # zero-centred (1 + w)
+            mtp[new] = 0.1 * rng.standard_normal(arr.shape)
+        else:
+            mtp[new] = rng.standard_normal(arr.shape) * float(np.std(arr) or 0.02)
+    mtp["mtp.fc.weight"] = rng.standard_normal((h, 2 * h)) * (2 * h) ** -0.5
+    for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        mtp[f"mtp.{norm}.weight"] = 0.1 * rng.standard_normal((h,))
+    tensors.update({k: v.astype(np.float32) for k, v in mtp.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+class TorchMtpHead:
+    """A dense checkpoint's MTP head built from HF's own full-attention decoder layer and
+    norms with its ``mtp.*`` weights, over HF's target hidden states (normed): the reference
+    the engine's head is tested against, and a way to train the tiny head."""
+
+    def __init__(self, path):
+        import torch
+        import transformers as tf
+        from safetensors.numpy import load_file
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+        path = Path(path)
+        arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+        self.hf = hf = getattr(tf, arch).from_pretrained(path, dtype=torch.float32).eval()
+        cfg = hf.config
+        w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in
+             load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
+        full = cfg.layer_types.index("full_attention")
+        self.layer = m.Qwen3_5DecoderLayer(cfg, layer_idx=full).eval()
+        self.layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items()
+                                    if k.startswith("layers.0.")})
+        self.norms = {}
+        for name in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            self.norms[name] = m.Qwen3_5RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps).eval()
+            self.norms[name].load_state_dict({"weight": w[f"{name}.weight"]})
+        self.fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc.load_state_dict({"weight": w["fc.weight"]})
+
+    def _head(self, next_ids, hidden):
+        """Head outputs (normed) at positions 0..len-1, causal over the whole sequence."""
+        import torch
+
+        n = self.norms
+        x = self.fc(torch.cat([n["pre_fc_norm_embedding"](self.hf.model.embed_tokens(next_ids)),
+                               n["pre_fc_norm_hidden"](hidden)], dim=-1))
+        pos = torch.arange(x.shape[1])[None]
+        x = self.layer(x, self.hf.model.rotary_emb(x, pos), attention_mask=None,
+                       position_ids=pos)
+        return n["norm"](x[0] if isinstance(x, tuple) else x)
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """Logits of the token two ahead at positions ``0 .. L-2``."""
+        import torch
+
+        ids = torch.tensor([tokens])
+        with torch.no_grad():
+            hidden = self.hf.model(ids).last_hidden_state[:, :-1]
+            return self.hf.lm_head(self._head(ids[:, 1:], hidden))[0].numpy()
+
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """What the head proposes after ``tokens``: draft 1 from the last token's predecessor,
+        then ``k - 1`` steps on its own hidden state and draft, one position on each."""
+        import torch
+
+        ids = torch.tensor([tokens])
+        out = []
+        with torch.no_grad():
+            hidden = self.hf.model(ids).last_hidden_state[:, :-1]
+            nxt = ids[:, 1:]
+            for _ in range(k):
+                h = self._head(nxt, hidden)[:, -1:]
+                d = int(self.hf.lm_head(h)[0, 0].argmax())
+                out.append(d)
+                nxt = torch.cat([nxt, torch.tensor([[d]])], dim=1)
+                hidden = torch.cat([hidden, h], dim=1)
+        return out
+
+    def distill(self, steps: int = 60, num_seqs: int = 32, prompt_len: int = 8,
+                new_tokens: int = 40, lr: float = 3e-3, seed: int = 0) -> None:
+        """Train the head (the target frozen) to guess the target's own greedy token two
+        ahead, on greedy continuations of random prompts: a random head is never right, and
+        acceptance figures need one that sometimes is."""
+        import torch
+
+        torch.manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        with torch.no_grad():
+            prompts = torch.tensor(rng.integers(5, self.hf.config.vocab_size, (num_seqs,
+                                                                               prompt_len)))
+            seqs = self.hf.generate(prompts, max_new_tokens=new_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+            hidden = self.hf.model(seqs).last_hidden_state
+        params = [*self.fc.parameters(), *self.layer.parameters(),
+                  *(p for n in self.norms.values() for p in n.parameters())]
+        opt = torch.optim.Adam(params, lr=lr)
+        for _ in range(steps):
+            logits = self.hf.lm_head(self._head(seqs[:, 1:-1], hidden[:, :-2]))
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     seqs[:, 2:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    def save(self, path) -> None:
+        """Write the head's weights back into the checkpoint's ``mtp.*`` tensors."""
+        from safetensors.numpy import load_file, save_file
+
+        f = Path(path) / "model.safetensors"
+        tensors = load_file(str(f))
+        mods = {"fc.": self.fc, "layers.0.": self.layer,
+                **{f"{k}.": v for k, v in self.norms.items()}}
+        for prefix, mod in mods.items():
+            for name, p in mod.state_dict().items():
+                tensors[f"mtp.{prefix}{name}"] = p.detach().numpy().astype(np.float32)
+        save_file(tensors, str(f), metadata={"format": "pt"})

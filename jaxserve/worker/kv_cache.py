@@ -139,17 +139,20 @@ def allocate_state_pool(spec, num_slots: int, sharding=None) -> tuple[jax.Array,
 
 def allocate_hybrid_caches(model_config: ModelConfig, cache_groups, num_pages: int,
                            num_slots: int, block_size: int, dtype, kv_sharding=None,
-                           state_sharding=None, tp: int = 1) -> list[tuple[jax.Array, ...]]:
-    """Per layer: ``(k_pages, v_pages)`` for an attention layer, its state-pool arrays
-    (:func:`allocate_state_pool`) for a LinearState layer."""
+                           state_sharding=None, tp: int = 1, scratch_slots: int = 0
+                           ) -> list[tuple[jax.Array, ...]]:
+    """Per cache layer (the model's, then e.g. an MTP head's): ``(k_pages, v_pages)`` for an
+    attention layer, its state-pool arrays (:func:`allocate_state_pool`) for a LinearState
+    layer, with ``scratch_slots`` more slots after the ``num_slots`` requests' ones (the
+    snapshots of speculative verify rows)."""
     from jaxserve.core.kv_cache_spec import LinearState
 
     _check_num_pages(num_pages)
     zeros = _zeros(dtype, kv_sharding)
-    caches: list = [None] * model_config.num_layers
+    caches: list = [None] * (1 + max(i for g in cache_groups for i in g.layers))
     for g in cache_groups:
         for i in g.layers:
-            caches[i] = (allocate_state_pool(g.spec, num_slots, state_sharding)
+            caches[i] = (allocate_state_pool(g.spec, num_slots + scratch_slots, state_sharding)
                          if isinstance(g.spec, LinearState)
                          else _layer_pages(g.spec, num_pages, block_size, tp, zeros))
     return caches

@@ -107,6 +107,10 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidRequestError(
             f"speculative_config method 'draft_model' with {FLAG} > 1 runs on one host "
             "('ngram' works across hosts)", param="pipeline_parallel_size")
+    if config.speculative is not None and config.speculative.method == "mtp":
+        raise InvalidRequestError(
+            f"speculative_config method 'mtp' with {FLAG} > 1 is not supported yet ('ngram' "
+            "and 'draft_model' are)", param="speculative_config")
 
 
 def check_model(model) -> None:

@@ -44,8 +44,8 @@ from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, group_poo
                                          pooled_kv_bytes_per_token, split_budget,
                                          split_budget_with_state, state_bytes_per_slot,
                                          state_groups)
-from jaxserve.core.step_plan import (ARRAY_FIELDS, ScheduledSeq, StepPlan, build_step_plan,
-                                     seq_bucket, token_ladder)
+from jaxserve.core.step_plan import (ARRAY_FIELDS, TRASH_PAGE, ScheduledSeq, StepPlan,
+                                     build_step_plan, seq_bucket, token_ladder)
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,10 @@ _TRACES = _TraceCount()
 
 @lru_cache(maxsize=None)
 def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...] = (),
-                num_layers: int = 0):
+                num_layers: int = 0, snapshots: tuple[int, int] | None = None):
     """The model half of the step (write K/V, attend, logits of each row's last token), jitted
-    for one model graph.
+    for one model graph. ``snapshots`` (first scratch slot, k): the state pool keeps each
+    verify row's state after each of its tokens (:func:`snapshot_slots`).
 
     Cached on the graph, so runners of the same model shape share executables; the graph is
     hashed once here rather than on every call (a static jit argument is hashed per dispatch,
@@ -93,6 +94,8 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
             block_tables=arrays["block_tables"] if grouped else arrays["block_tables"][0],
             num_seqs=arrays["num_seqs"],
             state_slots=_state_slots(arrays["state_slots"], kv_pages, state_layers),
+            snapshot_slots=(None if snapshots is None
+                            else snapshot_slots(arrays["num_draft"], *snapshots)),
         )
         if "lora" in arrays:  # (scale [L], per-layer A/B) of the device slots
             hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md,
@@ -119,6 +122,104 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
                 for i in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,), out_shardings=(
         sharding.replicated(mesh), pool, sharding.replicated(mesh)))
+
+
+def snapshot_slots(num_draft, base: int, k: int):
+    """``[S, k+1]``: where row ``b`` keeps its state after its token ``i`` (``i < num_draft``,
+    the tokens a rejection may roll back to): scratch slot ``base + b * k + i``; -1 elsewhere.
+    The state after a row's last token is its own slot's, as for any row."""
+    S = num_draft.shape[0]
+    i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    b = jnp.arange(S, dtype=jnp.int32)[:, None]
+    return jnp.where(i < num_draft[:, None], base + b * k + i, -1).astype(jnp.int32)
+
+
+@lru_cache(maxsize=None)
+def _rollback_fn(base: int, k: int, mesh=None):
+    """Speculative decoding's rollback of the recurrent state, after the verifier: a row that
+    kept ``a < num_draft`` drafts copies its snapshot after token ``a`` (the last accepted
+    one, :func:`snapshot_slots`) into its own slot, which the verify step left holding the
+    state after every draft. Rows that kept all their drafts, and rows without, are untouched.
+    Per-position snapshots rather than snapshot + recompute: k small copies per row in the
+    verify step and one copy here, never a second forward. ``state_pools``: the LinearState
+    layers' arrays (donated)."""
+
+    def rollback(state_pools, slots, num_draft, num_emitted):
+        _TRACES.n += 1
+        a = num_emitted - 1
+        rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
+        src = base + rows * k + jnp.clip(a, 0, k - 1)
+        trash = state_pools[0][0].shape[0] - 1
+        dst = jnp.where((a < num_draft) & (slots >= 0), slots, trash)
+        return [tuple(p.at[dst].set(p[src]) for p in layer) for layer in state_pools]
+
+    if mesh is None:
+        return jax.jit(rollback, donate_argnums=(0,))
+    return jax.jit(rollback, donate_argnums=(0,),
+                   out_shardings=sharding.state_pool_sharding(mesh))
+
+
+@lru_cache(maxsize=None)
+def _mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None):
+    """The MTP head's drafts for the next step, run right after the verifier (vLLM's
+    ``qwen3_5_mtp`` flow), jitted per token bucket.
+
+    1. Over every token of the step: the head at position ``t`` reads the target's hidden
+       state of ``t`` and token ``t + 1`` (the next token of the row; for the position a row
+       samples from, the token it emitted there: the sampled one, or a verify row's token
+       after its last accepted draft; for a prefill chunk's last token the next prompt token,
+       ``next_token_ids``), writing its K/V for every position the target wrote (rejected
+       positions are rewritten by the next step). Its logits at each row's sampling position
+       are draft 1.
+    2. ``k - 1`` more single-token steps per row, one position on each, on the head's own
+       hidden state and the draft just made. Their K/V lands where the next step's pass 1
+       rewrites it, or on the trash page past the row's pages.
+
+    Returns (drafts ``[S, k]``, the head's pages)."""
+
+    def propose(state_leaves, mtp_kv, arrays, hidden, prev_tokens, emitted, num_emitted):
+        _TRACES.n += 1
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        T = hidden.shape[0]
+        ref = arrays["prev_ref"]
+        tok = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
+        qs, seq_lens, nd = arrays["query_start"], arrays["seq_lens"], arrays["num_draft"]
+        S = seq_lens.shape[0]
+        rows = jnp.arange(S, dtype=jnp.int32)
+        real = seq_lens > 0
+        a = num_emitted - 1
+        src = jnp.clip(qs[1:] - 1 - nd + a, 0, T - 1)  # each row's sampling position
+        nxt_row = jnp.where(arrays["next_token_ids"] >= 0, arrays["next_token_ids"],
+                            emitted[rows, jnp.clip(a, 0, k)])
+        nxt = jnp.concatenate([tok[1:], jnp.zeros((1,), tok.dtype)])
+        nxt = nxt.at[jnp.where(real, src, T)].set(nxt_row, mode="drop")
+        bt = arrays["block_tables"][0]
+        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"][0], query_start=qs,
+                               seq_lens=seq_lens, block_tables=bt, num_seqs=arrays["num_seqs"])
+        h, mtp_kv = model.mtp_forward(nxt, arrays["positions"], hidden, mtp_kv, md)
+        h = h[src]
+        draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
+        drafts = [draft]
+        pos = arrays["positions"][src]
+        max_pos = bt.shape[1] * block_size - 1
+        for j in range(1, k):
+            p = jnp.minimum(pos + j, max_pos)
+            page = bt[rows, p // block_size]
+            md = AttentionMetadata(
+                slot_mapping=jnp.where(real, page * block_size + p % block_size,
+                                       TRASH_PAGE * block_size),
+                query_start=jnp.arange(S + 1, dtype=jnp.int32),
+                seq_lens=jnp.where(real, p + 1, 1), block_tables=bt,
+                num_seqs=jnp.int32(S))
+            h, mtp_kv = model.mtp_forward(draft, p, h, mtp_kv, md)
+            draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
+            drafts.append(draft)
+        return jnp.stack(drafts, axis=1), mtp_kv
+
+    if mesh is None:
+        return jax.jit(propose, donate_argnums=(1,))
+    return jax.jit(propose, donate_argnums=(1,), out_shardings=(
+        sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)))
 
 
 def _state_slots(slots, kv_pages, state_layers: tuple[int, ...]):
@@ -210,6 +311,7 @@ class StepHandle:
     prompt_logprobs: tuple | None = None
     want_topk: bool = False
     verify: object = None  # rejection_sampler.VerifyOutput on device (speculative decoding)
+    drafts: object = None  # [S, k] the MTP head's drafts for each row's next step, on device
 
 
 @dataclass
@@ -226,6 +328,7 @@ class StepOutput:
     # speculative decoding: [S, k+1] emitted tokens (-1 padded) and [S] how many
     spec_token_ids: np.ndarray | None = None
     num_emitted: np.ndarray | None = None
+    draft_ids: np.ndarray | None = None  # [S, k] the MTP head's drafts (method "mtp")
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -342,21 +445,27 @@ def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConf
 
 
 def state_pool_sizes(pools, cache_groups, model_config: ModelConfig,
-                     engine_config: EngineConfig, max_model_len, param_bytes: int, tp: int = 1
+                     engine_config: EngineConfig, max_model_len, param_bytes: int, tp: int = 1,
+                     scratch_slots: int = 0, extra_page_bytes: int = 0
                      ) -> tuple[int, tuple[int, ...]]:
     """(state slots, pages of each pool) of a model with LinearState layers, from the same
     budget as :func:`pool_sizes`: a slot and a full-length request's pages per request, at most
-    ``max_num_seqs`` slots. With ``num_gpu_blocks_override`` or on CPU (no memory limit) every
-    ``max_num_seqs`` request gets a slot and the pages are sized as for any model."""
+    ``max_num_seqs`` slots, after ``scratch_slots`` fixed slots (speculative snapshots). With
+    ``num_gpu_blocks_override`` or on CPU (no memory limit) every ``max_num_seqs`` request gets
+    a slot and the pages are sized as for any model. ``extra_page_bytes`` (a draft model's
+    pool on the same page ids): the budget re-split is the target's share of the pages
+    :func:`pool_sizes` leaves room for beside the draft's."""
     max_num_seqs = engine_config.scheduler.max_num_seqs
     stats = jax.local_devices()[0].memory_stats() or {}
     if engine_config.cache.num_gpu_blocks_override is not None or not stats.get("bytes_limit"):
         return max_num_seqs, pool_sizes(pools, model_config, engine_config, max_model_len,
-                                        param_bytes, tp)
+                                        param_bytes, tp, extra_page_bytes)
     # the page budget pool_sizes would give, re-split between slots and pages
-    sizes = pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp)
+    sizes = pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp,
+                       extra_page_bytes)
     budget = sum(n * p.page_bytes(engine_config.cache.block_size, tp) // tp
                  for n, p in zip(sizes, pools))
+    budget -= scratch_slots * state_bytes_per_slot(cache_groups) // tp
     slots, sizes = split_budget_with_state(
         pools, state_bytes_per_slot(cache_groups) // tp, budget,
         block_size=engine_config.cache.block_size, max_model_len=max_model_len,
@@ -389,6 +498,11 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         spec = engine_config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # method "mtp": the model's MTP head drafts inside every step (its pages the last layer)
+        self.mtp = spec is not None and spec.method == "mtp"
+        if self.mtp and getattr(model, "mtp", None) is None:
+            raise ValueError("speculative_config.method 'mtp' needs a model built with its "
+                             "multi-token-prediction head (ModelConfig.load_mtp)")
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
                                    sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.sharding); None: single device
@@ -403,6 +517,9 @@ class ModelRunner:
         self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
                                          for i in g.layers))
         self.num_state_slots = None  # slots of the state pool (None: no LinearState layers)
+        # speculating with LinearState layers: k scratch slots per row after the requests'
+        # slots hold the verify rows' per-token snapshots (rollback: _rollback_fn)
+        self.snapshots = None  # (first scratch slot, k)
         self.grouped = not self.state_layers and use_group_pools(
             model, self.cache_groups, engine_config, extra_page_bytes)
         if self.grouped:  # a pool per group (core.kv_cache_groups)
@@ -415,15 +532,19 @@ class ModelRunner:
                                                  sharding=kv_sharding, tp=tp)
         elif self.state_layers:  # one page pool beside the state pool
             self.pools = page_pools(self.cache_groups)
+            scratch = self.max_num_seqs * self.num_spec_tokens
             slots, sizes = state_pool_sizes(self.pools, self.cache_groups, model_config,
-                                            engine_config, max_model_len, param_bytes // tp, tp)
+                                            engine_config, max_model_len, param_bytes // tp, tp,
+                                            scratch, extra_page_bytes)
             self.num_state_slots = sharding.agree_across_hosts(slots)
             self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
+            if scratch:
+                self.snapshots = (self.num_state_slots, self.num_spec_tokens)
             self.kv_pages = allocate_hybrid_caches(
                 model_config, self.cache_groups, self.pool_pages[0], self.num_state_slots,
                 self.block_size, self.kv_dtype, kv_sharding=kv_sharding,
                 state_sharding=(sharding.state_pool_sharding(mesh) if mesh is not None
-                                else None), tp=tp)
+                                else None), tp=tp, scratch_slots=scratch)
         else:  # one pool: a page id indexes every layer's array (core.kv_cache_spec.page_pools)
             self.pools = page_pools(self.cache_groups)
             sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
@@ -439,7 +560,11 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         self._forward = _forward_fn(self.graphdef, treedef, mesh, self.state_layers,
-                                    model_config.num_layers)
+                                    len(self.cache_specs), self.snapshots)
+        self._rollback = (None if self.snapshots is None
+                          else _rollback_fn(*self.snapshots, mesh))
+        self._mtp = (_mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
+                     if self.mtp else None)
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
         self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef,
@@ -492,6 +617,11 @@ class ModelRunner:
             len(self.pools[0].layers), page / self.block_size, self.num_state_slots,
             slot / 2**20, len(self.state_layers), self.num_state_slots, tokens,
             min(self.num_state_slots, tokens / max_model_len), max_model_len)
+        if self.snapshots is not None:
+            n = self.max_num_seqs * self.num_spec_tokens
+            logger.info("state pool: %d more slots (%.1f MiB) for the per-token snapshots of "
+                        "speculative verify rows (%d per row)", n, n * slot / 2**20,
+                        self.num_spec_tokens)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
@@ -507,10 +637,14 @@ class ModelRunner:
         with self._pool_lock:
             before = _TRACES.n
             arrays, spec = self._step_inputs(plan)
+            prev_tokens = self._last_tokens
             logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
-                                                          arrays, self._last_tokens)
+                                                          arrays, prev_tokens)
             out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                  self._last_tokens, self._bitmask(plan), spec)
+                                                  prev_tokens, self._bitmask(plan), spec)
+            drafts = self.after_verify(arrays, hidden, out, prev_tokens)
+            if drafts is not None:
+                out = (*out, drafts)
             if prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
             if _TRACES.n != before:
@@ -520,6 +654,27 @@ class ModelRunner:
                                    plan.token_bucket)
         return out
 
+    def after_verify(self, arrays: dict, hidden, out, prev_tokens):
+        """What a speculating step runs after its verifier (in the step's own dispatch, so
+        nothing waits for the host): the recurrent state's rollback to each verify row's last
+        accepted token, then the MTP head's drafts for the next step (None without it)."""
+        if not self.num_spec_tokens:
+            return None
+        verify = out[1]
+        pool = list(self.kv_pages)
+        if self._rollback is not None:
+            states = self._rollback([pool[i] for i in self.state_layers],
+                                    arrays["state_slots"], arrays["num_draft"],
+                                    verify.num_emitted)
+            for i, st in zip(self.state_layers, states):
+                pool[i] = st
+        drafts = None
+        if self._mtp is not None:
+            drafts, pool[-1] = self._mtp(self._state_leaves, pool[-1], arrays, hidden,
+                                         prev_tokens, verify.token_ids, verify.num_emitted)
+        self.kv_pages = pool
+        return drafts
+
     def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
         """The forward's plan arrays and the verifier's inputs (every step of a speculating
         engine has the verify shapes: logits at ``[S, k+1]`` positions). With LoRA on, every
@@ -528,6 +683,10 @@ class ModelRunner:
         if plan.num_draft is not None:
             spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
         arrays = plan.forward_arrays()
+        if plan.num_draft is not None and (self.snapshots is not None or self.mtp):
+            arrays["num_draft"] = plan.num_draft
+        if self.mtp:
+            arrays["next_token_ids"] = plan.next_token_ids
         if self.lora is not None:
             arrays["lora_slots"] = plan.lora_slots
             arrays["lora"] = self.lora.arrays
@@ -584,13 +743,14 @@ class ModelRunner:
         """Enqueue the step and start copying its results to the host; returns at once.
         A plan with ``prompt_next_ids`` also computes the prompt logprobs."""
         out = self._run(plan)
-        prompt_lp = verify = None
+        prompt_lp = verify = drafts = None
         if plan.prompt_next_ids is not None:
             out, prompt_lp = out
         if self.num_spec_tokens:
-            out, verify = out
+            out, verify, *rest = out
+            drafts = rest[0] if rest else None
         h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)),
-                       verify)
+                       verify, drafts)
         for x in self._handle_arrays(h):
             x.copy_to_host_async()
         return h
@@ -604,6 +764,8 @@ class ModelRunner:
             xs += list(h.prompt_logprobs)
         if h.verify is not None:
             xs += list(h.verify)
+        if h.drafts is not None:
+            xs.append(h.drafts)
         return xs
 
     def fetch(self, h: StepHandle) -> StepOutput:
@@ -618,6 +780,8 @@ class ModelRunner:
             res.prompt_logprobs = tuple(map(np.asarray, jax.device_get(h.prompt_logprobs)))
         if h.verify is not None:
             res.spec_token_ids, res.num_emitted = map(np.asarray, jax.device_get(tuple(h.verify)))
+        if h.drafts is not None:
+            res.draft_ids = np.asarray(jax.device_get(h.drafts))
         return res
 
     def execute(self, plan: StepPlan) -> StepOutput:

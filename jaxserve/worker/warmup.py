@@ -186,8 +186,11 @@ class BucketWarmup:
                 arrays, spec = r._step_inputs(plan)
                 logits, r.kv_pages, hidden = r._forward(r._state_leaves, r.kv_pages, arrays,
                                                         last)
-                jax.block_until_ready(r._sample(logits, plan.sampling, plan.history_ref,
-                                                last, ones, spec))
+                sampled = r._sample(logits, plan.sampling, plan.history_ref, last, ones, spec)
+                if r.num_spec_tokens:  # the rollback and the MTP head's drafts
+                    with TRACE_LOCK:
+                        r.after_verify(arrays, hidden, sampled[0], last)
+                jax.block_until_ready(sampled)
             for sampling, history_ref, mask, spec in others:
                 jax.block_until_ready(r._sample(logits, sampling, history_ref, last, mask,
                                                 spec))
