@@ -426,6 +426,11 @@ class PipelineRunner(runner_lib.ModelRunner):
                       else page_pools(self.cache_groups))
         self.num_cache_groups = len(self.pools)
         self.num_state_slots = None
+        if self.state_layers and self.num_spec_tokens:  # no per-token state snapshots here
+            raise InvalidRequestError(
+                f"--speculative-config with {FLAG} > 1 on {type(model).__name__} (LinearState "
+                "layers) is not supported yet: the stages keep no per-token state snapshots to "
+                "roll rejected drafts back", param="speculative_config")
         self.lora = None  # StageLoRASlots when LoRA is on (set before warm-up)
         # every stage holds the same page ids for its own layers: size by the stage with the
         # most paged layers (the state pool: by the whole model's state, an upper bound)

@@ -275,6 +275,14 @@ def _child(paths: dict) -> dict:
                 forks=sum(forks), outputs=[[list(c.token_ids) for c in r.outputs] for r in res])
             del llm, runner
 
+    # speculation on a state-pool model under pp: refused (no per-token state snapshots)
+    try:
+        LLM(paths["families"]["qwen3_5"], pipeline_parallel_size=2, speculative_config=NGRAM,
+            **ENGINE_KW)
+        out["hybrid_spec_error"] = None
+    except InvalidRequestError as e:
+        out["hybrid_spec_error"] = [e.param, str(e)]
+
     # Gemma 4's KV-sharing layers split from their producers by the even split
     try:
         LLM(paths["families"]["gemma4"], pipeline_parallel_size=2, **ENGINE_KW)
@@ -422,6 +430,12 @@ def test_kv_sharing_split_from_its_producer_is_a_start_up_error(report):
     assert param == "pipeline_parallel_size"
     assert "layer 5 reads the KV pages of layer 2" in msg, msg
     assert "--pipeline-parallel-size 2" in msg and "JAXSERVE_PP_LAYER_PARTITION" in msg, msg
+
+
+def test_speculation_on_a_state_pool_model_under_pp_is_a_start_up_error(report):
+    param, msg = report["hybrid_spec_error"]
+    assert param == "speculative_config"
+    assert "Qwen3_5ForCausalLM" in msg and "--pipeline-parallel-size" in msg, msg
 
 
 def test_a_family_without_stage_pieces_is_a_start_up_error():
