@@ -43,9 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rope-scaling", choices=sorted(ROPE_PRESETS))
     ap.add_argument("--max-shard-size", help='e.g. "20KB" to write several safetensors files')
     ap.add_argument("--no-torch", action="store_true", help="write numpy weights (no torch)")
-    ap.add_argument("--vl", action="store_true",
+    ap.add_argument("--vl", action="store_true", default=None,
                     help="qwen3_5*: the vision-language class layout")
-    ap.add_argument("--distill-mtp", type=int, default=0, metavar="STEPS",
+    ap.add_argument("--distill-mtp", type=int, default=None, metavar="STEPS",
                     help="qwen3_5: train the MTP head for STEPS steps (default: random)")
     args = ap.parse_args(argv)
     if args.preset:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     if args.arch in QWEN3_5:
         from jaxserve.testing.qwen3_5 import TorchMtpHead, make_tiny_qwen3_5
 
-        out = make_tiny_qwen3_5(args.out, moe=QWEN3_5[args.arch], vl=args.vl,
+        out = make_tiny_qwen3_5(args.out, moe=QWEN3_5[args.arch], vl=bool(args.vl),
                                 seed=args.seed or 0)
         if args.distill_mtp:
             if QWEN3_5[args.arch]:

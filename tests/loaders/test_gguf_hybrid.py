@@ -70,6 +70,8 @@ def test_names_are_llama_cpps_and_tensors_round_trip(converted, kind):
         assert t.name.rsplit(".", 1)[0] in allowed or t.name in allowed, t.name
     cfg, tensors = load_gguf(path)
     orig = load_file(str(hf_dir / "model.safetensors"))
+    # the writer stores no MTP head (a llama.cpp file's appended nextn block is skipped on load)
+    orig = {k: v for k, v in orig.items() if not k.startswith(("mtp.", "model.mtp."))}
     assert set(tensors) == set(orig)
     for name, load in tensors.items():
         np.testing.assert_allclose(load(), orig[name], rtol=1e-6, atol=1e-7, err_msg=name)
