@@ -6,7 +6,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (in this order): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  moe  gemma4  hybrid
+# Stages (run in the order STAGES gives; default): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short)
 #   kernels  benchmarks/kernels.py (when present)
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
@@ -86,55 +86,71 @@ run_stage() {
   else STATUS+=("$name: ok (${dt}s)"); fi
 }
 
-run_stage pytest 55 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 120 ${PYTEST_TARGETS:-tests}
-
-if [ -f benchmarks/kernels.py ]; then
+# Each stage is a function; they run in the order STAGES names them.
+stage_pytest() {
+  run_stage pytest 55 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 120 ${PYTEST_TARGETS:-tests}
+}
+stage_kernels() {
   run_stage kernels 35 $PY benchmarks/kernels.py ${KERNEL_ARGS:---ctx 2048} --iters 20 --disable-tqdm \
     --output-json "$RES/kernels.json"
-fi
-
-run_stage gdnlora 120 $PY benchmarks/kernels.py --cases gdn,lora ${GDN_LORA_ARGS:-} --iters 20 \
-  --disable-tqdm --output-json "$RES/kernels-gdn-lora.json"
-
-# HF=0 skips the HF baselines (e.g. when this session already measured them)
-HF_ARGS=(--hf-baseline --hf-batch-sizes "$HF_BS" --hf-cb-baseline --hf-cb-num-prompts "$HF_CB_N"
-         --hf-cb-attn-impls "$HF_CB_IMPLS" --hf-timeout 70)
-[[ "${HF:-1}" == 0 ]] && HF_ARGS=()
-run_stage tp11 240 $PY benchmarks/throughput.py --preset tinyllama-1.1b --dtype bfloat16 \
-  --num-prompts "$N11" --input-len 512 --output-len 128 --disable-detokenize \
-  "${HF_ARGS[@]}" --roofline \
-  --disable-tqdm --output-json "$RES/throughput-tinyllama-1.1b.json"
-
-run_stage tp8b 110 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloat16 \
-  --num-prompts "$N8B" --input-len 512 --output-len 128 --disable-detokenize --roofline \
-  --disable-tqdm --output-json "$RES/throughput-llama3-8b.json"
-
-run_stage lora8b 120 $PY benchmarks/lora.py --preset "${LORA_PRESET:-llama3-8b}" --dtype bfloat16 \
-  --num-prompts 64 --input-len 256 --output-len 64 --max-num-seqs 64 --repeats 2 \
-  --targets all ${LORA_ARGS:-} --disable-tqdm --output-json "$RES/lora-${LORA_PRESET:-llama3-8b}.json"
-
-run_stage serving 75 $PY benchmarks/serving.py --launch --preset tinyllama-1.1b \
-  --dtype bfloat16 --num-prompts "$SERVE_N" --input-len 512 --output-len 128 \
-  --request-rates "$SERVE_RATES" --goodput ttft:30 tpot:8 --launch-timeout 60 \
-  --disable-tqdm --output-json "$RES/serving-tinyllama-1.1b.json"
-
-if [[ " $STAGES " == *" startup "* ]]; then
-  MODEL11=$($PY -c "from benchmarks.baselines import resolve_model; print(resolve_model(None, 'tinyllama-1.1b'))")
-  run_stage startup 150 $PY benchmarks/startup.py --model "$MODEL11" \
+}
+stage_gdnlora() {
+  run_stage gdnlora 120 $PY benchmarks/kernels.py --cases gdn,lora ${GDN_LORA_ARGS:-} --iters 20 \
+    --disable-tqdm --output-json "$RES/kernels-gdn-lora.json"
+}
+stage_tp11() {
+  # HF=0 skips the HF baselines (e.g. when this session already measured them)
+  local hf=(--hf-baseline --hf-batch-sizes "$HF_BS" --hf-cb-baseline --hf-cb-num-prompts "$HF_CB_N"
+            --hf-cb-attn-impls "$HF_CB_IMPLS" --hf-timeout "${HF_TIMEOUT:-70}")
+  [[ "${HF:-1}" == 0 ]] && hf=()
+  run_stage tp11 240 $PY benchmarks/throughput.py --preset tinyllama-1.1b --dtype bfloat16 \
+    --num-prompts "$N11" --input-len 512 --output-len 128 --disable-detokenize \
+    "${hf[@]}" --roofline \
+    --disable-tqdm --output-json "$RES/throughput-tinyllama-1.1b.json"
+}
+stage_tp8b() {
+  run_stage tp8b 110 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloat16 \
+    --num-prompts "$N8B" --input-len 512 --output-len 128 --disable-detokenize --roofline \
+    --disable-tqdm --output-json "$RES/throughput-llama3-8b.json"
+}
+stage_lora8b() {
+  run_stage lora8b 120 $PY benchmarks/lora.py --preset "${LORA_PRESET:-llama3-8b}" --dtype bfloat16 \
+    --num-prompts 64 --input-len 256 --output-len 64 --max-num-seqs 64 --repeats 2 \
+    --targets all ${LORA_ARGS:-} --disable-tqdm --output-json "$RES/lora-${LORA_PRESET:-llama3-8b}.json"
+}
+stage_serving() {
+  run_stage serving 75 $PY benchmarks/serving.py --launch --preset tinyllama-1.1b \
+    --dtype bfloat16 --num-prompts "$SERVE_N" --input-len 512 --output-len 128 \
+    --request-rates "$SERVE_RATES" --goodput ttft:30 tpot:8 --launch-timeout 60 \
+    --disable-tqdm --output-json "$RES/serving-tinyllama-1.1b.json"
+}
+stage_startup() {
+  local model
+  model=$($PY -c "from benchmarks.baselines import resolve_model; print(resolve_model(None, 'tinyllama-1.1b'))")
+  run_stage startup 150 $PY benchmarks/startup.py --model "$model" \
     --extra-args "--load-format dummy --dtype bfloat16" --timeout 70 --result-dir "$RES"
-fi
+}
+stage_moe() {
+  run_stage moe 120 $PY benchmarks/moe_decode.py --num-layers 8 --batch-sizes ${MOE_BATCHES:-1,8,32,128} \
+    --output-json "$RES/moe_decode-mixtral-8x7b.json"
+}
+stage_gemma4() {
+  local g4=${GEMMA4_ARGS:---preset gemma4-31b}
+  run_stage gemma4 150 bash -c "$PY benchmarks/gemma4_capacity.py --no-plot --output-json \
+    $RES/gemma4_capacity.json && $PY benchmarks/gemma4_capacity.py --engine $g4 \
+    --output-json $RES/gemma4_capacity_engine-31b.json"
+}
+stage_hybrid() {
+  run_stage hybrid 240 $PY benchmarks/hybrid_decode.py --shape ${HYBRID_SHAPE:-27b} \
+    --quantization fp8 --batch ${HYBRID_BATCH:-8} \
+    --contexts ${HYBRID_CONTEXTS:-1024,2048,4096,8192,16384,32768} ${HYBRID_ARGS:-} \
+    --output-json "$RES/hybrid_decode-qwen3.6-27b.json"
+}
 
-run_stage moe 120 $PY benchmarks/moe_decode.py --num-layers 8 --batch-sizes 1,8,32,128 \
-  --output-json "$RES/moe_decode-mixtral-8x7b.json"
-
-G4=${GEMMA4_ARGS:---preset gemma4-31b}
-run_stage gemma4 150 bash -c "$PY benchmarks/gemma4_capacity.py --no-plot --output-json \
-  $RES/gemma4_capacity.json && $PY benchmarks/gemma4_capacity.py --engine $G4 \
-  --output-json $RES/gemma4_capacity_engine-31b.json"
-run_stage hybrid 240 $PY benchmarks/hybrid_decode.py --shape ${HYBRID_SHAPE:-27b} \
-  --quantization fp8 --batch ${HYBRID_BATCH:-8} \
-  --contexts ${HYBRID_CONTEXTS:-1024,2048,4096,8192,16384,32768} ${HYBRID_ARGS:-} \
-  --output-json "$RES/hybrid_decode-qwen3.6-27b.json"
+for s in $STAGES; do
+  if declare -F "stage_$s" >/dev/null; then "stage_$s"
+  else echo "== $s: unknown stage"; STATUS+=("$s: unknown stage"); fi
+done
 
 echo
 echo "== stages"
