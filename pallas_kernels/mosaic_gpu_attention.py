@@ -197,7 +197,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
                 k_tile = wide[0]
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_tile.T)
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32)) * sm_scale
@@ -339,7 +339,10 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
                   jax.ShapeDtypeStruct((ns, nb, hkv, _ROWS), jnp.float32)),
         grid=(nb, hkv, ns),
         grid_names=("block", "kv_head", "split"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # The body is written in lane semantics (explicit WGMMA register layouts, per-thread
+        # masks); jax 0.11 made warpgroup semantics the default, so name it.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(meta, bt, q_rows, k_pages, v_pages)
 
     # Merge the splits (base-2 log-sum-exp weights), then rows back to [T, Hq, D].

@@ -88,6 +88,24 @@ def test_mosaic_lowers_fp8_e5m2_f16_window_softcap_d64():
     assert _lower(dict(sliding_window=100, soft_cap=30.0), **shape).count(MOSAIC) == 1
 
 
+@needs_plugin
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+def test_mosaic_lowering_does_not_follow_the_default_semantics(monkeypatch, semantics):
+    """The body is lane-semantics code; jax 0.11 changed ``CompilerParams``'s default to
+    warpgroup semantics, under which it fails layout inference (an AssertionError on 0.11.2,
+    a ValueError on 0.10.2). Whatever the installed default, the kernel names its own."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    sem = getattr(plgpu.LoweringSemantics, semantics)
+    monkeypatch.setattr(plgpu, "CompilerParams",
+                        functools.partial(plgpu.CompilerParams, lowering_semantics=sem))
+    jax.clear_caches()
+    try:
+        assert _lower(tokens=24, seqs=3, ctx=96).count(MOSAIC) == 1
+    finally:
+        jax.clear_caches()
+
+
 def test_mosaic_fp8_stages_fit_shared_memory():
     """float8 stages take half the bytes, plus two upcast tiles: more stages fit at D 128."""
     from pallas_kernels import mosaic_gpu_attention as mga
