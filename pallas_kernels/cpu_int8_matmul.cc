@@ -9,8 +9,9 @@
 //
 // AVX-512 VNNI (vpdpbusd: u8 x s8 -> s32) takes the weight as unsigned (w + 128, a sign-bit
 // flip as it is loaded) and each output subtracts 128 * sum_k x[k], once per activation row.
-// Without VNNI the same loops are plain C++ for the compiler to vectorize. Work is split over output rows on XLA's
-// intra-op thread pool when a call is large enough to pay for the hand-off.
+// Without VNNI the same loops are plain C++ for the compiler to vectorize. Work is split over
+// output rows with the kernels' helper team (cpu_team.h) when a call is large enough to pay for
+// the hand-off.
 //
 // One FFI target takes 1 to 3 weights sharing the input (q/k/v, gate/up): the activation is
 // quantized once and each weight is read once.
@@ -20,7 +21,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -30,6 +30,7 @@
 #define JS_VNNI 0
 #endif
 
+#include "cpu_team.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -147,7 +148,8 @@ void block16(const QuantX& q, const uint8_t* wp, const float* scale, float* y, i
 // tokens 6 at a time (12 accumulators). Returns the first row it did not do.
 int64_t packed_rows(const QuantX& q, const int8_t* w, const float* scale, float* y,
                     int64_t n_out, int64_t n0, int64_t n1) {
-  std::vector<uint8_t> wp(q.kp * 16);
+  thread_local std::vector<uint8_t> wp;
+  wp.resize(q.kp * 16);
   int64_t n = n0;
   for (; n + 16 <= n1; n += 16) {
     pack16(w + n * q.k, q.k, q.kp, wp.data());
@@ -268,7 +270,7 @@ struct Job {
 };
 
 // Output rows in chunks of kChunk over all jobs; chunks are taken from a shared counter by the
-// calling thread and by helpers on XLA's pool (a helper that starts late finds none left).
+// calling thread and by the team's helpers (a helper that starts late finds none left).
 constexpr int64_t kChunk = 64;
 // Below this many weight bytes x activation rows a call runs on the calling thread only.
 constexpr int64_t kThreadMinWork = 1 << 16;
@@ -278,10 +280,10 @@ struct Shared {
   std::vector<std::pair<int, int64_t>> chunks;  // (job, first row)
   QuantX q;
   std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
 
-void run_chunks(Shared& s) {
+void run_chunks(void* p) {
+  Shared& s = *static_cast<Shared*>(p);
   const int64_t total = static_cast<int64_t>(s.chunks.size());
   for (;;) {
     const int64_t c = s.next.fetch_add(1);
@@ -289,7 +291,6 @@ void run_chunks(Shared& s) {
     const auto [j, n0] = s.chunks[c];
     const Job& job = s.jobs[j];
     rows_kernel(s.q, job.w, job.scale, job.y, job.n, n0, std::min(n0 + kChunk, job.n));
-    s.done.fetch_add(1, std::memory_order_release);
   }
 }
 
@@ -299,24 +300,27 @@ ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
   const int64_t m = xd[0], k = xd[1];
-  auto shared = std::make_shared<Shared>();
-  quantize_rows(x.typed_data(), m, k, shared->q);
+  // One per calling thread, reused: a call's buffers are only touched until it returns.
+  thread_local Shared shared;
+  shared.jobs.clear();
+  shared.chunks.clear();
+  shared.next.store(0);
+  quantize_rows(x.typed_data(), m, k, shared.q);
   int64_t work = 0;
   for (auto& [w, s, y] : ws) {
     const auto wd = w.dimensions();
     if (wd.size() != 2 || wd[1] != k) return ffi::Error::InvalidArgument("w must be [N, K]");
     const int64_t n = wd[0];
-    const int j = static_cast<int>(shared->jobs.size());
-    shared->jobs.push_back(Job{w.typed_data(), s.typed_data(), y->typed_data(), n});
-    for (int64_t n0 = 0; n0 < n; n0 += kChunk) shared->chunks.emplace_back(j, n0);
+    const int j = static_cast<int>(shared.jobs.size());
+    shared.jobs.push_back(Job{w.typed_data(), s.typed_data(), y->typed_data(), n});
+    for (int64_t n0 = 0; n0 < n; n0 += kChunk) shared.chunks.emplace_back(j, n0);
     work += n * k * m;
   }
-  const int64_t total = static_cast<int64_t>(shared->chunks.size());
+  const int64_t total = static_cast<int64_t>(shared.chunks.size());
+  jaxserve::Team& team = jaxserve::team(static_cast<int>(pool.num_threads()) - 1);
   const int64_t helpers =
-      work < kThreadMinWork ? 0 : std::min<int64_t>(pool.num_threads() - 1, total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { run_chunks(*shared); });
-  run_chunks(*shared);
-  while (shared->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+      work < kThreadMinWork ? 0 : std::min<int64_t>(team.size(), total - 1);
+  team.run(static_cast<int>(helpers), run_chunks, &shared);
   return ffi::Error::Success();
 }
 

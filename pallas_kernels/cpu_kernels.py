@@ -5,6 +5,8 @@
   projection; the kernel does both in one call, reading each int8 weight once with AVX-512
   VNNI where the CPU has it. One call takes up to three weights that share an input (q/k/v,
   gate/up), so the activation is quantized once for them.
+* ``cpu_team.h``: helper threads shared by both, polling briefly between calls (a decode
+  step makes ~150 short calls; waking a parked pool thread for each costs as much as its share).
 * ``cpu_attention.cc``: XLA's loop attention (``xla_attention.py``) costs a few dozen small
   ops per loop trip and gathers whole chunks of pages; the kernel reads only each token's
   own positions.
@@ -34,9 +36,11 @@ logger = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_DIR, f) for f in ("cpu_int8_matmul.cc", "cpu_attention.cc")]
+_HEADERS = [os.path.join(_DIR, "cpu_team.h")]
 _TARGETS = {1: "jaxserve_int8_matmul_1", 2: "jaxserve_int8_matmul_2",
             3: "jaxserve_int8_matmul_3"}
 _ATTENTION = "jaxserve_paged_attention"
+_WRITE_ATTENTION = "jaxserve_paged_write_attention"
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 _lock = threading.Lock()
 _state: dict = {}
@@ -63,7 +67,7 @@ def _build() -> str | None:
         return None
     import jaxlib
 
-    src = b"".join(open(p, "rb").read() for p in _SRCS)
+    src = b"".join(open(p, "rb").read() for p in [*_SRCS, *_HEADERS])
     key = hashlib.sha256(src + " ".join([cxx, *_FLAGS, jaxlib.__version__, _cpu_tag()])
                          .encode()).hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
@@ -74,7 +78,7 @@ def _build() -> str | None:
     os.makedirs(cache, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *_SRCS, "-o", tmp]
+    cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), "-I", _DIR, *_SRCS, "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
@@ -112,7 +116,7 @@ def _load() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(path)
-        for target in [*_TARGETS.values(), _ATTENTION]:
+        for target in [*_TARGETS.values(), _ATTENTION, _WRITE_ATTENTION]:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                         platform="cpu")
     except Exception as e:  # a broken cache entry or an ABI mismatch: fall back
@@ -137,20 +141,48 @@ def int8_matmul(x, weights) -> list:
     return list(res)
 
 
+def _token_rows(q, query_start, seq_lens, num_seqs):
+    """Each token's block-table row and absolute position (-1: padding)."""
+    from pallas_kernels.reference import token_metadata
+
+    seq_of, pos, valid = token_metadata(query_start, seq_lens, q.shape[0])
+    if num_seqs is not None:
+        valid = valid & (seq_of < num_seqs)
+    return seq_of.astype(jnp.int32), jnp.where(valid, pos, -1).astype(jnp.int32)
+
+
+def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
+    return dict(sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+                window=np.int64(sliding_window or 0))
+
+
 def paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs=None, *,
                     sm_scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None):
     """``reference.ragged_paged_attention`` (float32 pages, no KV scales) by the C++ kernel:
     each token of the step (``q [T, Hq, D]``) against its row's pages up to its position."""
-    from pallas_kernels.reference import token_metadata
-
-    t_len = q.shape[0]
-    seq_of, pos, valid = token_metadata(query_start, seq_lens, t_len)
-    if num_seqs is not None:
-        valid = valid & (seq_of < num_seqs)
-    pos = jnp.where(valid, pos, -1).astype(jnp.int32)
+    seq_of, pos = _token_rows(q, query_start, seq_lens, num_seqs)
     out = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
-        seq_of.astype(jnp.int32), pos, sm_scale=np.float32(sm_scale),
-        soft_cap=np.float32(soft_cap or 0.0), window=np.int64(sliding_window or 0))
+        q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), seq_of, pos,
+        **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
+
+
+def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, query_start, seq_lens,
+                     block_tables, num_seqs=None, *, sm_scale: float,
+                     sliding_window: int | None = None, soft_cap: float | None = None):
+    """``reference.write_kv`` then :func:`paged_attention` in one kernel call: the new
+    ``k, v [T, Hkv, D]`` go into the float32 pages in place (the returned pages alias the
+    given ones; donate them) -> ``(out [T, Hq, D], k_pages, v_pages)``. The XLA scatter it
+    replaces costs two small multi-threaded ops per layer, more than the write itself."""
+    seq_of, pos = _token_rows(q, query_start, seq_lens, num_seqs)
+    out, k_pages, v_pages = jax.ffi.ffi_call(
+        _WRITE_ATTENTION,
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape,
+                                                                         jnp.float32),
+         jax.ShapeDtypeStruct(v_pages.shape, jnp.float32)),
+        input_output_aliases={3: 1, 4: 2})(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), k_pages, v_pages,
+        slot_mapping.astype(jnp.int32), block_tables.astype(jnp.int32), seq_of, pos,
+        **_attrs(sm_scale, sliding_window, soft_cap))
+    return out.astype(q.dtype), k_pages, v_pages

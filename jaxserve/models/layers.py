@@ -259,8 +259,7 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
     if backend == "xla":
         from pallas_kernels import cpu_kernels, xla_attention
 
-        if (kv_scale is None and k_pages.dtype == jnp.float32 and cpu_kernels.available()
-                and os.environ.get("JAXSERVE_CPU_ATTENTION") != "0"):
+        if _cpu_attention_kernel(k_pages, kv_scale):
             return cpu_kernels.paged_attention(q, k_pages, v_pages, *args[3:], sm_scale=sm_scale,
                                                sliding_window=sliding_window, soft_cap=soft_cap)
         return xla_attention.ragged_paged_attention(*args, **kwargs)
@@ -273,6 +272,15 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
 
         return triton_attention.ragged_paged_attention(*args, **kwargs)
     raise ValueError(f"attention_backend {backend!r} is not one of {ATTENTION_BACKENDS}")
+
+
+def _cpu_attention_kernel(k_pages, kv_scale) -> bool:
+    """The C++ attention kernel serves the "xla" backend: float32 pages, no KV scales, the
+    kernels built (``pallas_kernels.cpu_kernels``), ``JAXSERVE_CPU_ATTENTION`` not 0."""
+    from pallas_kernels import cpu_kernels
+
+    return (kv_scale is None and k_pages.dtype == jnp.float32 and cpu_kernels.available()
+            and os.environ.get("JAXSERVE_CPU_ATTENTION") != "0")
 
 
 def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: str, mesh,
@@ -309,6 +317,13 @@ def _write_and_attend(backend: str, sm_scale: float, sliding_window: int | None,
             n = k_pages.shape[0]
             sc = jax.lax.dynamic_slice_in_dim(jnp.repeat(sc, rep, axis=0),
                                               jax.lax.axis_index(sharding.TP_AXIS) * n, n)
+        if backend == "xla" and mesh is None and _cpu_attention_kernel(k_pages, sc):
+            from pallas_kernels import cpu_kernels
+
+            return cpu_kernels.write_and_attend(
+                q, k, v, k_pages, v_pages, md.slot_mapping, md.query_start, md.seq_lens,
+                md.block_tables, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                soft_cap=soft_cap)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, kv_scale=sc)
         out = paged_attention(q, k_pages, v_pages, md, backend=backend, sm_scale=sm_scale,
                               sliding_window=sliding_window, soft_cap=soft_cap, kv_scale=sc)

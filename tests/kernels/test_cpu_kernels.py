@@ -93,3 +93,57 @@ def test_attention_matches_reference(batch, groups, window_cap, pass_num_seqs, s
                                                                         num_seqs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(out)[sum(q_lens):] == 0)
+
+
+def _slots(rng, q_lens, ctx_lens, bt, t_bucket, n_slots):
+    """Each new token's slot (page * PAGE + offset) from its row's block table; padding
+    tokens go to the trash page (slot 0..PAGE-1), one to a negative slot (counts from the end)."""
+    from tests.kernels.test_xla_attention import PAGE
+
+    bt = np.asarray(bt)
+    slots = list(rng.integers(0, PAGE, t_bucket - sum(q_lens)))
+    if slots:
+        slots[0] = -1 - int(rng.integers(0, PAGE))
+    out = []
+    for i, (ql, c) in enumerate(zip(q_lens, ctx_lens)):
+        out += [int(bt[i, p // PAGE]) * PAGE + p % PAGE for p in range(c - ql, c)]
+    return jnp.asarray(np.array(out + slots, np.int32))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batch=ragged_batches(),
+    groups=st.sampled_from([1, 3]),
+    window_cap=st.sampled_from([(None, None), (5, None), (6, 5.0)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_write_and_attend_matches_write_kv_then_reference(batch, groups, window_cap, seed):
+    """The fused KV write + attention equals ``reference.write_kv`` then the reference
+    attention: the same pages after (every slot, the trash page and a negative slot too) and
+    the same outputs, which read the tokens written in the same call."""
+    sliding_window, soft_cap = window_cap
+    t_bucket, s_bucket, q_lens, ctx_lens = batch
+    rng = np.random.default_rng(seed)
+    q, kp, vp, qs, sl, bt = make_batch(rng, q_lens, ctx_lens, t_bucket, s_bucket, groups,
+                                       jnp.float32)
+    hkv, d = kp.shape[0], kp.shape[-1]
+    k = jnp.asarray(rng.standard_normal((t_bucket, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((t_bucket, hkv, d)), jnp.float32)
+    slots = _slots(rng, q_lens, ctx_lens, bt, t_bucket, kp.shape[1] * kp.shape[2])
+    kw = dict(sm_scale=0.25, sliding_window=sliding_window, soft_cap=soft_cap)
+
+    @jax.jit
+    def ref(q, k, v, kp, vp, slots, qs, sl, bt):
+        kp, vp = reference.write_kv(kp, vp, k, v, slots)
+        return reference.ragged_paged_attention(q, kp, vp, qs, sl, bt, **kw), kp, vp
+
+    fused = jax.jit(functools.partial(cpu_kernels.write_and_attend, **kw), donate_argnums=(3, 4))
+    r_out, r_kp, r_vp = ref(q, k, v, kp, vp, slots, qs, sl, bt)
+    out, f_kp, f_vp = fused(q, k, v, jnp.array(kp), jnp.array(vp), slots, qs, sl, bt,
+                            jnp.int32(len(q_lens)))
+    np.testing.assert_array_equal(np.asarray(f_kp), np.asarray(r_kp))
+    np.testing.assert_array_equal(np.asarray(f_vp), np.asarray(r_vp))
+    assert not np.array_equal(np.asarray(f_kp), np.asarray(kp))  # something was written
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(r_out)[:n], rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[n:] == 0)
