@@ -1,7 +1,9 @@
 // Causal paged attention for XLA:CPU through jax.ffi, one call per layer.
 //
-// The rule is pallas_kernels/reference.py's ragged paged attention, given per token: token t
-// (query heads q[t, Hq, D]) of block-table row seq[t] at absolute position pos[t] attends to
+// The rule is pallas_kernels/reference.py's ragged paged attention. Each token's block-table
+// row seq[t] and absolute position pos[t] come from the step's query_start / seq_lens /
+// num_seqs as reference.token_metadata gives them (computed here: a cumsum per layer costs XLA
+// more than the attention of one decode token). Token t (query heads q[t, Hq, D]) attends to
 // positions max(0, pos - window + 1) .. pos of its row's pages ([Hkv, P, B, D], float32),
 // query head h reading KV head h / (Hq / Hkv); scores are scaled by sm_scale, soft-capped
 // (cap * tanh(s / cap)) when cap > 0, then softmaxed. A token with pos < 0 (padding) gets
@@ -140,49 +142,76 @@ void attend_one(const Args& a, int64_t t, int64_t h, std::vector<float>& scores)
 struct Shared {
   Args a;
   std::atomic<int64_t> next{0};
-  int64_t total = 0;
+  int64_t total = 0, chunk = 1;  // (token, KV head) tasks, and tasks per chunk
 };
-
-constexpr int64_t kTasksPerChunk = 8;
 
 void run(void* p) {
   Shared& s = *static_cast<Shared*>(p);
   thread_local std::vector<float> scores;
-  const int64_t chunks = (s.total + kTasksPerChunk - 1) / kTasksPerChunk;
+  const int64_t chunks = (s.total + s.chunk - 1) / s.chunk;
   for (;;) {
     const int64_t c = s.next.fetch_add(1);
     if (c >= chunks) return;
-    for (int64_t i = c * kTasksPerChunk; i < std::min(s.total, (c + 1) * kTasksPerChunk); ++i)
+    for (int64_t i = c * s.chunk; i < std::min(s.total, (c + 1) * s.chunk); ++i)
       attend_one(s.a, i / s.a.hkv, i % s.a.hkv, scores);
   }
 }
 
-void attend(const Args& a, int64_t threads) {
+// reference.token_metadata: each token's row (clamped to the last) and position, -1 where the
+// token is padding (past the rows, past num_seqs, or in a row with no context).
+void token_rows(const int32_t* qs, const int32_t* seq_lens, int64_t n_rows, int64_t num_seqs,
+                int64_t n_tokens, std::vector<int32_t>& seq, std::vector<int32_t>& pos) {
+  seq.resize(n_tokens);
+  pos.resize(n_tokens);
+  int64_t r = 0;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    while (r < n_rows && qs[r + 1] <= t) ++r;
+    const int64_t c = std::min<int64_t>(r, n_rows - 1);
+    const bool valid = r < n_rows && r < num_seqs && seq_lens[c] > 0;
+    seq[t] = static_cast<int32_t>(c);
+    pos[t] = valid ? seq_lens[c] - (qs[c + 1] - qs[c]) + static_cast<int32_t>(t - qs[c]) : -1;
+  }
+}
+
+// Attention over the pages in a (a.seq / a.pos filled in here from the step's rows).
+ffi::Error attend(Args a, ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
+                  ffi::Buffer<ffi::S32> num_seqs, int64_t threads) {
+  const int64_t n_rows = seq_lens.dimensions()[0];
+  if (qs.dimensions()[0] != n_rows + 1)
+    return ffi::Error::InvalidArgument("query_start must be [S + 1] for seq_lens [S]");
+  thread_local std::vector<int32_t> seq, pos;
+  token_rows(qs.typed_data(), seq_lens.typed_data(), n_rows, num_seqs.typed_data()[0], a.t, seq,
+             pos);
+  a.seq = seq.data();
+  a.pos = pos.data();
   Shared s;
   s.a = a;
   s.total = a.t * a.hkv;
   int64_t work = 0;  // positions x query heads to read
   for (int64_t t = 0; t < a.t; ++t) work += std::max<int32_t>(a.pos[t] + 1, 0);
   work *= a.hq;
-  const int64_t chunks = (s.total + kTasksPerChunk - 1) / kTasksPerChunk;
   jaxserve::Team& team = jaxserve::team(static_cast<int>(threads) - 1);
-  const int64_t helpers = work < (1 << 14) ? 0 : std::min<int64_t>(team.size(), chunks - 1);
+  // Small chunks when there are few (token, KV head) tasks: one decode token has Hkv of them.
+  s.chunk = std::clamp<int64_t>(s.total / (4 * (team.size() + 1)), 1, 8);
+  const int64_t chunks = (s.total + s.chunk - 1) / s.chunk;
+  const int64_t helpers = work < (1 << 11) ? 0 : std::min<int64_t>(team.size(), chunks - 1);
   team.run(static_cast<int>(helpers), run, &s);
+  return ffi::Error::Success();
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                           ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> seq,
-                          ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
-                          float sm_scale, float soft_cap, int64_t window) {
+                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> qs,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> num_seqs,
+                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                          int64_t window) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("q [T, Hq, D], pages [Hkv, P, B, D], tables [S, M]");
-  attend(Args{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(),
-              seq.typed_data(), pos.typed_data(), out->typed_data(), qd[0], qd[1], kd[0],
-              qd[2], kd[1], kd[2], td[1], sm_scale, soft_cap, window},
-         pool.num_threads());
-  return ffi::Error::Success();
+  return attend(Args{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(),
+                     nullptr, nullptr, out->typed_data(), qd[0], qd[1], kd[0], qd[2], kd[1],
+                     kd[2], td[1], sm_scale, soft_cap, window},
+                qs, seq_lens, num_seqs, pool.num_threads());
 }
 
 // The step's new K/V ([T, Hkv, D]) written into their slots of the pages (the outputs, which
@@ -192,8 +221,9 @@ ffi::Error PagedWriteAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                                ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                                ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> tables,
-                               ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> pos,
-                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_out,
+                               ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::F32> k_out,
                                ffi::ResultBuffer<ffi::F32> v_out, float sm_scale,
                                float soft_cap, int64_t window) {
   const auto qd = q.dimensions(), nd = k_new.dimensions(), td = tables.dimensions();
@@ -216,11 +246,10 @@ ffi::Error PagedWriteAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       std::copy(vn + (t * hkv + h) * d, vn + (t * hkv + h + 1) * d, vp + (h * n_slots + slot) * d);
     }
   }
-  attend(Args{q.typed_data(), kp, vp, tables.typed_data(), seq.typed_data(), pos.typed_data(),
-              out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1], sm_scale, soft_cap,
-              window},
-         pool.num_threads());
-  return ffi::Error::Success();
+  return attend(Args{q.typed_data(), kp, vp, tables.typed_data(), nullptr, nullptr,
+                     out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1], sm_scale,
+                     soft_cap, window},
+                qs, seq_lens, num_seqs, pool.num_threads());
 }
 
 }  // namespace
@@ -231,9 +260,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_paged_attention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
@@ -249,8 +279,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_paged_write_attention, PagedWriteAttentio
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages (aliased to v_out)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slots
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -141,14 +141,12 @@ def int8_matmul(x, weights) -> list:
     return list(res)
 
 
-def _token_rows(q, query_start, seq_lens, num_seqs):
-    """Each token's block-table row and absolute position (-1: padding)."""
-    from pallas_kernels.reference import token_metadata
-
-    seq_of, pos, valid = token_metadata(query_start, seq_lens, q.shape[0])
-    if num_seqs is not None:
-        valid = valid & (seq_of < num_seqs)
-    return seq_of.astype(jnp.int32), jnp.where(valid, pos, -1).astype(jnp.int32)
+def _rows(query_start, seq_lens, num_seqs):
+    """The step's row metadata as the kernels take it (they derive each token's row and
+    position from it, by ``reference.token_metadata``'s rule)."""
+    n = seq_lens.shape[0] if num_seqs is None else num_seqs
+    return (query_start.astype(jnp.int32), seq_lens.astype(jnp.int32),
+            jnp.asarray(n, jnp.int32).reshape(1))
 
 
 def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
@@ -161,10 +159,9 @@ def paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, nu
                     soft_cap: float | None = None):
     """``reference.ragged_paged_attention`` (float32 pages, no KV scales) by the C++ kernel:
     each token of the step (``q [T, Hq, D]``) against its row's pages up to its position."""
-    seq_of, pos = _token_rows(q, query_start, seq_lens, num_seqs)
     out = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), seq_of, pos,
-        **_attrs(sm_scale, sliding_window, soft_cap))
+        q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
+        *_rows(query_start, seq_lens, num_seqs), **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
 
 
@@ -175,7 +172,6 @@ def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, query_start, seq_l
     ``k, v [T, Hkv, D]`` go into the float32 pages in place (the returned pages alias the
     given ones; donate them) -> ``(out [T, Hq, D], k_pages, v_pages)``. The XLA scatter it
     replaces costs two small multi-threaded ops per layer, more than the write itself."""
-    seq_of, pos = _token_rows(q, query_start, seq_lens, num_seqs)
     out, k_pages, v_pages = jax.ffi.ffi_call(
         _WRITE_ATTENTION,
         (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape,
@@ -183,6 +179,6 @@ def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, query_start, seq_l
          jax.ShapeDtypeStruct(v_pages.shape, jnp.float32)),
         input_output_aliases={3: 1, 4: 2})(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), k_pages, v_pages,
-        slot_mapping.astype(jnp.int32), block_tables.astype(jnp.int32), seq_of, pos,
-        **_attrs(sm_scale, sliding_window, soft_cap))
+        slot_mapping.astype(jnp.int32), block_tables.astype(jnp.int32),
+        *_rows(query_start, seq_lens, num_seqs), **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype), k_pages, v_pages
