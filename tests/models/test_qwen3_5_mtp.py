@@ -11,6 +11,7 @@ no compile after warm-up; start-up errors naming the field.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.models.test_qwen3_5 import _assert_pools_free
+from tests.models.test_qwen3_5 import _greedy as _greedy_tokens
 
 torch = pytest.importorskip("torch")
 
@@ -83,20 +87,8 @@ def _engine(path: Path, spec: dict | None = None, **kw):
     return LLM(str(path), speculative_config=spec, **args)
 
 
-def _greedy(llm, prompts, n=NEW_TOKENS):
-    from jaxserve.core.sampling_params import SamplingParams
-
-    res = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                       SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                       use_tqdm=False)
-    return [list(r.outputs[0].token_ids) for r in res]
-
-
-def _assert_pools_free(llm):
-    bm = llm.llm_engine.scheduler.block_manager
-    assert bm.state_slots.num_free == bm.state_slots.num_slots
-    assert bm.num_used_pages == 0
-    bm.check_invariants()
+# greedy token ids of llm for each prompt: NEW_TOKENS new tokens unless n is given
+_greedy = functools.partial(_greedy_tokens, n=NEW_TOKENS)
 
 
 def _mtp(k: int) -> dict:
