@@ -118,6 +118,7 @@ def run_model(name: str, cfg: dict, args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model_dir, **{k: v for k, v in kw.items() if v is not None})
     start_s = time.perf_counter() - t0
+    print(f"{name:6s} engine up in {start_s:.1f} s", flush=True)
     runner = llm.llm_engine.runner
     page = runner.pools[0].page_bytes(block)
     rng = np.random.default_rng(args.seed)
@@ -125,6 +126,7 @@ def run_model(name: str, cfg: dict, args) -> dict:
     # one untimed round: every bucket the timed rounds use compiles here
     llm.generate([{"prompt_token_ids": rng.integers(10, 500, min(args.contexts)).tolist()}
                   for _ in range(args.batch)], params, use_tqdm=False)
+    print(f"{name:6s} warm-up round done at {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     for ctx in args.contexts:
         prompts = [{"prompt_token_ids": rng.integers(10, 500, ctx).tolist()}

@@ -822,12 +822,18 @@ def main(argv=None) -> int:
         results["gdn_config"] = dict(key_heads=args.gdn_key_heads,
                                      value_heads=args.gdn_value_heads,
                                      head_dim=args.gdn_head_dim, dtype=args.dtype)
-        results["gdn"] = [run_gdn_case(c, args, copy_bw, gdn_tiles) for c in gdn_cases(args)]
+        results["gdn"] = []
+        for c in gdn_cases(args):  # a line per case: a capped run shows where it stopped
+            print(f"gdn case {c['name']}", file=sys.stderr, flush=True)
+            results["gdn"].append(run_gdn_case(c, args, copy_bw, gdn_tiles))
     if "lora" in kinds:
         results["lora_config"] = dict(d_in=args.lora_in, d_out=args.lora_out,
                                       rank=args.lora_rank, adapters=args.lora_adapters,
                                       dtype=args.dtype)
-        results["lora"] = [run_lora_case(c, args) for c in lora_cases(args)]
+        results["lora"] = []
+        for c in lora_cases(args):
+            print(f"lora case {c['name']}", file=sys.stderr, flush=True)
+            results["lora"].append(run_lora_case(c, args))
     if args.sweep:
         t_sweep = time.time()
         results["sweep"] = []
