@@ -657,6 +657,15 @@ def _qwen35_to_hf(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
     return w
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def has_quantized_weights(path: str | os.PathLike) -> bool:
+    """Whether the file stores any matrix in a quantized type (Q8_0, Q4_1, K-quants, ...)."""
+    return any(len(t.shape) == 2 and t.tensor_type.name not in FLOAT_TYPES
+               for t in _reader(os.fspath(path)).tensors)
+
+
 def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
                ) -> dict[str, tuple[str, Callable[[], np.ndarray]]]:
     """HF name -> (GGUF type, loader of its raw blocks ``[rows, bytes]``, Q/K rows un-permuted)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Callable, Mapping
@@ -26,6 +27,8 @@ from jaxserve.models import quantization as quant_lib
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
 from jaxserve.sharding import TP_AXIS, default_mesh
+
+logger = logging.getLogger(__name__)
 # Checkpoint tensors that carry no parameter (HF buffers saved by old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -420,6 +423,22 @@ def convert_to_orbax(model: str, out_dir, *, dtype="auto", load_format: str = "a
     return out
 
 
+def _gguf_serves_int8(path, quantization, lm_head_quantized, dtype, mesh) -> bool:
+    """A quantized GGUF served on one CPU device with no --quantization and no --dtype runs as
+    int8 (W8A8, the LM head too) through the C++ kernels: the closest to the bytes the file
+    stores, at llama.cpp's speed (benchmarks/cpu_peers.py) and within the quality rule
+    (held-out perplexity within 1 % of float32). ``--dtype float32`` keeps float32 weights."""
+    from jaxserve.loaders import gguf as gguf_loader
+
+    if (quantization is not None or lm_head_quantized or dtype != "auto" or mesh is not None
+            or jax.default_backend() != "cpu" or not gguf_loader.has_quantized_weights(path)
+            or not quant_lib.int8_kernel_enabled()):
+        return False
+    logger.info("%s: quantized GGUF on CPU, serving int8 weights and LM head (W8A8); "
+                "--dtype float32 serves float32", path.name)
+    return True
+
+
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
                attention_backend: str = "reference", enable_expert_parallel: bool = False,
                quantization: str | None = None, lm_head_quantized: bool = False,
@@ -449,6 +468,8 @@ def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mes
         hf_config, tensors = gguf_loader.load_gguf(path)
         hf_config = apply_hf_overrides(hf_config, hf_overrides)
         cfg = dataclasses.replace(ModelConfig.from_hf_config(hf_config), **serving)
+        if _gguf_serves_int8(path, quantization, lm_head_quantized, dtype, mesh):
+            quantization, lm_head_quantized = "int8", True
         if quantization == "gguf":  # Q4_0/Q4_1/Q8_0 projections stay in their blocks
             if lm_head_quantized:
                 raise ValueError("lm_head_quantized needs quantization 'fp8' (got 'gguf')")

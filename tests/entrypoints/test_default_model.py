@@ -43,7 +43,9 @@ def llm():
     _path()
     from jaxserve.entrypoints.llm import LLM
 
-    return LLM()  # no model named: the default SmolLM2 GGUF
+    # no model named: the default SmolLM2 GGUF, in float32 (on CPU it would serve int8; the
+    # greedy-equals-HF test compares float32 with float32)
+    return LLM(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +171,28 @@ def _structured_and_tools(client, model):
     fragments = [d.function.arguments for d in deltas if d.function.arguments]
     assert len(fragments) > 1
     assert json.loads("".join(fragments)) == json.loads(call.function.arguments)
+
+
+def test_default_gguf_serves_int8_on_cpu_unless_float32_is_asked():
+    """On one CPU device the quantized default GGUF loads as int8 projections and LM head
+    (W8A8 through the C++ kernels), a quarter of float32's bytes; ``dtype="float32"`` keeps
+    float32 weights; an explicit ``quantization`` wins."""
+    import jax
+
+    from jaxserve.loaders.model_loader import load_model
+    from jaxserve.models import quantization as quant_lib
+
+    if jax.default_backend() != "cpu" or not quant_lib.int8_kernel_enabled():
+        pytest.skip("int8 by default needs the CPU backend and the C++ kernels")
+
+    def dtypes_and_bytes(**kw):
+        leaves = [x for x in jax.tree_util.tree_leaves(load_model(_path(), **kw)[0])
+                  if hasattr(x, "dtype")]
+        return {str(x.dtype) for x in leaves}, sum(x.nbytes for x in leaves)
+
+    d_auto, b_auto = dtypes_and_bytes()
+    d_f32, b_f32 = dtypes_and_bytes(dtype="float32")
+    assert "int8" in d_auto and "int8" not in d_f32
+    assert b_auto < 0.3 * b_f32
+    d_fp8, _ = dtypes_and_bytes(quantization="fp8")
+    assert "float8_e4m3fn" in d_fp8 and "int8" not in d_fp8
