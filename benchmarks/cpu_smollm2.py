@@ -155,7 +155,8 @@ def main(argv=None):
     vocab = load_gguf(path)[0]["vocab_size"]
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
 
-    llm_kwargs = {k: v for k, v in dict(max_num_seqs=args.max_num_seqs,
+    # float32 against HF's float32 (on CPU the GGUF's default would be int8)
+    llm_kwargs = {k: v for k, v in dict(dtype="float32", max_num_seqs=args.max_num_seqs,
                                         max_num_batched_tokens=args.max_num_batched_tokens
                                         ).items() if v is not None}
     ours = bench_jaxserve(path, prompts, args.output_len, llm_kwargs)

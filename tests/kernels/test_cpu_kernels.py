@@ -147,3 +147,36 @@ def test_write_and_attend_matches_write_kv_then_reference(batch, groups, window_
     n = sum(q_lens)
     np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(r_out)[:n], rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(out)[n:] == 0)
+
+
+def test_calls_from_two_threads_at_once_give_each_its_own_result():
+    """The kernels' helper team serves one call at a time; a call made meanwhile from another
+    thread runs on its caller alone. Both threads' results equal the reference."""
+    import threading
+
+    rng = np.random.default_rng(7)
+    cases = []
+    for m in (1, 37):
+        x = rng.standard_normal((m, 576)).astype(np.float32)
+        w = rng.integers(-127, 128, (1536, 576)).astype(np.int8)
+        s = rng.uniform(1e-3, 1e-1, 1536).astype(np.float32)
+        cases.append((x, w, s, np.asarray(reference.int8_matmul_reference(x, w, s))))
+    fn = jax.jit(lambda *a: cpu_kernels.int8_matmul(a[0], [a[1:]])[0])
+    for x, w, s, _ in cases:
+        fn(x, w, s).block_until_ready()  # compiled before the threads start
+    errors = []
+
+    def work(x, w, s, ref):
+        try:
+            for _ in range(30):
+                y = np.asarray(fn(x, w, s))
+                np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
