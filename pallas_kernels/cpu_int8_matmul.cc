@@ -13,14 +13,14 @@
 // output rows with the kernels' helper team (cpu_team.h) when a call is large enough to pay for
 // the hand-off.
 //
-// One FFI target takes 1 to 3 weights sharing the input (q/k/v, gate/up): the activation is
+// One call takes every weight that shares the input (q/k/v, gate/up): the activation is
 // quantized once and each weight is read once.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -230,56 +230,12 @@ __attribute__((noinline)) void single_rows(const QuantX& q, const int8_t* w, con
   }
 }
 
-// Output rows [n0, n1) of one weight, every activation row. Few activation rows (decode):
-// one weight row at a time, a sequential read; more: blocks of 4 weight rows x 2 activation
-// rows, each weight vector loaded once per block.
+// Output rows [n0, n1) of one weight, every activation row: from kPackedMinRows activation
+// rows on, packed blocks of 16 weight rows, the last (< 16) rows one at a time; fewer activation
+// rows (decode), one weight row at a time throughout.
 void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,
                  int64_t n0, int64_t n1) {
-  const int64_t k = q.k, kp = q.kp, m = q.m;
-  const int8_t* H = q.hi.data();
-  const int8_t* L = q.lo.data();
-  int64_t n = m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
-  if (m >= 4) {
-    for (; n + 4 <= n1; n += 4) {
-      const int8_t* w0 = w + n * k;
-      int64_t r = 0;
-      for (; r + 2 <= m; r += 2) {
-        const int8_t *h0p = H + r * kp, *l0p = L + r * kp, *h1p = h0p + kp, *l1p = l0p + kp;
-        __m512i acc[16];
-        for (auto& v : acc) v = _mm512_setzero_si512();
-        for (int64_t j = 0; j < kp; j += 64) {
-          const __m512i xh0 = _mm512_loadu_si512(h0p + j), xl0 = _mm512_loadu_si512(l0p + j);
-          const __m512i xh1 = _mm512_loadu_si512(h1p + j), xl1 = _mm512_loadu_si512(l1p + j);
-          for (int i = 0; i < 4; ++i) {
-            const __m512i wv = load_w(w0 + i * k + j, k - j);
-            acc[4 * i + 0] = _mm512_dpbusd_epi32(acc[4 * i + 0], wv, xh0);
-            acc[4 * i + 1] = _mm512_dpbusd_epi32(acc[4 * i + 1], wv, xl0);
-            acc[4 * i + 2] = _mm512_dpbusd_epi32(acc[4 * i + 2], wv, xh1);
-            acc[4 * i + 3] = _mm512_dpbusd_epi32(acc[4 * i + 3], wv, xl1);
-          }
-        }
-        for (int i = 0; i < 4; ++i) {
-          y[r * n_out + n + i] = combine(q, r, _mm512_reduce_add_epi32(acc[4 * i]),
-                                         _mm512_reduce_add_epi32(acc[4 * i + 1]), scale[n + i]);
-          y[(r + 1) * n_out + n + i] =
-              combine(q, r + 1, _mm512_reduce_add_epi32(acc[4 * i + 2]),
-                      _mm512_reduce_add_epi32(acc[4 * i + 3]), scale[n + i]);
-        }
-      }
-      for (; r < m; ++r) {
-        for (int i = 0; i < 4; ++i) {
-          __m512i hh = _mm512_setzero_si512(), ll = hh;
-          for (int64_t j = 0; j < kp; j += 64) {
-            const __m512i wv = load_w(w0 + i * k + j, k - j);
-            hh = _mm512_dpbusd_epi32(hh, wv, _mm512_loadu_si512(H + r * kp + j));
-            ll = _mm512_dpbusd_epi32(ll, wv, _mm512_loadu_si512(L + r * kp + j));
-          }
-          y[r * n_out + n + i] = combine(q, r, _mm512_reduce_add_epi32(hh),
-                                         _mm512_reduce_add_epi32(ll), scale[n + i]);
-        }
-      }
-    }
-  }
+  const int64_t n = q.m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
   single_rows(q, w, scale, y, n_out, n, n1);
 }
 #else
@@ -365,56 +321,30 @@ ffi::Error matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-ffi::Error Int8Matmul1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w0,
-                       ffi::Buffer<ffi::F32> s0, ffi::ResultBuffer<ffi::F32> y0) {
-  return matmul_impl(pool, x, {{w0, s0, y0}});
-}
-
-ffi::Error Int8Matmul2(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w0,
-                       ffi::Buffer<ffi::F32> s0, ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
-                       ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1) {
-  return matmul_impl(pool, x, {{w0, s0, y0}, {w1, s1, y1}});
-}
-
-ffi::Error Int8Matmul3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w0,
-                       ffi::Buffer<ffi::F32> s0, ffi::Buffer<ffi::S8> w1, ffi::Buffer<ffi::F32> s1,
-                       ffi::Buffer<ffi::S8> w2, ffi::Buffer<ffi::F32> s2,
-                       ffi::ResultBuffer<ffi::F32> y0, ffi::ResultBuffer<ffi::F32> y1,
-                       ffi::ResultBuffer<ffi::F32> y2) {
-  return matmul_impl(pool, x, {{w0, s0, y0}, {w1, s1, y1}, {w2, s2, y2}});
+// x [M, K] against the (weight [N, K] int8, scale [N] float32) pairs that follow it, one
+// [M, N] float32 result per pair.
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                      ffi::RemainingRets ys) {
+  if (ws.size() != 2 * ys.size())
+    return ffi::Error::InvalidArgument("one (weight, scale) pair per result");
+  std::vector<std::tuple<ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
+                         ffi::ResultBuffer<ffi::F32>>> jobs;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::S8>>(2 * i);
+    auto s = ws.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error() || s.has_error() || y.has_error())
+      return ffi::Error::InvalidArgument("weights int8, scales and results float32");
+    jobs.emplace_back(*w, *s, *y);
+  }
+  return matmul_impl(pool, x, std::move(jobs));
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_matmul_1, Int8Matmul1,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_matmul, Int8Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_matmul_2, Int8Matmul2,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_int8_matmul_3, Int8Matmul3,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());

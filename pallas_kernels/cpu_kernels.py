@@ -37,8 +37,7 @@ logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SRCS = [os.path.join(_DIR, f) for f in ("cpu_int8_matmul.cc", "cpu_attention.cc")]
 _HEADERS = [os.path.join(_DIR, "cpu_team.h")]
-_TARGETS = {1: "jaxserve_int8_matmul_1", 2: "jaxserve_int8_matmul_2",
-            3: "jaxserve_int8_matmul_3"}
+_MATMUL = "jaxserve_int8_matmul"
 _ATTENTION = "jaxserve_paged_attention"
 _WRITE_ATTENTION = "jaxserve_paged_write_attention"
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -116,7 +115,7 @@ def _load() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(path)
-        for target in [*_TARGETS.values(), _ATTENTION, _WRITE_ATTENTION]:
+        for target in [_MATMUL, _ATTENTION, _WRITE_ATTENTION]:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                         platform="cpu")
     except Exception as e:  # a broken cache entry or an ABI mismatch: fall back
@@ -137,7 +136,7 @@ def int8_matmul(x, weights) -> list:
     args = [x.astype(jnp.float32)]
     for w, s in weights:
         args += [w, s.astype(jnp.float32)]
-    res = jax.ffi.ffi_call(_TARGETS[len(weights)], outs)(*args)
+    res = jax.ffi.ffi_call(_MATMUL, outs)(*args)
     return list(res)
 
 
