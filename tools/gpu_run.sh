@@ -11,7 +11,7 @@
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
 # Stages (run in the order STAGES gives; default): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  moe  gemma4  hybrid
-#   pytest   pytest -m gpu (short)
+#   pytest   pytest -m gpu (short; PYTEST_WORKERS xdist workers, default 4, when xdist is there)
 #   kernels  benchmarks/kernels.py (when present)
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
 #            bound and the XLA path; multi-LoRA projection against the base matmul
@@ -92,8 +92,16 @@ run_stage() {
 
 # Each stage is a function; they run in the order STAGES names them.
 stage_pytest() {
-  run_stage pytest 55 $PY -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
+  # Tests compile on the host, so several workers share the one GPU (no preallocation).
+  local xdist=()
+  if $PY -c "import xdist" 2>/dev/null && (( ${PYTEST_WORKERS:-4} > 1 )); then
+    xdist=(-n "${PYTEST_WORKERS:-4}")
+  fi
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  run_stage pytest 55 $PY -m pytest -m gpu -q -p no:cacheprovider \
+    --timeout 120 "${xdist[@]}" \
     ${PYTEST_TARGETS:---continue-on-collection-errors -rfE tests/kernels tests/models tests/worker}
+  unset XLA_PYTHON_CLIENT_PREALLOCATE
 }
 stage_kernels() {
   run_stage kernels 35 $PY benchmarks/kernels.py ${KERNEL_ARGS:---ctx 2048} --iters 20 --disable-tqdm \
