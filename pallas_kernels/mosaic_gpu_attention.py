@@ -325,6 +325,9 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
         q_rows = (q_rows.astype(jnp.float32) * kv_scale[:, 0, None, None].astype(jnp.float32)
                   ).astype(q.dtype)
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(hkv, t * group, d)
+    # A block reads 64 rows from its first: rows padded so every read is in bounds and the
+    # row count is a multiple of TMA's 8-row tiling.
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, _cdiv(t * group + _ROWS, 8) * 8 - t * group), (0, 0)))
 
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,

@@ -231,6 +231,9 @@ def test_triton_jax_call_matches_reference_gpu(cfg, data):
     name, dtype, *_, opts, tiles = cfg
     args = [jnp.asarray(a) for a in batch.args()]
     args[0:3] = [a.astype(jnp.dtype(dtype)) for a in args[0:3]]
+    opts = dict(opts)
+    if kv_dtype := opts.pop("kv_dtype", None):  # the reference's float8 pages, bit for bit
+        args[1:3] = [reference.to_page_dtype(a, jnp.dtype(kv_dtype)) for a in args[1:3]]
     fn = jax.jit(functools.partial(triton_attention.ragged_paged_attention,
                                    sm_scale=cfg[4] ** -0.5, **opts, **tiles))
     out = fn(*args, jnp.int32(batch.num_seqs))

@@ -249,6 +249,15 @@ def test_pallas_attention_backend_is_drop_in_on_gpu(tiny_model_factory):
 
 
 @pytest.mark.gpu
+def test_triton_attention_backend_is_drop_in_on_gpu(tiny_model_factory):
+    """The jax_triton kernels inside the model vs the jnp reference, both on the GPU."""
+    pytest.importorskip("jax_triton")
+    path = tiny_model_factory("mistral", head_dim=64)
+    np.testing.assert_allclose(_backend_steps(path, "triton"), _backend_steps(path, "reference"),
+                               atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gpu_pallas_forward_matches_hf_cpu(tiny_model_factory, arch):
     """float32 on the GPU through the Pallas kernel vs HF on the CPU (TF32-level tolerance)."""

@@ -579,6 +579,11 @@ def test_kv_cache_dtype_flag_and_errors(tiny_llama_dir):
     assert engine_config_from_args(args).cache.cache_dtype == "fp8_e5m2"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(cache_dtype="int8")
+    mosaic_fp8 = ["serve", "demo-random", "--attention-backend", "mosaic", "--kv-cache-dtype"]
+    with pytest.raises(ValueError, match="attention_backend 'mosaic'.*'fp8'"):
+        engine_config_from_args(build_parser().parse_args(mosaic_fp8 + ["fp8"]))
+    assert engine_config_from_args(build_parser().parse_args(
+        mosaic_fp8 + ["auto"])).attention_backend == "mosaic"
     assert kv_cache_dtype("fp8", jnp.bfloat16) == jnp.float8_e4m3fn  # every backend
     llm = LLM(str(tiny_llama_dir), kv_cache_dtype="fp8", attention_backend="xla",
               dtype="float32", max_model_len=64, num_gpu_blocks_override=8, max_num_seqs=2,
