@@ -216,18 +216,47 @@ def write_preset(name: str, out_dir: str, config: dict | None = None) -> str:
            "do_sample": False}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
-    _write_tokenizer(out_dir)
+    _write_tokenizer(out_dir, config["vocab_size"])
     return out_dir
 
 
-def _write_tokenizer(out_dir: str) -> None:
-    try:  # the tiny models' trained BPE (small vocab; fine, benchmarks feed token ids)
+def _write_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """The tiny models' trained BPE, its vocabulary filled up to the model's ``vocab_size``, so
+    every id a dummy-weight model samples decodes to text (a stream then carries text on every
+    token, as with a real vocabulary)."""
+    try:
         from jaxserve.testing.tiny_model import train_tokenizer
     except ImportError:
         tok = _byte_level_tokenizer()
     else:
         tok = train_tokenizer(TOKENIZER_VOCAB)
     tok.save_pretrained(out_dir)
+    _fill_vocab(os.path.join(out_dir, "tokenizer.json"), vocab_size)
+
+
+def _fill_vocab(path: str, vocab_size: int) -> None:
+    """Ids past the trained BPE's up to ``vocab_size``: ' ' plus a letter word each (byte-level
+    spellings, no merges, so encoding is unchanged)."""
+    with open(path, encoding="utf-8") as f:
+        tj = json.load(f)
+    vocab = tj["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in tj.get("added_tokens", [])}
+    next_id = 1 + max([*vocab.values(), *(t["id"] for t in tj.get("added_tokens", []))])
+    n = 0
+    for i in range(next_id, vocab_size):
+        while True:
+            word, k = "", n
+            while True:
+                word = chr(ord("a") + k % 26) + word
+                k = k // 26 - 1
+                if k < 0:
+                    break
+            n += 1
+            if "\u0120" + word not in taken:
+                break
+        vocab["\u0120" + word] = i
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(tj, f, ensure_ascii=False)
 
 
 def _byte_level_tokenizer():

@@ -171,6 +171,11 @@ def test_presets_write_config_and_tokenizer(tmp_path):
         tok = AutoTokenizer.from_pretrained(out)
         ids = tok.encode("hello world")
         assert ids and max(ids) < cfg["vocab_size"]
+        # the whole vocabulary decodes: a dummy model's sampled ids stream text
+        assert len(tok) == cfg["vocab_size"]
+        high = list(range(cfg["vocab_size"] - 50, cfg["vocab_size"]))
+        assert all(tok.decode([i]).strip() for i in high)
+        assert len(set(tok.convert_ids_to_tokens(high))) == len(high)
         mc = ModelConfig.from_hf_config(cfg)
         assert mc.num_layers == cfg["num_hidden_layers"]
         assert mc.num_kv_heads == cfg["num_key_value_heads"]

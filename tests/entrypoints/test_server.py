@@ -167,6 +167,18 @@ def test_completion_stream_matches_non_stream(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_completion_stream_sends_tokens_whose_text_is_held(client):
+    """A stop string longer than the whole output holds all text back until the end; the
+    stream still sends a chunk as tokens arrive (vLLM's rule), with empty text until then."""
+    kw = dict(model=MODEL, prompt="The capital of France", max_tokens=12, temperature=0,
+              stop=["z" * 200], extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert len(chunks) > 1
+    assert all(c.choices[0].text == "" for c in chunks[:-1])
+    assert chunks[-1].choices[0].text == full and chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_completion_batch_prompts_and_token_ids(client, http):
     ids = http.post("/tokenize", json={"prompt": "hello there"}).json()["tokens"]
     r = client.completions.create(model=MODEL, prompt=["hello there", "a b c"], max_tokens=4,

@@ -115,8 +115,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 shown = shown_text(c, hold)
                 delta = shown[sent_text[idx]:]
                 new_ids = c.token_ids[sent_tokens[idx]:]
-                if not (prefix or prompt_lps or delta or done
-                        or (new_ids and req.logprobs is not None)):
+                # A chunk per step that made tokens, even when their text is still held back
+                # (a partial UTF-8 character, a possible stop string): vLLM's rule, so clients
+                # see every token arrive.
+                if not (prefix or prompt_lps or delta or done or new_ids):
                     continue
                 logprobs = None
                 if req.logprobs is not None:
