@@ -49,13 +49,15 @@ def _release_compiled_programs():
     """Every XLA:CPU program keeps its machine code in memory maps of its own (six or more
     each); the whole suite in one process passes the kernel's ``vm.max_map_count`` (65530),
     and there LLVM fails ("Cannot allocate memory") and the compile segfaults. After each
-    module, the programs that only JAX's caches still hold are dropped."""
+    module, the programs that only JAX's caches still hold are dropped (engines freeze the
+    heap after warm-up, ``gc.freeze``: unfrozen first, so the collector sees all of it)."""
     yield
     if "jax" in sys.modules:
         import gc
 
         import jax
 
+        gc.unfreeze()
         gc.collect()
         jax.clear_caches()
 

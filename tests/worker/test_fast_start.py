@@ -113,6 +113,27 @@ def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
             [None if d is None else sorted(d) for d in b.prompt_logprobs]
 
 
+def test_warmup_freezes_the_startup_heap_and_requests_stay_collectable(tiny_model_factory):
+    """After warm-up the start-up objects sit outside the collector (gc.freeze); what a request
+    leaves behind is still collected."""
+    import gc
+    import weakref
+
+    from jaxserve.core.sampling_params import SamplingParams
+
+    gc.unfreeze()
+    eng = _engine(tiny_model_factory("llama"), background=False)
+    assert gc.get_freeze_count() > 10_000
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = _run_all(eng, [[5, 6, 7]], params)[0]
+    ref = weakref.ref(out)
+    cycle = [out]
+    cycle.append(cycle)  # a reference cycle only the collector frees
+    del out, cycle
+    gc.collect()
+    assert ref() is None
+
+
 def test_enforce_eager_compiles_each_bucket_on_first_use(tiny_model_factory, caplog):
     """--enforce-eager: no warm-up, ready at once; the steps compile the buckets they use (and
     only those), without the compile-after-warm-up warning; a second round compiles nothing."""
