@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -14,10 +16,19 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 
 
+def _log_to_stderr(level: str | None) -> None:
+    """``JAXSERVE_LOGGING_LEVEL=INFO``: the engine's start-up log (load, each compile) on stderr
+    when the program has not set up logging itself (scripts, benchmarks)."""
+    if level and not logging.getLogger().handlers:
+        logging.basicConfig(level=level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 class LLM:
     """Offline batched generation. Results come back in input order."""
 
     def __init__(self, model: str | None = None, **kwargs):
+        _log_to_stderr(os.environ.get("JAXSERVE_LOGGING_LEVEL"))
         config = engine_config_from_kwargs(model, **kwargs)
         # before JAX starts, if it has not: gpu_memory_utilization of the device's total memory
         set_allocator_fraction(config.cache.gpu_memory_utilization)
