@@ -10,7 +10,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (run in the order STAGES gives; default): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  moe  gemma4  hybrid
+# Stages (run in the order STAGES gives; default): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  spec  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short; PYTEST_WORKERS xdist workers, default 4, when xdist is there)
 #   kernels  benchmarks/kernels.py (when present)
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
@@ -22,6 +22,8 @@
 #            evenly vs the base engine (issue "Multi-LoRA serving"; target >= 0.9x of base)
 #   serving  serving sweep on the 1.1B shape against a launched `jaxserve serve`
 #   startup  `jaxserve serve` of the 1.1B shape (dummy weights) cold and cached (issue "Fast start")
+#   spec     benchmarks/latency.py --speculative-config (n-gram, k 4) vs plain decoding, batch 1
+#            and 8, repeat-a-passage prompts (SPEC_MODEL, SPEC_CONFIG)
 #   moe      Mixtral-8x7B shape (8 layers) decode against its dense twin (issue "More model families")
 #   gemma4   Gemma-4-31B shape (dummy weights, fp8 weights + fp8 KV, 32k context): the engine's
 #            KV cache groups and "Maximum concurrency", beside the capacity arithmetic (issue 36)
@@ -53,7 +55,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup moe gemma4 hybrid"}
+STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup spec moe gemma4 hybrid"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -145,6 +147,18 @@ stage_startup() {
   model=$($PY -c "from benchmarks.baselines import resolve_model; print(resolve_model(None, 'tinyllama-1.1b'))")
   run_stage startup 150 $PY benchmarks/startup.py --model "$model" \
     --extra-args "--load-format dummy --dtype bfloat16" --timeout 70 --result-dir "$RES"
+}
+stage_spec() {
+  # n-gram speculation against plain decoding, batch 1 and 8, prompts that ask to repeat a code
+  # passage. SPEC_MODEL: a real model (the >= 1.5x target needs one: a dummy model does not
+  # copy its prompt); default the 1.1B shape with dummy weights (overhead and equal outputs).
+  local src=(--preset tinyllama-1.1b)
+  [[ -n "${SPEC_MODEL:-}" ]] && src=(--model "$SPEC_MODEL")
+  local cfg='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  run_stage spec 200 $PY benchmarks/latency.py "${src[@]}" --dtype bfloat16 --output-len 128 \
+    --speculative-config "${SPEC_CONFIG:-$cfg}" \
+    --batch-sizes 1,8 --num-iters-warmup 1 --num-iters 3 --spec-prompt repeat \
+    --output-json "$RES/latency-spec-ngram.json"
 }
 stage_moe() {
   run_stage moe 120 $PY benchmarks/moe_decode.py --num-layers 8 --batch-sizes ${MOE_BATCHES:-1,8,32,128} \
