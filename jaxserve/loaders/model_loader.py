@@ -431,8 +431,8 @@ def _gguf_serves_int8(path, quantization, lm_head_quantized, dtype, mesh) -> boo
     from jaxserve.loaders import gguf as gguf_loader
 
     if (quantization is not None or lm_head_quantized or dtype != "auto" or mesh is not None
-            or jax.default_backend() != "cpu" or not gguf_loader.has_quantized_weights(path)
-            or not quant_lib.int8_kernel_enabled()):
+            or not quant_lib.int8_kernel_enabled()  # one CPU device, the kernels built
+            or not gguf_loader.has_quantized_weights(path)):
         return False
     logger.info("%s: quantized GGUF on CPU, serving int8 weights and LM head (W8A8); "
                 "--dtype float32 serves float32", path.name)
