@@ -23,25 +23,6 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[2]
 ATOL = 2e-4
 NEW_TOKENS = 10
-VARIANTS = {"dense": dict(moe=False, vl=False), "dense-vl": dict(moe=False, vl=True),
-            "moe": dict(moe=True, vl=False), "moe-vl": dict(moe=True, vl=True)}
-
-
-@pytest.fixture(scope="session")
-def qwen35(tmp_path_factory):
-    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
-
-    root = tmp_path_factory.mktemp("qwen3_5")
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in made:
-            made[variant] = make_tiny_qwen3_5(root / variant, **VARIANTS[variant])
-        return made[variant]
-
-    return get
-
-
 def _prompts(lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(5, 500, n).tolist() for n in lengths]
@@ -275,6 +256,7 @@ def test_calculate_kv_scales_calibrates_the_attention_layers(qwen35):
 
 def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
     from jaxserve.config import engine_config_from_kwargs
+    from jaxserve.core.kv_cache_spec import FullAttention, LinearState
     from jaxserve.engine.builder import check_state_pool_support
     from jaxserve.errors import InvalidRequestError
 
@@ -285,6 +267,16 @@ def test_what_the_state_pool_cannot_do_is_a_start_up_error_naming_the_flag():
                  {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}):
         check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec))
     check_state_pool_support(engine_config_from_kwargs("m"))
+
+    class StateDraft:  # a draft model with Gated DeltaNet layers of its own
+        def cache_specs(self, dtype):
+            return [FullAttention(2, 16, dtype), LinearState(((4, 8),), dtype)]
+
+    spec = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+    with pytest.raises(InvalidRequestError, match="draft model with LinearState") as e:
+        check_state_pool_support(engine_config_from_kwargs("m", speculative_config=spec),
+                                 StateDraft())
+    assert e.value.param == "speculative_config"
 
 
 def test_tensor_parallel_must_divide_the_gdn_heads():

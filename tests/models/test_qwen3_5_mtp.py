@@ -32,23 +32,6 @@ NEW_TOKENS = 12
 PROMPT_LENS = [90, 70, 81, 75]  # all longer than the 32-token budget: chunked prefill
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
-
-    root = tmp_path_factory.mktemp("qwen3_5_mtp")
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in made:
-            kw = dict(dense=dict(moe=False), moe=dict(moe=True, vl=True),
-                      no_mtp=dict(moe=False, mtp=False))[variant]
-            made[variant] = make_tiny_qwen3_5(root / variant, **kw)
-        return made[variant]
-
-    return get
-
-
 def _prompts(lengths=PROMPT_LENS, seed=1):
     rng = np.random.default_rng(seed)
     return [rng.integers(5, 500, n).tolist() for n in lengths]
@@ -62,13 +45,13 @@ def _hf(path: Path):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(ckpt):
+def hf_greedy(qwen35):
     cache: dict = {}
 
     def get(variant: str, prompts, n: int = NEW_TOKENS):
         key = (variant, json.dumps(prompts), n)
         if key not in cache:
-            hf = _hf(ckpt(variant))
+            hf = _hf(qwen35(variant))
             with torch.no_grad():
                 cache[key] = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
                                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
@@ -143,8 +126,8 @@ def _our_mtp_logits(path: Path, prompt: list[int], pages: bool = False):
     return np.asarray(model.compute_logits(h))
 
 
-def test_mtp_head_logits_match_a_torch_reference_of_hf_layers(ckpt):
-    path = ckpt("dense")
+def test_mtp_head_logits_match_a_torch_reference_of_hf_layers(qwen35):
+    path = qwen35("dense")
     prompt, = _prompts([40], seed=7)
     np.testing.assert_allclose(_our_mtp_logits(path, prompt), _torch_mtp_logits(path, prompt),
                                atol=ATOL, rtol=0)
@@ -152,13 +135,13 @@ def test_mtp_head_logits_match_a_torch_reference_of_hf_layers(ckpt):
 
 # -- the engine -----------------------------------------------------------------------------------
 
-def test_engine_drafts_are_the_heads_chain_of_the_torch_reference(ckpt):
+def test_engine_drafts_are_the_heads_chain_of_the_torch_reference(qwen35):
     """k = 3, two requests whose prompts cross many 8-token chunks: the head's keys of every
     prompt position equal one pass of the head over the whole prompt (each chunk's last token
     read the next prompt token), and each of their first proposals (after the prompt, then
     after verify steps) equals the torch head's chain on the same tokens (verify rows feed the
     token emitted at the last accepted position; the draft steps read their own K/V)."""
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts([90, 70], seed=6)
     llm = _engine(path, _mtp(3), max_num_batched_tokens=8, min_token_bucket=8)
     seen: list[tuple[list[int], list[int]]] = []
@@ -194,10 +177,10 @@ def test_engine_drafts_are_the_heads_chain_of_the_torch_reference(ckpt):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_with_mtp_equals_greedy_without_and_hf(ckpt, hf_greedy, k):
+def test_greedy_with_mtp_equals_greedy_without_and_hf(qwen35, hf_greedy, k):
     """Four requests, prompts of 70-90 tokens through a 32-token budget: every step runs the
     head over its tokens (prefill chunks too), so its pages cover the whole context."""
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
     llm = _engine(path, _mtp(k))
@@ -231,11 +214,11 @@ def _scripted(llm, ref: list[list[int]], prompts, wrong_at):
     llm.llm_engine.proposer.override = override
 
 
-def test_always_wrong_drafts_give_the_same_tokens_and_need_the_rollback(ckpt, hf_greedy):
+def test_always_wrong_drafts_give_the_same_tokens_and_need_the_rollback(qwen35, hf_greedy):
     """Every draft wrong: each verify step keeps only the target's own token, so the GDN state
     must come back to the one after the first token of the row (its snapshot). The same run
     with the rollback switched off diverges from HF."""
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
     llm = _engine(path, _mtp(3))
@@ -252,12 +235,12 @@ def test_always_wrong_drafts_give_the_same_tokens_and_need_the_rollback(ckpt, hf
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, hf_greedy,
+def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(qwen35, hf_greedy,
                                                                           async_scheduling):
     """Drafts right up to a position that cycles (draft 1, 2, 3 or none wrong) from one
     proposal to the next: every rollback depth of k = 3 happens, and the tokens stay HF's,
     with the overlapped loop and without it."""
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
     llm = _engine(path, _mtp(3), async_scheduling=async_scheduling)
@@ -270,13 +253,13 @@ def test_drafts_right_for_a_prefix_commit_the_state_at_the_accepted_token(ckpt, 
     _assert_pools_free(llm)
 
 
-def test_a_stop_token_inside_an_accepted_run_and_n_2(ckpt, hf_greedy):
+def test_a_stop_token_inside_an_accepted_run_and_n_2(qwen35, hf_greedy):
     """Drafts always right (k = 3): a stop token in the middle of an accepted run ends the
     request there (nothing after it is kept); n = 2 children each draft from their own slot;
     every slot and page is free afterwards."""
     from jaxserve.core.sampling_params import SamplingParams
 
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts([60, 45], seed=9)
     ref = hf_greedy("dense", prompts)
     llm = _engine(path, _mtp(3))
@@ -297,14 +280,14 @@ def test_a_stop_token_inside_an_accepted_run_and_n_2(ckpt, hf_greedy):
 
 
 @pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
-def test_mtp_under_preemption_beside_requests_that_do_not_speculate(ckpt, hf_greedy, mode):
+def test_mtp_under_preemption_beside_requests_that_do_not_speculate(qwen35, hf_greedy, mode):
     """A pool of 20 pages of 8 tokens for four ~80-token requests (they preempt each other;
     recompute rebuilds the head's pages with the rest, swap moves them with the rest), one of
     them opted out of speculation and one with a seed at temperature 0: greedy tokens still
     equal HF, every slot and page is free."""
     from jaxserve.core.sampling_params import SamplingParams
 
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
     llm = _engine(path, _mtp(2), num_gpu_blocks_override=20, preemption_mode=mode)
@@ -322,9 +305,9 @@ def test_mtp_under_preemption_beside_requests_that_do_not_speculate(ckpt, hf_gre
     _assert_pools_free(llm)
 
 
-def test_ngram_on_a_state_model_rolls_back_too(ckpt, hf_greedy):
+def test_ngram_on_a_state_model_rolls_back_too(qwen35, hf_greedy):
     """The same snapshots serve n-gram drafts on a Gated DeltaNet model (allowed now)."""
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = [p + p[:30] for p in _prompts([40, 50], seed=3)]  # repeats for lookups to hit
     ref = hf_greedy("dense", prompts)
     llm = _engine(path, {"method": "ngram", "num_speculative_tokens": 3,
@@ -334,13 +317,13 @@ def test_ngram_on_a_state_model_rolls_back_too(ckpt, hf_greedy):
     _assert_pools_free(llm)
 
 
-def test_draft_model_on_a_state_model_rolls_back_too(ckpt, hf_greedy, tmp_path):
+def test_draft_model_on_a_state_model_rolls_back_too(qwen35, hf_greedy, tmp_path):
     """An attention-only draft model proposes; the target's GDN state rolls back the same way.
     A draft with LinearState layers of its own is a start-up error naming the field."""
     from jaxserve.errors import InvalidRequestError
     from jaxserve.testing.tiny_model import make_tiny_model
 
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts([60, 45], seed=8)
     ref = hf_greedy("dense", prompts)
     draft = make_tiny_model("llama", tmp_path / "draft", layers=1, hidden=32, heads=2,
@@ -357,8 +340,8 @@ def test_draft_model_on_a_state_model_rolls_back_too(ckpt, hf_greedy, tmp_path):
 
 
 @pytest.mark.slow  # warm-up compiles every graph ahead of time
-def test_nothing_compiles_after_warm_up(ckpt, hf_greedy):
-    path = ckpt("dense")
+def test_nothing_compiles_after_warm_up(qwen35, hf_greedy):
+    path = qwen35("dense")
     prompts = _prompts()
     ref = hf_greedy("dense", prompts)
     llm = _engine(path, _mtp(2), enforce_eager=False, min_token_bucket=8)  # buckets 8, 16, 32
@@ -370,12 +353,12 @@ def test_nothing_compiles_after_warm_up(ckpt, hf_greedy):
 
 
 @pytest.mark.slow
-def test_moe_greedy_with_mtp_equals_hf(ckpt, hf_greedy):
+def test_moe_greedy_with_mtp_equals_hf(qwen35, hf_greedy):
     """Qwen 3.5 MoE in the vision-language layout: the head's layer is a sparse MoE block
     whose per-expert ``mtp.layers.0.mlp.experts.*`` tensors are stacked like the model's."""
-    path = ckpt("moe")
+    path = qwen35("moe-vl")
     prompts = _prompts()
-    ref = hf_greedy("moe", prompts)
+    ref = hf_greedy("moe-vl", prompts)
     llm = _engine(path, _mtp(2))
     assert _greedy(llm, prompts) == ref
     assert llm.llm_engine.spec_stats.num_drafts > 0
@@ -383,13 +366,13 @@ def test_moe_greedy_with_mtp_equals_hf(ckpt, hf_greedy):
 
 
 @pytest.mark.slow  # fp8 quantization at start-up
-def test_fp8_kv_cache_with_calculated_scales_and_mtp(ckpt, hf_greedy):
+def test_fp8_kv_cache_with_calculated_scales_and_mtp(qwen35, hf_greedy):
     """``--kv-cache-dtype fp8 --calculate-kv-scales``: the head's layer is one more cache layer
     (its scale 1.0: the calibration pass runs the model, not the head), its pages float8; the
     greedy tokens equal the same engine's without speculation."""
     import jax.numpy as jnp
 
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts([50, 40], seed=5)
     kw = dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
     want = _greedy(_engine(path, **kw), prompts)
@@ -404,12 +387,12 @@ def test_fp8_kv_cache_with_calculated_scales_and_mtp(ckpt, hf_greedy):
 
 # -- configuration errors -------------------------------------------------------------------------
 
-def test_mtp_without_a_head_is_a_start_up_error_naming_the_field(ckpt, tmp_path):
+def test_mtp_without_a_head_is_a_start_up_error_naming_the_field(qwen35, tmp_path):
     from jaxserve.errors import InvalidRequestError
     from jaxserve.testing.tiny_model import make_tiny_model
 
     with pytest.raises(InvalidRequestError, match="mtp") as e:
-        _engine(ckpt("no_mtp"), _mtp(2))
+        _engine(qwen35("no_mtp"), _mtp(2))
     assert e.value.param == "speculative_config"
     llama = make_tiny_model("llama", tmp_path / "llama", layers=1, hidden=32, heads=2,
                             kv_heads=1, vocab=512)
@@ -468,14 +451,14 @@ def test_a_trained_head_gets_its_drafts_accepted(tmp_path):
 
 
 @pytest.mark.slow  # a server process
-def test_served_with_mtp(ckpt, tmp_path):
+def test_served_with_mtp(qwen35, tmp_path):
     """`jaxserve serve --speculative-config '{"method": "mtp", ...}'`: the engine core loads the
     head and speculates; the completion equals the offline greedy one and /metrics counts the
     drafts."""
     import httpx
     from server_process import free_port, stop, wait_healthy
 
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompt, = _prompts([50], seed=5)
     want = _engine(path).generate([{"prompt_token_ids": prompt}], _greedy_params(),
                                   use_tqdm=False)[0].outputs[0].text
@@ -522,10 +505,10 @@ def _tp2_child(path: str, prompts, ref) -> dict:
 
 
 @pytest.mark.slow  # a child process with 2 CPU devices
-def test_tp2_with_mtp_and_rollback_equals_hf(ckpt, hf_greedy):
+def test_tp2_with_mtp_and_rollback_equals_hf(qwen35, hf_greedy):
     """Tensor parallel 2: the head's attention split over heads like the model's, the state
     pool (snapshots included) replicated; prefix-right drafts roll back at every depth."""
-    path = ckpt("dense")
+    path = qwen35("dense")
     prompts = _prompts([70, 40], seed=4)
     ref = hf_greedy("dense", prompts)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
