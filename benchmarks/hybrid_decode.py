@@ -92,6 +92,20 @@ def configs(args) -> dict[str, dict]:
     return {"hybrid": hybrid, "twin": twin}
 
 
+def write_shape(shape: str, mtp: bool = False, out_dir: str | None = None) -> str:
+    """A model directory (config + tokenizer, no weights: serve it with ``load_format
+    dummy``) of the hybrid ``shape``; ``mtp``: with a one-layer MTP head (speculative decoding
+    with method ``mtp``)."""
+    from jaxserve.testing.presets import write_preset
+
+    cfg = configs(argparse.Namespace(shape=shape, num_layers=None))["hybrid"]
+    if mtp:
+        cfg["mtp_num_hidden_layers"] = 1
+    out = out_dir or os.path.join(tempfile.mkdtemp(prefix="hybrid-shape-"),
+                                  f"qwen3.6-{shape}{'-mtp' if mtp else ''}")
+    return write_preset("qwen3.6", out, config=cfg)
+
+
 def slope(xs, ys) -> float:
     """Least-squares slope of ys against xs."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

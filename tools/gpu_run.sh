@@ -10,7 +10,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (run in the order STAGES gives; default): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  spec  moe  gemma4  hybrid
+# Stages (run in the order STAGES gives; default): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  spec  mtp  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short; PYTEST_WORKERS xdist workers, default 4, when xdist is there)
 #   kernels  benchmarks/kernels.py (when present)
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
@@ -24,6 +24,7 @@
 #   startup  `jaxserve serve` of the 1.1B shape (dummy weights) cold and cached (issue "Fast start")
 #   spec     benchmarks/latency.py --speculative-config (n-gram, k 4) vs plain decoding, batch 1
 #            and 8, repeat-a-passage prompts (SPEC_MODEL, SPEC_CONFIG)
+#   mtp      the same with method mtp on the Qwen3.6-27B shape (dummy head: overhead, equal outputs)
 #   moe      Mixtral-8x7B shape (8 layers) decode against its dense twin (issue "More model families")
 #   gemma4   Gemma-4-31B shape (dummy weights, fp8 weights + fp8 KV, 32k context): the engine's
 #            KV cache groups and "Maximum concurrency", beside the capacity arithmetic (issue 36)
@@ -55,7 +56,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup spec moe gemma4 hybrid"}
+STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup spec mtp moe gemma4 hybrid"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -159,6 +160,20 @@ stage_spec() {
     --speculative-config "${SPEC_CONFIG:-$cfg}" \
     --batch-sizes 1,8 --num-iters-warmup 1 --num-iters 3 --spec-prompt repeat \
     --output-json "$RES/latency-spec-ngram.json"
+}
+stage_mtp() {
+  # MTP speculation (Qwen3.6-27B shape with a one-layer head, dummy weights, bf16) against plain
+  # decoding at batch 1 and 8: a random head accepts ~nothing, so this measures the drafting
+  # overhead (MTP_SHAPE=cpu: the tiny shape). Outputs match plain decoding in float32 (tiny
+  # shape on CPU: identical at batch 1 and 8); in bf16 a random model's near-tied logits flip
+  # with the verify step's shapes, so "identical" can read False there.
+  local model
+  model=$($PY -c "from benchmarks.hybrid_decode import write_shape; print(write_shape('${MTP_SHAPE:-27b}', mtp=True))")
+  run_stage mtp 300 $PY benchmarks/latency.py --model "$model" --load-format dummy \
+    --dtype bfloat16 --max-model-len 1024 --input-len 256 --output-len 64 \
+    --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' \
+    --batch-sizes 1,8 --num-iters-warmup 1 --num-iters 3 --spec-prompt random \
+    --output-json "$RES/latency-spec-mtp.json"
 }
 stage_moe() {
   run_stage moe 120 $PY benchmarks/moe_decode.py --num-layers 8 --batch-sizes ${MOE_BATCHES:-1,8,32,128} \
