@@ -351,3 +351,19 @@ def test_moe_decode_against_its_dense_twin(tmp_path):
     assert "num_local_experts" not in twin
     assert M.experts_touched(cfg, 1) == pytest.approx(2.0)
     assert 2.0 < M.experts_touched(cfg, 4) < M.experts_touched(cfg, 64) <= e
+
+
+def test_hybrid_shape_directory_with_an_mtp_head(tmp_path):
+    """benchmarks.hybrid_decode.write_shape: the gpu_run mtp stage's model, a Qwen3.6-shaped
+    hybrid (3 Gated DeltaNet layers to 1 attention layer) with a one-layer MTP head."""
+    from jaxserve.config import ModelConfig
+    from benchmarks.hybrid_decode import SHAPES, write_shape
+
+    out = write_shape("cpu", mtp=True, out_dir=str(tmp_path / "m"))
+    cfg = json.loads(Path(out, "config.json").read_text())
+    n = SHAPES["cpu"]["num_hidden_layers"]
+    assert cfg["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * (n // 4)
+    assert cfg["mtp_num_hidden_layers"] == 1
+    assert "mtp_num_hidden_layers" not in json.loads(
+        Path(write_shape("cpu", out_dir=str(tmp_path / "plain")), "config.json").read_text())
+    assert ModelConfig.from_hf_config(cfg).num_layers == n
