@@ -63,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3",
+                                                                "fp8_e5m2"],
+                   help="pages in --dtype (auto) or float8 with per-KV-head scales (vLLM's "
+                        "flag); JAX's own baselines take no float8 pages and are skipped")
     p.add_argument("--mixed-chunks", type=int, default=4, help="prefill chunks in the mixed case")
     p.add_argument("--mixed-chunk-len", type=int, default=512)
     p.add_argument("--mixed-ctx", type=int, default=2048, help="context at the end of each chunk")
@@ -138,12 +142,42 @@ def build(case, args, seed=0):
         seq_lens=jnp.asarray(batch.seq_lens), block_tables=jnp.asarray(batch.block_tables),
         num_seqs=jnp.int32(batch.num_seqs),
     )
+    if fp8_pages(args):
+        dev["k_pages"], dev["v_pages"], dev["kv_scale"] = to_fp8_pages(
+            dev["k_pages"], dev["v_pages"], page_dtype(args))
     return batch, dev
+
+
+def fp8_pages(args) -> bool:
+    return getattr(args, "kv_cache_dtype", "auto") != "auto"
+
+
+def page_dtype(args):
+    import jax.numpy as jnp
+
+    if not fp8_pages(args):
+        return jnp.dtype(args.dtype)
+    return jnp.dtype(jnp.float8_e5m2 if args.kv_cache_dtype == "fp8_e5m2" else jnp.float8_e4m3fn)
+
+
+def to_fp8_pages(k_pages, v_pages, dtype):
+    """float8 pages holding K / scale and V / scale, one scale per KV head (its max over the
+    format's largest value), as ``--kv-cache-dtype fp8`` with calculated scales."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import reference
+
+    fmax = float(jnp.finfo(dtype).max)
+    ks = jnp.max(jnp.abs(k_pages.astype(jnp.float32)), axis=(1, 2, 3)) / fmax
+    vs = jnp.max(jnp.abs(v_pages.astype(jnp.float32)), axis=(1, 2, 3)) / fmax
+    return (reference.to_page_dtype(k_pages, dtype, ks[:, None, None, None]),
+            reference.to_page_dtype(v_pages, dtype, vs[:, None, None, None]),
+            jnp.stack([ks, vs], axis=1))
 
 
 def kv_bytes(case, args):
     """Bytes a perfect kernel reads from the pool: every context token's K and V, once."""
-    item = np.dtype(np.float32).itemsize if args.dtype == "float32" else 2
+    item = page_dtype(args).itemsize
     return sum(case["ctx_lens"]) * args.num_kv_heads * args.head_dim * 2 * item
 
 
@@ -187,9 +221,10 @@ def ours_fn(args, tiles, backend="pallas"):
         raise ValueError(f"unknown backend {backend!r}")
 
     @jax.jit
-    def run(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs):
+    def run(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs, kv_scale=None):
+        scaled = {} if kv_scale is None else dict(kv_scale=kv_scale)
         return ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
-                                      num_seqs, sm_scale=sm_scale, **kw)
+                                      num_seqs, sm_scale=sm_scale, **kw, **scaled)
 
     return run
 
@@ -270,7 +305,7 @@ def check_vs_reference(case, args, tiles, budget_bytes=1 << 28, backend="pallas"
     ref = jax.jit(functools.partial(reference.ragged_paged_attention,
                                     sm_scale=args.head_dim ** -0.5))(
         dev["q"], dev["k_pages"], dev["v_pages"], dev["query_start"], dev["seq_lens"],
-        dev["block_tables"])
+        dev["block_tables"], kv_scale=dev.get("kv_scale"))
     err = rel_err(out, ref)
     return dict(rel_err=err, tol=TOL[args.dtype], ok=err <= TOL[args.dtype],
                 rows_checked=len(sub["q_lens"]), tokens_checked=sum(sub["q_lens"]))
@@ -317,6 +352,9 @@ def run_case(case, args, tiles, copy_bw):
     if args.no_baseline:
         return res
     out_ours = np.asarray(ours(*dev.values()), np.float32)
+    if fp8_pages(args) and case["kind"] == "decode":
+        res["jax_paged_attention"] = dict(skipped="float8 pages (JAX's ops take none)")
+        return res
     if case["kind"] == "decode":
         bsz = len(case["q_lens"])
         lengths = dev["seq_lens"]
@@ -813,7 +851,8 @@ def main(argv=None) -> int:
     results = dict(meta=meta, copy_bandwidth=bw, tiny=args.tiny, interpret=args.interpret,
                    config=dict(batch=args.batch, num_q_heads=args.num_q_heads,
                                num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                               page_size=args.page_size, dtype=args.dtype, iters=args.iters,
+                               page_size=args.page_size, dtype=args.dtype,
+                               kv_cache_dtype=args.kv_cache_dtype, iters=args.iters,
                                warmup=args.warmup), cases=[])
     for case in common.progress(cases, disable=args.disable_tqdm, desc="kernels"):
         results["cases"].append(run_case(case, args, tiles, copy_bw))

@@ -10,9 +10,11 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (run in the order STAGES gives; default): pytest  kernels  gdnlora  tp11  tp8b  lora8b  serving  startup  spec  mtp  moe  gemma4  hybrid
+# Stages (run in the order STAGES gives; default): pytest  kernels  kernels2  gdnlora  tp11  tp8b  lora8b  serving  startup  spec  mtp  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short; PYTEST_WORKERS xdist workers, default 4, when xdist is there)
 #   kernels  benchmarks/kernels.py (when present)
+#   kernels2 benchmarks/kernels.py with float8 pages (--kv-cache-dtype fp8), then head_dim 256 and
+#            512 (Gemma 4's), every backend
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
 #            bound and the XLA path; multi-LoRA projection against the base matmul
 #   tp11     throughput, 1.1B shape (tinyllama-1.1b preset, dummy weights, bf16): 1024 prompts,
@@ -56,7 +58,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels gdnlora tp11 tp8b lora8b serving startup spec mtp moe gemma4 hybrid"}
+STAGES=${STAGES:-"pytest kernels kernels2 gdnlora tp11 tp8b lora8b serving startup spec mtp moe gemma4 hybrid"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -111,6 +113,15 @@ stage_pytest() {
 stage_kernels() {
   run_stage kernels 35 $PY benchmarks/kernels.py ${KERNEL_ARGS:---ctx 2048} --iters 20 --disable-tqdm \
     --output-json "$RES/kernels.json"
+}
+stage_kernels2() {
+  # float8 pages (per-head scales), then Gemma 4's head_dim 256 and 512, every backend
+  run_stage kernels2 150 bash -c "$PY benchmarks/kernels.py --ctx 2048 --kv-cache-dtype fp8 \
+    --iters 20 --disable-tqdm --output-json $RES/kernels-fp8.json && \
+    $PY benchmarks/kernels.py --ctx 2048 --head-dim 256 --num-q-heads 16 --num-kv-heads 8 \
+    --iters 20 --disable-tqdm --output-json $RES/kernels-d256.json && \
+    $PY benchmarks/kernels.py --ctx 2048 --head-dim 512 --num-q-heads 16 --num-kv-heads 4 \
+    --iters 20 --disable-tqdm --output-json $RES/kernels-d512.json"
 }
 stage_gdnlora() {
   run_stage gdnlora 120 $PY benchmarks/kernels.py --cases gdn,lora ${GDN_LORA_ARGS:-} --iters 20 \

@@ -36,6 +36,24 @@ def test_kernel_benchmark_tiny(tmp_path, capsys):
     assert "decode_ctx64" in capsys.readouterr().out
 
 
+def test_kernel_benchmark_fp8_pages(tmp_path):
+    """--kv-cache-dtype: float8 pages with per-head scales, checked against the reference on
+    the same pages; a perfect kernel reads half the bytes of bf16 pages."""
+    base = ["--tiny", "--cases", "decode", "--ctx", "64", "--iters", "1", "--no-plot",
+            "--disable-tqdm"]
+    res = {}
+    for kv in ("auto", "fp8_e5m2"):
+        out = tmp_path / kv
+        assert kernels.main(base + ["--kv-cache-dtype", kv, "--result-dir", str(out)]) == 0
+        (path,) = glob.glob(str(out / "kernels-tiny-*.json"))
+        res[kv] = json.load(open(path))
+    (dec,) = res["fp8_e5m2"]["cases"]
+    assert res["fp8_e5m2"]["config"]["kv_cache_dtype"] == "fp8_e5m2"
+    assert dec["check"]["ok"] and dec["check"]["rel_err"] <= 2e-2
+    assert dec["kv_bytes"] * 2 == res["auto"]["cases"][0]["kv_bytes"]
+    assert "skipped" in dec["jax_paged_attention"]
+
+
 def test_flop_count_matches_brute_force():
     class A:
         num_q_heads, head_dim = 3, 8
