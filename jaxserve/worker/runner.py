@@ -31,7 +31,7 @@ from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
-from jaxserve.worker.warmup import BucketWarmup
+from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
                                       allocate_layer_pages, fork_copy, fork_pairs,
                                       kv_cache_dtype)
@@ -826,6 +826,7 @@ class ModelRunner:
         logger.info("enforce_eager: no ahead-of-time warm-up; each of the token buckets %s "
                     "compiles on the first step that needs it, so the zero-compiles-after-"
                     "warm-up check is off", list(self.ladder))
+        freeze_startup_heap()
 
     def _plan_ladder(self) -> tuple[int, ...]:
         return self.ladder if self._warmup is None else self._warmup.plan_ladder()

@@ -116,14 +116,20 @@ def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
 def test_warmup_freezes_the_startup_heap_and_requests_stay_collectable(tiny_model_factory):
     """After warm-up the start-up objects sit outside the collector (gc.freeze); what a request
     leaves behind is still collected."""
+    import dataclasses
     import gc
     import weakref
 
     from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.builder import build_engine
 
     gc.unfreeze()
     eng = _engine(tiny_model_factory("llama"), background=False)
     assert gc.get_freeze_count() > 10_000
+    gc.unfreeze()
+    build_engine(dataclasses.replace(_engine_config(tiny_model_factory("llama")),
+                                     enforce_eager=True))
+    assert gc.get_freeze_count() > 10_000  # no warm-up: frozen once loaded
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     out = _run_all(eng, [[5, 6, 7]], params)[0]
     ref = weakref.ref(out)
