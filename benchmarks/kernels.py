@@ -31,7 +31,6 @@ import argparse
 import functools
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -318,8 +317,6 @@ def timed(fn, *a, args):
 
 def run_case(case, args, tiles, copy_bw):
     """Time ours (+ baselines) on one case; returns the case's result dict."""
-    import jax.numpy as jnp
-
     batch, dev = build(case, args)
     res = dict(case=case["name"], kind=case["kind"], num_seqs=len(case["q_lens"]),
                num_tokens=sum(case["q_lens"]), ctx=max(case["ctx_lens"]), tiles=tiles)

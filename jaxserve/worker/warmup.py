@@ -156,7 +156,6 @@ class BucketWarmup:
                         self.runner.num_compiles, list(self.ladder), self.seconds)
             freeze_startup_heap()
 
-
     def _compile_bucket(self, t: int) -> None:
         """Compile token bucket ``t`` (model graph, both sampler layouts), then run it.
 
