@@ -26,7 +26,7 @@
 #   startup  `jaxserve serve` of the 1.1B shape (dummy weights) cold and cached (issue "Fast start")
 #   spec     benchmarks/latency.py --speculative-config (n-gram, k 4) vs plain decoding, batch 1
 #            and 8, repeat-a-passage prompts (SPEC_MODEL, SPEC_CONFIG)
-#   mtp      the same with method mtp on the Qwen3.6-27B shape (dummy head: overhead, equal outputs)
+#   mtp      the same with method mtp on the Qwen3.6-27B shape (dummy head: drafting overhead)
 #   moe      Mixtral-8x7B shape (8 layers) decode against its dense twin (issue "More model families")
 #   gemma4   Gemma-4-31B shape (dummy weights, fp8 weights + fp8 KV, 32k context): the engine's
 #            KV cache groups and "Maximum concurrency", beside the capacity arithmetic (issue 36)
