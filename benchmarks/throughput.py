@@ -63,12 +63,28 @@ class StepTimer:
                       self.runner.build_plan)
         engine.step, self.runner.dispatch, self.runner.fetch = self._step, self._dispatch, self._fetch
         self.runner.build_plan = self._build_plan
+        # where the host's time goes: each phase of a step, timed around the engine's own calls
+        self._phases = {"schedule_s": (engine.scheduler, "schedule"),
+                        "execute_s": (engine, "_execute"), "update_s": (engine, "_update"),
+                        "output_s": (engine.output_processor, "process")}
+        for key, (obj, name) in self._phases.items():
+            setattr(obj, name, self._timed(key, getattr(obj, name)))
         self.enabled = False
+
+    def _timed(self, key: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self._cur is not None:
+                    self._cur[key] = self._cur.get(key, 0.0) + time.perf_counter() - t0
+        return timed
 
     def _step(self):
         if not self.enabled:
             return self._orig[0]()
-        self._cur = {"fetch_s": 0.0, "plan_s": 0.0, "rows": 0, "tokens": 0}
+        self._cur = {"fetch_s": 0.0, "plan_s": 0.0, "dispatch_s": 0.0, "rows": 0, "tokens": 0}
         t0 = time.perf_counter()
         out = self._orig[0]()
         self._cur["step_s"] = time.perf_counter() - t0
@@ -77,9 +93,12 @@ class StepTimer:
         return out
 
     def _dispatch(self, plan, *args, **kwargs):
+        t0 = time.perf_counter()
+        h = self._orig[1](plan, *args, **kwargs)
         if self._cur is not None:
             self.plans.append((plan, args, kwargs))
-        return self._orig[1](plan, *args, **kwargs)
+            self._cur["dispatch_s"] += time.perf_counter() - t0
+        return h
 
     def _fetch(self, handle):
         t0 = time.perf_counter()
@@ -101,6 +120,22 @@ class StepTimer:
     def restore(self) -> None:
         self.engine.step, self.runner.dispatch, self.runner.fetch, self.runner.build_plan = \
             self._orig
+        for obj, name in self._phases.values():
+            delattr(obj, name)  # the instance attribute hid the class's method
+
+    def host_breakdown(self, recs: list[dict]) -> dict:
+        """Mean ms per step of each host phase: scheduling; the plan rows and bookkeeping
+        around the plan (``execute`` less plan and dispatch); building the plan; the jitted
+        call's dispatch (argument transfer, launch); reading ids into the requests (``update``
+        less the wait for them); the output processor; and what is left of the step."""
+        def ms(key):
+            return 1e3 * sum(r.get(key, 0.0) for r in recs) / len(recs)
+        parts = dict(schedule=ms("schedule_s"),
+                     rows=ms("execute_s") - ms("plan_s") - ms("dispatch_s"),
+                     plan=ms("plan_s"), dispatch=ms("dispatch_s"),
+                     update=ms("update_s") - ms("fetch_s"), output=ms("output_s"))
+        parts["other"] = ms("step_s") - ms("fetch_s") - sum(parts.values())
+        return parts
 
     def replay_device_time(self) -> list[float]:
         """Each recorded plan run again, alone, waiting for its ids: the device busy time of
@@ -129,6 +164,7 @@ class StepTimer:
                    host_ms_per_step=1e3 * sum(host) / len(recs),
                    device_ms_per_step=1e3 * sum(dev) / len(dev),
                    plan_ms_per_step=1e3 * sum(r["plan_s"] for r in recs) / len(recs),
+                   host_breakdown_ms_per_step=self.host_breakdown(recs),
                    host_overhead_fraction=(wall - sum(dev)) / max(sum(dev), 1e-12),
                    mean_rows_per_step=sum(r["rows"] for r in recs) / len(recs),
                    mean_tokens_per_step=sum(r["tokens"] for r in recs) / len(recs))
@@ -327,6 +363,9 @@ def _print_summary(out: dict) -> None:
           f"tokens/s ({r['elapsed_time']:.2f} s, {r['num_steps']} steps, host "
           f"{r.get('host_ms_per_step', 0):.2f} ms / device {r.get('device_ms_per_step', 0):.2f} "
           f"ms per step, {r['compiles_after_warmup']} compiles after warm-up)")
+    if r.get("host_breakdown_ms_per_step"):
+        print("  host ms per step: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in r["host_breakdown_ms_per_step"].items()))
     for k, v in out.items():
         if k.endswith(("_vs_hf", "_vs_hf_cb", "_of_roofline")):
             print(f"  {k}: {v:.3f}")

@@ -221,6 +221,11 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
     wall = r["step_ms_per_step"] * r["num_steps"]
     dev = r["device_ms_per_step"] * r["num_steps"]
     assert r["host_overhead_fraction"] == pytest.approx((wall - dev) / dev, rel=0.05)
+    parts = r["host_breakdown_ms_per_step"]  # the phases add up to the host's time
+    assert set(parts) == {"schedule", "rows", "plan", "dispatch", "update", "output", "other"}
+    assert sum(parts.values()) == pytest.approx(r["host_ms_per_step"], rel=1e-6)
+    assert min(v for k, v in parts.items() if k != "other") > 0
+    assert parts["plan"] == pytest.approx(r["plan_ms_per_step"])
     sync = d["jaxserve_sync"]
     assert r["async_scheduling"] is True and sync["async_scheduling"] is False
     assert sync["num_output_tokens"] == r["num_output_tokens"]
