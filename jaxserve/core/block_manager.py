@@ -170,9 +170,12 @@ class BlockManager:
         (only tokens the host knows: a page holding a pending id waits for it)."""
         if not self.enable_prefix_caching:
             return
-        known = min(request.num_computed_tokens, request.num_tokens - request.num_pending)
-        n_full = min(known // self.block_size, len(request.block_ids))
+        known = min(request.num_computed_tokens,
+                    len(request.all_token_ids) - request.num_pending)
         start = self._num_cached_blocks.get(request.request_id, 0)
+        if known // self.block_size <= start:  # no page filled since the last call: most steps
+            return
+        n_full = min(known // self.block_size, len(request.block_ids))
         if n_full <= start:
             return
         hashes = self._ensure_hashes(request, n_full)
@@ -244,6 +247,11 @@ class BlockManager:
         never allocated (hits there are not taken). Returns False and changes nothing else if
         the free queue is too short.
         """
+        if (new_computed_blocks is None and self.sliding_window is None
+                and (self.state_slots is None or request.state_slot >= 0)
+                and request.num_computed_tokens + num_new_tokens
+                <= len(request.block_ids) * self.block_size):
+            return True  # a decode inside its last page (most rows of most steps): nothing to do
         computed = list(new_computed_blocks) if new_computed_blocks else []
         needs_slot = self.state_slots is not None and request.state_slot < 0
         if needs_slot and not self.state_slots.num_free:

@@ -32,7 +32,7 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI / vLLM ``finish_reason`` string of a finished status."""
-        return _FINISH_REASON.get(self)
+        return _FINISH_REASON[self] if self in _FINISHED else None
 
 
 _FINISH_REASON = {
@@ -40,7 +40,9 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-_FINISHED = frozenset(_FINISH_REASON)
+# a tuple: ``in`` compares members by identity (an enum member's hash is a Python call), and
+# this is read for every request on every step
+_FINISHED = tuple(_FINISH_REASON)
 
 
 class Request:
@@ -140,7 +142,7 @@ class Request:
     # -- status -----------------------------------------------------------------------------
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:

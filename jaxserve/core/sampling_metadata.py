@@ -109,18 +109,33 @@ def build_sampling_arrays(
         raise ValueError(f"{len(rows)} rows exceed the sequence bucket {s_bucket}")
     rng = _default_rng if rng is None else rng
     n = len(rows)
-    real = [i for i, r in enumerate(rows) if r is not None]
-
-    # Which rows need wide tables (decides the layout for the whole batch).
+    # One pass over the rows: each real row's scalars, and the few rows that need more
+    # (a seed, a logit bias, penalties, stop ids masked under min_tokens).
+    real, vals, extra = [], [], []
     stop_lists: dict[int, list[int]] = {}
-    full = False
-    for i in real:
-        p, out_ids, _, eos, n_gen = rows[i]
+    full = False  # whether a row needs wide tables (decides the layout for the whole batch)
+    for i, row in enumerate(rows):
+        if row is None:
+            continue
+        p, _, _, eos, n_gen = row
+        real.append(i)
+        # greedy rows (decided once, SamplingParams.is_greedy) get temperature 0: the device's
+        # rule; their other sampling fields are inert
+        if p.is_greedy:
+            vals.append((0.0, 1.0, 0, 0.0, p.presence_penalty, p.frequency_penalty,
+                         p.repetition_penalty, n_gen, -1 if p.logprobs is None else p.logprobs))
+        else:
+            vals.append((p.temperature, p.top_p, max(p.top_k, 0), p.min_p, p.presence_penalty,
+                         p.frequency_penalty, p.repetition_penalty, n_gen,
+                         -1 if p.logprobs is None else p.logprobs))
         if p.min_tokens and n_gen < p.min_tokens:
             ids = list(dict.fromkeys(list(p.stop_token_ids) + _eos_list(eos)))
             stop_lists[i] = ids
             full |= len(ids) > COMPACT_STOP_WIDTH
-        full |= p.uses_penalties or len(p.logit_bias or ()) > COMPACT_BIAS_WIDTH
+        penalties = p.uses_penalties
+        if penalties or p.logit_bias or p.seed is not None:
+            extra.append(i)
+            full |= penalties or len(p.logit_bias or ()) > COMPACT_BIAS_WIDTH
 
     a = dummy_sampling_arrays(s_bucket, full=full, history_len=history_len)
     if not real:
@@ -128,30 +143,14 @@ def build_sampling_arrays(
     L, B, E = layout_widths(full, history_len)
 
     idx = np.asarray(real)
-    params = [rows[i][0] for i in real]
-    greedy = np.fromiter((p.is_greedy for p in params), bool, len(params))
-    # greedy rows (decided once, SamplingParams.is_greedy) get temperature 0: the device's rule
-    a["temperature"][idx] = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
-    cols = np.array([
-        (p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
-         p.repetition_penalty, n_gen, -1 if p.logprobs is None else p.logprobs)
-        for p, _, _, _, n_gen in (rows[i] for i in real)
-    ], dtype=np.float64)
-    a["top_p"][idx] = np.where(greedy, 1.0, cols[:, 0])
-    a["top_k"][idx] = np.where(greedy | (cols[:, 1] < 0), 0, cols[:, 1])
-    a["min_p"][idx] = np.where(greedy, 0.0, cols[:, 2])
-    a["presence_penalty"][idx] = cols[:, 3]
-    a["frequency_penalty"][idx] = cols[:, 4]
-    a["repetition_penalty"][idx] = cols[:, 5]
-    a["steps"][idx] = cols[:, 6]
-    a["num_logprobs"][idx] = cols[:, 7]
+    cols = np.array(vals, dtype=np.float64)
+    for j, name in enumerate(("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                              "frequency_penalty", "repetition_penalty", "steps",
+                              "num_logprobs")):
+        a[name][idx] = cols[:, j]
 
     seeds = rng.integers(0, 2**32, size=(s_bucket, 2), dtype=np.uint32)
     seeds[n:] = 0
-    for i in real:
-        seed = rows[i][0].seed
-        if seed is not None:
-            seeds[i] = (seed & 0xFFFFFFFF, seed >> 32)
     a["seeds"] = seeds
 
     for i, ids in stop_lists.items():
@@ -160,8 +159,10 @@ def build_sampling_arrays(
         a["mask_stop"][i] = True
         a["stop_ids"][i, : len(ids)] = ids
 
-    for i in real:
+    for i in extra:
         p, out_ids, prompt_ids, _, _ = rows[i]
+        if p.seed is not None:
+            seeds[i] = (p.seed & 0xFFFFFFFF, p.seed >> 32)
         if p.logit_bias:
             nb = len(p.logit_bias)
             a["bias_ids"][i, :nb] = np.fromiter(p.logit_bias.keys(), np.int32, nb)

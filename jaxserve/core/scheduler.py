@@ -257,16 +257,12 @@ class Scheduler:
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int,
                        drafts: list[int] | None = None) -> None:
         start = req.num_computed_tokens
-        drafts = drafts or []
-        nd = len(drafts)
-        out.scheduled.append(ScheduledRequest(
-            request=req,
-            num_new_tokens=n,
-            start_pos=start,
-            sample=start + n - nd == req.num_tokens,
-            new_token_ids=req.all_token_ids[start:start + n - nd] + drafts,
-            num_draft=nd,
-        ))
+        nd = len(drafts) if drafts else 0
+        ids = req.all_token_ids[start:start + n - nd]
+        if nd:
+            ids += drafts
+        sample = start + n - nd == len(req.all_token_ids)
+        out.scheduled.append(ScheduledRequest(req, n, start, sample, ids, nd))
         out.num_batched_tokens += n
         if req.num_prompt_logprobs is not None:
             lo = max(start, req.num_prompt_logprobs - 1)  # a recomputed prefix is not redone
@@ -303,19 +299,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < rows:
             req = self.running[i]
-            if req.num_pending and self.skip_pending:
+            if req.num_pending and (
+                    self.skip_pending
+                    # its last token is still on the device; the engine finishes it then
+                    or (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens)
+                    # its next token mask needs the token still on the device
+                    or req.needs_known_tokens
+                    # speculation: the next drafts need every token known (how many a verify
+                    # step accepted is only known once it is read): it runs synchronously
+                    or req.use_spec):
                 i += 1
                 continue
-            if req.num_pending and req.max_tokens is not None and \
-                    req.num_output_tokens >= req.max_tokens:
-                i += 1  # its last token is still on the device; the engine finishes it then
-                continue
-            if req.num_pending and req.needs_known_tokens:
-                i += 1  # its next token mask needs the token still on the device
-                continue
-            if req.spec_in_flight or (req.use_spec and req.num_pending):
-                # speculation: the next drafts need every token known (how many a verify step
-                # accepted is only known once it is read), so this request runs synchronously
+            if req.spec_in_flight:  # a verify step not read yet (synchronous, as above)
                 i += 1
                 continue
             n = self._num_new_tokens(req, budget)

@@ -13,6 +13,7 @@ for the one pending token in a penalty row's history).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -54,7 +55,7 @@ def pick_bucket(ladder: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} tokens exceed the largest bucket {ladder[-1]}")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """One row of a step: ``new_token_ids`` start at absolute position ``start_pos``."""
 
@@ -158,7 +159,10 @@ def build_step_plan(
         raise ValueError("a step needs at least one scheduled sequence")
     if n_rows > max_num_seqs:
         raise ValueError(f"{n_rows} sequences exceed max_num_seqs={max_num_seqs}")
-    q_lens = np.fromiter((len(r.new_token_ids) for r in rows), dtype=np.int32, count=n_rows)
+    # every per-row scalar in one pass over the rows (a pass per field costs more than numpy)
+    q_lens, starts, prev_rows, samples, state_slots, lora_slots = np.array(
+        [(len(r.new_token_ids), r.start_pos, r.prev_row, r.sample, r.state_slot, r.lora_slot)
+         for r in rows], dtype=np.int32).reshape(n_rows, 6).T
     if np.any(q_lens < 1):
         raise ValueError("every scheduled sequence needs at least one new token")
     n_tok = int(q_lens.sum())
@@ -168,17 +172,17 @@ def build_step_plan(
         t_bucket = pick_bucket(ladder, n_rows)
         s_bucket = seq_bucket(t_bucket, max_num_seqs)
 
-    starts = np.fromiter((r.start_pos for r in rows), dtype=np.int32, count=n_rows)
     query_start = np.zeros(s_bucket + 1, dtype=np.int32)
     np.cumsum(q_lens, out=query_start[1 : n_rows + 1])
     query_start[n_rows + 1 :] = n_tok
 
     token_ids = np.zeros(t_bucket, dtype=np.int32)
-    token_ids[:n_tok] = np.concatenate([np.asarray(r.new_token_ids, dtype=np.int32) for r in rows])
+    token_ids[:n_tok] = np.fromiter(chain.from_iterable(r.new_token_ids for r in rows),
+                                    np.int32, n_tok)
     prev_ref = np.full(t_bucket, -1, dtype=np.int32)
     pending = np.flatnonzero(token_ids[:n_tok] == PLACEHOLDER)
     if pending.size:
-        rows_of = np.repeat(np.fromiter((r.prev_row for r in rows), np.int32, n_rows), q_lens)
+        rows_of = np.repeat(prev_rows, q_lens)
         if np.any(rows_of[pending] < 0):
             raise ValueError("a placeholder token without a previous-step row")
         prev_ref[pending] = rows_of[pending]
@@ -197,7 +201,7 @@ def build_step_plan(
     logits_indices = np.zeros(s_bucket, dtype=np.int32)
     logits_indices[:n_rows] = query_start[1 : n_rows + 1] - 1
     sample_mask = np.zeros(s_bucket, dtype=bool)
-    sample_mask[:n_rows] = [r.sample for r in rows]
+    sample_mask[:n_rows] = samples
 
     history_ref, prompt_next_ids = _row_extras(rows, query_start, s_bucket, t_bucket)
     if token_bitmask is not None:
@@ -220,8 +224,8 @@ def build_step_plan(
         block_tables=block_tables,
         logits_indices=logits_indices,
         prev_ref=prev_ref,
-        state_slots=_state_slots(rows, s_bucket),
-        lora_slots=_lora_slots(rows, q_lens, t_bucket),
+        state_slots=_padded(state_slots, s_bucket, -1),
+        lora_slots=_padded(np.repeat(lora_slots, q_lens), t_bucket, -1),
         sampling=build_sampling_arrays([r.sampling for r in rows], s_bucket,
                                        history_len=history_len, rng=rng),
         history_ref=history_ref,
@@ -237,44 +241,43 @@ def build_step_plan(
     )
 
 
-def _lora_slots(rows, q_lens: np.ndarray, t_bucket: int) -> np.ndarray:
-    """``[T]``: each token's adapter slot (its row's); padding tokens are base (-1)."""
-    slots = np.full(t_bucket, -1, dtype=np.int32)
-    slots[:int(q_lens.sum())] = np.repeat(
-        np.fromiter((r.lora_slot for r in rows), np.int32, len(rows)), q_lens)
-    return slots
+def _padded(values: np.ndarray, n: int, fill: int) -> np.ndarray:
+    """``values`` in an int32 array of length ``n``, the rest ``fill`` (padding rows/tokens)."""
+    out = np.full(n, fill, dtype=np.int32)
+    out[:len(values)] = values
+    return out
 
 
 def _pages(rows, pos, row_of_tok, needed, block_size: int, max_pages: int, s_bucket: int,
            t_bucket: int) -> tuple[np.ndarray, np.ndarray]:
     """Block tables ``[G, S, M]`` and slot mapping ``[G, T]``: each row's pages per cache group,
     and where each new token's K/V goes (``needed[i]`` pages hold row i's last position)."""
-    n_groups = len(rows[0].block_ids)
-    if any(len(r.block_ids) != n_groups for r in rows):
+    n_rows, n_groups = len(rows), len(rows[0].block_ids)
+    lists = [pages for r in rows for pages in r.block_ids]  # row-major: (row, group)
+    if len(lists) != n_rows * n_groups or any(len(r.block_ids) != n_groups for r in rows):
         raise ValueError("every row needs one page list per cache group")
-    block_tables = np.zeros((n_groups, s_bucket, max_pages), dtype=np.int32)
-    have = np.zeros((n_groups, len(rows)), dtype=np.int32)
-    for i, r in enumerate(rows):
-        for g, pages in enumerate(r.block_ids):
-            nb = len(pages)
-            if nb > max_pages:
-                raise ValueError(f"sequence {i} needs {nb} pages > max {max_pages}")
-            block_tables[g, i, :nb] = pages
-            have[g, i] = nb
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    if lens.max(initial=0) > max_pages:
+        bad = int(np.argmax(lens > max_pages))
+        raise ValueError(f"sequence {bad // n_groups} needs {lens[bad]} pages > max {max_pages}")
+    have = lens.reshape(n_rows, n_groups).T  # [G, n_rows]
     if np.any(needed > have):
         g, bad = map(int, np.argwhere(needed > have)[0])
         raise ValueError(f"sequence {bad} has {have[g, bad]} pages, needs {needed[bad]}")
+    # one scatter of every page id: list k = (row i, group g) starts at (g*S + i)*M
+    block_tables = np.zeros((n_groups, s_bucket, max_pages), dtype=np.int32)
+    n_ids = int(lens.sum())
+    if n_ids:
+        k = np.arange(len(lists))
+        first = (k % n_groups * s_bucket + k // n_groups) * max_pages
+        ends = np.cumsum(lens)
+        dest = np.arange(n_ids) + np.repeat(first - (ends - lens), lens)
+        block_tables.reshape(-1)[dest] = np.fromiter(chain.from_iterable(lists), np.int32,
+                                                     n_ids)
     slot_mapping = np.full((n_groups, t_bucket), TRASH_PAGE * block_size, dtype=np.int32)
     slot_mapping[:, :len(pos)] = (block_tables[:, row_of_tok, pos // block_size] * block_size
                                   + pos % block_size)
     return block_tables, slot_mapping
-
-
-def _state_slots(rows, s_bucket: int) -> np.ndarray:
-    """``state_slots[S]``: each row's state-pool slot, -1 for padding rows."""
-    slots = np.full(s_bucket, -1, dtype=np.int32)
-    slots[:len(rows)] = [r.state_slot for r in rows]
-    return slots
 
 
 def _row_extras(rows, query_start, s_bucket: int, t_bucket: int):

@@ -370,7 +370,7 @@ class LLMEngine:
             sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
                                  self._eos_list, r.num_output_tokens) if s.sample else None,
             history_ref=history_ref, prompt_next_ids=next_ids, state_slot=r.state_slot,
-            lora_slot=lora_slot, next_token=self._next_known_token(s))
+            lora_slot=lora_slot, next_token=-1 if s.sample else self._next_known_token(s))
 
     @staticmethod
     def _next_known_token(s) -> int:
