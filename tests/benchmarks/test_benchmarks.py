@@ -258,6 +258,37 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
     assert out["output_throughput"] == r["output_throughput"]
 
 
+def test_host_phases_takes_medians_of_each_set(tmp_path):
+    from benchmarks import host_phases
+
+    def write(directory, i, host, phases, tput):
+        res = dict(output_throughput=tput, host_ms_per_step=host, device_ms_per_step=1.0,
+                   step_ms_per_step=host, host_overhead_fraction=host - 1.0,
+                   host_breakdown_ms_per_step=phases)
+        d = tmp_path / directory
+        d.mkdir(exist_ok=True)
+        (d / f"throughput-x-{i}.json").write_text(json.dumps(
+            dict(device="cpu: cpu x1", git_commit=directory, jaxserve=res)))
+
+    for i, (host, sched) in enumerate([(9.0, 3.0), (8.0, 2.0), (20.0, 10.0)]):
+        write("a", i, host, {"schedule": sched, "plan": 1.0}, 100.0 + i)
+    for i, (host, sched) in enumerate([(4.0, 1.0), (6.0, 0.5)]):
+        write("b", i, host, {"schedule": sched, "plan": 2.0}, 200.0 + i)
+    out = host_phases.main([f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}", "--output-json",
+                            str(tmp_path / "cmp.json")])
+    a, b = out["sets"]["a"], out["sets"]["b"]
+    assert a["num_runs"] == 3 and a["host_ms_per_step"] == 9.0  # the median, not the mean
+    assert a["host_breakdown_ms_per_step"] == {"schedule": 3.0, "plan": 1.0}
+    assert b["host_ms_per_step"] == 5.0 and b["host_breakdown_ms_per_step"]["schedule"] == 0.75
+    assert a["git_commits"] == ["a"] and len(b["files"]) == 2
+    assert out["host_ms_ratio"] == pytest.approx(5.0 / 9.0)
+    assert out["output_throughput_ratio"] == pytest.approx(200.5 / 101.0)
+    assert json.loads((tmp_path / "cmp.json").read_text())["host_ms_ratio"] == out["host_ms_ratio"]
+    assert _is_png(out["plot"])
+    with pytest.raises(SystemExit):
+        host_phases.main([f"a={tmp_path}/nothing", "--output-json", str(tmp_path / "x.json")])
+
+
 @pytest.mark.slow
 def test_latency_end_to_end(tmp_path, tiny_llama_dir):
     from benchmarks import latency
