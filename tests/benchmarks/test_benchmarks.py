@@ -258,6 +258,19 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
     assert out["output_throughput"] == r["output_throughput"]
 
 
+def test_step_plan_benchmark(tmp_path):
+    from benchmarks import step_plan
+
+    out = step_plan.main(["--iters", "2", "--context", "64", "--output-json",
+                          str(tmp_path / "sp.json")])
+    cases = out["ms_per_plan"]
+    assert list(cases) == ["decode 64", "decode 128", "decode 256",
+                           "192 decode + 4 x 256 prefill"]
+    assert all(0 < v < 1000 for v in cases.values())
+    assert json.loads((tmp_path / "sp.json").read_text())["ms_per_plan"] == cases
+    assert _is_png(out["plot"])
+
+
 def test_host_phases_takes_medians_of_each_set(tmp_path):
     from benchmarks import host_phases
 

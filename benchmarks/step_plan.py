@@ -1,0 +1,105 @@
+"""Host cost of building one step plan (``core.step_plan.build_step_plan``), no device: decode
+steps of 64 / 128 / 256 rows with a long context each (pages per row ~ context / 16), and a
+mixed step (prefill chunks beside decodes). Pure numpy and Python, so the same on any machine
+with the same CPU; a change to the plan's host path shows here without engine noise.
+
+    python -m benchmarks.step_plan --output-json step_plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common as C  # noqa: E402
+
+BLOCK = 16
+
+
+def decode_rows(n: int, context: int, rng) -> list:
+    """``n`` decode rows (a pending token each, greedy) with contexts around ``context``."""
+    from jaxserve.core.request import PLACEHOLDER
+    from jaxserve.core.sampling_metadata import SamplingRow
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.core.step_plan import ScheduledSeq
+
+    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    rows, first = [], 1
+    for i in range(n):
+        ctx = int(rng.integers(context, context + 128))
+        k = ctx // BLOCK + 1
+        rows.append(ScheduledSeq(new_token_ids=[PLACEHOLDER], start_pos=ctx,
+                                 block_ids=[list(range(first, first + k))], prev_row=i,
+                                 sampling=SamplingRow(sp, [1] * 8, [2] * ctx, [2], 8)))
+        first += k
+    return rows
+
+
+def prefill_rows(n: int, chunk: int, first_page: int) -> list:
+    """``n`` prefill chunks of ``chunk`` tokens that do not finish their prompts."""
+    from jaxserve.core.step_plan import ScheduledSeq
+
+    return [ScheduledSeq(new_token_ids=list(range(3, 3 + chunk)), start_pos=0,
+                         block_ids=[list(range(first_page + i * (chunk // BLOCK + 1),
+                                               first_page + (i + 1) * (chunk // BLOCK + 1)))],
+                         sample=False) for i in range(n)]
+
+
+def time_plan(rows, *, budget: int, max_pages: int, iters: int) -> float:
+    """Best mean ms of build_step_plan over three rounds of ``iters`` calls."""
+    from jaxserve.core.step_plan import build_step_plan, token_ladder
+
+    ladder, rng = token_ladder(budget), np.random.default_rng(0)
+
+    def once():
+        return build_step_plan(rows, block_size=BLOCK, max_pages_per_seq=max_pages,
+                               ladder=ladder, max_num_seqs=256, history_len=max_pages * BLOCK,
+                               rng=rng)
+
+    for _ in range(5):
+        once()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            once()
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return 1e3 * best
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=512, help="decode rows' context (tokens)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    max_pages = max(args.context + 128, 256) // BLOCK + 2  # decode rows and prefill chunks
+    cases = {}
+    for n in (64, 128, 256):
+        cases[f"decode {n}"] = time_plan(decode_rows(n, args.context, rng), budget=2048,
+                                         max_pages=max_pages, iters=args.iters)
+    dec = decode_rows(192, args.context, rng)
+    mixed = dec + prefill_rows(4, 256, 1 + sum(len(r.block_ids[0]) for r in dec))
+    cases["192 decode + 4 x 256 prefill"] = time_plan(mixed, budget=2048, max_pages=max_pages,
+                                                      iters=args.iters)
+    out = dict(benchmark="step_plan", **C.run_metadata(), config=vars(args),
+               ms_per_plan=cases)
+    path = args.output_json or C.result_path("step_plan", args)
+    if not args.no_plot:
+        out["plot"] = C.bar_plot(path[:-5] + ".png", list(cases), {"build_step_plan": list(
+            cases.values())}, ylabel="ms per plan", title="host cost of one step plan")
+    C.write_json(path, out)
+    for k, v in cases.items():
+        print(f"{k}: {v:.3f} ms")
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
