@@ -92,17 +92,19 @@ def configs(args) -> dict[str, dict]:
     return {"hybrid": hybrid, "twin": twin}
 
 
-def write_shape(shape: str, mtp: bool = False, out_dir: str | None = None) -> str:
+def write_shape(shape: str, mtp: bool = False, out_dir: str | None = None,
+                num_layers: int | None = None) -> str:
     """A model directory (config + tokenizer, no weights: serve it with ``load_format
     dummy``) of the hybrid ``shape``; ``mtp``: with a one-layer MTP head (speculative decoding
-    with method ``mtp``)."""
+    with method ``mtp``); ``num_layers``: cut the depth (a multiple of 4)."""
     from jaxserve.testing.presets import write_preset
 
-    cfg = configs(argparse.Namespace(shape=shape, num_layers=None))["hybrid"]
+    cfg = configs(argparse.Namespace(shape=shape, num_layers=num_layers))["hybrid"]
     if mtp:
         cfg["mtp_num_hidden_layers"] = 1
+    depth = f"-{num_layers}l" if num_layers else ""
     out = out_dir or os.path.join(tempfile.mkdtemp(prefix="hybrid-shape-"),
-                                  f"qwen3.6-{shape}{'-mtp' if mtp else ''}")
+                                  f"qwen3.6-{shape}{depth}{'-mtp' if mtp else ''}")
     return write_preset("qwen3.6", out, config=cfg)
 
 

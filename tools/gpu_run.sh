@@ -10,7 +10,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (run in the order STAGES gives; default): pytest  kernels  kernels2  gdnlora  tp11  tp8b  lora8b  serving  startup  spec  mtp  moe  gemma4  hybrid
+# Stages (run in the order STAGES gives; default): pytest  kernels  kernels2  gdnlora  tp11  tp8b  lora8b  serving  startup  dummyinit  spec  mtp  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short; PYTEST_WORKERS xdist workers, default 4, when xdist is there)
 #   kernels  benchmarks/kernels.py (when present)
 #   kernels2 benchmarks/kernels.py with float8 pages (--kv-cache-dtype fp8), then head_dim 256 and
@@ -24,6 +24,8 @@
 #            evenly vs the base engine (issue "Multi-LoRA serving"; target >= 0.9x of base)
 #   serving  serving sweep on the 1.1B shape against a launched `jaxserve serve`
 #   startup  `jaxserve serve` of the 1.1B shape (dummy weights) cold and cached (issue "Fast start")
+#   dummyinit Qwen3.6-27B shape's dummy weights (bf16, op by op) and the one-jit init's compile
+#            (DUMMY_SHAPE; "cpu": the tiny shape)
 #   spec     benchmarks/latency.py --speculative-config (n-gram, k 4) vs plain decoding, batch 1
 #            and 8, repeat-a-passage prompts (SPEC_MODEL, SPEC_CONFIG)
 #   mtp      the same with method mtp on the Qwen3.6-27B shape (dummy head: drafting overhead)
@@ -36,6 +38,7 @@
 #   LORA_PRESET (llama3-8b), LORA_ARGS (extra benchmarks/lora.py flags),
 #   HF_BS ("64,128,256"), HF_CB_IMPLS ("sdpa,paged|eager,flash_attention_2"), SERVE_N (256),
 #   SERVE_RATES ("inf,0.8x,0.5x"), SERVE_LAUNCH_TIMEOUT (180), GEMMA4_ARGS ("--preset gemma4-31b"; "--tiny" on CPU),
+#   DUMMY_SHAPE (27b),
 #   T_<stage> caps in seconds (T_tp11=300 ...).
 # XLA's persistent compilation cache is on (in the work dir), so the serving stage's server
 # reuses the executables the 1.1B throughput stage compiled (same shapes).
@@ -58,7 +61,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels kernels2 gdnlora tp11 tp8b lora8b serving startup spec mtp moe gemma4 hybrid"}
+STAGES=${STAGES:-"pytest kernels kernels2 gdnlora tp11 tp8b lora8b serving startup dummyinit spec mtp moe gemma4 hybrid"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -195,6 +198,12 @@ stage_gemma4() {
   run_stage gemma4 150 bash -c "$PY benchmarks/gemma4_capacity.py --no-plot --output-json \
     $RES/gemma4_capacity.json && $PY benchmarks/gemma4_capacity.py --engine $g4 \
     --output-json $RES/gemma4_capacity_engine-31b.json"
+}
+stage_dummyinit() {
+  # how long the Qwen3.6-27B shape's dummy weights take (op by op, what hybrid/mtp load), then
+  # the old one-jit init's lower + compile as the baseline (its JSON is written after each part)
+  run_stage dummyinit 240 $PY -m benchmarks.dummy_init --hybrid-shape ${DUMMY_SHAPE:-27b} \
+    --output-json "$RES/dummy_init-qwen3.6-${DUMMY_SHAPE:-27b}.json"
 }
 stage_hybrid() {
   run_stage hybrid 240 $PY benchmarks/hybrid_decode.py --shape ${HYBRID_SHAPE:-27b} \

@@ -22,7 +22,14 @@ from pallas_kernels.reference import write_kv
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return _normal_values(rngs.params(), tuple(shape), jnp.dtype(dtype), std)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal_values(key, shape: tuple, dtype, std: float):
+    """One program per (shape, dtype, std): a model built op by op (dummy weights) compiles
+    each weight shape once, not each of its ops."""
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 class Linear(nnx.Module):

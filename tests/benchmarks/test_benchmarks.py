@@ -271,6 +271,20 @@ def test_step_plan_benchmark(tmp_path):
     assert _is_png(out["plot"])
 
 
+def test_dummy_init_benchmark(tmp_path):
+    from benchmarks import dummy_init
+
+    out = dummy_init.main(["--hybrid-shape", "cpu", "--output-json", str(tmp_path / "d.json")])
+    load, jit = out["dummy_load"], out["one_jit"]
+    assert load["total_s"] > 0 and jit["compile_s"] > 0 and jit["lower_s"] > 0
+    assert load["param_bytes"] > 0
+    assert out["one_jit_compile_over_dummy_load"] == pytest.approx(jit["total_s"]
+                                                                   / load["total_s"])
+    saved = json.loads((tmp_path / "d.json").read_text())
+    assert saved["dummy_load"] == load and saved["one_jit"] == jit
+    assert _is_png(out["plot"])
+
+
 def test_host_phases_takes_medians_of_each_set(tmp_path):
     from benchmarks import host_phases
 

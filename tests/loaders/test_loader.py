@@ -163,6 +163,42 @@ def test_dummy_weights_from_config_alone(tiny_model_factory, tmp_path):
     assert np.all(params["model.norm.weight"] == 1)
 
 
+def test_dummy_weights_compile_per_shape_not_per_layer(tiny_model_factory, tmp_path):
+    """On one device the dummy init runs op by op: a deeper model of the same widths reuses
+    every program a shallower one compiled (one jit of the whole init would compile anew, and
+    for 64 layers that takes minutes)."""
+    import json
+
+    from jax import monitoring
+
+    src = tiny_model_factory("qwen2")
+    cfg = json.loads((src / "config.json").read_text())
+    dirs = []
+    for layers in (2, 6):
+        d = tmp_path / f"layers{layers}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+        dirs.append(d)
+    compiles = []
+
+    def on_event(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        load_model(str(dirs[0]), load_format="dummy", dtype="bfloat16")
+        first = len(compiles)
+        model, _, _ = load_model(str(dirs[1]), load_format="dummy", dtype="bfloat16")
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
+    assert len(model.model.layers) == 6
+    assert len(compiles) == first  # nothing new to compile for layers 3..6
+    w = [np.asarray(model.model.layers[i].mlp.up_proj.weight.get_value(), np.float32)
+         for i in (0, 5)]
+    assert not np.array_equal(w[0], w[1]) and 0.015 < w[1].std() < 0.025
+
+
 def test_model_config_reads_transformers_4_and_5_spellings():
     base = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
