@@ -66,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, help="e.g. fp8 (weights)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--token-bucket-growth", type=int, default=None,
+                   help="ladder ratio between token buckets (default on an accelerator: 128, "
+                        "i.e. a decode bucket and the budget's: each bucket of a 64-layer "
+                        "shape is a long compile)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     C.add_output_args(p)
@@ -130,6 +134,8 @@ def run_model(name: str, cfg: dict, args) -> dict:
               seed=args.seed, quantization=args.quantization, enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens,
               min_token_bucket=16 if not C.on_accelerator() else None,
+              token_bucket_growth=args.token_bucket_growth or (
+                  128 if C.on_accelerator() else None),
               enforce_eager=not C.on_accelerator(), block_size=block)
     t0 = time.perf_counter()
     llm = LLM(model_dir, **{k: v for k, v in kw.items() if v is not None})

@@ -33,7 +33,8 @@
 #   gemma4   Gemma-4-31B shape (dummy weights, fp8 weights + fp8 KV, 32k context): the engine's
 #            KV cache groups and "Maximum concurrency", beside the capacity arithmetic (issue 36)
 #   hybrid   Qwen3.6-27B shape in fp8 (dummy weights): decode step time against context 1k -> 32k,
-#            the hybrid (GDN + attention) against its all-attention twin (issue "Qwen 3.6")
+#            the hybrid (GDN + attention) against its all-attention twin (issue "Qwen 3.6");
+#            two token buckets (16 and the budget), each a long compile at 64 layers
 # Knobs (env): STAGES, BUDGET_S (default 515), N11 (1024), N8B (512), HF_CB_N (256),
 #   LORA_PRESET (llama3-8b), LORA_ARGS (extra benchmarks/lora.py flags),
 #   HF_BS ("64,128,256"), HF_CB_IMPLS ("sdpa,paged|eager,flash_attention_2"), SERVE_N (256),
