@@ -318,9 +318,11 @@ class Scheduler:
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                 out.finished_outputs.append(req.take_output())
                 continue
-            nd = self._num_drafts(req, n, budget)
-            drafts = req.spec_token_ids[:nd]
-            n += nd  # lookahead slots: pages for the drafts' K/V too
+            drafts = None
+            if req.spec_token_ids:
+                nd = self._num_drafts(req, n, budget)
+                drafts = req.spec_token_ids[:nd]
+                n += nd  # lookahead slots: pages for the drafts' K/V too
             scheduled = True
             while not bm.allocate_slots(req, n):
                 victim = self.running[-1]
@@ -334,7 +336,8 @@ class Scheduler:
                 self._preempt(victim, out)
             if scheduled:
                 self._add_scheduled(out, req, n, drafts)
-                req.spec_token_ids = []
+                if drafts is not None:
+                    req.spec_token_ids = []
                 budget -= n
                 i += 1
         return budget
