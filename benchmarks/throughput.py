@@ -37,6 +37,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-async-scheduling", action="store_true",
                    help="also run the engine with async scheduling off, same requests, and "
                         "report both (jaxserve_sync)")
+    p.add_argument("--profile-dir", default=None,
+                   help="after the timed run, trace a decode-heavy generate (jax.profiler) "
+                        "into this directory and put the device's time per op in the JSON "
+                        "(profile)")
+    p.add_argument("--profile-num-prompts", type=int, default=None,
+                   help="requests of the traced run (default: max_num_seqs of them, 16 "
+                        "output tokens each)")
     B.add_baseline_args(p)
     B.add_output_args(p)
     args = p.parse_args(argv)
@@ -242,6 +249,14 @@ def run_jaxserve(args, model_dir: str, requests: list[B.BenchRequest], log=print
         token_buckets=[int(t) for t in getattr(engine.runner, "ladder", [])],
     )
     res.update(timer.summary(sched.max_num_seqs))
+    if args.profile_dir:  # after every figure above: the traced run is not one of them
+        from benchmarks import profile_summary
+
+        k = args.profile_num_prompts or min(sched.max_num_seqs, len(prompts))
+        xplane = profile_summary.trace_generate(
+            llm, prompts[:k], [params(min(16, r.output_len)) for r in requests[:k]],
+            args.profile_dir)
+        res["profile"] = dict(num_prompts=k, output_len=16, **profile_summary.summarize(xplane))
     res["_step_records"] = timer.records
     if short:
         log(f"WARNING: {len(short)} requests did not generate exactly their output length")
@@ -363,6 +378,13 @@ def _print_summary(out: dict) -> None:
           f"tokens/s ({r['elapsed_time']:.2f} s, {r['num_steps']} steps, host "
           f"{r.get('host_ms_per_step', 0):.2f} ms / device {r.get('device_ms_per_step', 0):.2f} "
           f"ms per step, {r['compiles_after_warmup']} compiles after warm-up)")
+    if r.get("profile"):
+        prof = r["profile"]
+        print(f"  profile ({prof['num_prompts']} requests, {prof['op_time_ms']:.1f} ms of op "
+              "time): " + ", ".join(f"{m} {v:.1f} ms" for m, v in prof["module_time_ms"].items()))
+        for op in prof["top_ops"][:10]:
+            print(f"    {op['total_ms']:9.3f} ms {op['fraction']:6.1%} x{op['count']:<5d} "
+                  f"{op['name']}")
     if r.get("host_breakdown_ms_per_step"):
         print("  host ms per step: " + ", ".join(
             f"{k} {v:.2f}" for k, v in r["host_breakdown_ms_per_step"].items()))

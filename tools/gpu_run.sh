@@ -18,7 +18,9 @@
 #   gdnlora  benchmarks/kernels.py --cases gdn,lora: Gated DeltaNet against its state-traffic
 #            bound and the XLA path; multi-LoRA projection against the base matmul
 #   tp11     throughput, 1.1B shape (tinyllama-1.1b preset, dummy weights, bf16): 1024 prompts,
-#            in 512, out 128, greedy, + HF generate, HF generate_batch and the decode roofline
+#            in 512, out 128, greedy, + HF generate, HF generate_batch and the decode roofline;
+#            the host's time per step by phase, and a jax.profiler trace of 256 decodes summed
+#            per op (the JSON's profile; the raw trace stays on the machine)
 #   tp8b     throughput, Llama-3-8B shape (llama3-8b preset), + roofline
 #   lora8b   benchmarks/lora.py on the Llama-3-8B shape: 0/1/4/8 random rank-16 adapters mixed
 #            evenly vs the base engine (issue "Multi-LoRA serving"; target >= 0.9x of base)
@@ -138,7 +140,7 @@ stage_tp11() {
   [[ "${HF:-1}" == 0 ]] && hf=()
   run_stage tp11 240 $PY benchmarks/throughput.py --preset tinyllama-1.1b --dtype bfloat16 \
     --num-prompts "$N11" --input-len 512 --output-len 128 --disable-detokenize \
-    "${hf[@]}" --roofline \
+    "${hf[@]}" --roofline --profile-dir "$WORK/trace-tp11" \
     --disable-tqdm --output-json "$RES/throughput-tinyllama-1.1b.json"
 }
 stage_tp8b() {

@@ -202,7 +202,8 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
         "--output-len", str(out_len), *ENGINE_FLAGS, "--num-warmup-prompts", "1",
         "--hf-baseline", "--hf-batch-sizes", "2,4", "--hf-cb-baseline",
         "--hf-cb-attn-impls", "sdpa,no_such_attention", "--roofline",
-        "--compare-async-scheduling", "--result-dir", str(tmp_path)])
+        "--compare-async-scheduling", "--profile-dir", str(tmp_path / "trace"),
+        "--result-dir", str(tmp_path)])
     files = list(tmp_path.glob("throughput-*.json"))
     assert len(files) == 1
     d = json.loads(files[0].read_text())
@@ -221,6 +222,18 @@ def test_throughput_end_to_end_with_baselines(tmp_path, tiny_llama_dir):
     wall = r["step_ms_per_step"] * r["num_steps"]
     dev = r["device_ms_per_step"] * r["num_steps"]
     assert r["host_overhead_fraction"] == pytest.approx((wall - dev) / dev, rel=0.05)
+    prof = r["profile"]  # the traced run: the device's (here the CPU client's) time per op
+    assert prof["num_prompts"] == 4 and {"jit_forward", "jit_sample"} <= set(
+        prof["module_time_ms"])
+    assert sum(prof["module_time_ms"].values()) == pytest.approx(prof["op_time_ms"])
+    ops = prof["top_ops"]
+    assert ops and all(a["total_ms"] >= b["total_ms"] for a, b in zip(ops, ops[1:]))
+    assert sum(op["fraction"] for op in ops) <= 1 + 1e-9
+    assert ops[0]["total_ms"] == pytest.approx(ops[0]["fraction"] * prof["op_time_ms"])
+    from benchmarks import profile_summary
+    again = profile_summary.main([str(tmp_path / "trace"), "--output-json",
+                                  str(tmp_path / "prof.json")])
+    assert again["op_time_ms"] == pytest.approx(prof["op_time_ms"])
     parts = r["host_breakdown_ms_per_step"]  # the phases add up to the host's time
     assert set(parts) == {"schedule", "rows", "plan", "dispatch", "update", "output", "other"}
     assert sum(parts.values()) == pytest.approx(r["host_ms_per_step"], rel=1e-6)
