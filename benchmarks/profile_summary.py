@@ -47,13 +47,16 @@ def newest_xplane(log_dir: str) -> str:
 
 
 def _op_events(pd):
-    """(plane, event) of every op run: device planes' "XLA Ops" lines (every line of a device
-    plane without one), else the CPU client's worker threads."""
+    """(plane, event) of every op run: device planes' "XLA Ops" lines (their stream lines
+    without one), else the CPU client's worker threads."""
     device = [p for p in pd.planes if p.name.startswith("/device:")]
     if device:
         for plane in device:
             lines = list(plane.lines)
-            ops = [ln for ln in lines if ln.name == "XLA Ops"] or lines
+            # no "XLA Ops" line (a raw CUPTI trace): each stream's kernels and copies; the
+            # per-program and per-step lines would count the same time twice
+            ops = [ln for ln in lines if ln.name == "XLA Ops"] or [
+                ln for ln in lines if "Modules" not in ln.name and "Steps" not in ln.name]
             for line in ops:
                 for ev in line.events:
                     yield plane.name, ev
