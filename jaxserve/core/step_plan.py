@@ -254,7 +254,7 @@ def _pages(rows, pos, row_of_tok, needed, block_size: int, max_pages: int, s_buc
     and where each new token's K/V goes (``needed[i]`` pages hold row i's last position)."""
     n_rows, n_groups = len(rows), len(rows[0].block_ids)
     lists = [pages for r in rows for pages in r.block_ids]  # row-major: (row, group)
-    if len(lists) != n_rows * n_groups or any(len(r.block_ids) != n_groups for r in rows):
+    if any(len(r.block_ids) != n_groups for r in rows):
         raise ValueError("every row needs one page list per cache group")
     lens = np.fromiter(map(len, lists), np.int64, len(lists))
     if lens.max(initial=0) > max_pages:

@@ -212,9 +212,9 @@ def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mes
 
     On one device the model is built op by op: each initialiser compiles once per distinct
     shape and every layer reuses it. One jit of the whole init compiles the whole model's
-    initialisers as one program instead, which takes minutes for a 64-layer shape (140 s on a
-    CPU for Qwen3.6-27B). Over several devices that one jit stays, since it places every
-    weight straight in its shards."""
+    initialisers as one program instead, which takes minutes for a 64-layer shape (124 s on a
+    2-core CPU for Qwen3.6-27B; benchmarks/dummy_init.py). Over several devices that one jit
+    stays, since it places every weight straight in its shards."""
     dtype = resolve_dtype(dtype)
     explicit_mesh = mesh
     mesh = mesh or default_mesh()
