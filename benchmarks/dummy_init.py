@@ -38,7 +38,10 @@ def parse_args(argv=None):
     p.add_argument("--skip-one-jit", action="store_true", help="only the real load")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--output-json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.num_layers is not None and not args.hybrid_shape:
+        p.error("--num-layers cuts a --hybrid-shape only")
+    return args
 
 
 def model_dir(args) -> str:

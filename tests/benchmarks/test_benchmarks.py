@@ -296,6 +296,8 @@ def test_dummy_init_benchmark(tmp_path):
     saved = json.loads((tmp_path / "d.json").read_text())
     assert saved["dummy_load"] == load and saved["one_jit"] == jit
     assert _is_png(out["plot"])
+    with pytest.raises(SystemExit):  # a flag that would do nothing is an error
+        dummy_init.main(["--preset", "tinyllama-1.1b", "--num-layers", "4"])
 
 
 def test_host_phases_takes_medians_of_each_set(tmp_path):
