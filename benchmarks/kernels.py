@@ -160,15 +160,19 @@ def page_dtype(args):
 
 
 def to_fp8_pages(k_pages, v_pages, dtype):
-    """float8 pages holding K / scale and V / scale, one scale per KV head (its max over the
-    format's largest value), as ``--kv-cache-dtype fp8`` with calculated scales."""
+    """float8 pages holding K / scale and V / scale, one scale per KV head (the engine's
+    calibration rule, ``scales_from_amax``), as ``--kv-cache-dtype fp8`` with calculated
+    scales."""
     import jax.numpy as jnp
 
+    from jaxserve.worker.kv_calibration import scales_from_amax
     from pallas_kernels import reference
 
-    fmax = float(jnp.finfo(dtype).max)
-    ks = jnp.max(jnp.abs(k_pages.astype(jnp.float32)), axis=(1, 2, 3)) / fmax
-    vs = jnp.max(jnp.abs(v_pages.astype(jnp.float32)), axis=(1, 2, 3)) / fmax
+    def scales(pages):
+        return jnp.asarray(scales_from_amax(
+            np.asarray(jnp.max(jnp.abs(pages.astype(jnp.float32)), axis=(1, 2, 3))), dtype))
+
+    ks, vs = scales(k_pages), scales(v_pages)
     return (reference.to_page_dtype(k_pages, dtype, ks[:, None, None, None]),
             reference.to_page_dtype(v_pages, dtype, vs[:, None, None, None]),
             jnp.stack([ks, vs], axis=1))
