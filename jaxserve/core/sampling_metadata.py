@@ -121,13 +121,11 @@ def build_sampling_arrays(
         real.append(i)
         # greedy rows (decided once, SamplingParams.is_greedy) get temperature 0: the device's
         # rule; their other sampling fields are inert
-        if p.is_greedy:
-            vals.append((0.0, 1.0, 0, 0.0, p.presence_penalty, p.frequency_penalty,
-                         p.repetition_penalty, n_gen, -1 if p.logprobs is None else p.logprobs))
-        else:
-            vals.append((p.temperature, p.top_p, max(p.top_k, 0), p.min_p, p.presence_penalty,
-                         p.frequency_penalty, p.repetition_penalty, n_gen,
-                         -1 if p.logprobs is None else p.logprobs))
+        g = p.is_greedy
+        vals.append((0.0 if g else p.temperature, 1.0 if g else p.top_p,
+                     0 if g else max(p.top_k, 0), 0.0 if g else p.min_p, p.presence_penalty,
+                     p.frequency_penalty, p.repetition_penalty, n_gen,
+                     -1 if p.logprobs is None else p.logprobs))
         if p.min_tokens and n_gen < p.min_tokens:
             ids = list(dict.fromkeys(list(p.stop_token_ids) + _eos_list(eos)))
             stop_lists[i] = ids
