@@ -57,21 +57,15 @@ def model_dir(args) -> str:
 
 
 def one_jit_compile_s(path: str, dtype: str) -> dict:
-    """Lower and compile the whole init as one program (the baseline), timed apart."""
+    """Lower and compile the loader's init as one program (the baseline), timed apart."""
     from pathlib import Path
 
     import jax
-    from flax import nnx
 
     from jaxserve.config import ModelConfig
-    from jaxserve.loaders.model_loader import _read_config, get_model_class, resolve_dtype
+    from jaxserve.loaders.model_loader import _read_config, dummy_init_fn
 
-    cfg = ModelConfig.from_hf_config(_read_config(Path(path)))
-    cls, dt = get_model_class(cfg.architecture), resolve_dtype(dtype)
-
-    def init():
-        return nnx.split(cls(cfg, dtype=dt, rngs=nnx.Rngs(0), attention_backend="reference"))[1]
-
+    init = dummy_init_fn(ModelConfig.from_hf_config(_read_config(Path(path))), dtype)
     t0 = time.perf_counter()
     lowered = jax.jit(init).lower()
     t1 = time.perf_counter()

@@ -218,24 +218,33 @@ def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mes
     dtype = resolve_dtype(dtype)
     explicit_mesh = mesh
     mesh = mesh or default_mesh()
-    cls = get_model_class(model_config.architecture)
     abstract = _abstract_model(model_config, dtype, attention_backend)
     graphdef, abs_state = nnx.split(abstract)
     shardings = jax.tree_util.tree_map_with_path(
         lambda path, leaf: _param_sharding(_path_name(path), leaf.shape, mesh, model_config),
         abs_state)
 
-    def init():
-        m = cls(model_config, dtype=dtype, rngs=nnx.Rngs(seed),
-                attention_backend=attention_backend)
-        return nnx.split(m)[1]
-
+    init = dummy_init_fn(model_config, dtype, attention_backend, seed)
     if mesh.devices.size == 1:
         with jax.default_device(mesh.devices.flat[0]):
             state = jax.device_put(init(), shardings)
     else:
         state = jax.jit(init, out_shardings=shardings)()
     return _attach_mesh(nnx.merge(graphdef, state), model_config, explicit_mesh)
+
+
+def dummy_init_fn(model_config: ModelConfig, dtype, attention_backend: str = "reference",
+                  seed: int = 0):
+    """The model's own initialisers as a function returning its state (run op by op, or
+    jitted whole)."""
+    cls = get_model_class(model_config.architecture)
+    dtype = resolve_dtype(dtype)
+
+    def init():
+        return nnx.split(cls(model_config, dtype=dtype, rngs=nnx.Rngs(seed),
+                             attention_backend=attention_backend))[1]
+
+    return init
 
 
 def _path_name(path) -> str:
