@@ -228,6 +228,7 @@ class BlockManager:
             if p != NULL_PAGE:
                 self._unref(p)
                 pages[i] = NULL_PAGE
+                request.pages_dirty = True
         self._num_released[request.request_id] = dead
         return dead
 

@@ -91,6 +91,12 @@ class Request:
         # (core.kv_cache_groups); block_ids is then group 0's. None: one pool.
         self.group_block_ids: list[list[int]] | None = None
         self.state_slot = -1  # recurrent-state pool slot (LinearState layers); -1: none
+        # what the worker's persistent batch holds of it (core.batch_diff): whether it has a
+        # row, each group's page-list length it knows, and whether entries it knows changed
+        # in place since (a sliding window released pages)
+        self.in_batch = False
+        self.sent_pages: list[int] | None = None
+        self.pages_dirty = False
         self.block_hashes: list[int] = []  # prefix-cache hash chain of full pages (lazy)
         self.num_cached_tokens = 0  # prefix-cache hit at first schedule
         self.num_preemptions = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.core.batch_diff import BatchDiff
 from jaxserve.core.outputs import CoreOutput
 from jaxserve.core.request import Request
 from jaxserve.core.step_plan import ScheduledSeq
@@ -27,6 +28,10 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    # what the worker reads: its persistent batch's diff and the step's rows (no Request)
+    batch: BatchDiff = field(default_factory=BatchDiff)
+    # the scheduler's own record of the step's rows (live requests, for update_from_output
+    # and the engine's host-side extras: grammars, adapters, drafts); never sent to a worker
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # preempted this step (both modes)
     # (request_id, page ids): copy these pages device -> host BEFORE running the step (the

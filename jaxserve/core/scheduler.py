@@ -23,6 +23,7 @@ import bisect
 import time
 from typing import Iterable
 
+from jaxserve.core.batch_diff import NewRequestData, page_updates
 from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
@@ -194,6 +195,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.block_manager.free(req)
+        req.in_batch = False
         self._swapped_pages.pop(request_id, None)
         self.siblings.drop(req)
         req.status = status
@@ -243,6 +245,7 @@ class Scheduler:
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
         self.block_manager.free(victim)
+        victim.in_batch = False  # its row is freed; it comes back as a new one
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         out.preempted.append(victim.request_id)
@@ -264,11 +267,31 @@ class Scheduler:
         sample = start + n - nd == len(req.all_token_ids)
         out.scheduled.append(ScheduledRequest(req, n, start, sample, ids, nd))
         out.num_batched_tokens += n
+        b = out.batch
+        if not req.in_batch:  # a new row: everything the worker keeps of it, once
+            pages = req.pages_per_group()
+            b.new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                req.sampling_params, [list(p) for p in pages], req.lora_int_id,
+                req.state_slot))
+            req.in_batch, req.sent_pages, req.pages_dirty = True, [len(p) for p in pages], False
+        else:
+            ups, req.sent_pages = page_updates(req, req.sent_pages, req.pages_dirty)
+            req.pages_dirty = False
+            if ups:
+                b.page_updates += ups
+        b.req_ids.append(req.request_id)
+        b.token_ids.append(ids)
+        b.start_pos.append(start)
+        b.sample.append(sample)
+        b.num_draft.append(nd)
+        b.num_output.append(len(req.output_token_ids))
         if req.num_prompt_logprobs is not None:
             lo = max(start, req.num_prompt_logprobs - 1)  # a recomputed prefix is not redone
             hi = min(start + n, req.num_prompt_tokens - 1)
             if hi > lo:
                 out.scheduled[-1].prompt_span = (lo, hi)
+                b.prompt_spans[len(b.req_ids) - 1] = (lo, hi)
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.time()
 
@@ -290,6 +313,7 @@ class Scheduler:
             self._schedule_waiting(out, budget, rows)
         out.finished_req_ids = self._finished_since_schedule
         self._finished_since_schedule = []
+        out.batch.removed = out.finished_req_ids + out.preempted
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, rows: int) -> int:

@@ -101,6 +101,9 @@ class StepPlan:
     prev_ref: np.ndarray  # [T] int32 row of the previous step whose sampled id this token is; -1
     state_slots: np.ndarray  # [S] int32 state-pool slot of each row (LinearState groups); -1
     lora_slots: np.ndarray  # [T] int32 adapter slot of each token; -1 = the base model
+    # [S] int32 the row of the device's last-token buffer each row's sampled id is kept in
+    # (what a later step's prev_ref / history_ref name); -1: not kept
+    token_rows: np.ndarray
     # -- the sampler
     sampling: dict  # SAMPLING_FIELDS -> [S] or [S, width] arrays (core.sampling_metadata)
     history_ref: np.ndarray  # [S, 2] int32 (previous-step row, history index); -1: none
@@ -226,6 +229,8 @@ def build_step_plan(
         prev_ref=prev_ref,
         state_slots=_padded(state_slots, s_bucket, -1),
         lora_slots=_padded(np.repeat(lora_slots, q_lens), t_bucket, -1),
+        token_rows=_padded(np.where(samples, np.arange(n_rows, dtype=np.int32), -1),
+                           s_bucket, -1),
         sampling=build_sampling_arrays([r.sampling for r in rows], s_bucket,
                                        history_len=history_len, rng=rng),
         history_ref=history_ref,
@@ -306,7 +311,8 @@ def padding_plan(t: int, s: int, num_groups: int, max_pages_per_seq: int, *,
                     query_start=z(s + 1), seq_lens=z(s),
                     block_tables=z(num_groups, s, max_pages_per_seq), logits_indices=z(s),
                     prev_ref=np.full(t, -1, np.int32), state_slots=np.full(s, -1, np.int32),
-                    lora_slots=np.full(t, -1, np.int32), sampling=sampling,
+                    lora_slots=np.full(t, -1, np.int32), token_rows=np.full(s, -1, np.int32),
+                    sampling=sampling,
                     history_ref=np.full((s, 2), -1, np.int32), sample_mask=np.zeros(s, bool),
                     token_bitmask=None, spec_logits_indices=spec[0], draft_token_ids=spec[1],
                     num_draft=spec[2], prompt_next_ids=None,

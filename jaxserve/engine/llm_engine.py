@@ -2,7 +2,8 @@
 
     add_request (front: tokenize, fan n > 1 out, register with the output processor)
       -> add_core_request (core: one checked request per sequence into the scheduler)
-    core_step: Scheduler.schedule -> runner.build_plan + dispatch -> update_after_dispatch
+    core_step: Scheduler.schedule -> InputBatch.apply + prepare_inputs -> runner.dispatch
+      -> update_after_dispatch
       -> (one step later with async scheduling) runner.fetch -> Scheduler.update_from_output
       -> CoreOutputs -> OutputProcessor.process -> RequestOutputs
 
@@ -34,8 +35,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CoreOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.sampling_metadata import SamplingRow
-from jaxserve.core.step_plan import ScheduledSeq
+from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
@@ -55,10 +55,7 @@ class _InFlight:
     sched: object  # SchedulerOutput
     handle: object  # runner.StepHandle
     constrained: bool = False  # a sampled row has a grammar: read it before the next schedule
-
-    @property
-    def sampled_rows(self) -> dict[str, int]:
-        return {s.request.request_id: i for i, s in enumerate(self.sched.scheduled) if s.sample}
+    generations: np.ndarray | None = None  # the batch rows' generations at dispatch
 
 
 class LLMEngine:
@@ -100,6 +97,8 @@ class LLMEngine:
         self._swapped: dict[str, object] = {}  # host copies of swapped pages, by request
         self._swapped_state: dict[str, object] = {}  # host copies of swapped recurrent states
         self._inflight: _InFlight | None = None
+        # the worker's persistent rows: the scheduler's diffs in, each step's inputs out
+        self.input_batch = InputBatch.for_runner(runner, self._eos_list, seed=config.seed)
         self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0  # an n > 1 prompt counts once
 
@@ -305,23 +304,28 @@ class LLMEngine:
             self.kv_event_publisher.publish(self.block_manager.take_events())
 
     def _execute(self, sched) -> _InFlight | None:
-        """Move swapped pages, then build the plan (pending tokens point at the step in
-        flight) and enqueue it; None when nothing was scheduled."""
+        """Move swapped pages, apply the diff to the persistent batch, then build the step's
+        inputs (pending tokens name the batch row that sampled them) and enqueue it; None
+        when nothing was scheduled."""
         self._move_pages(sched)
+        batch = self.input_batch
+        batch.apply(sched.batch)
         if not sched.scheduled:
             return None
-        prev_rows = self._inflight.sampled_rows if self._inflight is not None else {}
-        slot_of = self._lora_slots(sched)
-        rows = [self._plan_row(s, prev_rows, slot_of.get(s.request.lora_int_id, -1))
-                for s in sched.scheduled]
         bitmask, constrained = self._token_bitmask(sched)
-        handle = self.runner.dispatch(self.runner.build_plan(rows, bitmask))
+        plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
+                                    token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
+        handle = self.runner.dispatch(plan)
         self.scheduler.update_after_dispatch(sched)  # placeholders until _update
-        return _InFlight(sched, handle, constrained=constrained)
+        rows = plan.token_rows[:plan.num_seqs]
+        return _InFlight(sched, handle, constrained=constrained,
+                         generations=batch.generation[np.maximum(rows, 0)])
 
     def _update(self, done: _InFlight) -> list[CoreOutput]:
-        """Read a dispatched step's ids into the scheduler; drafts for what may speculate."""
+        """Read a dispatched step's ids into the scheduler (and the batch rows' token
+        buffers); drafts for what may speculate."""
         out = self.runner.fetch(done.handle)
+        self._record(done, out)
         outputs = self.scheduler.update_from_output(done.sched, out)
         if self.proposer is not None:
             if hasattr(self.proposer, "observe"):  # drafts made on the device in this step
@@ -352,35 +356,25 @@ class LLMEngine:
         if sched.fork_pages or sched.fork_states:
             self.runner.fork(sched.fork_pages, sched.fork_states)
 
-    def _plan_row(self, s, prev_rows: dict[str, int], lora_slot: int = -1) -> ScheduledSeq:
-        """One scheduled request as a plan row: its tokens and pages, its sampling params, the
-        pending token of a penalty row's history, the next prompt tokens for prompt logprobs."""
-        r = s.request
-        history_ref = None
-        if s.sample and r.num_pending and r.sampling_params.uses_penalties:
-            # the pending id is the last output id in the penalty history
-            history_ref = (prev_rows[r.request_id], r.num_tokens - 1)
-        next_ids = None
-        if s.prompt_span is not None:
-            lo, hi = s.prompt_span
-            next_ids = r.prompt_token_ids[lo + 1:hi + 1]
-        return ScheduledSeq(
-            new_token_ids=s.new_token_ids, start_pos=s.start_pos, block_ids=r.pages_per_group(),
-            sample=s.sample, prev_row=prev_rows.get(r.request_id, -1), num_draft=s.num_draft,
-            sampling=SamplingRow(r.sampling_params, r.output_token_ids, r.prompt_token_ids,
-                                 self._eos_list, r.num_output_tokens) if s.sample else None,
-            history_ref=history_ref, prompt_next_ids=next_ids, state_slot=r.state_slot,
-            lora_slot=lora_slot, next_token=-1 if s.sample else self._next_known_token(s))
-
-    @staticmethod
-    def _next_known_token(s) -> int:
-        """The known token after a row that does not sample (a prefill chunk's next prompt
-        token), for the MTP head; -1 for a sampling row (its own sampled token follows)."""
-        if s.sample:
-            return -1
-        i = s.start_pos + s.num_new_tokens
-        ids = s.request.all_token_ids
-        return int(ids[i]) if i < len(ids) else -1
+    def _record(self, done: _InFlight, out) -> None:
+        """The step's sampled ids into their batch rows' token buffers (penalty histories and
+        the MTP head's next tokens read them there), at the position each id takes."""
+        plan = done.handle.plan
+        n = plan.num_seqs
+        rows = plan.token_rows[:n]
+        pos = plan.seq_lens[:n].copy()
+        if out.num_emitted is None:
+            self.input_batch.record(rows, done.generations, pos, out.token_ids[:n])
+            return
+        # verify rows: the accepted drafts and the target's token, from the first draft's slot
+        nd = plan.num_draft[:n]
+        pos -= nd
+        k = out.spec_token_ids.shape[1]
+        j = np.arange(k)[None, :]
+        keep = j < out.num_emitted[:n, None]
+        self.input_batch.record(np.repeat(rows, k)[keep.ravel()],
+                                np.repeat(done.generations, k)[keep.ravel()],
+                                (pos[:, None] + j)[keep], out.spec_token_ids[:n][keep])
 
     def _token_bitmask(self, sched) -> tuple[np.ndarray | None, bool]:
         """The rows' allowed tokens (grammars, allowed_token_ids, bad_words), or None when no

@@ -658,7 +658,8 @@ class PipelineRunner(runner_lib.ModelRunner):
         before = runner_lib._TRACES.n
         logits, _, hidden = self._gather_logits(plan, logits, hidden)
         out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                              self._last_tokens, self._bitmask(plan),
+                                              self._last_tokens, plan.token_rows,
+                                              self._bitmask(plan),
                                               self._step_inputs(plan)[1])
         h.sampled, h.verify = out if self.num_spec_tokens else (out, None)
         if plan.prompt_next_ids is not None:
@@ -705,7 +706,8 @@ class PipelineRunner(runner_lib.ModelRunner):
             before = runner_lib._TRACES.n
             logits, _, hidden = self._forward_stages(plan)
             out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                  self._last_tokens, self._bitmask(plan),
+                                                  self._last_tokens, plan.token_rows,
+                                                  self._bitmask(plan),
                                                   self._step_inputs(plan)[1])
             if plan.prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids))
@@ -821,12 +823,12 @@ class PipelineRunner(runner_lib.ModelRunner):
                 logits, _, hidden = self._forward_stages(plan)
                 jax.block_until_ready(self._sample(
                     logits, plan.sampling, plan.history_ref, self._last_tokens,
-                    self._ones_bitmask(s), self._step_inputs(plan)[1]))
+                    plan.token_rows, self._ones_bitmask(s), self._step_inputs(plan)[1]))
             half = w.warmup_bitmask(self, s)
             for p in w._WARMUP_OTHER_BRANCHES:
                 jax.block_until_ready(self._sample(
                     logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
-                    self._last_tokens, half, drafts))
+                    self._last_tokens, np.full(s, -1, np.int32), half, drafts))
             jax.block_until_ready(self._prompt_logprobs_everywhere(
                 hidden, np.zeros(t, np.int32)))
 

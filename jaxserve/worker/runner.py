@@ -266,13 +266,15 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
     the (cheap) sampler compiles once per sequence bucket and sampling-array layout. The top
     logprobs have the static width ``num_top_logprobs`` (see :func:`top_logprobs_width`).
 
-    ``history_ref[S, 2]`` (previous-step row, history index) fills a penalty row's pending
-    token from ``prev_tokens``. Returns the sampler output and the new ``[max_num_seqs]`` buffer
-    of sampled ids (this step's rows first) that the next step reads; under a mesh everything
+    ``history_ref[S, 2]`` (buffer row, history index) fills a penalty row's pending token from
+    ``prev_tokens``. Returns the sampler output and the ``[max_num_seqs]`` buffer of each row's
+    last sampled id with this step's ids written at ``token_rows`` (-1: not kept), which later
+    steps read; under a mesh everything
     leaves replicated (on the parameters' 1-device mesh without tensor parallelism), so the
     buffer keeps one sharding from step to step."""
 
-    def sample(logits, sampling, history_ref, prev_tokens, token_bitmask, spec=None):
+    def sample(logits, sampling, history_ref, prev_tokens, token_rows, token_bitmask,
+               spec=None):
         _TRACES.n += 1
         fields = {k: sampling[k] for k in SAMPLING_FIELDS}
         hist = fields["history"]
@@ -289,8 +291,9 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
             out = (out, rejection_sampler.verify(logits, md, spec["draft_token_ids"],
                                                  spec["num_draft"], out.token_ids))
         ids = out.token_ids if spec is None else out[0].token_ids
-        s = ids.shape[0]
-        return out, jnp.zeros_like(prev_tokens).at[:s].set(ids)
+        R = prev_tokens.shape[0]
+        return out, prev_tokens.at[jnp.where(token_rows >= 0, token_rows, R)].set(
+            ids, mode="drop")
 
     return jax.jit(sample, out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
 
@@ -641,7 +644,8 @@ class ModelRunner:
             logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
                                                           arrays, prev_tokens)
             out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                  prev_tokens, self._bitmask(plan), spec)
+                                                  prev_tokens, plan.token_rows,
+                                                  self._bitmask(plan), spec)
             drafts = self.after_verify(arrays, hidden, out, prev_tokens)
             if drafts is not None:
                 out = (*out, drafts)

@@ -187,26 +187,30 @@ class BucketWarmup:
         drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
                       num_draft=np.full(s, k, np.int32)) if k else None
         ones, half = r._ones_bitmask(s), warmup_bitmask(r, s)
-        others = [(warmup_sampling(r, p, s), np.full((s, 2), -1, np.int32), half, drafts)
+        none = np.full(s, -1, np.int32)
+        others = [(warmup_sampling(r, p, s), np.full((s, 2), -1, np.int32), none, half, drafts)
                   for p in _WARMUP_OTHER_BRANCHES]
-        own = [(p.sampling, p.history_ref, ones, r._step_inputs(p)[1]) for p in plans]
+        own = [(p.sampling, p.history_ref, p.token_rows, ones, r._step_inputs(p)[1])
+               for p in plans]
         with self._sampler_locks.setdefault(s, threading.Lock()):  # once per sequence bucket
-            for sampling, history_ref, mask, spec in own + others:
+            for sampling, history_ref, rows, mask, spec in own + others:
                 with TRACE_LOCK:
-                    lowered = r._sample.lower(logits, sampling, history_ref, last, mask, spec)
+                    lowered = r._sample.lower(logits, sampling, history_ref, last, rows, mask,
+                                              spec)
                 lowered.compile()
         with r._pool_lock:  # the runs donate the pool: one step at a time
             for plan in plans:
                 arrays, spec = r._step_inputs(plan)
                 logits, r.kv_pages, hidden = r._forward(r._state_leaves, r.kv_pages, arrays,
                                                         last)
-                sampled = r._sample(logits, plan.sampling, plan.history_ref, last, ones, spec)
+                sampled = r._sample(logits, plan.sampling, plan.history_ref, last,
+                                    plan.token_rows, ones, spec)
                 if r.num_spec_tokens:  # the rollback and the MTP head's drafts
                     with TRACE_LOCK:
                         r.after_verify(arrays, hidden, sampled[0], last)
                 jax.block_until_ready(sampled)
-            for sampling, history_ref, mask, spec in others:
-                jax.block_until_ready(r._sample(logits, sampling, history_ref, last, mask,
+            for sampling, history_ref, rows, mask, spec in others:
+                jax.block_until_ready(r._sample(logits, sampling, history_ref, last, rows, mask,
                                                 spec))
         self._job_detail[("forward", t)] = (
             f"trace+lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s, sampler and warm-up runs "

@@ -6,8 +6,6 @@ slot (from the StepPlan's slot_mapping), checks that every earlier position of e
 back the right token through the block table, and "samples" a token that is a function of the
 context it read. So a lost page, a wrong prefix hit or a bad swap changes the outputs.
 """
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,14 +16,16 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import ABORT_KV_CACHE_EXHAUSTED, Scheduler
+from jaxserve.core.batch_diff import BatchDiff, NewRequestData
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import build_step_plan, token_ladder
+from jaxserve.worker.input_batch import InputBatch
 
 VOCAB = 1000
 
 
-@dataclass
-class Params:
-    max_tokens: int | None = 16
+def Params(max_tokens: int | None = 16) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
 def make_sched(num_pages=64, block_size=4, budget=64, max_seqs=8, max_model_len=256,
@@ -50,7 +50,25 @@ class FakeDevice:
         self.kv = np.full(sched.block_manager.num_pages * bs, -1, dtype=np.int64)
         self.host: dict[str, np.ndarray] = {}
         self.ladder = token_ladder(sched.config.max_num_batched_tokens, 4)
-        self.max_pages = sched.max_pages_per_seq  # build_step_plan raises if a row needs more
+        self.max_pages = sched.max_pages_per_seq  # the batch raises if a row needs more
+        # the engine's builder: the persistent batch, changed by each step's diff
+        self.batch = self._new_batch()
+
+    def _new_batch(self) -> InputBatch:
+        return InputBatch(max_rows=self.s.max_num_seqs, num_groups=1, max_pages=self.max_pages,
+                          block_size=self.s.block_size, max_model_len=self.s.max_model_len,
+                          max_num_seqs=self.s.max_num_seqs)
+
+    def check_rebuild(self) -> None:
+        """The persistent batch holds exactly what one rebuilt from the live requests would."""
+        live = [r for r in self.s.running if r.in_batch]
+        assert set(self.batch.row_of) == {r.request_id for r in live}
+        fresh = self._new_batch()
+        fresh.apply(BatchDiff(new_reqs=[NewRequestData(
+            r.request_id, list(r.all_token_ids), r.num_prompt_tokens, r.sampling_params,
+            [list(p) for p in r.pages_per_group()], r.lora_int_id, r.state_slot)
+            for r in live]))
+        assert self.batch.snapshot() == fresh.snapshot()
 
     def step(self, out) -> dict[str, int]:
         bs = self.s.block_size
@@ -63,10 +81,17 @@ class FakeDevice:
             assert len(data) == len(pages)
             for p, d in zip(pages, data):
                 self.kv[p * bs:(p + 1) * bs] = d
+        self.batch.apply(out.batch)
+        self.check_rebuild()
         if out.is_empty:
             return {}
-        plan = build_step_plan(out.to_rows(), block_size=bs, max_pages_per_seq=self.max_pages,
-                               ladder=self.ladder, max_num_seqs=self.s.max_num_seqs)
+        plan = self.batch.prepare_inputs(out.batch, ladder=self.ladder)
+        # the rows' own builder agrees on everything the forward reads
+        ref = build_step_plan(out.to_rows(), block_size=bs, max_pages_per_seq=self.max_pages,
+                              ladder=self.ladder, max_num_seqs=self.s.max_num_seqs)
+        for f in ("token_ids", "positions", "slot_mapping", "query_start", "seq_lens",
+                  "block_tables", "logits_indices", "sample_mask", "state_slots"):
+            assert np.array_equal(getattr(plan, f), getattr(ref, f)), f
         n = plan.num_tokens
         self.kv[plan.slot_mapping[0, :n]] = plan.token_ids[:n]
         sampled = {}
@@ -78,6 +103,10 @@ class FakeDevice:
             assert np.array_equal(ctx, expect), f"{s.request_id}: KV context corrupted"
             if s.sample:
                 sampled[s.request_id] = int((ctx * np.arange(1, L + 1)).sum() % VOCAB)
+        rows = plan.token_rows[:plan.num_seqs]
+        ids = np.array([sampled.get(s.request_id, -1) for s in out.scheduled], np.int32)
+        self.batch.record(rows, self.batch.generation[np.maximum(rows, 0)],
+                          plan.seq_lens[:plan.num_seqs], ids)
         return sampled
 
 
@@ -316,14 +345,9 @@ def test_sibling_of_an_aborted_or_unknown_parent_is_not_blocked():
 
 
 def test_prompt_logprobs_requests_skip_prefix_cache_reads():
-    @dataclass
-    class PLParams:
-        max_tokens: int = 2
-        prompt_logprobs: int | None = 1
-
     s = make_sched(block_size=4)
     run_all(s, [req("a", range(20), max_tokens=1)])
-    b = Request("b", list(range(20)), PLParams())
+    b = Request("b", list(range(20)), SamplingParams(max_tokens=2, prompt_logprobs=1))
     s.add_request(b)
     (x,) = s.schedule().scheduled
     assert x.start_pos == 0 and x.num_new_tokens == 20 and b.num_cached_tokens == 0
