@@ -66,10 +66,11 @@ class StepTimer:
         self.records: list[dict] = []
         self.plans: list[tuple] = []
         self._cur: dict | None = None
+        self.batch = engine.input_batch
         self._orig = (engine.step, self.runner.dispatch, self.runner.fetch,
-                      self.runner.build_plan)
+                      self.batch.prepare_inputs)
         engine.step, self.runner.dispatch, self.runner.fetch = self._step, self._dispatch, self._fetch
-        self.runner.build_plan = self._build_plan
+        self.batch.prepare_inputs = self._prepare_inputs
         # where the host's time goes: each phase of a step, timed around the engine's own calls
         self._phases = {"schedule_s": (engine.scheduler, "schedule"),
                         "execute_s": (engine, "_execute"), "update_s": (engine, "_update"),
@@ -114,19 +115,18 @@ class StepTimer:
             self._cur["fetch_s"] += time.perf_counter() - t0
         return out
 
-    def _build_plan(self, rows, *args):
+    def _prepare_inputs(self, diff, *args, **kwargs):
         t0 = time.perf_counter()
-        plan = self._orig[3](rows, *args)
+        plan = self._orig[3](diff, *args, **kwargs)
         if self._cur is not None:
             self._cur["plan_s"] += time.perf_counter() - t0
-            self._cur["rows"] = len(rows)
-            self._cur["tokens"] = int(getattr(plan, "num_tokens", 0) or sum(
-                getattr(r, "num_new_tokens", 1) for r in rows))
+            self._cur["rows"] = plan.num_seqs
+            self._cur["tokens"] = plan.num_tokens
         return plan
 
     def restore(self) -> None:
-        self.engine.step, self.runner.dispatch, self.runner.fetch, self.runner.build_plan = \
-            self._orig
+        self.engine.step, self.runner.dispatch, self.runner.fetch = self._orig[:3]
+        del self.batch.prepare_inputs  # the instance attribute hid the class's method
         for obj, name in self._phases.values():
             delattr(obj, name)  # the instance attribute hid the class's method
 

@@ -42,7 +42,9 @@ class BatchDiff(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     page_updates: list[PageUpdate] = []
     # -- the step's rows, in order (one entry per scheduled request)
     req_ids: list[str] = []
-    token_ids: list[list[int]] = []  # new ids; PLACEHOLDER pending, drafts at the end
+    num_tokens: list[int] = []  # new ids of each row
+    token_ids: list[int] = []  # every row's new ids, in row order (PLACEHOLDER: pending;
+    #                            a row's drafts at its end)
     start_pos: list[int] = []  # num_computed_tokens before the step
     sample: list[bool] = []  # the row's sampled token is kept
     num_draft: list[int] = []  # speculative tokens at the end of token_ids

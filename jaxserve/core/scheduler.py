@@ -281,7 +281,8 @@ class Scheduler:
             if ups:
                 b.page_updates += ups
         b.req_ids.append(req.request_id)
-        b.token_ids.append(ids)
+        b.num_tokens.append(len(ids))
+        b.token_ids += ids
         b.start_pos.append(start)
         b.sample.append(sample)
         b.num_draft.append(nd)

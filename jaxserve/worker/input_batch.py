@@ -74,6 +74,7 @@ class InputBatch:
         self.bias_ids = np.full((R, MAX_LOGIT_BIAS), -1, np.int32)
         self.bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
         self.num_bias = np.zeros(R, np.int32)
+        self._padding: dict[tuple[int, bool], dict] = {}  # read-only sampler padding arrays
 
     @classmethod
     def for_runner(cls, runner, eos_token_ids=(), seed: int | None = None) -> InputBatch:
@@ -231,13 +232,14 @@ class InputBatch:
             raise ValueError("a step needs at least one scheduled sequence")
         if n_rows > self.max_num_seqs:
             raise ValueError(f"{n_rows} sequences exceed max_num_seqs={self.max_num_seqs}")
-        row_of = self.row_of
         try:
-            rows = np.fromiter((row_of[r] for r in diff.req_ids), np.int32, n_rows)
+            rows = np.array(list(map(self.row_of.__getitem__, diff.req_ids)), np.int32)
         except KeyError as e:
             raise ValueError(f"the step names request {e.args[0]!r}, which is not in the "
                              "batch") from None
-        q_lens = np.fromiter(map(len, diff.token_ids), np.int32, n_rows)
+        q_lens = np.array(diff.num_tokens, np.int32)
+        if len(q_lens) != n_rows or len(diff.token_ids) != int(q_lens.sum()):
+            raise ValueError("the step's token counts do not match its rows and ids")
         if np.any(q_lens < 1):
             raise ValueError("every scheduled sequence needs at least one new token")
         starts = np.asarray(diff.start_pos, np.int32)
@@ -255,7 +257,7 @@ class InputBatch:
         pos = starts[row_of_tok] + (np.arange(n_tok, dtype=np.int32) - query_start[row_of_tok])
         if n_tok and int(pos.max()) >= self.max_model_len:
             raise ValueError(f"a position reaches max_model_len={self.max_model_len}")
-        ids = np.fromiter((t for row in diff.token_ids for t in row), np.int32, n_tok)
+        ids = np.array(diff.token_ids, np.int32)
 
         # known ids join the rows' token buffers (prefill chunks, synchronous decodes, drafts
         # stay out: they are not the request's yet); pending ids point at their row
@@ -273,9 +275,10 @@ class InputBatch:
             self.token_ids[tok_rows, pos] = ids
         else:
             self.token_ids[tok_rows[known], pos[known]] = ids[known]
-        self.num_known[rows] = np.maximum(self.num_known[rows],
-                                          self._known_end(rows, starts, q_lens, num_draft,
-                                                          pending, query_start, n_rows))
+        ends = starts + q_lens - num_draft
+        if pending.any():  # a row's one pending id is its last: known up to it
+            ends = ends - np.bincount(row_of_tok[pending], minlength=n_rows).astype(np.int32)
+        self.num_known[rows] = np.maximum(self.num_known[rows], ends)
 
         token_ids = np.zeros(t_bucket, np.int32)
         token_ids[:n_tok] = np.where(pending, 0, ids)
@@ -349,16 +352,6 @@ class InputBatch:
             prompt_next_ids=prompt_next_ids, next_token_ids=next_token_ids,
             num_seqs=n_rows, num_tokens=n_tok)
 
-    def _known_end(self, rows, starts, q_lens, num_draft, pending, query_start, n_rows):
-        """Each row's known-token count after this step's known ids are written: up to its
-        first pending id (a row has at most one, its last), else past its last known id."""
-        ends = starts + q_lens - num_draft
-        if pending.any():
-            has = np.zeros(n_rows, bool)
-            has[np.repeat(np.arange(n_rows), q_lens)[pending]] = True
-            ends = ends - has
-        return ends
-
     def _sampling(self, diff: BatchDiff, rows, sample, hist_len, pending, query_start,
                   s_bucket: int):
         """The sampler's arrays (``core.sampling_metadata`` layouts) and ``history_ref``:
@@ -370,26 +363,39 @@ class InputBatch:
         pen = sample & self.penalties[rows]
         full = bool(pen.any() or (self.num_bias[srows] > COMPACT_BIAS_WIDTH).any()
                     or (self.num_stop[rows][mask_stop] > COMPACT_STOP_WIDTH).any())
-        a = dummy_sampling_arrays(s_bucket, full=full, history_len=self.max_model_len)
+        padding = self._padding.get((s_bucket, full))
+        if padding is None:
+            padding = self._padding[(s_bucket, full)] = dummy_sampling_arrays(
+                s_bucket, full=full, history_len=self.max_model_len)
+            for x in padding.values():
+                x.flags.writeable = False  # shared by every step that leaves it as it is
+        a = dict(padding)
         history_ref = np.full((s_bucket, 2), -1, np.int32)
         if not srows.size:
             return a, history_ref
+
+        def own(name):  # a field this step writes: its own copy of the padding
+            x = a[name] = padding[name].copy()
+            return x
+
         L, B, E = layout_widths(full, self.max_model_len)
         idx = np.flatnonzero(sample)
         for name in _SCALARS:
-            a[name][idx] = getattr(self, name)[srows]
-        a["steps"][idx] = steps[sample]
-        a["seeds"][idx] = self.seeds[srows]
-        a["mask_stop"][:n] = mask_stop
+            own(name)[idx] = getattr(self, name)[srows]
+        own("steps")[idx] = steps[sample]
+        own("seeds")[idx] = self.seeds[srows]
+        own("mask_stop")[:n] = mask_stop
         ms = np.flatnonzero(mask_stop)
         if ms.size:
-            a["stop_ids"][ms] = self.stop_ids[rows[ms], :E]
+            own("stop_ids")[ms] = self.stop_ids[rows[ms], :E]
         biased = idx[self.num_bias[srows] > 0]
         if biased.size:
-            a["bias_ids"][biased] = self.bias_ids[rows[biased], :B]
-            a["bias_values"][biased] = self.bias_values[rows[biased], :B]
+            own("bias_ids")[biased] = self.bias_ids[rows[biased], :B]
+            own("bias_values")[biased] = self.bias_values[rows[biased], :B]
         pi = np.flatnonzero(pen)
         if pi.size:
+            own("history")
+            own("prompt_lens")
             lens = hist_len[pi]
             if int(lens.max()) > L:
                 raise ValueError(f"{int(lens.max())} tokens exceed history_len={L}")

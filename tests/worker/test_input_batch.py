@@ -30,7 +30,8 @@ def new(rid, tokens, params=None, pages=(1, 2), prompt=None, **kw):
 
 def step(rows):
     """rows: (req_id, token_ids, start, sample, num_output)."""
-    return BatchDiff(req_ids=[r[0] for r in rows], token_ids=[list(r[1]) for r in rows],
+    return BatchDiff(req_ids=[r[0] for r in rows], num_tokens=[len(r[1]) for r in rows],
+                     token_ids=[t for r in rows for t in r[1]],
                      start_pos=[r[2] for r in rows], sample=[r[3] for r in rows],
                      num_draft=[0] * len(rows), num_output=[r[4] for r in rows])
 
