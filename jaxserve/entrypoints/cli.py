@@ -106,11 +106,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and activations dtype; auto: bfloat16 on GPU, float32 on CPU "
                         "(default: %(default)s)")
-    d.add_argument("--structured-outputs-compile-timeout", type=_positive_float,
-                   default=EngineConfig.structured_outputs_compile_timeout,
-                   help="seconds a request's grammar may take to compile (on a worker beside "
-                        "the engine loop); a slower one fails the request with a 400 "
-                        "(default: %(default)s)")
     m.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length (prompt + output); accepts 4096, 4k, 4K "
                         "(default: the model's own limit)")
@@ -222,6 +217,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     d.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
+    d.add_argument("--structured-outputs-compile-timeout", type=_positive_float,
+                   default=EngineConfig.structured_outputs_compile_timeout,
+                   help="seconds a request's grammar may take to compile (on a worker beside "
+                        "the engine loop); a slower one fails the request with a 400 "
+                        "(default: %(default)s)")
     d.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
                    help="the most logprobs / top_logprobs / prompt_logprobs a request may ask "
                         "for; -1 = the whole vocabulary, which a request asks for with -1 "
