@@ -212,6 +212,8 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # --lora-allowed-paths: adapter directories must resolve under one of these (empty: any)
+    allowed_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("max_loras", "max_lora_rank"):
@@ -260,6 +262,8 @@ class EngineConfig:
     # --kv-events-config: publish prefix-cache block events (vLLM's KVEventsConfig)
     kv_events: KVEventsConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA off (no --enable-lora)
+    # a grammar not compiled within this many seconds fails its request (400)
+    structured_outputs_compile_timeout: float = 5.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -483,7 +487,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               hf_overrides=None, trust_remote_code=False,
                               tokenizer_mode="auto", kv_events_config=None,
                               enable_lora=False, max_loras=1, max_lora_rank=16,
-                              max_cpu_loras=None) -> EngineConfig:
+                              max_cpu_loras=None, lora_allowed_paths=None,
+                              structured_outputs_compile_timeout=5.0) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -507,7 +512,11 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         kv_events=KVEventsConfig.parse(kv_events_config),
         lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
-                        max_cpu_loras=max_cpu_loras) if enable_lora else None,
+                        max_cpu_loras=max_cpu_loras,
+                        allowed_paths=tuple(str(p) for p in lora_allowed_paths or ()))
+        if enable_lora else None,
+        structured_outputs_compile_timeout=_positive_seconds(
+            structured_outputs_compile_timeout, "structured_outputs_compile_timeout"),
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
@@ -525,6 +534,13 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                                 data_parallel_size=data_parallel_size,
                                 enable_expert_parallel=enable_expert_parallel),
     )
+
+
+def _positive_seconds(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or value == float("inf"):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def _generation_config_source(value) -> str:

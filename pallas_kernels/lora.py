@@ -7,8 +7,11 @@ any mix of adapters: nothing depends on which slots a step uses.
 
 * :func:`lora_delta` (XLA, CPU): every token against every slot's A in one matmul
   (``x @ A_cat``, ``A_cat [in, L*r]``), each token keeping its own slot's columns, then one
-  matmul with ``B_cat [L*r, out]``. Cost ``T * L * r * (in + out)``: small next to the base
-  projection while ``L * r`` is small next to ``in``.
+  ``[T, r] x [r, out]`` matmul per slot, each token selecting its own slot's row. Cost
+  ``T * L * r * (in + out)``: small next to the base projection while ``L * r`` is small next
+  to ``in``. A token's slot is always selected (``where``, a gather, a per-slot load), never
+  picked by multiplying with a 0/1 mask, so a NaN or inf in one slot cannot reach another
+  slot's tokens or the base model's.
 * :func:`lora_delta_pallas` (GPU; interpret mode on CPU): tokens are grouped by contiguous runs
   of the same slot. Runs of at least ``sgmv_min_len`` tokens (prefill chunks, and decodes the
   scheduler placed side by side) are cut into blocks of ``block_m`` rows: *SGMV*, one matmul per
@@ -67,16 +70,22 @@ def lora_shrink(x, lora_a, slot):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
 def lora_expand(xa, lora_b, slot, scale, *, out_dtype=jnp.float32):
-    """``scale[slot] * xa @ B[slot]`` per token (XLA): ``[T, out]``, zeros for base tokens."""
+    """``scale[slot] * xa @ B[slot]`` per token (XLA): ``[T, out]``, zeros for base tokens.
+
+    Each token's row is *selected* from its own slot's product (``where``), never formed by
+    multiplying other slots' B by a 0/1 mask: a NaN or inf in one slot reaches only the rows of
+    that slot. One ``[T, r] x [r, out]`` dot per slot (the flops of one concatenated dot)."""
     num, r, d_out = lora_b.shape
 
     def expand():
-        b_cat = lora_b.reshape(num * r, d_out)
-        pick = (slot[:, None] == jnp.arange(num)[None, :]) * scale[None, :].astype(jnp.float32)
-        spread = (xa[:, None, :] * pick[:, :, None]).reshape(-1, num * r)  # own slot's block
-        prec = _HI if b_cat.dtype == jnp.float32 else None
-        out = jnp.dot(spread.astype(b_cat.dtype), b_cat, precision=prec,
-                      preferred_element_type=jnp.float32)
+        prec = _HI if lora_b.dtype == jnp.float32 else None
+        x = xa.astype(lora_b.dtype)
+
+        def one(l, out):
+            y = jnp.dot(x, lora_b[l], precision=prec, preferred_element_type=jnp.float32)
+            return jnp.where((slot == l)[:, None], y * scale[l].astype(jnp.float32), out)
+
+        out = lax.fori_loop(0, num, one, jnp.zeros((xa.shape[0], d_out), jnp.float32))
         return out.astype(out_dtype)
 
     zeros = lambda: jnp.zeros((xa.shape[0], d_out), out_dtype)

@@ -314,7 +314,8 @@ def lora_delta(x, lora_a, lora_b, slot, scale):
     xa = jnp.einsum("ti,tir->tr", x.astype(jnp.float32), lora_a[s].astype(jnp.float32),
                     precision=hi)
     out = jnp.einsum("tr,tro->to", xa, lora_b[s].astype(jnp.float32), precision=hi)
-    out = out * jnp.where(on, scale[s].astype(jnp.float32), 0.0)[:, None]
+    # selected, not masked by multiplication: a base row never touches a slot's values
+    out = jnp.where(on[:, None], out * scale[s].astype(jnp.float32)[:, None], 0.0)
     return out.astype(x.dtype)
 
 

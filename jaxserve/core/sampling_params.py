@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.core.grammar_limits import check_spec_limits
 from jaxserve.errors import InvalidRequestError
 
 # vLLM's default --max-logprobs: the most top logprobs a request may ask for (the sampler's
@@ -68,6 +69,7 @@ class StructuredOutputsParams:
             raise _bad(self.param(kind), v, f"must be {want}")
         if kind == "choice":
             self.choice = list(v)
+        check_spec_limits(kind, getattr(self, kind), self.param(kind))
 
     @property
     def kind(self) -> str:

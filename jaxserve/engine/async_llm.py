@@ -18,6 +18,7 @@ from typing import AsyncIterator
 from jaxserve.config import EngineConfig
 from jaxserve.engine.builder import build_engine
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.preparation import Preparer
 from jaxserve.errors import EngineDeadError
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._stopping = threading.Event()
         self._stats = self.engine.stats()
+        # adapters and grammars are prepared beside the loop (jaxserve.engine.preparation)
+        self._preparer = Preparer(self.engine, config.structured_outputs_compile_timeout)
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -51,12 +54,13 @@ class AsyncLLM:
             while not self._stopping.is_set():
                 block = not self.engine.has_unfinished_requests()
                 self._drain(block)
+                self._preparer.poll()
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         self._streams.put(out.request_id, out)
                         if out.finished:
                             self._streams.put(out.request_id, FINISHED)
-                self._stats = self.engine.stats()
+                self._stats = self._engine_stats()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine, visibly
             logger.exception("engine loop died")
             self._dead = e
@@ -64,7 +68,8 @@ class AsyncLLM:
 
     def _drain(self, block: bool) -> None:
         try:
-            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+            wait = 0.005 if self._preparer.num_pending else 0.05
+            cmd = self._commands.get(timeout=wait) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -72,28 +77,49 @@ class AsyncLLM:
             # A caller cancelled before its command ran is gone: the command is dropped (its
             # stream's abort follows in the queue and finds nothing).
             if fut is None or fut.set_running_or_notify_cancel():
-                try:
-                    result = None
-                    if kind == "add":
-                        self.engine.add_request(*args[:3], priority=args[3],
-                                                lora_request=args[4])
-                    elif kind == "abort":
-                        self.engine.abort_request(args[0])
-                    elif kind == "reset":
-                        result = self.engine.reset_prefix_cache()
-                    elif kind == "add_lora":
-                        result = self.engine.add_lora(args[0])
-                    elif kind == "remove_lora":
-                        result = self.engine.remove_lora(args[0])
-                    if fut is not None:
-                        fut.set_result(result)
-                except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
-                    if fut is not None:
-                        fut.set_exception(e)
+                self._run(kind, args, fut)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _engine_stats(self) -> dict:
+        s = self.engine.stats()
+        n = self._preparer.num_pending  # a request waiting for its adapter or grammar waits
+        return dict(s, num_waiting=s.get("num_waiting", 0) + n, num_preparing=n)
+
+    def _run(self, kind: str, args, fut) -> None:
+        """One command on the engine thread; an add or adapter load whose adapter or grammar
+        is not ready waits on the preparer (answered from its ``poll``)."""
+        def run(err: BaseException | None = None) -> None:
+            try:
+                if err is not None:
+                    raise err
+                result = None
+                if kind == "add":
+                    self.engine.add_request(*args[:3], priority=args[3], lora_request=args[4])
+                elif kind == "abort":
+                    self._preparer.cancel(args[0])
+                    self.engine.abort_request(args[0])
+                elif kind == "reset":
+                    result = self.engine.reset_prefix_cache()
+                elif kind == "add_lora":
+                    result = self.engine.add_lora(args[0])
+                elif kind == "remove_lora":
+                    result = self.engine.remove_lora(args[0])
+                if fut is not None:
+                    fut.set_result(result)
+            except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
+                if fut is not None:
+                    fut.set_exception(e)
+
+        if kind == "add":
+            if self._preparer.submit(args[0], run, params=args[2], lora_request=args[4]):
+                return
+        elif kind == "add_lora":
+            if self._preparer.submit(f"lora-{id(fut)}", run, lora_request=args[0]):
+                return
+        run()
 
     # ---- public API --------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
@@ -156,6 +182,7 @@ class AsyncLLM:
         self._stopping.set()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._thread.join, 5.0)
+        self._preparer.shutdown()
         runner = getattr(self.engine, "runner", None)
         if runner is not None:  # buckets still compiling: no thread outlives the engine
             await loop.run_in_executor(None, runner.stop_warmup)

@@ -240,7 +240,8 @@ def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype):
                 lc.max_loras, lc.max_lora_rank, len(targets.shapes), lc.max_cpu_loras)
     return LoRAManager(
         lc.max_loras, lc.max_cpu_loras,
-        load=lambda r: load_peft_adapter(r.lora_name, r.lora_path, targets, lc.max_lora_rank),
+        load=lambda r: load_peft_adapter(r.lora_name, r.lora_path, targets, lc.max_lora_rank,
+                                         lc.allowed_paths),
         write=runner.write_lora)
 
 

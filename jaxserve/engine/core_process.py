@@ -37,6 +37,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import CoreOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.output_processor import SequenceStop
+from jaxserve.engine.preparation import Preparer
 from jaxserve.errors import InvalidRequestError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.worker.memory_budget import set_allocator_fraction
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05  # stats ride along with step outputs at most this often
 POLL_MS = 50  # how long an idle core waits for input before it checks its parent again
+PREPARE_POLL_MS = 5  # the same while requests wait for their adapter or grammar
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -148,27 +150,37 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
     # ready once loaded: the buckets compile in the background while requests are taken
     # (a step waits for the bucket it needs); stats carry the progress for /health
     engine = build_engine(config, background_warmup=True)
+    preparer = Preparer(engine, config.structured_outputs_compile_timeout)
     outbox.send(_pickled(("ready", _ready_info(engine))))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     last_stats = 0.0
+    try:
+        _loop(engine, preparer, poller, inbox, outbox, parent_pid, last_stats)
+    finally:
+        preparer.shutdown()
+
+
+def _loop(engine, preparer, poller, inbox, outbox, parent_pid: int, last_stats: float) -> None:
     while True:
         busy = engine.has_unfinished_requests()
-        if poller.poll(0 if busy else POLL_MS):  # take every message waiting, then step
+        wait = 0 if busy else (PREPARE_POLL_MS if preparer.num_pending else POLL_MS)
+        if poller.poll(wait):  # take every message waiting, then step
             while True:
                 try:
                     frame = inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if not _handle(engine, _REQUEST_DECODER.decode(frame), outbox):
+                if not _handle(engine, _REQUEST_DECODER.decode(frame), outbox, preparer):
                     return
+        preparer.poll()  # adapters read and grammars compiled meanwhile: their requests in
         if engine.has_unfinished_requests():
             outs = engine.core_step()
             now = time.monotonic()
             stats = None
             # at most every STATS_INTERVAL_S, and when the last request ends (gauges go to 0)
             if now - last_stats > STATS_INTERVAL_S or not engine.has_unfinished_requests():
-                stats, last_stats = _stats(engine), now
+                stats, last_stats = _stats(engine, preparer), now
             if outs or stats is not None:
                 outbox.send(encode_outputs(outs, stats))
         else:
@@ -178,46 +190,71 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
             now = time.monotonic()
             # idle: keep the API's gauges fresh, cheaply (often while buckets still compile)
             if now - last_stats > (1.0 if engine.runner.warmed_up else STATS_INTERVAL_S):
-                outbox.send(encode_outputs([], _stats(engine)))
+                outbox.send(encode_outputs([], _stats(engine, preparer)))
                 last_stats = now
 
 
-def _handle(engine, msg: CoreRequest, outbox) -> bool:
-    """Apply one API message; False on shutdown."""
+def _handle(engine, msg: CoreRequest, outbox, preparer: Preparer | None = None) -> bool:
+    """Apply one API message; False on shutdown. A request whose adapter or grammar is not
+    ready yet is prepared beside the loop (``preparer``) and answered when it is."""
     if isinstance(msg, AddRequest):
-        try:
-            engine.add_core_request(msg.request_id, msg.prompt_token_ids, msg.params,
-                                    priority=msg.priority, lora_request=msg.lora_request,
-                                    prefix_parent=msg.prefix_parent)
-            err = None
-        except InvalidRequestError as e:
-            err = e
-        except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
-            err = InvalidRequestError(str(e))
-        outbox.send(_pickled(("added", msg.request_id, err)))
+        def add(err: BaseException | None = None) -> None:
+            if err is None:
+                err = _guarded(lambda: engine.add_core_request(
+                    msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority,
+                    lora_request=msg.lora_request, prefix_parent=msg.prefix_parent))[1]
+            outbox.send(_pickled(("added", msg.request_id, err)))
+
+        if preparer is None or not preparer.submit(
+                msg.request_id, add, params=msg.params, lora_request=msg.lora_request,
+                after=msg.prefix_parent):
+            add()
     elif isinstance(msg, AbortRequest):
+        if preparer is not None:
+            for rid in msg.request_ids:
+                preparer.cancel(rid)  # still preparing: it leaves at once, unanswered
         engine.abort_core_requests(msg.request_ids)
     elif isinstance(msg, FinishSequences):
         engine.finish_sequences(msg.stops)
     elif isinstance(msg, ResetPrefixCache):
         outbox.send(_pickled(("reset", msg.token, engine.reset_prefix_cache())))
     elif isinstance(msg, LoRAUpdate):
-        result, err = None, None
-        try:
-            result = (engine.add_lora(msg.lora_request) if msg.lora_request is not None
-                      else engine.remove_lora(msg.remove_id))
-        except InvalidRequestError as e:
-            err = e
-        except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
-            err = InvalidRequestError(str(e))
-        outbox.send(_pickled(("lora", msg.token, result, err)))
+        def update(err: BaseException | None = None) -> None:
+            result = None
+            if err is None:
+                result, err = _guarded(
+                    lambda: engine.add_lora(msg.lora_request) if msg.lora_request is not None
+                    else engine.remove_lora(msg.remove_id))
+            outbox.send(_pickled(("lora", msg.token, result, err)))
+
+        if (msg.lora_request is None or preparer is None
+                or not preparer.submit(msg.token, update, lora_request=msg.lora_request)):
+            update()
     elif isinstance(msg, Shutdown):
         return False
     return True
 
 
-def _stats(engine) -> dict:
-    return dict(engine.stats(), startup=list(engine.startup_progress()))
+def _guarded(fn):
+    """(result, None), or (None, the error for the client): bad input is an
+    ``InvalidRequestError`` already; anything else is logged here and answered without its
+    Python text."""
+    try:
+        return fn(), None
+    except InvalidRequestError as e:
+        return None, e
+    except Exception:  # noqa: BLE001 - bad input goes back to its caller
+        logger.exception("a request failed in the engine core")
+        return None, InvalidRequestError("the request could not be accepted (see the server "
+                                         "log)")
+
+
+def _stats(engine, preparer: Preparer | None = None) -> dict:
+    s = dict(engine.stats(), startup=list(engine.startup_progress()))
+    if preparer is not None:  # a request waiting for its adapter or grammar is waiting
+        s["num_waiting"] = s.get("num_waiting", 0) + preparer.num_pending
+        s["num_preparing"] = preparer.num_pending
+    return s
 
 
 def _ready_info(engine) -> dict:

@@ -7,9 +7,14 @@ that the sampler applies before anything else. Here:
 * ``validate`` turns a ``StructuredOutputsParams`` into llguidance's grammar text and checks
   it (about a millisecond), so a bad schema / regex / grammar is an ``InvalidRequestError``
   naming the request field before the request is queued;
+* ``prepare`` validates and compiles a spec on the calling thread (a preparation worker beside
+  the engine loop, jaxserve.engine.preparation), so the loop later finds it compiled;
 * ``grammar_for`` builds the request's matcher on a thread pool, off the step loop; compiled
   matchers are cached by spec and each request gets a cheap ``deep_copy``; until the future is
   done the scheduler leaves the request waiting (it holds no batch slot);
+* the spec was bounded when it was made (jaxserve.core.grammar_limits), and llguidance runs
+  under ``_parser_limits`` (lexer fuel per step, Earley items, lexer states, grammar size)
+  with its verbose errors off (they would echo the grammar);
 * ``fill_bitmask`` computes the masks of a step's constrained rows in one parallel call;
   ``Grammar.accept`` advances a matcher by the token the step sampled.
 
@@ -39,6 +44,12 @@ _CACHE_SIZE = 256
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "additionalItems")
+
+
+def _parser_limits():
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -205,7 +216,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     except InvalidRequestError:
         raise
     except Exception as e:  # noqa: BLE001 - any parse failure is the client's input
-        raise InvalidRequestError(f"{spec.param(kind)}: invalid {kind}: {e}",
+        raise InvalidRequestError(f"{spec.param(kind)}: invalid {kind}: {_short(str(e))}",
                                   param=spec.param(kind)) from None
     raise AssertionError(kind)
 
@@ -224,6 +235,10 @@ def _struct_tag_grammar(tag: dict) -> str:
         tags.append(llguidance.StructTag(trigger=trigger, begin=begin,
                                          grammar=s.get("schema", {}), end=end))
     return llguidance.StructTag.to_grammar(tags)
+
+
+def _short(msg: str, n: int = 300) -> str:
+    return msg if len(msg) <= n else msg[:n] + "..."
 
 
 class Grammar:
@@ -281,6 +296,7 @@ class StructuredOutputManager:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers, thread_name_prefix="jaxserve-grammar")
         self._executor = llguidance.LLExecutor()
+        self._limits = _parser_limits()
         self._lock = threading.Lock()
         self._compiled: OrderedDict = OrderedDict()  # spec key -> Future[LLMatcher template]
         self._checked: OrderedDict = OrderedDict()  # spec key -> grammar text
@@ -296,10 +312,10 @@ class StructuredOutputManager:
             return text
         text = grammar_text(spec)
         is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(
-            text, self._ll_tokenizer)
+            text, self._ll_tokenizer, limits=self._limits)
         if is_err:
             param = spec.param()
-            raise InvalidRequestError(f"{param}: invalid {spec.kind}: {'; '.join(msgs)}",
+            raise InvalidRequestError(f"{param}: invalid {spec.kind}: {_short('; '.join(msgs))}",
                                       param=param)
         with self._lock:
             self._checked[key] = text
@@ -310,7 +326,37 @@ class StructuredOutputManager:
     def _compile(self, text: str):
         import llguidance
 
-        return llguidance.LLMatcher(self._ll_tokenizer, text, log_level=0)
+        return llguidance.LLMatcher(self._ll_tokenizer, text, log_level=0, limits=self._limits)
+
+    def is_prepared(self, spec: StructuredOutputsParams) -> bool:
+        """Whether the spec is validated and its compiled template is done (cached)."""
+        key = spec_key(spec)
+        with self._lock:
+            f = self._compiled.get(key)
+            return key in self._checked and f is not None and f.done()
+
+    def prepare(self, spec: StructuredOutputsParams) -> None:
+        """Validate and compile ``spec`` on the calling thread (a preparation worker), leaving
+        the compiled template in the cache; raises ``InvalidRequestError`` naming the field."""
+        text = self.validate(spec)
+        key = spec_key(spec)
+        with self._lock:
+            template = self._compiled.get(key)
+        if template is None:
+            template = concurrent.futures.Future()
+            try:
+                template.set_result(self._compile(text))
+            except Exception as e:  # noqa: BLE001 - kept for the request, as from the pool
+                template.set_exception(e)
+            with self._lock:
+                self._compiled[key] = template
+                while len(self._compiled) > _CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        m = template.result()
+        if m.is_error():
+            param = spec.param()
+            raise InvalidRequestError(f"{param}: the {spec.kind} cannot be compiled: "
+                                      f"{_short(m.get_error())}", param=param)
 
     def grammar_for(self, spec: StructuredOutputsParams) -> Grammar:
         """A fresh matcher for a validated spec, compiled on the pool (cached by spec)."""

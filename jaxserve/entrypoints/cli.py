@@ -39,6 +39,16 @@ def parse_size(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer such as 4096 or 4k, got {value!r}")
 
 
+def _positive_float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a positive number")
+    return v
+
+
 def _positive_int(value: str) -> int:
     n = parse_size(value)
     if n < 1:
@@ -207,6 +217,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     d.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='laid over the generation config, e.g. \'{"temperature": 0.5}\'')
+    d.add_argument("--structured-outputs-compile-timeout", type=_positive_float,
+                   default=EngineConfig.structured_outputs_compile_timeout,
+                   help="seconds a request's grammar may take to compile (on a worker beside "
+                        "the engine loop); a slower one fails the request with a 400 "
+                        "(default: %(default)s)")
     d.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
                    help="the most logprobs / top_logprobs / prompt_logprobs a request may ask "
                         "for; -1 = the whole vocabulary, which a request asks for with -1 "
@@ -265,6 +280,10 @@ def _add_lora_args(p: argparse.ArgumentParser) -> None:
                    help="the largest adapter rank (slot size) (default: %(default)s)")
     g.add_argument("--max-cpu-loras", type=_positive_int, default=None,
                    help="loaded adapters kept in host memory (default: --max-loras)")
+    g.add_argument("--lora-allowed-paths", nargs="+", default=None, metavar="DIR",
+                   help="adapter directories (--lora-modules, runtime loads) must resolve "
+                        "under one of these; others are refused without saying whether they "
+                        "exist (default: any path)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -470,7 +489,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         hf_overrides=args.hf_overrides, trust_remote_code=args.trust_remote_code,
         tokenizer_mode=args.tokenizer_mode, kv_events_config=args.kv_events_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        lora_allowed_paths=args.lora_allowed_paths,
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -5,13 +5,24 @@ the device: its rank against ``max_lora_rank``, each target against the model's 
 each tensor's shape against the projection it adapts. A fused target (``qkv_proj``,
 ``gate_up_proj``) is split into the model's own projections: the same A for each part, B's
 rows cut at the parts' output sizes. Every failure is a ``LoRAAdapterError`` that names the
-adapter and the reason (400 from the server, a start-up error for ``--lora-modules``).
+adapter and the reason (400 from the server, a start-up error for ``--lora-modules``), written
+for the user: no Python exception text, and nothing about a path outside ``allowed_paths``.
+
+Inputs are bounded before they are read: the directory resolves (symlinks followed) under one
+of ``allowed_paths`` when the list is set; each file must be a regular file (a FIFO, device or
+socket, or a symlink to one, is refused before it is opened, and it is opened non-blocking and
+checked again on the open descriptor); ``adapter_config.json`` is at most ``MAX_CONFIG_BYTES``;
+the weights file at most what the declared rank needs over the model's projections in float32
+plus ``MAX_HEADER_BYTES``. Every weight must be finite (a NaN or inf one is refused, naming the
+tensor).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +36,8 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                  "gate_up_proj": ("gate_proj", "up_proj")}
 _PREFIX = "base_model.model."
+MAX_CONFIG_BYTES = 2**20  # adapter_config.json
+MAX_HEADER_BYTES = 2**20  # the safetensors header and slack beside the weights' bytes
 
 
 class LoRAAdapterError(InvalidRequestError):
@@ -84,16 +97,79 @@ def lora_targets(model) -> LoRATargets:
     return LoRATargets(shapes, specs)
 
 
-def _read_config(name: str, path: Path) -> dict:
-    cfg_file = path / "adapter_config.json"
-    if not path.is_dir():
-        raise LoRAAdapterError(name, f"{str(path)!r} is not a directory")
-    if not cfg_file.exists():
-        raise LoRAAdapterError(name, f"{str(path)!r} has no adapter_config.json")
+def resolve_adapter_dir(name: str, path: str, allowed_paths=None) -> Path:
+    """The adapter directory, resolved; under one of ``allowed_paths`` when given (checked
+    before anything about the path is looked at, so a refusal says nothing of what exists)."""
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise LoRAAdapterError(name, f"adapter_config.json is not JSON: {e}") from None
+        resolved = Path(os.path.realpath(Path(str(path)).expanduser()))
+    except (OSError, ValueError):
+        raise LoRAAdapterError(name, "lora_path is not a valid path") from None
+    if allowed_paths:
+        roots = [Path(os.path.realpath(Path(str(r)).expanduser())) for r in allowed_paths]
+        if not any(resolved == r or r in resolved.parents for r in roots):
+            raise LoRAAdapterError(name, "lora_path is not under an allowed path "
+                                         "(--lora-allowed-paths)", status_code=400)
+    try:
+        is_dir = resolved.is_dir()
+    except OSError:
+        is_dir = False
+    if not is_dir:
+        raise LoRAAdapterError(name, f"lora_path {str(path)!r} is not a directory")
+    return resolved
+
+
+def _regular_size(name: str, file: Path, what: str) -> int:
+    """The size of ``file`` if it is a regular file (symlinks followed), else an error."""
+    try:
+        st = os.stat(file)
+    except FileNotFoundError:
+        raise LoRAAdapterError(name, f"the adapter directory has no {what}") from None
+    except OSError:
+        raise LoRAAdapterError(name, f"{what} cannot be read") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise LoRAAdapterError(name, f"{what} is not a regular file")
+    return st.st_size
+
+
+def read_bounded(name: str, file: Path, what: str, limit: int) -> bytes:
+    """A regular file's bytes, at most ``limit`` of them (more is an error naming the limit).
+    Opened non-blocking, so a file swapped for a FIFO after the check cannot block the read,
+    and checked again on the open descriptor."""
+    size = _regular_size(name, file, what)
+    if size > limit:
+        raise LoRAAdapterError(name, f"{what} is {size} bytes, more than the limit of {limit}")
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        raise LoRAAdapterError(name, f"{what} cannot be read") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LoRAAdapterError(name, f"{what} is not a regular file")
+        chunks, n = [], 0
+        while n <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+    except OSError:
+        raise LoRAAdapterError(name, f"{what} cannot be read") from None
+    finally:
+        os.close(fd)
+    if n > limit:
+        raise LoRAAdapterError(name, f"{what} is more than the limit of {limit} bytes")
+    return b"".join(chunks)
+
+
+def _read_config(name: str, path: Path) -> dict:
+    raw = read_bounded(name, path / "adapter_config.json", "adapter_config.json",
+                       MAX_CONFIG_BYTES)
+    try:
+        cfg = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise LoRAAdapterError(name, "adapter_config.json is not valid JSON") from None
+    if not isinstance(cfg, dict):
+        raise LoRAAdapterError(name, "adapter_config.json must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(name, f"peft_type {cfg.get('peft_type')!r} is not LORA")
     unsupported = [("use_dora", bool(cfg.get("use_dora"))),
@@ -116,35 +192,95 @@ def _check_target_names(name: str, cfg: dict, targets: LoRATargets) -> None:
         have = targets.modules() | {f for f, parts in FUSED_MODULES.items()
                                     if set(parts) <= targets.modules()}
         for m in tm:
+            if not isinstance(m, str):
+                raise LoRAAdapterError(name, "target_modules must be a list of module names")
             if m.rsplit(".", 1)[-1] not in have:
                 raise LoRAAdapterError(
                     name, f"target module {m!r} is not a projection of this model "
                           f"(supported: {', '.join(sorted(have))})")
 
 
-def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_rank: int
-                      ) -> LoRAAdapter:
-    """Read and check an adapter directory against the model's ``targets``."""
-    from jaxserve.loaders.model_loader import _lazy_tensor
+def max_weights_bytes(targets: LoRATargets, rank: int) -> int:
+    """The largest ``adapter_model.safetensors`` an adapter of ``rank`` can need over these
+    projections: A and B of every one in float32 (a fused target needs no more than its parts),
+    plus the header."""
+    return sum((d_in + d_out) * rank * 4 for d_in, d_out in targets.shapes.values()) \
+        + MAX_HEADER_BYTES
 
-    path = Path(str(path)).expanduser()
+
+def _safetensors_header(name: str, raw: bytes) -> dict:
+    what = "adapter_model.safetensors"
+    if len(raw) < 8:
+        raise LoRAAdapterError(name, f"{what} is not a safetensors file")
+    n = int.from_bytes(raw[:8], "little")
+    if n > min(MAX_HEADER_BYTES, len(raw) - 8):
+        raise LoRAAdapterError(name, f"{what} is not a safetensors file (bad header size)")
+    try:
+        header = json.loads(raw[8:8 + n])
+    except (ValueError, RecursionError):
+        raise LoRAAdapterError(name, f"{what} is not a safetensors file (bad header)") from None
+    if not isinstance(header, dict):
+        raise LoRAAdapterError(name, f"{what} is not a safetensors file (bad header)")
+    header.pop("__metadata__", None)
+    return header
+
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16", "F64": np.float64}
+
+
+def _header_len(raw: bytes) -> int:
+    return int.from_bytes(raw[:8], "little")
+
+
+def _tensor(name: str, key: str, info, raw: bytes, base: int) -> np.ndarray:
+    """One tensor of a safetensors file read whole into ``raw`` (its entry checked: a float
+    dtype, a shape, offsets inside the data that match the shape)."""
+    bad = LoRAAdapterError(name, f"adapter_model.safetensors: tensor {key!r} is malformed or "
+                                 "not float32, float16 or bfloat16")
+    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+        raise bad
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)):
+        raise bad
+    dtype = _DTYPES[info["dtype"]]
+    if dtype == "bfloat16":
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
+    dtype = np.dtype(dtype)
+    start, stop = base + offsets[0], base + offsets[1]
+    if not base <= start <= stop <= len(raw) or stop - start != math.prod(shape) * dtype.itemsize:
+        raise bad
+    return np.frombuffer(raw, dtype, math.prod(shape), start).reshape(shape)
+
+
+def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_rank: int,
+                      allowed_paths=None) -> LoRAAdapter:
+    """Read and check an adapter directory against the model's ``targets`` (``allowed_paths``:
+    the roots it must lie under, None or empty for any)."""
+    path = resolve_adapter_dir(name, path, allowed_paths)
     cfg = _read_config(name, path)
     r = cfg.get("r")
-    if not isinstance(r, int) or r < 1:
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise LoRAAdapterError(name, f"r must be a positive integer, got {r!r}")
     if r > max_rank:
         raise LoRAAdapterError(name, f"rank {r} exceeds max_lora_rank {max_rank} "
                                      "(raise --max-lora-rank)")
     _check_target_names(name, cfg, targets)
-    alpha = float(cfg.get("lora_alpha", 8))
+    alpha = cfg.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) \
+            or not math.isfinite(alpha):
+        raise LoRAAdapterError(name, f"lora_alpha must be a finite number, got {alpha!r}")
+    alpha = float(alpha)
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    files = [p for p in (path / "adapter_model.safetensors",) if p.exists()]
-    if not files:
-        raise LoRAAdapterError(name, f"{str(path)!r} has no adapter_model.safetensors")
-    from safetensors import safe_open
-
-    with safe_open(str(files[0]), framework="numpy") as f:
-        keys = list(f.keys())
+    what = "adapter_model.safetensors"
+    raw = read_bounded(name, path / what, what, max_weights_bytes(targets, r))
+    header = _safetensors_header(name, raw)
+    tensors = {key: _tensor(name, key, info, raw, 8 + _header_len(raw))
+               for key, info in header.items()}
+    del raw
+    keys = list(header)
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for key in keys:
         m = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
@@ -152,8 +288,13 @@ def load_peft_adapter(name: str, path: str, targets: LoRATargets, max_rank: int
             raise LoRAAdapterError(name, f"tensor {key!r} is not a LoRA A/B weight")
         module = m.group(1)
         module = module[len(_PREFIX):] if module.startswith(_PREFIX) else module
-        pairs.setdefault(module, {})[m.group(2)] = np.asarray(
-            _lazy_tensor(files[0], key)(), np.float32)
+        t = tensors[key]
+        if t.ndim != 2:
+            raise LoRAAdapterError(name, f"tensor {key!r} is not a matrix (shape {t.shape})")
+        t = np.asarray(t, np.float32)
+        if not np.isfinite(t).all():
+            raise LoRAAdapterError(name, f"tensor {key!r} holds NaN or infinite values")
+        pairs.setdefault(module, {})[m.group(2)] = t
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:

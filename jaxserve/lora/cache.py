@@ -50,6 +50,34 @@ class LoRAManager:
         self._host_adapter(request)
         self._known[request.lora_int_id] = request
 
+    def is_loaded(self, request: LoRARequest) -> bool:
+        """Whether the adapter is in the host cache (``add`` then reads nothing)."""
+        return (isinstance(request, LoRARequest) and request.lora_int_id in self._host
+                and not self._conflicts(request))
+
+    def _conflicts(self, request: LoRARequest) -> bool:
+        known = self._known.get(request.lora_int_id)
+        return known is not None and ((known.lora_name, known.lora_path)
+                                      != (request.lora_name, request.lora_path))
+
+    def read(self, request: LoRARequest):
+        """Read and check an adapter without touching the caches: safe on a worker thread
+        (jaxserve.engine.preparation); ``store`` then hands the result to the engine loop."""
+        if not isinstance(request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got "
+                                      f"{type(request).__name__}", param="lora_request")
+        return self._load(request)
+
+    def store(self, request: LoRARequest, adapter) -> None:
+        """Put an adapter ``read`` on a worker into the host cache (the engine loop's thread);
+        one whose id another adapter holds is left out (``add`` then refuses it)."""
+        if self._conflicts(request):
+            return
+        self._host[request.lora_int_id] = adapter
+        self._host.move_to_end(request.lora_int_id)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (its slot is free for others). False if it was not known."""
         self._host.pop(lora_int_id, None)

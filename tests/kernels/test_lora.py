@@ -220,3 +220,26 @@ def test_lora_lowers_for_cuda(t, d_in, d_out, num, rank, dtype):
     assert text.count(TRITON) == 4
     for name in ("lora_sgmv_shrink", "lora_bgmv_shrink", "lora_sgmv_expand", "lora_bgmv_expand"):
         assert name in text
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_slot_reaches_only_its_own_tokens(impl, bad):
+    """Isolation: a slot whose A and B hold NaN / inf (it should never load, but if one did)
+    leaves every token of the other slots and of the base model exactly as without it."""
+    rng = np.random.default_rng(31)
+    x, a, b, slots, scale = random_step(rng)
+    poisoned = 2
+    a_bad, b_bad = a.copy(), b.copy()
+    a_bad[poisoned, 3, 0] = bad
+    b_bad[poisoned, 0, 5] = bad
+    b_bad[poisoned, 1] = bad
+    run = {"reference": reference.lora_delta, "xla": lora.lora_delta,
+           "pallas": lambda *v: lora.lora_delta_pallas(*v, interpret=True, **SMALL)}[impl]
+    clean = np.asarray(run(x, a, b, slots, scale))
+    dirty = np.asarray(run(x, a_bad, b_bad, slots, scale))
+    others = slots != poisoned
+    assert others.sum() > 0 and (~others).sum() > 0
+    np.testing.assert_array_equal(dirty[others], clean[others])
+    np.testing.assert_array_equal(dirty[slots < 0], 0)
+    assert not np.all(np.isfinite(dirty[~others]))  # the poisoned slot's own tokens do see it

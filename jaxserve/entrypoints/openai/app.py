@@ -36,7 +36,7 @@ from jaxserve.errors import EngineDeadError, InvalidRequestError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
-from jaxserve.entrypoints.openai.middleware import BearerAuth, RequestIdHeader
+from jaxserve.entrypoints.openai.middleware import BearerAuth, BodyLimit, RequestIdHeader
 from jaxserve.entrypoints.openai.responses import (ClientGone, ServerShuttingDown,
                                                    error_from_exception, error_response)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -144,6 +144,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None,
     app = Starlette(routes=routes, exception_handlers=handlers)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # before auth: nothing is read
     app.add_middleware(RequestIdHeader)  # 401s carry the id too
     if cors is not None:  # outermost: preflight requests are answered without a key, like vLLM
         app.add_middleware(CORSMiddleware, allow_origins=cors["allowed_origins"],

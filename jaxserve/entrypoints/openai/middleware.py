@@ -74,3 +74,36 @@ def client_request_id(scope) -> str | None:
     return text if text.isprintable() else None
 
 
+
+
+class BodyLimit:
+    """Pure ASGI middleware: a request whose ``Content-Length`` is over ``max_bytes`` gets a
+    413 before any route reads it. Its bytes are drained and dropped first (up to
+    ``drain_bytes``; past that the connection closes) so the client, still sending, reads the
+    answer instead of a reset connection. A chunked body is counted as it arrives: the routes
+    read it through ``receive`` and answer 413 once it passes the limit."""
+
+    def __init__(self, app, max_bytes: int, drain_bytes: int | None = None):
+        self.app = app
+        self.max_bytes = int(max_bytes)
+        self.drain_bytes = int(drain_bytes if drain_bytes is not None
+                               else max(4 * self.max_bytes, 256 * 2**20))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            if int(declared) <= self.drain_bytes:
+                more = True
+                while more:
+                    msg = await receive()
+                    if msg["type"] != "http.request":
+                        return  # the client left: nobody to answer
+                    more = msg.get("more_body", False)
+            resp = error_response(f"request body larger than {self.max_bytes} bytes "
+                                  "(--max-request-body-bytes)", 413)
+            await resp(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
