@@ -10,7 +10,7 @@
 #   OUT=/tmp/out tools/gpu_run.sh                     # all stages
 #   STAGES="tp11 serving" OUT=/tmp/out tools/gpu_run.sh
 #
-# Stages (run in the order STAGES gives; default): pytest  kernels  kernels2  gdnlora  tp11  tp8b  lora8b  serving  startup  dummyinit  spec  mtp  moe  gemma4  hybrid
+# Stages (run in the order STAGES gives; default): pytest  kernels  kernels2  gdnlora  host  tp11  tp8b  lora8b  serving  startup  dummyinit  spec  mtp  moe  gemma4  hybrid
 #   pytest   pytest -m gpu (short; PYTEST_WORKERS xdist workers, default 4, when xdist is there)
 #   kernels  benchmarks/kernels.py (when present)
 #   kernels2 benchmarks/kernels.py with float8 pages (--kv-cache-dtype fp8), then head_dim 256 and
@@ -21,6 +21,9 @@
 #            in 512, out 128, greedy, + HF generate, HF generate_batch and the decode roofline;
 #            the host's time per step by phase, and a jax.profiler trace of 256 decodes summed
 #            per op (the JSON's profile; the raw trace stays on the machine)
+#   host     the persistent batch: 1.1B-shape throughput with host phases and a device profile,
+#            this tree against the tree before it (BASELINE_DIR, default .baseline: see
+#            stage_host), host_phases.json of both (issue "A persistent batch")
 #   tp8b     throughput, Llama-3-8B shape (llama3-8b preset), + roofline
 #   lora8b   benchmarks/lora.py on the Llama-3-8B shape: 0/1/4/8 random rank-16 adapters mixed
 #            evenly vs the base engine (issue "Multi-LoRA serving"; target >= 0.9x of base)
@@ -64,7 +67,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-515}
-STAGES=${STAGES:-"pytest kernels kernels2 gdnlora tp11 tp8b lora8b serving startup dummyinit spec mtp moe gemma4 hybrid"}
+STAGES=${STAGES:-"pytest kernels kernels2 gdnlora host tp11 tp8b lora8b serving startup dummyinit spec mtp moe gemma4 hybrid"}
 N11=${N11:-1024}
 N8B=${N8B:-512}
 HF_CB_N=${HF_CB_N:-256}
@@ -142,6 +145,28 @@ stage_tp11() {
     --num-prompts "$N11" --input-len 512 --output-len 128 --disable-detokenize \
     "${hf[@]}" --roofline --profile-dir "$WORK/trace-tp11" \
     --disable-tqdm --output-json "$RES/throughput-tinyllama-1.1b.json"
+}
+stage_host() {
+  # The persistent batch's host time: throughput with the phase breakdown and a profile, this
+  # tree ("after") and, when $BASELINE_DIR holds the tree before it (made by
+  #   mkdir -p .baseline && git archive 640bafb | tar -x -C .baseline
+  # and carried), the same run there ("before"), then benchmarks/host_phases.py over both.
+  # HOST_ARGS replaces the workload (CPU check: a tiny model and shape).
+  local base=${BASELINE_DIR:-$ROOT/.baseline}
+  local args=${HOST_ARGS:-"--preset tinyllama-1.1b --dtype bfloat16 --num-prompts $N11 --input-len 512 --output-len 128"}
+  local run="$PY benchmarks/throughput.py $args --disable-detokenize --disable-tqdm --no-plot"
+  local cmd="mkdir -p $RES/host/after $RES/host/before && \
+    $run --profile-dir $WORK/trace-host --output-json $RES/host/after/throughput-host.json"
+  local sets="after=$RES/host/after"
+  if [[ -d "$base/jaxserve" ]]; then
+    cmd="$cmd && (cd $base && PYTHONPATH=$base:\${PYTHONPATH:-} $run \
+      --output-json $RES/host/before/throughput-host.json)"
+    sets="before=$RES/host/before $sets"
+  else
+    echo "host: no baseline tree at $base (after only)"
+  fi
+  cmd="$cmd && $PY benchmarks/host_phases.py $sets --output-json $RES/host_phases.json"
+  run_stage host 300 bash -c "$cmd"
 }
 stage_tp8b() {
   run_stage tp8b 110 $PY benchmarks/throughput.py --preset llama3-8b --dtype bfloat16 \

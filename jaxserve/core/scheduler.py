@@ -275,11 +275,12 @@ class Scheduler:
                 req.sampling_params, [list(p) for p in pages], req.lora_int_id,
                 req.state_slot))
             req.in_batch, req.sent_pages, req.pages_dirty = True, [len(p) for p in pages], False
-        else:
+        elif (req.pages_dirty or req.group_block_ids is not None
+              or len(req.block_ids) != req.sent_pages[0]):
             ups, req.sent_pages = page_updates(req, req.sent_pages, req.pages_dirty)
             req.pages_dirty = False
-            if ups:
-                b.page_updates += ups
+            b.page_updates += ups
+        # else: one pool, no page gained (a decode inside its last page): nothing to send
         b.req_ids.append(req.request_id)
         b.num_tokens.append(len(ids))
         b.token_ids += ids
