@@ -276,11 +276,15 @@ def test_step_plan_benchmark(tmp_path):
 
     out = step_plan.main(["--iters", "2", "--context", "64", "--output-json",
                           str(tmp_path / "sp.json")])
-    cases = out["ms_per_plan"]
-    assert list(cases) == ["decode 64", "decode 128", "decode 256",
-                           "192 decode + 4 x 256 prefill"]
-    assert all(0 < v < 1000 for v in cases.values())
-    assert json.loads((tmp_path / "sp.json").read_text())["ms_per_plan"] == cases
+    steps = out["ms_per_step"]
+    assert list(steps) == ["prepare_inputs", "build_step_plan"]
+    for cases in steps.values():
+        assert list(cases) == ["decode 64", "decode 128", "decode 256",
+                               "192 decode + 4 x 256 prefill"]
+        assert all(0 < v < 1000 for v in cases.values())
+    assert out["ratio"] == {k: steps["prepare_inputs"][k] / steps["build_step_plan"][k]
+                            for k in steps["prepare_inputs"]}
+    assert json.loads((tmp_path / "sp.json").read_text())["ms_per_step"] == steps
     assert _is_png(out["plot"])
 
 
