@@ -27,11 +27,13 @@ def _numpy_reference(x, w, s):
     return (acc_hi.astype(np.float32) + acc_lo.astype(np.float32) * np.float32(1 / 254)) * a * s
 
 
-# rows: one (decode), the 4-row block path and its odd tail; K: whole 64-byte vectors, a
-# masked tail, and one shorter than a vector; N: whole 64-row chunks and not
+# rows: one (decode), 2-8 (the one-row loop over several rows: a verify step), the packed
+# block path from 9 rows and its odd tail; K: whole 64-byte vectors, a masked tail, and one
+# shorter than a vector; N: whole 64-row chunks and not
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (2, 1536, 576), (5, 576, 1536),
                                    (37, 100, 70), (4, 7, 40), (64, 257, 576),
-                                   (13, 48, 64), (8, 16, 1536)])
+                                   (13, 48, 64), (8, 16, 1536), (9, 40, 576),
+                                   (3, 192, 576)])
 def test_kernel_matches_reference(m, n, k):
     rng = np.random.default_rng(m * 1000 + n + k)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
