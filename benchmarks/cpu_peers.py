@@ -272,6 +272,13 @@ def run_jaxserve(model, kwargs, batch_sizes, n_prompt, n_gen, vocab, repeats: in
             decode_tok_s=round(timer.decode_tokens / max(timer.decode_s, 1e-9), 2),
             steps=timer.steps)
         print(f"  jaxserve {kwargs or 'default'} B={b}: {res['runs'][str(b)]}", flush=True)
+    # memory: this process's RSS with the engine alive, and its peak so far (the peak covers
+    # earlier variants of the same run too: a variant's own peak is at most this)
+    import resource
+
+    from jaxserve.worker.host_memory import rss_bytes
+    res.update(rss_bytes=rss_bytes(),
+               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     del llm
     return res
 

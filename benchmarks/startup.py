@@ -7,6 +7,11 @@ capital of France?" (greedy) and waits for the background compiles to finish. Th
 comes from the server's own log lines (load, compiles, warm-up) and the wall clock of this
 script (healthy, first answer); the machine's load average is recorded beside it.
 
+Memory: the resident set (RSS) of every process of the server (the API process and the
+engine core), once all buckets are compiled and again after ``--requests`` more chat requests
+(``--concurrency`` at a time, 32 tokens each); each process's peak (VmHWM) beside it. The
+engine's own account of its memory by part is read from its start-up log.
+
     python benchmarks/startup.py                       # cold, then cached
     python benchmarks/startup.py --runs cold --tag before
 """
@@ -50,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--extra-args", default="", help="more `jaxserve serve` flags")
     p.add_argument("--python", default=sys.executable, help="the interpreter that runs "
                    "`jaxserve serve` (e.g. a fresh venv made by the README's serve command)")
+    p.add_argument("--requests", type=int, default=100,
+                   help="chat requests sent after warm-up before the second RSS reading (0: none)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at a time")
     p.add_argument("--repo", default=REPO, help="the jaxserve checkout to start (e.g. an "
                    "export of an older commit, for a before/after in one session)")
     C.add_output_args(p)
@@ -66,6 +74,72 @@ def _free_port() -> int:
 
 def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def _proc_status(pid: int) -> dict:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(val.split()[0]) * 1024
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            out["cmd"] = f.read().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError:
+        pass
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc/*/stat's parent ids)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    return out
+
+
+def memory(pid: int) -> dict:
+    """RSS and peak RSS (bytes) of ``pid``'s process tree, per process and summed (a process
+    under 20 MB, e.g. multiprocessing's resource tracker, counts in the sum too)."""
+    procs = [dict(pid=p, **_proc_status(p)) for p in _descendants(pid)]
+    procs = [p for p in procs if "VmRSS" in p]
+    return dict(rss_bytes=sum(p["VmRSS"] for p in procs),
+                peak_rss_bytes=sum(p.get("VmHWM", 0) for p in procs), processes=procs)
+
+
+def _chat_requests(url: str, n: int, concurrency: int) -> float:
+    """``n`` greedy chat requests of 32 tokens, ``concurrency`` at a time -> seconds taken."""
+    import concurrent.futures
+
+    import httpx
+
+    name = _model_name(url)
+    prompts = [f"Write one sentence about the number {i}." for i in range(n)]
+
+    def one(p):
+        r = httpx.post(url + "/v1/chat/completions", timeout=300, json=dict(
+            model=name, messages=[{"role": "user", "content": p}], temperature=0.0,
+            max_tokens=32))
+        r.raise_for_status()
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, prompts))
+    return time.perf_counter() - t0
+
+
+_MEMORY_LOG = re.compile(r"memory after warm-up: (.*)")
 
 
 def _last(rx, text: str):
@@ -180,6 +254,12 @@ def one_run(kind: str, cache_dir: str, args) -> dict:
         while _last(_WARMUP, open(log_path).read()) is None and time.perf_counter() < deadline:
             time.sleep(0.5)
         res["all_compiled_s"] = time.perf_counter() - t0
+        time.sleep(1.0)
+        res["memory_warm"] = memory(proc.pid)
+        if args.requests:
+            res["requests"] = args.requests
+            res["requests_s"] = _chat_requests(url, args.requests, args.concurrency)
+            res["memory_after_requests"] = memory(proc.pid)
     except TimeoutError:
         pass
     finally:
@@ -200,6 +280,7 @@ def one_run(kind: str, cache_dir: str, args) -> dict:
                warmup_s=float(warm[1]) if warm else None,
                engine_ready_s=float(ready) if ready else None,
                compile_s_sum=sum(compiles) if compiles else None,
+               engine_memory_log=_last(_MEMORY_LOG, log),
                health_progress=progress, log_tail=log[-4000:])
     if "error" in res:
         print(f"{kind:7s} {res['error']}; load {res['load_s']} s, loadavg {load_before} -> "
@@ -209,6 +290,12 @@ def one_run(kind: str, cache_dir: str, args) -> dict:
           f"({'Paris' if res['says_paris'] else 'NO Paris'}), load {res['load_s']} s, "
           f"warm-up {res['warmup_s']} s, {res['num_compiles']} compiles, loadavg "
           f"{load_before} -> {res['load_avg_end']}", flush=True)
+    for key in ("memory_warm", "memory_after_requests"):
+        if key in res:
+            m = res[key]
+            parts = ", ".join(f"{p['VmRSS'] / 2**20:.0f} MB" for p in m["processes"])
+            print(f"        RSS {key[7:]}: {m['rss_bytes'] / 2**20:.0f} MB ({parts}); peak "
+                  f"{m['peak_rss_bytes'] / 2**20:.0f} MB", flush=True)
     return res
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 TOKENIZER_MODES = ("auto", "hf")  # both load the checkpoint's Hugging Face tokenizer
 
@@ -21,7 +21,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for swapped-out pages
-    cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the serving dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    # --kv-cache-dtype: auto (the serving dtype; bfloat16 for int8 weights on CPU, see
+    # engine.builder.cpu_kv_dtype) | bfloat16 | float32 | fp8 | fp8_e4m3 | fp8_e5m2
+    cache_dtype: str = "auto"
     # --calculate-kv-scales: float8 K/V scales from calibration text before serving
     calculate_kv_scales: bool = False
 
@@ -29,9 +31,9 @@ class CacheConfig:
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
-        if self.calculate_kv_scales and self.cache_dtype == "auto":
+        if self.calculate_kv_scales and not self.cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales needs a float8 kv_cache_dtype (fp8, fp8_e4m3 "
-                             "or fp8_e5m2), got kv_cache_dtype 'auto'")
+                             f"or fp8_e5m2), got kv_cache_dtype {self.cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -4,7 +4,8 @@
 // row seq[t] and absolute position pos[t] come from the step's query_start / seq_lens /
 // num_seqs as reference.token_metadata gives them (computed here: a cumsum per layer costs XLA
 // more than the attention of one decode token). Token t (query heads q[t, Hq, D]) attends to
-// positions max(0, pos - window + 1) .. pos of its row's pages ([Hkv, P, B, D], float32),
+// positions max(0, pos - window + 1) .. pos of its row's pages ([Hkv, P, B, D], float32 or
+// bfloat16: a bfloat16 element is read as the float32 with the same top 16 bits),
 // query head h reading KV head h / (Hq / Hkv); scores are scaled by sm_scale, soft-capped
 // (cap * tanh(s / cap)) when cap > 0, then softmaxed. A token with pos < 0 (padding) gets
 // zeros. XLA's loop version of this (xla_attention.py) costs a few dozen small ops per trip
@@ -16,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_team.h"
@@ -32,8 +34,33 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// A page element as float32: bfloat16 (stored as its 16 bits) is float32's top half.
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// float32 -> a page element: bfloat16 by round to nearest even (NaN stays a quiet NaN), as
+// XLA's convert does.
+inline void from_f32(float x, float& out) { out = x; }
+inline void from_f32(float x, uint16_t& out) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    out = static_cast<uint16_t>((u >> 16) | 0x40);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  out = static_cast<uint16_t>(u >> 16);
+}
+
+template <typename KT>
 struct Args {
-  const float *q, *k, *v;
+  const float* q;
+  const KT *k, *v;
   const int32_t *tables, *seq, *pos;
   float* out;
   int64_t t, hq, hkv, d, pages, block, max_pages;
@@ -61,18 +88,40 @@ inline __m512 exp_neg(__m512 x) {
 }
 #endif
 
+#if JS_AVX512
+// 16 page elements as float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
 // sum_e a[e] * b[e]
-inline float dot(const float* a, const float* b, int64_t d) {
+template <typename KT>
+inline float dot(const float* a, const KT* b, int64_t d) {
   int64_t e = 0;
   float s = 0.f;
 #if JS_AVX512
   __m512 acc = _mm512_setzero_ps();
   for (; e + 16 <= d; e += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + e), _mm512_loadu_ps(b + e), acc);
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + e), load16(b + e), acc);
   s = _mm512_reduce_add_ps(acc);
 #endif
-  for (; e < d; ++e) s += a[e] * b[e];
+  for (; e < d; ++e) s += a[e] * to_f32(b[e]);
   return s;
+}
+
+// o[e] += w * v[e]
+template <typename KT>
+inline void axpy(float w, const KT* v, float* o, int64_t d) {
+  int64_t e = 0;
+#if JS_AVX512
+  const __m512 wv = _mm512_set1_ps(w);
+  for (; e + 16 <= d; e += 16)
+    _mm512_storeu_ps(o + e, _mm512_fmadd_ps(wv, load16(v + e), _mm512_loadu_ps(o + e)));
+#endif
+  for (; e < d; ++e) o[e] += w * to_f32(v[e]);
 }
 
 // x[i] = e^(x[i] - mx) for i < n; returns their sum.
@@ -96,7 +145,8 @@ inline float exp_shifted(float* x, int64_t n, float mx) {
   return l;
 }
 
-void attend_one(const Args& a, int64_t t, int64_t h, std::vector<float>& scores) {
+template <typename KT>
+void attend_one(const Args<KT>& a, int64_t t, int64_t h, std::vector<float>& scores) {
   const int64_t g = a.hq / a.hkv, d = a.d;
   float* out = a.out + (t * a.hq + h * g) * d;
   const int32_t p = a.pos[t];
@@ -112,7 +162,7 @@ void attend_one(const Args& a, int64_t t, int64_t h, std::vector<float>& scores)
   const int64_t head_off = h * a.pages * a.block * d;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pp = lo + i;
-    const float* kr = a.k + head_off + (table[pp / a.block] * a.block + pp % a.block) * d;
+    const KT* kr = a.k + head_off + (table[pp / a.block] * a.block + pp % a.block) * d;
     for (int64_t j = 0; j < g; ++j) {
       float s = dot(qh + j * d, kr, d) * a.sm_scale;
       if (a.cap > 0.f) s = a.cap * std::tanh(s / a.cap);
@@ -130,23 +180,21 @@ void attend_one(const Args& a, int64_t t, int64_t h, std::vector<float>& scores)
   }
   for (int64_t i = 0; i < n; ++i) {
     const int64_t pp = lo + i;
-    const float* vr = a.v + head_off + (table[pp / a.block] * a.block + pp % a.block) * d;
-    for (int64_t j = 0; j < g; ++j) {
-      const float w = scores[j * n + i];
-      float* oj = out + j * d;
-      for (int64_t e = 0; e < d; ++e) oj[e] += w * vr[e];
-    }
+    const KT* vr = a.v + head_off + (table[pp / a.block] * a.block + pp % a.block) * d;
+    for (int64_t j = 0; j < g; ++j) axpy(scores[j * n + i], vr, out + j * d, d);
   }
 }
 
+template <typename KT>
 struct Shared {
-  Args a;
+  Args<KT> a;
   std::atomic<int64_t> next{0};
   int64_t total = 0, chunk = 1;  // (token, KV head) tasks, and tasks per chunk
 };
 
+template <typename KT>
 void run(void* p) {
-  Shared& s = *static_cast<Shared*>(p);
+  Shared<KT>& s = *static_cast<Shared<KT>*>(p);
   thread_local std::vector<float> scores;
   const int64_t chunks = (s.total + s.chunk - 1) / s.chunk;
   for (;;) {
@@ -174,7 +222,8 @@ void token_rows(const int32_t* qs, const int32_t* seq_lens, int64_t n_rows, int6
 }
 
 // Attention over the pages in a (a.seq / a.pos filled in here from the step's rows).
-ffi::Error attend(Args a, ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
+template <typename KT>
+ffi::Error attend(Args<KT> a, ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
                   ffi::Buffer<ffi::S32> num_seqs, int64_t threads) {
   const int64_t n_rows = seq_lens.dimensions()[0];
   if (qs.dimensions()[0] != n_rows + 1)
@@ -184,7 +233,7 @@ ffi::Error attend(Args a, ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_le
              pos);
   a.seq = seq.data();
   a.pos = pos.data();
-  Shared s;
+  Shared<KT> s;
   s.a = a;
   s.total = a.t * a.hkv;
   int64_t work = 0;  // positions x query heads to read
@@ -195,36 +244,68 @@ ffi::Error attend(Args a, ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_le
   s.chunk = std::clamp<int64_t>(s.total / (4 * (team.size() + 1)), 1, 8);
   const int64_t chunks = (s.total + s.chunk - 1) / s.chunk;
   const int64_t helpers = work < (1 << 11) ? 0 : std::min<int64_t>(team.size(), chunks - 1);
-  team.run(static_cast<int>(helpers), run, &s);
+  team.run(static_cast<int>(helpers), run<KT>, &s);
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                          ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> qs,
-                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> num_seqs,
-                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
-                          int64_t window) {
+// The page element type of a float32 or bfloat16 pool (false: another type).
+bool page_type(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables,
+                          ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
+                          float sm_scale, float soft_cap, int64_t window) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("q [T, Hq, D], pages [Hkv, P, B, D], tables [S, M]");
-  return attend(Args{q.typed_data(), k.typed_data(), v.typed_data(), tables.typed_data(),
-                     nullptr, nullptr, out->typed_data(), qd[0], qd[1], kd[0], qd[2], kd[1],
-                     kd[2], td[1], sm_scale, soft_cap, window},
+  if (!page_type(k.element_type()) || k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("pages must be float32 or bfloat16, K and V alike");
+  if (k.element_type() == ffi::DataType::BF16)
+    return attend(Args<uint16_t>{q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()),
+                                 static_cast<const uint16_t*>(v.untyped_data()),
+                                 tables.typed_data(), nullptr, nullptr, out->typed_data(), qd[0],
+                                 qd[1], kd[0], qd[2], kd[1], kd[2], td[1], sm_scale, soft_cap,
+                                 window},
+                  qs, seq_lens, num_seqs, pool.num_threads());
+  return attend(Args<float>{q.typed_data(), static_cast<const float*>(k.untyped_data()),
+                            static_cast<const float*>(v.untyped_data()), tables.typed_data(),
+                            nullptr, nullptr, out->typed_data(), qd[0], qd[1], kd[0], qd[2],
+                            kd[1], kd[2], td[1], sm_scale, soft_cap, window},
                 qs, seq_lens, num_seqs, pool.num_threads());
 }
 
+// new K/V [T, Hkv, D] float32 into their slots of pages of KT (reference.write_kv's rule: a
+// negative slot counts from the end; one still out of range is dropped).
+template <typename KT>
+void write_slots(const float* kn, const float* vn, KT* kp, KT* vp, const int32_t* slots,
+                 int64_t t_new, int64_t hkv, int64_t d, int64_t n_slots) {
+  for (int64_t t = 0; t < t_new; ++t) {
+    int64_t slot = slots[t];
+    if (slot < 0) slot += n_slots;
+    if (slot < 0 || slot >= n_slots) continue;
+    for (int64_t h = 0; h < hkv; ++h) {
+      const float* ks = kn + (t * hkv + h) * d;
+      const float* vs = vn + (t * hkv + h) * d;
+      KT* kd = kp + (h * n_slots + slot) * d;
+      KT* vd = vp + (h * n_slots + slot) * d;
+      for (int64_t e = 0; e < d; ++e) {
+        from_f32(ks[e], kd[e]);
+        from_f32(vs[e], vd[e]);
+      }
+    }
+  }
+}
+
 // The step's new K/V ([T, Hkv, D]) written into their slots of the pages (the outputs, which
-// alias the input pages), then the attention over them: reference.write_kv's rule (a negative
-// slot counts from the end; one still out of range is dropped), then PagedAttention's.
+// alias the input pages), then the attention over them: write_slots, then PagedAttention's.
 ffi::Error PagedWriteAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                               ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
-                               ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> tables,
-                               ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
-                               ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
-                               ffi::ResultBuffer<ffi::F32> k_out,
-                               ffi::ResultBuffer<ffi::F32> v_out, float sm_scale,
+                               ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32> slots,
+                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> qs,
+                               ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> num_seqs,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                               ffi::Result<ffi::AnyBuffer> v_out, float sm_scale,
                                float soft_cap, int64_t window) {
   const auto qd = q.dimensions(), nd = k_new.dimensions(), td = tables.dimensions();
   const auto kd = k_out->dimensions();
@@ -232,23 +313,26 @@ ffi::Error PagedWriteAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       nd[1] != kd[0] || nd[2] != kd[3])
     return ffi::Error::InvalidArgument(
         "q [T, Hq, D], k/v [T, Hkv, D], pages [Hkv, P, B, D], tables [S, M]");
+  if (!page_type(k_out->element_type()) || k_out->element_type() != v_out->element_type())
+    return ffi::Error::InvalidArgument("pages must be float32 or bfloat16, K and V alike");
   const int64_t hkv = kd[0], d = kd[3], n_slots = kd[1] * kd[2];
-  float* kp = k_out->typed_data();
-  float* vp = v_out->typed_data();
-  const float* kn = k_new.typed_data();
-  const float* vn = v_new.typed_data();
-  for (int64_t t = 0; t < nd[0]; ++t) {
-    int64_t slot = slots.typed_data()[t];
-    if (slot < 0) slot += n_slots;
-    if (slot < 0 || slot >= n_slots) continue;
-    for (int64_t h = 0; h < hkv; ++h) {
-      std::copy(kn + (t * hkv + h) * d, kn + (t * hkv + h + 1) * d, kp + (h * n_slots + slot) * d);
-      std::copy(vn + (t * hkv + h) * d, vn + (t * hkv + h + 1) * d, vp + (h * n_slots + slot) * d);
-    }
+  if (k_out->element_type() == ffi::DataType::BF16) {
+    auto* kp = static_cast<uint16_t*>(k_out->untyped_data());
+    auto* vp = static_cast<uint16_t*>(v_out->untyped_data());
+    write_slots(k_new.typed_data(), v_new.typed_data(), kp, vp, slots.typed_data(), nd[0], hkv,
+                d, n_slots);
+    return attend(Args<uint16_t>{q.typed_data(), kp, vp, tables.typed_data(), nullptr, nullptr,
+                                 out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1],
+                                 sm_scale, soft_cap, window},
+                  qs, seq_lens, num_seqs, pool.num_threads());
   }
-  return attend(Args{q.typed_data(), kp, vp, tables.typed_data(), nullptr, nullptr,
-                     out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1], sm_scale,
-                     soft_cap, window},
+  auto* kp = static_cast<float*>(k_out->untyped_data());
+  auto* vp = static_cast<float*>(v_out->untyped_data());
+  write_slots(k_new.typed_data(), v_new.typed_data(), kp, vp, slots.typed_data(), nd[0], hkv, d,
+              n_slots);
+  return attend(Args<float>{q.typed_data(), kp, vp, tables.typed_data(), nullptr, nullptr,
+                            out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1],
+                            sm_scale, soft_cap, window},
                 qs, seq_lens, num_seqs, pool.num_threads());
 }
 
@@ -257,9 +341,9 @@ ffi::Error PagedWriteAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_paged_attention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k_pages
+                                  .Arg<ffi::AnyBuffer>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
@@ -275,16 +359,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_paged_write_attention, PagedWriteAttentio
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages (aliased to k_out)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages (aliased to v_out)
+                                  .Arg<ffi::AnyBuffer>()  // k_pages (aliased to k_out)
+                                  .Arg<ffi::AnyBuffer>()  // v_pages (aliased to v_out)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slots
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window"));

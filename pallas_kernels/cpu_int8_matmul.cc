@@ -86,8 +86,12 @@ inline float combine(const QuantX& q, int64_t r, int32_t acc_hi, int32_t acc_lo,
 }
 
 #if JS_VNNI
-// From this many activation rows on, weights are packed per block (see packed_rows).
-constexpr int64_t kPackedMinRows = 4;
+// From this many activation rows on, weights are packed per block (see packed_rows); fewer
+// rows (decode, a speculative verify step of up to 8 tokens) take single_rows, which reads
+// each weight row once from memory for all of them. Measured on SmolLM2's projections (2-core
+// AVX-512 VNNI): 4 rows cost 1.4x one row there against 2.2x packed, 8 rows 2.8x against
+// 4.3x; from ~12 rows on the packed blocks are ahead (16 rows: 5.7x against 6.6x).
+constexpr int64_t kPackedMinRows = 9;
 
 // The weight as unsigned bytes (w + 128, by flipping the sign bit; zeros past k), for
 // vpdpbusd's unsigned operand.

@@ -1,4 +1,5 @@
-"""C++ kernels for XLA:CPU through jax.ffi: the W8A8 int8 matmul and causal paged attention.
+"""C++ kernels for XLA:CPU through jax.ffi: the W8A8 int8 matmul and causal paged attention
+(over float32 or bfloat16 pages).
 
 * ``cpu_int8_matmul.cc``: XLA:CPU runs a one-row int8 dot well below the machine's read
   bandwidth, and the two-term activation quantization around it is a dozen small ops per
@@ -40,6 +41,8 @@ _HEADERS = [os.path.join(_DIR, "cpu_team.h")]
 _MATMUL = "jaxserve_int8_matmul"
 _ATTENTION = "jaxserve_paged_attention"
 _WRITE_ATTENTION = "jaxserve_paged_write_attention"
+# the page dtypes the attention kernel reads (and writes) in place
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 _lock = threading.Lock()
 _state: dict = {}
@@ -156,8 +159,9 @@ def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
 def paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs=None, *,
                     sm_scale: float, sliding_window: int | None = None,
                     soft_cap: float | None = None):
-    """``reference.ragged_paged_attention`` (float32 pages, no KV scales) by the C++ kernel:
-    each token of the step (``q [T, Hq, D]``) against its row's pages up to its position."""
+    """``reference.ragged_paged_attention`` (float32 or bfloat16 pages, no KV scales) by the
+    C++ kernel: each token of the step (``q [T, Hq, D]``) against its row's pages up to its
+    position. Bfloat16 pages are read as they are (no float32 copy of the pool)."""
     out = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
         *_rows(query_start, seq_lens, num_seqs), **_attrs(sm_scale, sliding_window, soft_cap))
@@ -168,14 +172,15 @@ def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, query_start, seq_l
                      block_tables, num_seqs=None, *, sm_scale: float,
                      sliding_window: int | None = None, soft_cap: float | None = None):
     """``reference.write_kv`` then :func:`paged_attention` in one kernel call: the new
-    ``k, v [T, Hkv, D]`` go into the float32 pages in place (the returned pages alias the
-    given ones; donate them) -> ``(out [T, Hq, D], k_pages, v_pages)``. The XLA scatter it
-    replaces costs two small multi-threaded ops per layer, more than the write itself."""
+    ``k, v [T, Hkv, D]`` go into the float32 or bfloat16 pages in place (rounded to nearest
+    even for bfloat16; the returned pages alias the given ones; donate them) ->
+    ``(out [T, Hq, D], k_pages, v_pages)``. The XLA scatter it replaces costs two small
+    multi-threaded ops per layer, more than the write itself."""
     out, k_pages, v_pages = jax.ffi.ffi_call(
         _WRITE_ATTENTION,
-        (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape,
-                                                                         jnp.float32),
-         jax.ShapeDtypeStruct(v_pages.shape, jnp.float32)),
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+         jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+         jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
         input_output_aliases={3: 1, 4: 2})(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), k_pages, v_pages,
         slot_mapping.astype(jnp.int32), block_tables.astype(jnp.int32),

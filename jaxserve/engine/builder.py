@@ -49,6 +49,21 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     return config.for_platform(jax.default_backend())
 
 
+def cpu_kv_dtype(config: EngineConfig, model, dtype) -> EngineConfig:
+    """``kv_cache_dtype`` "auto" on the CPU backend with the C++ attention kernel, float32
+    activations and int8 weights (W8A8: the quantized GGUF default) resolves to "bfloat16":
+    half the pool's bytes, read by the kernel in place. Float32 weights keep float32 pages, so
+    ``--dtype float32`` stays the exact mode; ``--kv-cache-dtype float32`` asks for them."""
+    if (config.cache.cache_dtype != "auto" or jax.default_backend() != "cpu"
+            or jnp.dtype(dtype) != jnp.float32 or config.attention_backend != "xla"
+            or not cpu_kernels.available()):
+        return config
+    if not any(getattr(x, "dtype", None) == jnp.int8 for x in jax.tree_util.tree_leaves(model)):
+        return config
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache,
+                                                                 cache_dtype="bfloat16"))
+
+
 def build_engine(config: EngineConfig, devices=None, background_warmup: bool = False
                  ) -> LLMEngine:
     """Load, size and warm up an engine. ``devices``: this replica's devices (data parallel;
@@ -128,6 +143,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     if any(isinstance(s, LinearState) for s in getattr(model, "cache_specs", lambda d: [])(
             "float32")):
         check_state_pool_support(config, None if draft is None else draft[0])
+    config = cpu_kv_dtype(config, model, dtype)
     # float8 KV scales are settled before the runner splits the model (they are static)
     prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
                       serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
@@ -190,6 +206,9 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
                        block_manager=block_manager, scheduler=scheduler, proposer=proposer,
                        kv_event_publisher=publisher, lora_manager=lora_manager, **extra)
+    if str(config.model).endswith(".gguf"):
+        from jaxserve.loaders.gguf import release_readers
+        release_readers()
     if background_warmup:
         # while buckets compile, each step stays within the largest compiled one
         runner.start_warmup(on_token_limit=scheduler.limit_tokens)

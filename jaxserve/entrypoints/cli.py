@@ -140,7 +140,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=CacheConfig.enable_prefix_caching,
                    help="reuse KV pages of shared prompt prefixes (default: on)")
     c.add_argument("--kv-cache-dtype", default=CacheConfig.cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="KV page dtype: auto (the serving dtype) or float8 (fp8 = fp8_e4m3; "
+                   help="KV page dtype: auto (the serving dtype; bfloat16 on CPU for int8 "
+                        "weights), bfloat16, float32, or float8 (fp8 = fp8_e4m3; "
                         "K/V scales from the checkpoint's k_scale/v_scale, else 1.0 or "
                         "--calculate-kv-scales) (default: %(default)s)")
     c.add_argument("--calculate-kv-scales", action="store_true",

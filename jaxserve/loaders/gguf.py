@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import mmap
 import os
 import re
 import sys
@@ -498,7 +499,37 @@ def _reader(path: str):
     """One parsed ``GGUFReader`` per file version: parsing the metadata (the tokenizer's ~100k
     strings) takes seconds, and weights, config and tokenizer all read it."""
     st = os.stat(path)
-    return _cached_reader(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    args = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    _open_readers.add(args)
+    return _cached_reader(*args)
+
+
+def release_readers() -> None:
+    """Drop the parsed readers, and the file's pages from this process's resident set
+    (``madvise(MADV_DONTNEED)`` on the read-only mapping: a page read again later, e.g. by an
+    array that still views the file, comes back from the file). Once the engine holds its
+    weights and tokenizer, nothing reads the file again."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        madvise = None
+    page = mmap.PAGESIZE
+    for args in list(_open_readers):
+        data = getattr(_cached_reader(*args), "data", None)
+        if madvise is None or not isinstance(data, np.ndarray) or not data.nbytes:
+            continue
+        start = -(-data.ctypes.data // page) * page
+        end = (data.ctypes.data + data.nbytes) // page * page
+        if end > start:
+            madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+    _open_readers.clear()
+    _cached_reader.cache_clear()
+
+
+_open_readers: set = set()  # the arguments of the readers _cached_reader holds
 
 
 @functools.lru_cache(maxsize=2)

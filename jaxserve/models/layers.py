@@ -282,11 +282,13 @@ def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str,
 
 
 def _cpu_attention_kernel(k_pages, kv_scale) -> bool:
-    """The C++ attention kernel serves the "xla" backend: float32 pages, no KV scales, the
-    kernels built (``pallas_kernels.cpu_kernels``), ``JAXSERVE_CPU_ATTENTION`` not 0."""
+    """The C++ attention kernel serves the "xla" backend: float32 or bfloat16 pages, no KV
+    scales, the kernels built (``pallas_kernels.cpu_kernels``), ``JAXSERVE_CPU_ATTENTION``
+    not 0."""
     from pallas_kernels import cpu_kernels
 
-    return (kv_scale is None and k_pages.dtype == jnp.float32 and cpu_kernels.available()
+    return (kv_scale is None and k_pages.dtype in cpu_kernels.PAGE_DTYPES
+            and cpu_kernels.available()
             and os.environ.get("JAXSERVE_CPU_ATTENTION") != "0")
 
 

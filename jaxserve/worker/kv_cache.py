@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.sharding import default_mesh, pool_kv_heads, replicated
+from jaxserve.worker.host_memory import release_pages
 
 
 _FP8_KV = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
@@ -20,15 +21,17 @@ _FP8_KV = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
 
 
 def kv_cache_dtype(cache_dtype: str, serving_dtype):
-    """The pool's dtype: the serving dtype ("auto") or a float8. Float8 pages hold K/V divided
-    by the layer's scales (``jaxserve.models.kv_scales``; 1.0 without any), saturated at the
-    format's maximum; every attention backend (reference, xla, pallas, triton, mosaic) upcasts
-    them when it reads them."""
+    """The pool's dtype: the serving dtype ("auto"), bfloat16 / float32 as named, or a float8.
+    Float8 pages hold K/V divided by the layer's scales (``jaxserve.models.kv_scales``; 1.0
+    without any), saturated at the format's maximum; every attention backend (reference, xla,
+    pallas, triton, mosaic) upcasts pages narrower than the serving dtype when it reads them."""
     if cache_dtype == "auto":
         return jnp.dtype(serving_dtype)
+    if cache_dtype in ("bfloat16", "float32"):
+        return jnp.dtype(cache_dtype)
     if cache_dtype not in _FP8_KV:
-        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of auto, "
-                         f"{', '.join(_FP8_KV)}")
+        raise ValueError(f"kv_cache_dtype {cache_dtype!r} is not one of auto, bfloat16, "
+                         f"float32, {', '.join(_FP8_KV)}")
     return jnp.dtype(_FP8_KV[cache_dtype])
 
 
@@ -78,7 +81,11 @@ def _zeros(dtype, sharding):
     def zeros(shape):
         if shape not in programs:
             programs[shape] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return programs[shape]()
+        out = programs[shape]()
+        if out.sharding.device_set and next(iter(out.sharding.device_set)).platform == "cpu":
+            # host memory: a page becomes resident when a step first writes it
+            release_pages(out.block_until_ready())
+        return out
     return zeros
 
 

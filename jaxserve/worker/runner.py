@@ -31,6 +31,7 @@ from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
+from jaxserve.worker.host_memory import cpu_kv_cache_bytes
 from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
                                       allocate_layer_pages, fork_copy, fork_pairs,
@@ -53,7 +54,6 @@ logger = logging.getLogger(__name__)
 jax.tree_util.register_dataclass(StepPlan, data_fields=list(ARRAY_FIELDS),
                                  meta_fields=["num_seqs", "num_tokens"])
 
-CPU_KV_CACHE_BYTES = 1 << 30  # like vLLM's CPU KV space: a fixed budget when memory is unknown
 
 
 class _TraceCount(threading.local):
@@ -373,11 +373,11 @@ def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, ma
     split = partial(split_budget, pools, block_size=block, max_model_len=max_model_len, tp=tp,
                     extra_page_bytes=extra_page_bytes)
     if not limit:
-        # CPU: enough for every sequence at full length, capped by a fixed budget.
+        # CPU: enough for every sequence at full length, capped by host_memory's budget.
         full = -(-max_model_len // block)
         want = sched.max_num_seqs * full + 1
         return tuple(int(max(2, min(want, max(n, 2 * full + 1))))
-                     for n in split(CPU_KV_CACHE_BYTES))
+                     for n in split(cpu_kv_cache_bytes()))
     in_use = stats.get("bytes_in_use", param_bytes)
     t_max = sched.max_num_batched_tokens
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
@@ -422,10 +422,10 @@ def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConf
     per_page = [p.page_bytes(block, tp) // tp for p in pools]
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
-    if not limit:  # CPU: every sequence at full length, capped by a fixed budget
+    if not limit:  # CPU: every sequence at full length, capped by host_memory's budget
         want = [sched.max_num_seqs * p.max_pages(max_model_len, block) + h + 1
                 for p, h in zip(pools, headroom)]
-        fit = split_budget(pools, CPU_KV_CACHE_BYTES, block_size=block,
+        fit = split_budget(pools, cpu_kv_cache_bytes(), block_size=block,
                            max_model_len=max_model_len, tp=tp)
         return tuple(int(max(2, min(w, f + h))) for w, f, h in zip(want, fit, headroom))
     in_use = stats.get("bytes_in_use", param_bytes)

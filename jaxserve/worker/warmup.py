@@ -29,6 +29,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import (TRASH_PAGE, ScheduledSeq, StepPlan, build_step_plan,
                                      padding_plan, seq_bucket)
 from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
+from jaxserve.worker.host_memory import log_memory
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class BucketWarmup:
             logger.info("warm-up: %d compiles for token buckets %s in %.1f s",
                         self.runner.num_compiles, list(self.ladder), self.seconds)
             freeze_startup_heap()
+            log_memory(self.runner)
 
     def _compile_bucket(self, t: int) -> None:
         """Compile token bucket ``t`` (model graph, both sampler layouts), then run it.

@@ -27,11 +27,13 @@ def _numpy_reference(x, w, s):
     return (acc_hi.astype(np.float32) + acc_lo.astype(np.float32) * np.float32(1 / 254)) * a * s
 
 
-# rows: one (decode), the 4-row block path and its odd tail; K: whole 64-byte vectors, a
-# masked tail, and one shorter than a vector; N: whole 64-row chunks and not
+# rows: one (decode), 2-8 (the one-row loop over several rows: a verify step), the packed
+# block path from 9 rows and its odd tail; K: whole 64-byte vectors, a masked tail, and one
+# shorter than a vector; N: whole 64-row chunks and not
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (2, 1536, 576), (5, 576, 1536),
                                    (37, 100, 70), (4, 7, 40), (64, 257, 576),
-                                   (13, 48, 64), (8, 16, 1536)])
+                                   (13, 48, 64), (8, 16, 1536), (9, 40, 576),
+                                   (3, 192, 576)])
 def test_kernel_matches_reference(m, n, k):
     rng = np.random.default_rng(m * 1000 + n + k)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
@@ -75,16 +77,19 @@ def test_all_zero_rows_give_zeros():
     groups=st.sampled_from([1, 3]),
     window_cap=st.sampled_from([(None, None), (5, None), (None, 7.0), (6, 5.0)]),
     pass_num_seqs=st.booleans(),
+    page_dtype=st.sampled_from(["float32", "bfloat16"]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_attention_matches_reference(batch, groups, window_cap, pass_num_seqs, seed):
+def test_attention_matches_reference(batch, groups, window_cap, pass_num_seqs, page_dtype, seed):
     """Random ragged batches (decodes, prefill chunks, padding rows and tokens, stale block
-    table entries): the kernel equals the jnp reference, padding tokens come back zero."""
+    table entries), float32 or bfloat16 pages: the kernel equals the jnp reference (which
+    reads the pages as float32), padding tokens come back zero."""
     sliding_window, soft_cap = window_cap
     t_bucket, s_bucket, q_lens, ctx_lens = batch
     rng = np.random.default_rng(seed)
     q, kp, vp, qs, sl, bt = make_batch(rng, q_lens, ctx_lens, t_bucket, s_bucket, groups,
                                        jnp.float32)
+    kp, vp = kp.astype(page_dtype), vp.astype(page_dtype)
     num_seqs = jnp.int32(len(q_lens)) if pass_num_seqs else None
     kw = dict(sm_scale=0.25, sliding_window=sliding_window, soft_cap=soft_cap)
     ref = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(q, kp, vp, qs, sl,
@@ -115,17 +120,21 @@ def _slots(rng, q_lens, ctx_lens, bt, t_bucket, n_slots):
     batch=ragged_batches(),
     groups=st.sampled_from([1, 3]),
     window_cap=st.sampled_from([(None, None), (5, None), (6, 5.0)]),
+    page_dtype=st.sampled_from(["float32", "bfloat16"]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_write_and_attend_matches_write_kv_then_reference(batch, groups, window_cap, seed):
+def test_write_and_attend_matches_write_kv_then_reference(batch, groups, window_cap, page_dtype,
+                                                          seed):
     """The fused KV write + attention equals ``reference.write_kv`` then the reference
-    attention: the same pages after (every slot, the trash page and a negative slot too) and
-    the same outputs, which read the tokens written in the same call."""
+    attention: the same pages after (every slot, the trash page and a negative slot too;
+    bfloat16 pages bit for bit, so the kernel rounds to nearest even as XLA's convert does)
+    and the same outputs, which read the tokens written in the same call."""
     sliding_window, soft_cap = window_cap
     t_bucket, s_bucket, q_lens, ctx_lens = batch
     rng = np.random.default_rng(seed)
     q, kp, vp, qs, sl, bt = make_batch(rng, q_lens, ctx_lens, t_bucket, s_bucket, groups,
                                        jnp.float32)
+    kp, vp = kp.astype(page_dtype), vp.astype(page_dtype)
     hkv, d = kp.shape[0], kp.shape[-1]
     k = jnp.asarray(rng.standard_normal((t_bucket, hkv, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((t_bucket, hkv, d)), jnp.float32)
@@ -141,9 +150,13 @@ def test_write_and_attend_matches_write_kv_then_reference(batch, groups, window_
     r_out, r_kp, r_vp = ref(q, k, v, kp, vp, slots, qs, sl, bt)
     out, f_kp, f_vp = fused(q, k, v, jnp.array(kp), jnp.array(vp), slots, qs, sl, bt,
                             jnp.int32(len(q_lens)))
-    np.testing.assert_array_equal(np.asarray(f_kp), np.asarray(r_kp))
-    np.testing.assert_array_equal(np.asarray(f_vp), np.asarray(r_vp))
-    assert not np.array_equal(np.asarray(f_kp), np.asarray(kp))  # something was written
+    assert f_kp.dtype == f_vp.dtype == jnp.dtype(page_dtype)
+    np.testing.assert_array_equal(np.asarray(f_kp.astype(jnp.float32)),
+                                  np.asarray(r_kp.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(f_vp.astype(jnp.float32)),
+                                  np.asarray(r_vp.astype(jnp.float32)))
+    assert not np.array_equal(np.asarray(f_kp.astype(jnp.float32)),
+                              np.asarray(kp.astype(jnp.float32)))  # something was written
     n = sum(q_lens)
     np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(r_out)[:n], rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(out)[n:] == 0)
