@@ -185,14 +185,14 @@ def test_steps_fit_the_compiled_buckets_while_others_compile(tiny_model_factory,
     monkeypatch.setattr(BucketWarmup, "_compile_bucket", held)
     eng = _engine(model_dir, background=True)
     buckets = []
-    build = eng.runner.build_plan
+    build = eng.input_batch.prepare_inputs
 
-    def recording(rows, *args):
-        plan = build(rows, *args)
+    def recording(diff, **kwargs):
+        plan = build(diff, **kwargs)
         buckets.append(plan.token_bucket)
         return plan
 
-    eng.runner.build_plan = recording
+    eng.input_batch.prepare_inputs = recording
     try:
         deadline = time.time() + 300
         while not eng.startup_progress()[0]:
