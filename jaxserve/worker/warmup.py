@@ -23,12 +23,12 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxserve.core.sampling_metadata import (SamplingRow, build_sampling_arrays,
-                                              dummy_sampling_arrays)
+from jaxserve.core.batch_diff import BatchDiff, NewRequestData
+from jaxserve.core.sampling_metadata import build_sampling_arrays, dummy_sampling_arrays
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import (TRASH_PAGE, ScheduledSeq, StepPlan, build_step_plan,
-                                     padding_plan, seq_bucket)
+from jaxserve.core.step_plan import TRASH_PAGE, StepPlan, padding_plan, seq_bucket
 from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
+from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.host_memory import log_memory
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _WARMUP_ALL_FEATURES = SamplingParams(
     temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, presence_penalty=0.1,
     frequency_penalty=0.1, repetition_penalty=1.1, logit_bias={0: 0.5})
+_WARMUP_GREEDY = SamplingParams(temperature=0.0)
 _WARMUP_OTHER_BRANCHES = (
     SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
                    logit_bias={0: 0.5}, min_tokens=2, stop_token_ids=[0]),
@@ -262,15 +263,19 @@ def warmup_plan(runner, t: int, s: int, long_rows: bool) -> StepPlan:
         add = min(extra, cap - 1)
         lens[i] += add
         extra -= add
-    # the long-rows plan samples with every feature on (the full layout), the other greedy
-    sampling = SamplingRow(_WARMUP_ALL_FEATURES, [0], [0], None, 1) if long_rows else None
-    rows = [ScheduledSeq(new_token_ids=np.zeros(q, np.int32), start_pos=0,
-                         block_ids=[[TRASH_PAGE] * -(-q // bs)] * runner.num_cache_groups,
-                         sampling=sampling) for q in lens]
-    plan = build_step_plan(rows, block_size=bs, max_pages_per_seq=runner.max_pages_per_seq,
-                           ladder=runner.ladder, max_num_seqs=runner.max_num_seqs,
-                           history_len=runner.max_model_len, rng=np.random.default_rng(0),
-                           num_spec_tokens=runner.num_spec_tokens)
+    # the long-rows plan samples with every feature on (the full layout), the other greedy;
+    # built as the engine builds its steps: rows of a scratch persistent batch, then one diff
+    params = _WARMUP_ALL_FEATURES if long_rows else _WARMUP_GREEDY
+    batch = InputBatch.for_runner(runner, seed=0)
+    ids = [f"warmup-{i}" for i in range(n_rows)]
+    batch.apply(BatchDiff(new_reqs=[
+        NewRequestData(rid, [0] * q, q - 1, params,
+                       [[TRASH_PAGE] * -(-q // bs)] * runner.num_cache_groups)
+        for rid, q in zip(ids, lens)]))
+    plan = batch.prepare_inputs(BatchDiff(
+        req_ids=ids, num_tokens=lens, token_ids=[0] * sum(lens), start_pos=[0] * n_rows,
+        sample=[True] * n_rows, num_draft=[0] * n_rows, num_output=[1] * n_rows),
+        ladder=runner.ladder)
     if plan.token_bucket != t:
         return warmup_padding_plan(runner, t, s, long_rows)
     return plan
