@@ -56,7 +56,6 @@ from jaxserve.core.kv_cache_spec import (LinearState, SharedKV, group_layers, gr
                                          page_pools, state_groups)
 from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
-from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.worker import runner as runner_lib
 from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool, fork_copy,
@@ -240,17 +239,9 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
         runner_lib._TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         family = stage.family
-        # one pool: group 0's tables; pools per group: every group's ([G, ...]), and the family
-        # picks each layer's (cache_groups_supported)
-        grouped = arrays["block_tables"].shape[0] > 1
-        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"] if grouped
-                               else arrays["slot_mapping"][0],
-                               query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
-                               block_tables=arrays["block_tables"] if grouped
-                               else arrays["block_tables"][0],
-                               num_seqs=arrays["num_seqs"],
-                               state_slots=runner_lib._state_slots(arrays["state_slots"],
-                                                                   kv_pages, state_layers))
+        md = runner_lib.attention_metadata(
+            arrays, state_slots=runner_lib._state_slots(arrays["state_slots"], kv_pages,
+                                                        state_layers))
         if stage.first:
             ref = arrays["prev_ref"]
             token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)],

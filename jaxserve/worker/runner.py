@@ -84,19 +84,10 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         ref = arrays["prev_ref"]
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
-        # one pool: group 0's pages; pools per group: every group's ([G, ...]), and the model
-        # picks each layer's (cache_groups_supported)
-        grouped = arrays["block_tables"].shape[0] > 1
-        md = AttentionMetadata(
-            slot_mapping=arrays["slot_mapping"] if grouped else arrays["slot_mapping"][0],
-            query_start=arrays["query_start"],
-            seq_lens=arrays["seq_lens"],
-            block_tables=arrays["block_tables"] if grouped else arrays["block_tables"][0],
-            num_seqs=arrays["num_seqs"],
-            state_slots=_state_slots(arrays["state_slots"], kv_pages, state_layers),
+        md = attention_metadata(
+            arrays, state_slots=_state_slots(arrays["state_slots"], kv_pages, state_layers),
             snapshot_slots=(None if snapshots is None
-                            else snapshot_slots(arrays["num_draft"], *snapshots)),
-        )
+                            else snapshot_slots(arrays["num_draft"], *snapshots)))
         if "lora" in arrays:  # (scale [L], per-layer A/B) of the device slots
             hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md,
                                      lora=LoRABatch(arrays["lora_slots"], *arrays["lora"]))
@@ -122,6 +113,19 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
                 for i in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,), out_shardings=(
         sharding.replicated(mesh), pool, sharding.replicated(mesh)))
+
+
+def attention_metadata(arrays: dict, state_slots=None, snapshot_slots=None
+                       ) -> AttentionMetadata:
+    """What the attention kernels read of a step's inputs: with one page pool, group 0's
+    slot mapping and block tables; with a pool per cache group, every group's (``[G, ...]``),
+    and the model picks each layer's (``cache_groups_supported``)."""
+    grouped = arrays["block_tables"].shape[0] > 1
+    return AttentionMetadata(
+        slot_mapping=arrays["slot_mapping"] if grouped else arrays["slot_mapping"][0],
+        query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
+        block_tables=arrays["block_tables"] if grouped else arrays["block_tables"][0],
+        num_seqs=arrays["num_seqs"], state_slots=state_slots, snapshot_slots=snapshot_slots)
 
 
 def snapshot_slots(num_draft, base: int, k: int):
