@@ -17,8 +17,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from jaxserve.core.batch_diff import BatchDiff, NewRequestData
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.step_plan import ScheduledSeq
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.worker.input_batch import InputBatch
+
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 class DraftModelProposer:
@@ -29,6 +33,9 @@ class DraftModelProposer:
         self.budget = runner.ladder[-1]
         # request id -> (request, its preemption count, tokens whose draft K/V is written)
         self._seen: dict[str, tuple[Request, int, int]] = {}
+        # the draft's steps are built as the target's: rows of a batch, one diff a step (the
+        # rows change from step to step here, so each step's requests come in as new rows)
+        self.batch = InputBatch.for_runner(runner)
 
     @staticmethod
     def load_model(spec, config, attention_backend: str, target_vocab: int, mesh=None):
@@ -60,9 +67,21 @@ class DraftModelProposer:
     def num_compiles(self) -> int:
         return self.runner.num_compiles
 
-    def _run(self, rows: list[ScheduledSeq]) -> list[int]:
-        plan = self.runner.build_plan(rows)  # rows without sampling params: greedy
-        return self.runner.execute(plan).token_ids[:len(rows)].tolist()
+    def _run(self, rows: list[tuple[Request, list[int], int]]) -> list[int]:
+        """One greedy step of the draft over ``rows`` (request, new ids, first position);
+        each row's sampled id."""
+        b = self.batch
+        b.apply(BatchDiff(removed=list(b.row_of), new_reqs=[
+            NewRequestData(req.request_id, [], 0, _GREEDY, [list(req.block_ids)])
+            for req, _, _ in rows]))
+        n = len(rows)
+        plan = b.prepare_inputs(BatchDiff(
+            req_ids=[req.request_id for req, _, _ in rows],
+            num_tokens=[len(ids) for _, ids, _ in rows],
+            token_ids=[int(t) for _, ids, _ in rows for t in ids],
+            start_pos=[start for _, _, start in rows], sample=[True] * n,
+            num_draft=[0] * n, num_output=[0] * n), ladder=self.runner.ladder)
+        return self.runner.execute(plan).token_ids[:n].tolist()
 
     def propose(self, requests: Sequence[Request], max_len: Sequence[int]) -> list[list[int]]:
         for rid in [r for r, (req, _, _) in self._seen.items() if req.is_finished]:
@@ -92,8 +111,7 @@ class DraftModelProposer:
                 if left <= 0 or budget <= 0 or len(rows) == self.runner.max_num_seqs:
                     continue
                 n = min(left, budget)
-                rows.append(ScheduledSeq(req.all_token_ids[pos[i]:pos[i] + n], pos[i],
-                                         [req.block_ids]))
+                rows.append((req, req.all_token_ids[pos[i]:pos[i] + n], pos[i]))
                 who.append((i, n == left))
                 pos[i] += n
                 budget -= n
@@ -112,8 +130,7 @@ class DraftModelProposer:
                 break
             for s in range(0, len(step), self.runner.max_num_seqs):
                 part = step[s:s + self.runner.max_num_seqs]
-                rows = [ScheduledSeq([drafts[i][-1]], req.num_tokens - 1 + j, [req.block_ids])
-                        for i, req in part]
+                rows = [(req, [drafts[i][-1]], req.num_tokens - 1 + j) for i, req in part]
                 for (i, _), tok in zip(part, self._run(rows)):
                     drafts[i].append(tok)
         return drafts

@@ -13,6 +13,8 @@ row that sampled it (``prev_ref``), whatever step that was.
 """
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
@@ -47,7 +49,7 @@ class InputBatch:
         self.rng = np.random.default_rng(seed)  # seeds of unseeded rows, drawn once per row
         self.row_of: dict[str, int] = {}
         self.req_ids: list[str | None] = [None] * R
-        self._free = list(range(R - 1, -1, -1))  # pop() hands out the lowest row
+        self._free = list(range(R))  # a heap: the lowest free row is handed out first
         # a row's generation: ids read back for a row that changed hands since are dropped
         self.generation = np.zeros(R, np.int64)
         self.token_ids = np.zeros((R, max_model_len), np.int32)  # prompt + known output ids
@@ -124,7 +126,7 @@ class InputBatch:
             raise ValueError(f"request {new.req_id!r} is already in the batch")
         if not self._free:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
-        row = self._free.pop()
+        row = heapq.heappop(self._free)
         self.row_of[new.req_id] = row
         self.req_ids[row] = new.req_id
         self.generation[row] += 1
@@ -179,8 +181,7 @@ class InputBatch:
     def _clear(self, row: int) -> None:
         """A freed row is all padding again (a from-scratch batch equals a reused one)."""
         self.req_ids[row] = None
-        self._free.append(row)
-        self._free.sort(reverse=True)
+        heapq.heappush(self._free, row)
         self.num_known[row] = self.num_prompt[row] = 0
         self.block_table[:, row] = TRASH_PAGE
         self.num_blocks[:, row] = 0
