@@ -383,8 +383,8 @@ def _paged_generate(smollm2_jax, prompts, new_tokens):
     from flax import nnx
 
     from jaxserve.worker.kv_cache import allocate_kv_pages
-    from jaxserve.models.layers import AttentionMetadata
-    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, token_ladder
+    from jaxserve.core.step_plan import token_ladder
+    from jaxserve.testing.paged import metadata, step_inputs
 
     graphdef, state, cfg = smollm2_jax
 
@@ -404,11 +404,9 @@ def _paged_generate(smollm2_jax, prompts, new_tokens):
     ladder = token_ladder(512, min_bucket=16)
 
     def run(rows):
-        plan = build_step_plan(rows, block_size=BLOCK, max_pages_per_seq=pages_per_seq,
-                               ladder=ladder, max_num_seqs=4)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
-                               jnp.int32(plan.num_seqs))
+        plan = step_inputs(rows, block_size=BLOCK, max_pages=pages_per_seq, ladder=ladder,
+                           max_num_seqs=4)
+        md = metadata(plan)
         nonlocal kv
         all_rows = jnp.arange(plan.token_bucket)
         logits, kv = step(graphdef, state, jnp.asarray(plan.token_ids),
@@ -417,10 +415,10 @@ def _paged_generate(smollm2_jax, prompts, new_tokens):
         qs = plan.query_start
         return [logits[qs[i]:qs[i + 1]] for i in range(len(rows))]
 
-    prefill = run([ScheduledSeq(np.asarray(p), 0, [pages[i]]) for i, p in enumerate(prompts)])
+    prefill = run([(p, 0, pages[i]) for i, p in enumerate(prompts)])
     out = [[int(np.argmax(lg[-1]))] for lg in prefill]
     for _ in range(new_tokens - 1):
-        rows = [ScheduledSeq([o[-1]], len(p) + len(o) - 1, [pages[i]])
+        rows = [([o[-1]], len(p) + len(o) - 1, pages[i])
                 for i, (p, o) in enumerate(zip(prompts, out))]
         for o, lg in zip(out, run(rows)):
             o.append(int(np.argmax(lg[-1])))

@@ -55,9 +55,8 @@ def _ours(path, prompt, new):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
     from jaxserve.loaders.model_loader import load_model
-    from jaxserve.models.layers import AttentionMetadata
+    from jaxserve.testing.paged import metadata, step_inputs
     from jaxserve.worker.kv_cache import allocate_kv_pages
 
     model, cfg, _ = load_model(str(path), dtype="float32")
@@ -70,12 +69,9 @@ def _ours(path, prompt, new):
 
     def run(ids, start):
         nonlocal kv
-        plan = build_step_plan([ScheduledSeq(np.asarray(ids, np.int32), start, [pages])],
-                               block_size=BLOCK, max_pages_per_seq=n_pages, ladder=ladder,
-                               max_num_seqs=1)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
-                               jnp.int32(plan.num_seqs))
+        plan = step_inputs([(ids, start, pages)], block_size=BLOCK, max_pages=n_pages,
+                           ladder=ladder, max_num_seqs=1)
+        md = metadata(plan)
         logits, kv = step(graphdef, state, jnp.asarray(plan.token_ids),
                           jnp.asarray(plan.positions), kv, md)
         return np.asarray(logits)[:len(ids)]

@@ -252,17 +252,14 @@ def test_multi_device_mesh_changes_only_the_mesh(tiny_model_factory):
     from flax import nnx
 
     from jaxserve.worker.kv_cache import allocate_kv_pages
-    from jaxserve.models.layers import AttentionMetadata
-    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
+    from jaxserve.testing.paged import metadata, step_inputs
 
     path = str(tiny_model_factory("llama"))
     mesh = Mesh(np.array(devices[:2]), ("tp",))
     ids = np.arange(5, 25, dtype=np.int32)
-    plan = build_step_plan([ScheduledSeq(ids, 0, [[2, 3, 1]])], block_size=8, max_pages_per_seq=3,
-                           ladder=(32,), max_num_seqs=1)
-    md = AttentionMetadata(*(jnp.asarray(a) for a in (plan.slot_mapping[0], plan.query_start,
-                                                      plan.seq_lens, plan.block_tables[0])),
-                           jnp.int32(1))
+    plan = step_inputs([(ids, 0, [2, 3, 1])], block_size=8, max_pages=3, ladder=(32,),
+                       max_num_seqs=1)
+    md = metadata(plan)
 
     @nnx.jit
     def logits(model, kv):

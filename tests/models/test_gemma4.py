@@ -88,20 +88,18 @@ class Driver:
     def run(self, rows):
         import jax.numpy as jnp
 
-        from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, token_ladder
-        from jaxserve.models.layers import AttentionMetadata
+        from jaxserve.core.step_plan import token_ladder
+        from jaxserve.testing.paged import metadata, step_inputs
 
         sched = []
         for sid, ids, start in rows:
             pages = self.pages.setdefault(sid, [])
             while len(pages) * BLOCK < start + len(ids):
                 pages.append(int(self.free.pop()))
-            sched.append(ScheduledSeq(np.asarray(ids), start, [pages]))
-        plan = build_step_plan(sched, block_size=BLOCK, max_pages_per_seq=MAX_PAGES,
-                               ladder=token_ladder(64, min_bucket=8), max_num_seqs=4)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
-                               jnp.int32(plan.num_seqs))
+            sched.append((ids, start, pages))
+        plan = step_inputs(sched, block_size=BLOCK, max_pages=MAX_PAGES,
+                           ladder=token_ladder(64, min_bucket=8), max_num_seqs=4)
+        md = metadata(plan)
         logits, self.kv = _step(self.graphdef, self.state, jnp.asarray(plan.token_ids),
                                 jnp.asarray(plan.positions), self.kv, md)
         logits = np.asarray(logits)

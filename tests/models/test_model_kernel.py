@@ -19,7 +19,7 @@ from jax import export
 from jaxserve.worker.kv_cache import allocate_kv_pages
 from jaxserve.loaders.model_loader import load_model
 from jaxserve.worker.runner import _forward_fn
-from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
+from jaxserve.testing.paged import step_inputs
 
 BLOCK = 16
 NUM_PAGES = 48
@@ -44,13 +44,13 @@ def _mixed_rows(rng, vocab):
     for start, n in ((20, 13), (0, 5), (37, 1), (15, 1), (0, 1), (100, 1)):
         need = (start + n - 1) // BLOCK + 1
         ids = rng.integers(1, vocab, size=n).astype(np.int32)
-        rows.append(ScheduledSeq(ids, start, [[next(pages) for _ in range(need)]]))
+        rows.append((ids, start, [next(pages) for _ in range(need)]))
     return rows
 
 
 def _plan(rows):
-    return build_step_plan(rows, block_size=BLOCK, max_pages_per_seq=MAX_PAGES, ladder=LADDER,
-                           max_num_seqs=MAX_SEQS)
+    return step_inputs(rows, block_size=BLOCK, max_pages=MAX_PAGES, ladder=LADDER,
+                       max_num_seqs=MAX_SEQS)
 
 
 def _random_pool(cfg, rng, dtype=jnp.float32):

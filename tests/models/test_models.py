@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from jaxserve.worker.kv_cache import allocate_kv_pages, page_bytes  # noqa: E402
 from jaxserve.loaders.model_loader import load_model  # noqa: E402
-from jaxserve.models.layers import AttentionMetadata  # noqa: E402
-from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, token_ladder  # noqa: E402
+from jaxserve.core.step_plan import token_ladder  # noqa: E402
+from jaxserve.testing.paged import metadata, step_inputs  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 BLOCK = 8
@@ -51,13 +51,10 @@ class PagedRunner:
 
     def run(self, rows):
         """rows: (seq_id, new_token_ids, start_pos) -> per-row logits of every new token."""
-        sched = [ScheduledSeq(np.asarray(ids), start, [self._pages_for(sid, start + len(ids))])
-                 for sid, ids, start in rows]
-        plan = build_step_plan(sched, block_size=BLOCK, max_pages_per_seq=MAX_PAGES,
-                               ladder=LADDER, max_num_seqs=8)
-        md = AttentionMetadata(jnp.asarray(plan.slot_mapping[0]), jnp.asarray(plan.query_start),
-                               jnp.asarray(plan.seq_lens), jnp.asarray(plan.block_tables[0]),
-                               jnp.int32(plan.num_seqs))
+        plan = step_inputs([(ids, start, self._pages_for(sid, start + len(ids)))
+                            for sid, ids, start in rows], block_size=BLOCK,
+                           max_pages=MAX_PAGES, ladder=LADDER, max_num_seqs=8)
+        md = metadata(plan)
         logits, self.kv = _step(self.graphdef, self.state, jnp.asarray(plan.token_ids),
                                 jnp.asarray(plan.positions), self.kv, md)
         logits = np.asarray(logits)
