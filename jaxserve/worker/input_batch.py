@@ -77,6 +77,7 @@ class InputBatch:
         self.bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
         self.num_bias = np.zeros(R, np.int32)
         self._padding: dict[tuple[int, bool], dict] = {}  # read-only sampler padding arrays
+        self._added: list[int] = []  # rows the last diff added (their device id is not theirs)
 
     @classmethod
     def for_runner(cls, runner, eos_token_ids=(), seed: int | None = None) -> InputBatch:
@@ -99,8 +100,7 @@ class InputBatch:
             row = self.row_of.pop(rid, None)
             if row is not None:
                 self._clear(row)
-        for new in diff.new_reqs:
-            self._add(new)
+        self._added = [self._add(new) for new in diff.new_reqs]
         for u in diff.page_updates:
             row = self._row(u.req_id)
             n = u.start + len(u.block_ids)
@@ -121,7 +121,7 @@ class InputBatch:
             raise ValueError(f"the batch diff names request {rid!r}, which is not in the batch")
         return row
 
-    def _add(self, new: NewRequestData) -> None:
+    def _add(self, new: NewRequestData) -> int:
         if new.req_id in self.row_of:
             raise ValueError(f"request {new.req_id!r} is already in the batch")
         if not self._free:
@@ -150,6 +150,7 @@ class InputBatch:
         self.state_slot[row] = new.state_slot
         self.lora_id[row] = new.lora_int_id
         self._set_sampling(row, new.sampling_params)
+        return row
 
     def _set_sampling(self, row: int, p) -> None:
         g = p.is_greedy  # greedy rows: temperature 0 (the device's rule), the rest inert
@@ -277,6 +278,9 @@ class InputBatch:
         else:
             self.token_ids[tok_rows[known], pos[known]] = ids[known]
         ends = starts + q_lens - num_draft
+        if pending.any() and self._added and np.isin(tok_rows[pending], self._added).any():
+            raise ValueError("a pending id in a row that entered the batch this step: the "
+                             "device holds another request's id there")
         if pending.any():  # a row's one pending id is its last: known up to it
             ends = ends - np.bincount(row_of_tok[pending], minlength=n_rows).astype(np.int32)
         self.num_known[rows] = np.maximum(self.num_known[rows], ends)

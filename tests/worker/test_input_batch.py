@@ -146,3 +146,14 @@ def test_prompt_logprob_spans_lora_slots_and_state_slots():
     assert list(plan.lora_slots[:5]) == [1, 1, 1, -1, -1]
     assert list(plan.state_slots[:2]) == [2, -1]
     assert list(plan.token_rows[:2]) == [-1, 1]  # a samples nothing this step
+
+
+def test_a_pending_id_in_a_row_added_this_step_fails_loudly():
+    """The device's last id of a row that just changed hands is the previous request's."""
+    b = make_batch()
+    b.apply(BatchDiff(new_reqs=[new("a", [1, 2])]))
+    b.apply(BatchDiff(removed=["a"], new_reqs=[new("b", [3, 4])]))
+    with pytest.raises(ValueError, match="entered the batch this step"):
+        b.prepare_inputs(step([("b", [PLACEHOLDER], 2, True, 1)]), ladder=LADDER)
+    b.apply(BatchDiff())  # a step later the row's id is b's own
+    assert b.prepare_inputs(step([("b", [PLACEHOLDER], 2, True, 1)]), ladder=LADDER).prev_ref[0] == 0
