@@ -304,6 +304,31 @@ def test_dummy_init_benchmark(tmp_path):
         dummy_init.main(["--preset", "tinyllama-1.1b", "--num-layers", "4"])
 
 
+def test_host_cpu_measures_each_tree_in_its_own_process(tmp_path, tiny_llama_dir):
+    """The same tree twice: per-pass numbers from the child, medians and the ratio of them."""
+    from pathlib import Path
+
+    from benchmarks import host_cpu
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = host_cpu.main([f"a={root}", f"b={root}", "--model", str(tiny_llama_dir),
+                         "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
+                         "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+                         "--max-model-len", "64", "--passes", "2", "--rounds", "1",
+                         "--output-json", str(tmp_path / "h.json")])
+    for name in ("a", "b"):
+        st = out["sets"][name]
+        assert len(st["passes"]) == 2 and all(p["steps"] >= 4 for p in st["passes"])
+        assert 0 < st["host_cpu_ms_per_step"] < 1000
+        assert st["host_cpu_ms_per_step"] == pytest.approx(  # the median of two passes
+            sum(p["host_cpu_ms_per_step"] for p in st["passes"]) / 2)
+    assert out["host_cpu_ratio"] == pytest.approx(out["sets"]["b"]["host_cpu_ms_per_step"]
+                                                  / out["sets"]["a"]["host_cpu_ms_per_step"])
+    assert json.loads((tmp_path / "h.json").read_text())["sets"]["a"]["passes"] == \
+        out["sets"]["a"]["passes"]
+    assert _is_png(out["plot"])
+
+
 def test_host_phases_takes_medians_of_each_set(tmp_path):
     from benchmarks import host_phases
 
