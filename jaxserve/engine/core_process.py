@@ -40,6 +40,7 @@ from jaxserve.engine.output_processor import SequenceStop
 from jaxserve.engine.preparation import Preparer
 from jaxserve.errors import InvalidRequestError
 from jaxserve.lora.request import LoRARequest
+from jaxserve.worker.host_memory import trim
 from jaxserve.worker.memory_budget import set_allocator_fraction
 
 logger = logging.getLogger(__name__)
@@ -162,8 +163,14 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
 
 
 def _loop(engine, preparer, poller, inbox, outbox, parent_pid: int, last_stats: float) -> None:
+    was_busy = False
     while True:
         busy = engine.has_unfinished_requests()
+        if was_busy and not busy and engine.runner.warmed_up:
+            # idle again: the C heap's free memory (request temporaries, per-thread arenas)
+            # goes back to the kernel, so an idle server's RSS returns near its warm-up level
+            trim()
+        was_busy = busy
         wait = 0 if busy else (PREPARE_POLL_MS if preparer.num_pending else POLL_MS)
         if poller.poll(wait):  # take every message waiting, then step
             while True:
