@@ -1,6 +1,7 @@
 """Warm-up: every token bucket of a runner compiled ahead of time, on a thread pool.
 
-Order: smallest first, then the prompt-logprobs graphs. The server serves once the smallest
+Order: smallest first, then the sampler's full layout (penalties, wide tables) per sequence
+bucket, then the prompt-logprobs graphs. The server serves once the smallest
 bucket is ready, each step kept within the largest compiled one, so the ladder grows while
 requests run. Each bucket is lowered and compiled (``jit(...).lower(...).compile()``, which
 fills jit's own cache and the persistent compilation cache), then run on rows that live in the
@@ -54,7 +55,7 @@ _WARMUP_FULL_LAYOUT = (
 
 def full_layout(sampling) -> bool:
     """Whether a step's sampler arrays are in the full layout (``core.sampling_metadata``)."""
-    return sampling["stop_ids"].shape[1] != COMPACT_STOP_WIDTH
+    return sampling is not None and sampling["stop_ids"].shape[1] != COMPACT_STOP_WIDTH
 
 
 def freeze_startup_heap() -> None:
