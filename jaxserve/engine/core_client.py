@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import logging
 import multiprocessing
@@ -54,6 +55,17 @@ def use_core_process(config: EngineConfig) -> bool:
     return config.parallel.data_parallel_size == 1 and config.parallel.num_hosts == 1
 
 
+def preimport_tokenizer_library() -> None:
+    """Import transformers' tokenizer classes (~1 s of Python) while the core loads the model,
+    so unpickling the tokenizer of the ``ready`` message does not add that second to start-up
+    (the classes are imported then anyway). Nothing when transformers is not installed."""
+    try:
+        if importlib.util.find_spec("transformers") is not None:
+            from transformers import PreTrainedTokenizerFast  # noqa: F401
+    except Exception:  # noqa: BLE001 - an optimization only: the unpickle imports it anyway
+        logger.debug("pre-importing transformers failed", exc_info=True)
+
+
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, ready_timeout_s: float | None = None):
         self.config = config
@@ -77,6 +89,9 @@ class EngineCoreClient:
         self.process = mp.Process(target=run_engine_core, name="jaxserve-engine-core",
                                   args=(config, in_addr, out_addr, os.getpid()), daemon=True)
         self.process.start()
+        # the tokenizer arrives pickled with "ready": its library is imported meanwhile
+        threading.Thread(target=preimport_tokenizer_library, name="jaxserve-preimport",
+                         daemon=True).start()
         info = self._wait_ready(ready_timeout_s)
         self.tokenizer = info["tokenizer"]
         self.model_config = info["model_config"]

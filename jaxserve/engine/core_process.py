@@ -40,6 +40,7 @@ from jaxserve.engine.output_processor import SequenceStop
 from jaxserve.engine.preparation import Preparer
 from jaxserve.errors import InvalidRequestError
 from jaxserve.lora.request import LoRARequest
+from jaxserve.worker.host_memory import limit_malloc_arenas, trim
 from jaxserve.worker.memory_budget import set_allocator_fraction
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
                     parent_pid: int) -> None:
     """Entry point of the core process (``multiprocessing`` spawn target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the API process, which stops us
+    limit_malloc_arenas()  # before any thread starts: a few C-heap arenas, not 8 per core
     # before JAX starts: its allocator takes --gpu-memory-utilization of the device's total memory
     set_allocator_fraction(config.cache.gpu_memory_utilization)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -162,8 +164,14 @@ def _serve(config: EngineConfig, inbox, outbox, parent_pid: int) -> None:
 
 
 def _loop(engine, preparer, poller, inbox, outbox, parent_pid: int, last_stats: float) -> None:
+    was_busy = False
     while True:
         busy = engine.has_unfinished_requests()
+        if was_busy and not busy and engine.runner.warmed_up:
+            # idle again: the C heap's free memory (request temporaries, per-thread arenas)
+            # goes back to the kernel, so an idle server's RSS returns near its warm-up level
+            trim()
+        was_busy = busy
         wait = 0 if busy else (PREPARE_POLL_MS if preparer.num_pending else POLL_MS)
         if poller.poll(wait):  # take every message waiting, then step
             while True:

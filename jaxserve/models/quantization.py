@@ -363,26 +363,30 @@ def quantize_linears(model, plan: QuantPlan | None, dtype):
 
     targets = [(path, m) for path, m in nnx.iter_modules(model)
                if isinstance(m, Linear) and path and _is_projection(str(path[-1]))]
+    makers = []  # (path, constructor of the quantized module)
     for path, lin in targets:
         out_f, in_f = lin.weight.get_value().shape
-        bias = lin.bias is not None
+        kw = dict(bias=lin.bias is not None, dtype=dtype)
         if plan.method == "int8":
-            new = nnx.eval_shape(lambda: Int8Linear(in_f, out_f, bias=bias, dtype=dtype))
+            make = functools.partial(Int8Linear, in_f, out_f, **kw)
         elif plan.method == "fp8":
-            new = nnx.eval_shape(lambda: Fp8Linear(in_f, out_f, bias=bias, dtype=dtype,
-                                                   fp8_compute=plan.fp8_compute))
+            make = functools.partial(Fp8Linear, in_f, out_f, fp8_compute=plan.fp8_compute,
+                                     **kw)
         elif plan.method == "gguf":
             fmt = plan.layer_formats.get(".".join(map(str, path)) + ".weight")
             if fmt is None:
                 continue  # a GGUF type kept dequantized (K-quants, floats)
             bits, zdt = GGUF_KEPT[fmt]
-            new = nnx.eval_shape(lambda: Int4Linear(in_f, out_f, bias=bias, dtype=dtype,
-                                                    group_size=32, act_order=False, bits=bits,
-                                                    zero_dtype=zdt))
+            make = functools.partial(Int4Linear, in_f, out_f, group_size=32, act_order=False,
+                                     bits=bits, zero_dtype=zdt, **kw)
         else:
             group = in_f if plan.group_size == -1 else plan.group_size
-            new = nnx.eval_shape(lambda: Int4Linear(in_f, out_f, bias=bias, dtype=dtype,
-                                                    group_size=group, act_order=plan.act_order))
+            make = functools.partial(Int4Linear, in_f, out_f, group_size=group,
+                                     act_order=plan.act_order, **kw)
+        makers.append((path, make))
+    # every abstract module in one trace (one eval_shape each took ~0.7 s for SmolLM2's 210)
+    news = nnx.eval_shape(lambda: [make() for _, make in makers]) if makers else []
+    for (path, _), new in zip(makers, news):
         _replace(model, path, new)
     if plan.lm_head:
         parent, name, head = lm_head_module(model)

@@ -137,6 +137,24 @@ def trim() -> None:
         libc.malloc_trim(0)
 
 
+CORE_MALLOC_ARENAS = 2  # C-heap arenas of the engine core (glibc's default: 8 per core)
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(n: int = CORE_MALLOC_ARENAS) -> bool:
+    """At most ``n`` glibc malloc arenas in this process, unless ``$MALLOC_ARENA_MAX`` says how
+    many (glibc read it at start). Each thread that allocates (XLA's compile and run threads)
+    otherwise takes an arena of its own, up to 8 per core, and a temporary freed in one stays
+    there; the compile threads' temporaries left tens of MiB in arenas that trimming after
+    warm-up did not return. Call before the threads start. True when the limit was set."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_ARENA_MAX, int(n)))
+
+
 def memory_report(weight_bytes: int, kv_pages) -> dict:
     """The process's memory by part, in bytes: ``rss``, ``weights``, ``kv_reserved`` (the
     pool), ``kv_resident`` (its pages written so far) and ``rest`` (rss - weights -

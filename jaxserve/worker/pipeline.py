@@ -816,7 +816,7 @@ class PipelineRunner(runner_lib.ModelRunner):
                     logits, plan.sampling, plan.history_ref, self._last_tokens,
                     plan.token_rows, self._ones_bitmask(s), self._step_inputs(plan)[1]))
             half = w.warmup_bitmask(self, s)
-            for p in w._WARMUP_OTHER_BRANCHES:
+            for p in w._WARMUP_OTHER_BRANCHES + w._WARMUP_FULL_LAYOUT:
                 jax.block_until_ready(self._sample(
                     logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
                     self._last_tokens, np.full(s, -1, np.int32), half, drafts))

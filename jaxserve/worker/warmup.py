@@ -1,6 +1,7 @@
 """Warm-up: every token bucket of a runner compiled ahead of time, on a thread pool.
 
-Order: smallest first, then the prompt-logprobs graphs. The server serves once the smallest
+Order: smallest first, then the sampler's full layout (penalties, wide tables) per sequence
+bucket, then the prompt-logprobs graphs. The server serves once the smallest
 bucket is ready, each step kept within the largest compiled one, so the ladder grows while
 requests run. Each bucket is lowered and compiled (``jit(...).lower(...).compile()``, which
 fills jit's own cache and the persistent compilation cache), then run on rows that live in the
@@ -24,7 +25,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
-from jaxserve.core.sampling_metadata import build_sampling_arrays, dummy_sampling_arrays
+from jaxserve.core.sampling_metadata import (COMPACT_STOP_WIDTH, build_sampling_arrays,
+                                              dummy_sampling_arrays)
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import TRASH_PAGE, StepPlan, padding_plan, seq_bucket
 from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
@@ -33,19 +35,29 @@ from jaxserve.worker.host_memory import log_memory
 
 logger = logging.getLogger(__name__)
 
-# Warm-up sampling: the long-rows plan samples with every feature on (the full layout); then the
-# sampler alone runs the branches the plans leave out: random sampling with top-k/p, min-p, bias,
-# stop masking and logprobs in the compact layout, and greedy with a wide logit_bias (the full
-# layout without a penalty).
-_WARMUP_ALL_FEATURES = SamplingParams(
-    temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, presence_penalty=0.1,
-    frequency_penalty=0.1, repetition_penalty=1.1, logit_bias={0: 0.5})
+# Warm-up sampling, compact layout (each token bucket's job): the long-rows plan samples with
+# every compact feature on; then the sampler alone runs random sampling with top-k/p, min-p, bias,
+# stop masking and logprobs. Full layout (a job per sequence bucket, after every token bucket:
+# the rare requests with penalties or wide tables wait for it, the first answer does not): every
+# feature with penalties, and greedy with a wide logit_bias.
+_WARMUP_COMPACT_FEATURES = SamplingParams(
+    temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2, logit_bias={0: 0.5})
 _WARMUP_GREEDY = SamplingParams(temperature=0.0)
 _WARMUP_OTHER_BRANCHES = (
     SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
                    logit_bias={0: 0.5}, min_tokens=2, stop_token_ids=[0]),
+)
+_WARMUP_FULL_LAYOUT = (
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, logprobs=2,
+                   presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1,
+                   logit_bias={0: 0.5}),
     SamplingParams(temperature=0.0, logit_bias={i: 0.1 for i in range(9)}),
 )
+
+
+def full_layout(sampling) -> bool:
+    """Whether a step's sampler arrays are in the full layout (``core.sampling_metadata``)."""
+    return sampling is not None and sampling["stop_ids"].shape[1] != COMPACT_STOP_WIDTH
 
 
 def freeze_startup_heap() -> None:
@@ -76,7 +88,11 @@ class BucketWarmup:
         self._warm_hidden: dict[int, object] = {}
         self._job_detail: dict = {}
         self._scratch_tokens = runner._device_zeros((runner.max_num_seqs,), np.int32)
+        self._warm_logits: dict[int, object] = {}  # per sequence bucket, for its full job
         jobs = [(("forward", t), partial(self._compile_bucket, t)) for t in self.ladder]
+        self._seq_buckets = sorted({seq_bucket(t, runner.max_num_seqs) for t in self.ladder})
+        jobs += [(("sampler_full", s), partial(self._compile_full_sampler, s))
+                 for s in self._seq_buckets]
         jobs += [(("prompt_logprobs", t), partial(self._compile_prompt_logprobs, t))
                  for t in self.ladder]
         self._num_jobs = len(jobs)
@@ -122,6 +138,8 @@ class BucketWarmup:
     def wait(self, plan: StepPlan) -> None:
         """Wait for the graphs a plan needs: a step never compiles."""
         self.pool.wait(("forward", plan.token_bucket))
+        if full_layout(plan.sampling):
+            self.pool.wait(("sampler_full", plan.sampling["stop_ids"].shape[0]))
         if plan.prompt_next_ids is not None:
             self.pool.wait(("prompt_logprobs", plan.token_bucket))
 
@@ -147,7 +165,8 @@ class BucketWarmup:
             self._bar.set_postfix_str(f"{kind} {t}")
         else:
             detail = self._job_detail.get(key)
-            logger.info("compiled %s for token bucket %d (%d/%d) in %.1f s%s", kind, t,
+            logger.info("compiled %s for %s bucket %d (%d/%d) in %.1f s%s", kind,
+                        "sequence" if kind == "sampler_full" else "token", t,
                         self._jobs_done, self._num_jobs, seconds,
                         f" ({detail})" if detail else "")
         if last:
@@ -160,10 +179,10 @@ class BucketWarmup:
             log_memory(self.runner)
 
     def _compile_bucket(self, t: int) -> None:
-        """Compile token bucket ``t`` (model graph, both sampler layouts), then run it.
+        """Compile token bucket ``t`` (model graph, the compact sampler layout), then run it.
 
         Two plans: many short rows next to one long row, and long rows only, so both the decode
-        and the prefill paths of the attention run (and the compact and full sampler layouts).
+        and the prefill paths of the attention run (greedy, and every compact sampler feature).
         Running real rows matters: XLA:CPU finishes a loop body's code on its first trip, and a
         padding-only plan never enters the loops, which left ~0.1-0.3 s of that work to the
         first real step of each bucket."""
@@ -219,6 +238,35 @@ class BucketWarmup:
             f"trace+lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s, sampler and warm-up runs "
             f"{time.perf_counter() - t2:.1f} s")
         self._warm_hidden[t] = hidden
+        self._warm_logits.setdefault(s, logits)
+        r._add_compiles(traces.n - before)
+
+    def _compile_full_sampler(self, s: int) -> None:
+        """The full sampler layout of sequence bucket ``s`` (penalties, wide logit_bias or stop
+        ids), compiled and run on the logits its first token bucket's warm-up left."""
+        r = self.runner
+        first = next(t for t in self.ladder if seq_bucket(t, r.max_num_seqs) == s)
+        self.pool.wait(("forward", first))
+        traces = r.trace_counter()
+        before = traces.n
+        logits = self._warm_logits.pop(s)
+        history_ref = np.full((s, 2), -1, np.int32)
+        last = self._scratch_tokens
+        k = r.num_spec_tokens
+        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
+                      num_draft=np.full(s, k, np.int32)) if k else None
+        rows = np.full(s, -1, np.int32)
+        variants = [(warmup_sampling(r, p, s), history_ref, mask)  # (the second: wide bias)
+                    for p, mask in zip(_WARMUP_FULL_LAYOUT,
+                                       (r._ones_bitmask(s), warmup_bitmask(r, s)))]
+        with self._sampler_locks.setdefault(s, threading.Lock()):
+            for sampling, history, mask in variants:
+                with TRACE_LOCK:
+                    lowered = r._sample.lower(logits, sampling, history, last, rows, mask,
+                                              drafts)
+                lowered.compile()
+        for sampling, history, mask in variants:
+            jax.block_until_ready(r._sample(logits, sampling, history, last, rows, mask, drafts))
         r._add_compiles(traces.n - before)
 
     def _compile_prompt_logprobs(self, t: int) -> None:
@@ -256,16 +304,16 @@ def warmup_plan(runner, t: int, s: int, long_rows: bool) -> StepPlan:
     cap = runner.max_pages_per_seq * bs - 1  # tokens one row may hold
     n_rows = min(s, -(-t // cap)) if long_rows else s
     if n_rows * cap < t:
-        return warmup_padding_plan(runner, t, s, long_rows)
+        return warmup_padding_plan(runner, t, s, False)
     lens = [1] * n_rows
     extra = t - n_rows
     for i in range(n_rows):
         add = min(extra, cap - 1)
         lens[i] += add
         extra -= add
-    # the long-rows plan samples with every feature on (the full layout), the other greedy;
+    # the long-rows plan samples with every compact feature on, the other greedy;
     # built as the engine builds its steps: rows of a scratch persistent batch, then one diff
-    params = _WARMUP_ALL_FEATURES if long_rows else _WARMUP_GREEDY
+    params = _WARMUP_COMPACT_FEATURES if long_rows else _WARMUP_GREEDY
     batch = InputBatch.for_runner(runner, seed=0)
     ids = [f"warmup-{i}" for i in range(n_rows)]
     batch.apply(BatchDiff(new_reqs=[
@@ -277,7 +325,7 @@ def warmup_plan(runner, t: int, s: int, long_rows: bool) -> StepPlan:
         sample=[True] * n_rows, num_draft=[0] * n_rows, num_output=[1] * n_rows),
         ladder=runner.ladder)
     if plan.token_bucket != t:
-        return warmup_padding_plan(runner, t, s, long_rows)
+        return warmup_padding_plan(runner, t, s, False)
     return plan
 
 

@@ -273,3 +273,48 @@ def test_compile_pool_cancel_drops_queued_jobs():
     gate.set()
     pool.join(10)
     assert ran == ["a"]  # the running job finished; the queued one never ran
+
+
+def test_first_answer_needs_no_full_sampler_layout_and_penalties_wait(tiny_model_factory,
+                                                                       monkeypatch):
+    """The full sampler layout (penalties, wide tables) compiles in jobs of its own after the
+    token buckets: greedy requests complete while those jobs are held; a request with a
+    penalty then waits for them (its step compiles nothing) and matches a warmed-up engine."""
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.worker import runner as runner_lib
+    from jaxserve.worker.warmup import BucketWarmup
+
+    gate = threading.Event()
+    original = BucketWarmup._compile_full_sampler
+    held_jobs = []
+
+    def held(self, s):
+        held_jobs.append(s)
+        assert gate.wait(300)
+        return original(self, s)
+
+    model_dir = tiny_model_factory("llama", vocab=528, intermediate=144)  # graphs not built yet
+    monkeypatch.setattr(BucketWarmup, "_compile_full_sampler", held)
+    eng = _engine(model_dir, background=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    penalty = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                             repetition_penalty=1.3, presence_penalty=0.5)
+    try:
+        deadline = time.time() + 300
+        while not held_jobs:  # every token bucket compiled: the pool reached the full layout
+            assert time.time() < deadline
+            time.sleep(0.05)
+        out = _run_all(eng, [[7, 8, 9]], greedy)
+        assert len(held_jobs) == 1 and not eng.runner.warmed_up  # still held
+    finally:
+        gate.set()
+    traces = runner_lib._TRACES.n
+    pen = _run_all(eng, [[7, 8, 9, 7, 8]], penalty)
+    assert runner_lib._TRACES.n == traces  # the step waited for the pool's full layout
+    eng.runner._compiles.wait_all()
+    assert eng.runner.num_compiles == eng.runner.num_graphs
+    monkeypatch.undo()
+    ref = _engine(model_dir, background=False)
+    assert out[0].outputs[0].token_ids == _run_all(ref, [[7, 8, 9]], greedy)[0].outputs[0].token_ids
+    assert pen[0].outputs[0].token_ids == \
+        _run_all(ref, [[7, 8, 9, 7, 8]], penalty)[0].outputs[0].token_ids

@@ -3,6 +3,8 @@ become resident only when written, the memory report; and the CPU default of bfl
 for int8 weights (engine.builder.cpu_kv_dtype), with its perplexity against float32 pages."""
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from jaxserve.config import CacheConfig
 from jaxserve.worker import host_memory as hm
 from jaxserve.worker.kv_cache import kv_cache_dtype
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 linux = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 
 
@@ -111,3 +114,17 @@ def test_default_cpu_serves_bf16_kv_within_1_percent_perplexity_of_float32():
     assert abs(bf16 / f32 - 1) <= 0.01, (f32, bf16)
     assert bf16 != f32  # the pages really differ
     np.testing.assert_allclose(bf16, f32, rtol=0.01)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_core_malloc_arena_limit_unless_the_variable_says():
+    """The engine core caps glibc's arenas (mallopt) unless $MALLOC_ARENA_MAX is set."""
+    code = ("from jaxserve.worker.host_memory import limit_malloc_arenas as f; "
+            "print(f(), f(3))")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    run = dict(capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", code], env=env, **run)
+    assert out.stdout.split() == ["True", "True"], out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, MALLOC_ARENA_MAX="4"), **run)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
