@@ -86,6 +86,7 @@ def time_prepare(rows, *, budget: int, max_pages: int, iters: int) -> float:
         new.append(NewRequestData(f"r{i}", known, r.start_pos if r.sample else len(known), p,
                                   [list(b) for b in r.block_ids]))
     batch.apply(BatchDiff(new_reqs=new))
+    batch.apply(BatchDiff())  # a step later: the rows' pending ids on the device are theirs
     diff = BatchDiff(req_ids=[f"r{i}" for i in range(len(rows))],
                      num_tokens=[len(r.new_token_ids) for r in rows],
                      token_ids=[int(t) for r in rows for t in r.new_token_ids],
