@@ -13,7 +13,9 @@ Caches: ``kv_pages[i]`` is ``(k_pages, v_pages)`` for an attention layer and
 ``md.state_slots[S]`` names each row's slot (``pallas_kernels.gated_delta_rule``).
 
 Checkpoints: ``Qwen3_5ForCausalLM`` (``model.*``) and the vision-language layout
-(``Qwen3_5ForConditionalGeneration``: ``model.language_model.*``, ``model.visual.*`` skipped);
+(``Qwen3_5ForConditionalGeneration``: ``model.language_model.*``, and ``model.visual.*`` as the
+vision tower ``visual``, :mod:`jaxserve.models.qwen3_5_vision`, replicated and unquantized;
+image tokens take multimodal rotary positions ``[3, T]`` (M-RoPE, interleaved sections));
 the multi-token-prediction head (``mtp.*``) is loaded only for speculative decoding with method
 ``mtp`` (``ModelConfig.load_mtp``; see :class:`MultiTokenPredictor`). Tensor parallel: attention
 heads and the MLPs are split (Megatron rules); a GDN layer is split over its key/value heads: the
@@ -49,10 +51,11 @@ from jaxserve.models.layers import (
 )
 from jaxserve.models.moe import MoeForCausalLM, SparseMoeBlock
 from jaxserve.models.quantization import lm_head_logits
+from jaxserve.models.qwen3_5_vision import Qwen3_5VisionModel, merge_image_embeddings
 from pallas_kernels import gated_delta_rule as gdn
 
 LINEAR = "linear_attention"
-_SKIPPED_PREFIXES = ("model.visual.", "visual.")
+_VISUAL_PREFIXES = ("model.visual.", "visual.")
 _MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
@@ -305,6 +308,9 @@ class Qwen3_5ForCausalLM(nnx.Module):
                                rngs=rngs))
         self.mtp = (MultiTokenPredictor(cfg, dtype=dtype, rngs=rngs, moe=self.moe)
                     if cfg.load_mtp else None)
+        self.mrope_section = tuple(rope.get("mrope_section") or (11, 11, 10))
+        self.visual = (Qwen3_5VisionModel(cfg.hf, dtype=dtype, rngs=rngs)
+                       if cfg.hf.get("vision_config") else None)
 
     def cache_specs(self, dtype: str) -> list:
         """``FullAttention`` pages of ``dtype`` for attention layers, ``LinearState`` (float32,
@@ -316,9 +322,23 @@ class Qwen3_5ForCausalLM(nnx.Module):
         return specs
 
     def _rope(self, positions):
+        """cos, sin of text positions ``[T]``, or of M-RoPE positions ``[3, T]`` (temporal,
+        height, width): frequency ``i`` takes height where ``i % 3 == 1`` and
+        ``i < 3 * section[1]``, width where ``i % 3 == 2`` and ``i < 3 * section[2]``, else
+        temporal (HF's interleaved layout; equal rows give the text rotary exactly)."""
         rotary, theta, max_pos = self.rope
-        return rope_cos_sin(positions, head_dim=rotary, theta=theta, scaling=None,
-                            max_position_embeddings=max_pos)
+        if positions.ndim == 1:
+            return rope_cos_sin(positions, head_dim=rotary, theta=theta, scaling=None,
+                                max_position_embeddings=max_pos)
+        half = rotary // 2
+        axis = np.zeros(half, np.int32)
+        for dim, offset in ((1, 1), (2, 2)):
+            axis[offset:3 * self.mrope_section[dim]:3] = dim
+        inv = 1.0 / (theta ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary))
+        pos = jnp.take(positions.astype(jnp.float32), jnp.asarray(axis), axis=0)  # [half, T]
+        freqs = pos.T * jnp.asarray(inv.astype(np.float32))[None, :]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(emb), jnp.sin(emb)
 
     # The forward in pieces (as jaxserve.models.llama): the single program and the pipeline
     # stages run the same code.
@@ -338,13 +358,23 @@ class Qwen3_5ForCausalLM(nnx.Module):
         cos, sin = inputs
         return layer(x, cos, sin, cache, md, self.attention_backend, self.mesh)
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
-        """The target model; the MTP head's pages (after the layers' own) pass through."""
+    def encode_images(self, vision_inputs):
+        """The vision tower: merged image embeddings ``[P / 4, hidden]``."""
+        if self.visual is None:
+            raise ValueError("this checkpoint has no vision tower (text-only model)")
+        return self.visual(vision_inputs)
+
+    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata, mm=None):
+        """The target model; the MTP head's pages (after the layers' own) pass through.
+        ``positions`` is ``[T]`` or M-RoPE ``[3, T]``; ``mm`` = (image embeddings ``[E, H]``,
+        row of each token ``[T]``, -1 for text) puts image embeddings at placeholders."""
         want = self.num_layers + (self.mtp is not None)
         if len(kv_pages) != want:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {want}")
         inputs = self.layer_inputs(positions, md, token_ids.shape[0])
         x = self.embed(token_ids)
+        if mm is not None:
+            x = merge_image_embeddings(x, *mm)
         caches = []
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_pages)):
             x, cache = self.run_layer(i, layer, x, inputs, cache, md)
@@ -368,6 +398,8 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     @classmethod
     def param_partition_spec(cls, name: str, cfg: ModelConfig) -> PartitionSpec:
+        if name.startswith("visual."):
+            return PartitionSpec()  # the vision tower is small: every device holds it
         if ".linear_attn." in name:
             return _gdn_partition_spec(name)
         if cls.moe:
@@ -376,13 +408,14 @@ class Qwen3_5ForCausalLM(nnx.Module):
 
     @classmethod
     def checkpoint_tensors(cls, cfg: ModelConfig, tensors):
-        """The VL layout's ``model.language_model.*`` as ``model.*``; vision tower dropped, the
-        MTP head (``mtp.*``) too unless ``cfg.load_mtp``; GDN ``in_proj_qkv``/``conv1d`` split
+        """The VL layout's ``model.language_model.*`` as ``model.*``, ``model.visual.*`` as
+        ``visual.*``; the MTP head (``mtp.*``) too unless ``cfg.load_mtp``; GDN ``in_proj_qkv``/``conv1d`` split
         into q, k, v parts; MoE experts (fused ``gate_up_proj`` or per expert) stacked, the MTP
         layer's as well."""
         out = {}
         for name, load in tensors.items():
-            if name.startswith(_SKIPPED_PREFIXES):
+            if name.startswith(_VISUAL_PREFIXES):
+                out["visual." + name.split("visual.", 1)[1]] = load
                 continue
             if name.startswith(_MTP_PREFIXES):
                 if not cfg.load_mtp:

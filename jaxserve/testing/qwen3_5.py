@@ -21,7 +21,28 @@ TEXT = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_h
 DENSE = dict(intermediate_size=128)
 MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
            num_experts_per_tok=2)
-VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              num_position_embeddings=64)
+# The VL layout's tokenizer adds Qwen's vision tokens after the trained vocabulary, and a chat
+# template that renders content parts as Qwen's does (an image as start, pad, end).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen's image processor settings at a tiny scale: 16-pixel patches merged 2x2, so an image
+# becomes (h/32)*(w/32) tokens, at least 1 and at most 16.
+PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast",
+                "processor_class": "Qwen3VLProcessor", "patch_size": 16,
+                "temporal_patch_size": 2, "merge_size": 2,
+                "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "do_resize": True, "do_convert_rgb": True}
 
 
 def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int = 0,
@@ -33,13 +54,21 @@ def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int
     import transformers as tf
 
     text = {**TEXT, **(MOE if moe else DENSE), **text_overrides}
+    tokenizer = train_tokenizer(text["vocab_size"])
+    ids = {}
+    if vl:
+        tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+        tokenizer.chat_template = VL_CHAT_TEMPLATE
+        text["vocab_size"] = len(tokenizer)
+        ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                        "video_token_id"), tokenizer.convert_tokens_to_ids(VISION_TOKENS)))
     torch.manual_seed(seed)
     if moe:
-        cfg = (tf.Qwen3_5MoeConfig(text_config=text, vision_config=VISION) if vl
+        cfg = (tf.Qwen3_5MoeConfig(text_config=text, vision_config=VISION, **ids) if vl
                else tf.Qwen3_5MoeTextConfig(**text))
         cls = tf.Qwen3_5MoeForConditionalGeneration if vl else tf.Qwen3_5MoeForCausalLM
     else:
-        cfg = (tf.Qwen3_5Config(text_config=text, vision_config=VISION) if vl
+        cfg = (tf.Qwen3_5Config(text_config=text, vision_config=VISION, **ids) if vl
                else tf.Qwen3_5TextConfig(**text))
         cls = tf.Qwen3_5ForConditionalGeneration if vl else tf.Qwen3_5ForCausalLM
     if vl:
@@ -48,7 +77,12 @@ def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int
     rng = np.random.default_rng(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "visual" in name:
+            if "visual" in name:  # biases and norms off their init, so tests see them
+                if name.endswith(("bias", "norm1.weight", "norm2.weight", "norm.weight")):
+                    base = 1.0 if name.endswith("weight") else 0.0
+                    p.copy_(torch.from_numpy(base + 0.1 * rng.standard_normal(p.shape)))
+                elif name.endswith("pos_embed.weight"):
+                    p.copy_(torch.from_numpy(0.5 * rng.standard_normal(p.shape)))
                 continue
             if name.endswith("linear_attn.norm.weight"):
                 p.copy_(torch.from_numpy(1 + 0.1 * rng.standard_normal(p.shape)))
@@ -61,7 +95,9 @@ def make_tiny_qwen3_5(out_dir, *, moe: bool = False, vl: bool = False, seed: int
                                                   pad_token_id=PAD)
     out = Path(out_dir)
     model.save_pretrained(out)
-    train_tokenizer(text["vocab_size"]).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if vl:
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
     if mtp:
         _add_mtp_head(out, text, rng)
     cfg_path = out / "config.json"

@@ -1,0 +1,112 @@
+"""The checkpoint's own HF image processor, run in the front-end process.
+
+A checkpoint names its processor class in ``preprocessor_config.json``
+(``image_processor_type``); the fast (torchvision) variants are swapped for transformers' PIL
+backend of the same family (``Qwen2VLImageProcessorFast`` -> ``Qwen2VLImageProcessorPil``), so
+a machine without torchvision still loads the checkpoint with the same settings. Each image
+becomes pixel rows, its patch grid, the number of placeholder tokens it takes in the prompt
+and a content hash (the key of the encoder-output and prefix caches).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+# processor families served, by the class name's stem
+_SUPPORTED = ("Qwen2VLImageProcessor",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedImage:
+    """One image ready for the encoder step (host arrays, msgspec-friendly by ``to_dict``)."""
+
+    pixel_values: np.ndarray   # [P, C*Tp*ps*ps] float32, the processor's patch order
+    grid_thw: tuple[int, int, int]
+    num_tokens: int            # placeholder tokens in the prompt
+    hash: str                  # sha256 of the pixels and grid: same picture, same hash
+
+
+def image_processor_class_name(model_dir) -> str:
+    path = Path(model_dir) / "preprocessor_config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no preprocessor_config.json: the checkpoint ships no "
+                         "image processor")
+    name = json.loads(path.read_text()).get("image_processor_type") or ""
+    for stem in _SUPPORTED:
+        if name.startswith(stem):
+            return stem + "Pil"
+    raise ValueError(f"image_processor_type {name!r} is not supported (supported: "
+                     f"{', '.join(s + '[Fast|Pil]' for s in _SUPPORTED)})")
+
+
+class ImageProcessor:
+    """``process(images) -> [ProcessedImage]`` with the checkpoint's settings, overridden by
+    ``mm_processor_kwargs`` (vLLM's ``--mm-processor-kwargs``, e.g. ``max_pixels``)."""
+
+    def __init__(self, model_dir, mm_processor_kwargs: dict | None = None):
+        import transformers
+
+        cls = getattr(transformers, image_processor_class_name(model_dir))
+        cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        kwargs = dict(mm_processor_kwargs or {})
+        size = dict(cfg.get("size") or {})
+        # vLLM's names for Qwen's pixel bounds
+        if "min_pixels" in kwargs:
+            size["shortest_edge"] = int(kwargs.pop("min_pixels"))
+        if "max_pixels" in kwargs:
+            size["longest_edge"] = int(kwargs.pop("max_pixels"))
+        allowed = set(getattr(cls, "valid_kwargs").__annotations__) | {"size"}
+        for k in kwargs:
+            if k not in allowed:
+                raise ValueError(f"mm_processor_kwargs: {k!r} is not a setting of "
+                                 f"{cls.__name__}")
+        cfg = {k: v for k, v in cfg.items()
+               if k not in ("image_processor_type", "processor_class")}
+        cfg.update(kwargs)
+        if size:
+            cfg["size"] = size
+        self.hf = cls(**cfg)
+        self.merge = int(getattr(self.hf, "merge_size", 2))
+
+    def process(self, images) -> list[ProcessedImage]:
+        if not images:
+            return []
+        out = self.hf(images=list(images), return_tensors="np")
+        pixels = np.asarray(out["pixel_values"], np.float32)
+        grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])]
+        result, start = [], 0
+        for g in grids:
+            n = g[0] * g[1] * g[2]
+            px = np.ascontiguousarray(pixels[start:start + n])
+            start += n
+            h = hashlib.sha256(np.asarray(g, np.int64).tobytes() + px.tobytes()).hexdigest()
+            result.append(ProcessedImage(px, g, n // (self.merge * self.merge), h))
+        return result
+
+
+def expand_placeholders(token_ids: list[int], image_token_id: int,
+                        images: list[ProcessedImage]) -> list[int]:
+    """Each run of ``image_token_id`` (one per image, in order, as the chat template writes
+    them) becomes the image's ``num_tokens`` placeholders."""
+    out: list[int] = []
+    i, k = 0, 0
+    while i < len(token_ids):
+        if token_ids[i] != image_token_id:
+            out.append(token_ids[i])
+            i += 1
+            continue
+        while i < len(token_ids) and token_ids[i] == image_token_id:
+            i += 1
+        if k >= len(images):
+            raise ValueError(f"the prompt has more image placeholders than the {len(images)} "
+                             "image(s) given")
+        out.extend([image_token_id] * images[k].num_tokens)
+        k += 1
+    if k != len(images):
+        raise ValueError(f"{len(images)} image(s) given but the prompt has {k} image "
+                         "placeholder(s)")
+    return out
