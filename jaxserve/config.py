@@ -230,6 +230,34 @@ class LoRAConfig:
 
 
 @dataclass
+class MultiModalConfig:
+    """vLLM's multimodal flags: images per prompt (``--limit-mm-per-prompt '{"image": N}'``),
+    settings laid over the checkpoint's image processor (``--mm-processor-kwargs``), whether
+    processed images are cached by content (``--disable-mm-preprocessor-cache``) and the
+    directory ``file://`` image URLs may read (``--allowed-local-media-path``)."""
+
+    limit_mm_per_prompt: dict = field(default_factory=dict)
+    mm_processor_kwargs: dict | None = None
+    disable_mm_preprocessor_cache: bool = False
+    allowed_local_media_path: str | None = None
+
+    MODALITIES = ("image", "video", "audio")
+    DEFAULT_LIMIT = 999  # vLLM's default per modality
+
+    def __post_init__(self):
+        for k, v in self.limit_mm_per_prompt.items():
+            if k not in self.MODALITIES:
+                raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r} (one of "
+                                 f"{', '.join(self.MODALITIES)})")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"limit_mm_per_prompt[{k!r}] must be an integer >= 0, got "
+                                 f"{v!r}")
+
+    def limit(self, modality: str) -> int:
+        return int(self.limit_mm_per_prompt.get(modality, self.DEFAULT_LIMIT))
+
+
+@dataclass
 class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
@@ -269,6 +297,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def for_platform(self, platform: str) -> "EngineConfig":
         """Everything left to the platform resolved, once (a new config; nothing mutates it
@@ -490,7 +519,10 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               tokenizer_mode="auto", kv_events_config=None,
                               enable_lora=False, max_loras=1, max_lora_rank=16,
                               max_cpu_loras=None, lora_allowed_paths=None,
-                              structured_outputs_compile_timeout=5.0) -> EngineConfig:
+                              structured_outputs_compile_timeout=5.0,
+                              limit_mm_per_prompt=None, mm_processor_kwargs=None,
+                              disable_mm_preprocessor_cache=False,
+                              allowed_local_media_path=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -535,6 +567,12 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                                 pipeline_parallel_size=pipeline_parallel_size,
                                 data_parallel_size=data_parallel_size,
                                 enable_expert_parallel=enable_expert_parallel),
+        multimodal=MultiModalConfig(
+            limit_mm_per_prompt=_json_object(limit_mm_per_prompt, "limit_mm_per_prompt") or {},
+            mm_processor_kwargs=_json_object(mm_processor_kwargs, "mm_processor_kwargs"),
+            disable_mm_preprocessor_cache=bool(disable_mm_preprocessor_cache),
+            allowed_local_media_path=(None if allowed_local_media_path is None
+                                      else str(allowed_local_media_path))),
     )
 
 

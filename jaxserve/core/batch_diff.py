@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from jaxserve.core.mm_inputs import MultiModalInputs
 from jaxserve.core.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[list[int]]  # its pages, one list per paged cache group
     lora_int_id: int = 0  # 0: the base model
     state_slot: int = -1  # its recurrent-state pool slot; -1: none
+    mm: MultiModalInputs | None = None  # its images (vision-language models)
 
 
 class PageUpdate(msgspec.Struct, array_like=True, gc=False):

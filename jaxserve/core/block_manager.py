@@ -130,7 +130,18 @@ class BlockManager:
     # -- prefix cache -----------------------------------------------------------------------
     def _extra_keys(self, request: Request, page_index: int):
         """The first page's salt and adapter (the chain carries them to every later page):
-        a prefix computed under one adapter is never served to another, nor to the base."""
+        a prefix computed under one adapter is never served to another, nor to the base.
+        A page holding image placeholders adds those images' hashes."""
+        mm = request.mm
+        if mm is not None:
+            bs = self.block_size
+            images = mm.page_keys(page_index * bs, (page_index + 1) * bs)
+            if images:
+                return (self._first_keys(request, page_index), "images", images)
+        return self._first_keys(request, page_index)
+
+    @staticmethod
+    def _first_keys(request: Request, page_index: int):
         if page_index != 0:
             return None
         lora = request.lora_int_id

@@ -68,6 +68,8 @@ class Request:
         # the adapter it runs with (jaxserve.lora.LoRARequest; None: the base model): kept
         # through preemption and swap, part of its prefix-cache keys
         self.lora_request = lora_request
+        # its images (core.mm_inputs.MultiModalInputs; None: text only), set by the engine
+        self.mm: Any = None
         # n > 1: the id of the request (child 0) whose prompt this one repeats; the scheduler
         # admits it once that prompt is computed, so it takes the full prompt pages from the
         # prefix cache (copy-free)

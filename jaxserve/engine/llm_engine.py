@@ -43,6 +43,7 @@ from jaxserve.core.spec_decode import SpecDecodeStats, can_speculate
 from jaxserve.engine.generation_config import default_sampling
 from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
 from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
+from jaxserve.engine import multimodal
 from jaxserve.engine.tokenizer import prompt_ids
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         # the worker's persistent rows: the scheduler's diffs in, each step's inputs out
         self.input_batch = InputBatch.for_runner(runner, self._eos_list, seed=config.seed)
+        # images: the front end's processor and the runner's encoder step (engine.multimodal)
+        self.mm_processor = multimodal.input_processor(self)
+        multimodal.attach_encoder(self, self.mm_processor)
         self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0  # an n > 1 prompt counts once
 
@@ -118,7 +122,13 @@ class LLMEngine:
         sequence; ``final_only``: offline use, no output until the request finishes;
         ``lora_request``: the adapter to run)."""
         params = params or SamplingParams()
+        prompt, mm_data = multimodal.split_prompt(prompt)
         prompt_text, ids = prompt_ids(self.tokenizer, prompt)
+        images = None
+        if mm_data is not None:
+            if self.mm_processor is None:
+                raise multimodal.text_only_error()
+            ids, images = self.mm_processor.process(ids, mm_data)
         parent = self.output_processor.add_request(request_id, prompt_text, ids, params,
                                                    final_only)
         now = arrival_time if arrival_time is not None else time.time()
@@ -126,7 +136,7 @@ class LLMEngine:
             for child in parent.children:
                 self.add_core_request(child.request_id, ids, child.params, arrival_time=now,
                                       priority=priority, lora_request=lora_request,
-                                      prefix_parent=child.prefix_parent)
+                                      prefix_parent=child.prefix_parent, mm=images)
         except Exception:
             self.abort_request(request_id)
             raise
@@ -151,9 +161,10 @@ class LLMEngine:
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
-                         prefix_parent: str | None = None) -> None:
+                         prefix_parent: str | None = None, mm=None) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
-        request whose prompt this one repeats, an n > 1 sibling's child 0)."""
+        request whose prompt this one repeats, an n > 1 sibling's child 0; ``mm``: its
+        processed images, ``core.mm_inputs.MultiModalInputs``)."""
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine core runs one sequence per "
                                       "request (the front end fans n > 1 out)", param="n")
@@ -171,6 +182,10 @@ class LLMEngine:
             self.structured.validate(params.structured_outputs)
         req = Request(request_id, ids, params, arrival_time=arrival_time, priority=priority,
                       prefix_parent=prefix_parent, lora_request=lora_request)
+        if mm is not None:
+            if self.runner.mm is None:
+                raise multimodal.text_only_error()
+            req.mm = mm
         if params.structured_outputs is not None:
             req.grammar = self.structured.grammar_for(params.structured_outputs)
         if params.allowed_token_ids is not None or params.bad_words:
@@ -310,12 +325,16 @@ class LLMEngine:
         self._move_pages(sched)
         batch = self.input_batch
         batch.apply(sched.batch)
+        encoder = self.runner.mm
+        if encoder is not None:
+            encoder.apply(sched.batch)
         if not sched.scheduled:
             return None
         bitmask, constrained = self._token_bitmask(sched)
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
-        handle = self.runner.dispatch(plan)
+        handle = self.runner.dispatch(
+            plan, None if encoder is None else encoder.prepare(sched.batch, plan.positions))
         self.scheduler.update_after_dispatch(sched)  # placeholders until _update
         rows = plan.token_rows[:plan.num_seqs]
         return _InFlight(sched, handle, constrained=constrained,

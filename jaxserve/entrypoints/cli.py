@@ -100,6 +100,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='publish prefix-cache block events over ZMQ, as vLLM, e.g. '
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
                         '"endpoint": "tcp://*:5557"}\'')
+    m.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='most items of each modality in one prompt, e.g. \'{"image": 2}\' '
+                        '(default: 999 each; 0 refuses that modality)')
+    m.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help='settings laid over the checkpoint\'s image processor, e.g. '
+                        '\'{"max_pixels": 1003520}\'')
+    m.add_argument("--disable-mm-preprocessor-cache", action="store_true",
+                   help="do not cache processed images by content")
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="file:// image URLs may read files under this directory "
+                        "(default: file:// URLs refused)")
     m.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help='keys laid over the model\'s config.json, e.g. '
                         '\'{"max_position_embeddings": 4096}\'')
@@ -492,7 +503,11 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         lora_allowed_paths=args.lora_allowed_paths,
-        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout)
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_kwargs=args.mm_processor_kwargs,
+        disable_mm_preprocessor_cache=args.disable_mm_preprocessor_cache,
+        allowed_local_media_path=args.allowed_local_media_path)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

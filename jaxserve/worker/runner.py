@@ -91,6 +91,9 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
         if "lora" in arrays:  # (scale [L], per-layer A/B) of the device slots
             hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md,
                                      lora=LoRABatch(arrays["lora_slots"], *arrays["lora"]))
+        elif "mm_rows" in arrays:  # a vision-language model (worker.mm_step)
+            hidden, kv_pages = model(token_ids, arrays["mrope_positions"], kv_pages, md,
+                                     mm=(arrays["mm_embeds"], arrays["mm_rows"]))
         else:
             hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
@@ -514,6 +517,7 @@ class ModelRunner:
                                    sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.sharding); None: single device
         self.lora = None  # jaxserve.lora.slots.LoRASlots when LoRA is on (set before warm-up)
+        self.mm = None  # worker.mm_step.EncoderRunner of a vision-language model (ditto)
         tp = sharding.tp_size(mesh)
         if mesh is not None:
             kv_sharding = sharding.kv_pool_sharding(mesh)
@@ -637,13 +641,15 @@ class ModelRunner:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan, mm: dict | None = None):
         prompt_next_ids = plan.prompt_next_ids
         if self._warmup is not None:  # a bucket still compiling: wait, never compile here
             self._warmup.wait(plan)
         with self._pool_lock:
             before = _TRACES.n
             arrays, spec = self._step_inputs(plan)
+            if mm is not None:
+                arrays.update(mm)
             prev_tokens = self._last_tokens
             logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
                                                           arrays, prev_tokens)
@@ -698,6 +704,8 @@ class ModelRunner:
         if self.lora is not None:
             arrays["lora_slots"] = plan.lora_slots
             arrays["lora"] = self.lora.arrays
+        if self.mm is not None:  # no image in the step: the same trace, off values
+            arrays.update(self.mm.off_arrays(plan.positions))
         return arrays, spec
 
     def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
@@ -747,10 +755,11 @@ class ModelRunner:
                                history_len=self.max_model_len, rng=self._np_rng,
                                token_bitmask=token_bitmask, num_spec_tokens=self.num_spec_tokens)
 
-    def dispatch(self, plan: StepPlan) -> StepHandle:
+    def dispatch(self, plan: StepPlan, mm: dict | None = None) -> StepHandle:
         """Enqueue the step and start copying its results to the host; returns at once.
-        A plan with ``prompt_next_ids`` also computes the prompt logprobs."""
-        out = self._run(plan)
+        A plan with ``prompt_next_ids`` also computes the prompt logprobs; ``mm``: the step's
+        image arrays (``EncoderRunner.prepare``)."""
+        out = self._run(plan, mm)
         prompt_lp = verify = drafts = None
         if plan.prompt_next_ids is not None:
             out, prompt_lp = out

@@ -2,8 +2,8 @@
 
 Tiny random checkpoints of ``qwen3_5`` and ``qwen3_5_moe`` in both class layouts (text-only
 ``*ForCausalLM``; vision-language ``*ForConditionalGeneration``, whose ``model.language_model.*``
-is loaded, and ``model.visual.*`` as the vision tower: tests/models/test_qwen3_5_vision.py): logits of a prompt (one step, and two steps with the
-recurrent state carried between them) within float32 tolerance of HF's, and greedy tokens of
+is loaded, its vision tower tested in test_qwen3_5_vision.py): logits of a prompt (one step,
+and two steps with the recurrent state carried between them) within float32 tolerance of HF's, and greedy tokens of
 the engine equal to HF ``generate`` on prompts longer than ``max_num_batched_tokens``, with
 preemption under a tiny page pool, and at tp 2.
 """

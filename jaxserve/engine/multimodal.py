@@ -1,0 +1,65 @@
+"""Images in the engine: the front end's processor (``multimodal.inputs``) and the runner's
+encoder step (``worker.mm_step``) for a vision-language checkpoint, and how a prompt carries
+its images (vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxserve.errors import InvalidRequestError
+from jaxserve.multimodal.inputs import MultiModalInputProcessor, text_only_error
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+
+
+def input_processor(engine) -> MultiModalInputProcessor | None:
+    """The image input processor of the engine's model (None: text-only, or images off with
+    ``--limit-mm-per-prompt '{"image": 0}'``)."""
+    return MultiModalInputProcessor.for_model(engine.model_dir, engine.model_config.hf,
+                                              engine.config.multimodal)
+
+
+def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
+    """Give the runner its encoder step (before warm-up) when the model takes images."""
+    if processor is None or getattr(engine.model, "visual", None) is None:
+        return
+    if engine.config.speculative is not None:
+        raise ValueError("speculative decoding with images is not supported; start without "
+                         "speculative_config or with --limit-mm-per-prompt '{\"image\": 0}'")
+    from jaxserve.worker.mm_step import EncoderRunner
+
+    hf = processor.processor.hf
+    size = getattr(hf, "size", None) or {}
+    longest = int(size.get("longest_edge") or size.get("max_pixels") or 0)
+    patch = int(getattr(hf, "patch_size", 14))
+    max_patches = max(longest // (patch * patch), 64)
+    engine.runner.mm = EncoderRunner(engine.runner, max_image_patches=max_patches,
+                                     dtype=engine.dtype)
+
+
+def split_prompt(prompt):
+    """(the prompt without its images, its ``multi_modal_data`` or None)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    for k in prompt:
+        if k not in PROMPT_KEYS:
+            raise InvalidRequestError(f"prompt.{k} is not supported (keys: "
+                                      f"{', '.join(PROMPT_KEYS)})", param=f"prompt.{k}")
+    data = prompt.get("multi_modal_data")
+    if "prompt_token_ids" in prompt:
+        return {k: prompt[k] for k in ("prompt", "prompt_token_ids") if k in prompt}, data
+    if "prompt" not in prompt:
+        raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'",
+                                  param="prompt")
+    return prompt["prompt"], data
+
+
+def model_takes_images(model_dir) -> bool:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    return bool(cfg.get("vision_config"))
+
+
+__all__ = ["input_processor", "attach_encoder", "split_prompt", "text_only_error"]

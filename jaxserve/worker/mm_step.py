@@ -1,0 +1,214 @@
+"""The encoder step and the encoder-output cache of a vision-language model's runner.
+
+Before a step whose rows reach image placeholders, each image not in the cache runs through
+the vision tower (images of every request batched into one call per patch bucket; a bucket is
+a power of two of patches, compiled at start-up, so serving never compiles). Outputs land in
+one device buffer ``[C + 1, H]`` (row ``C`` is the trash row padding writes to), rows handed
+out per image hash and evicted least recently used; a preempted request, a chunk that splits
+an image's run, or another request with the same picture reads them there, never re-encodes.
+
+The step's model inputs then say, per token, which buffer row replaces its embedding
+(``mm_rows[T]``, -1 for text) and its M-RoPE positions ``[3, T]`` (a request's prompt table,
+``index + delta`` past it; text-only rows and padding have all three rows equal to the
+position). Every step of such a runner carries these arrays (off values when no image is in
+the step), so the forward has one trace per token bucket.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.core.batch_diff import BatchDiff
+from jaxserve.core.mm_inputs import MultiModalInputs
+from jaxserve.models.qwen3_5_vision import VisionInputs, vision_config, vision_inputs
+from jaxserve.multimodal.mrope import mrope_positions
+
+logger = logging.getLogger(__name__)
+
+MIN_PATCH_BUCKET = 64
+
+
+def _encode_fn(graphdef, treedef, counter):
+    def encode(state_leaves, buf, inp: VisionInputs, write_rows):
+        counter[0] += 1
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, state_leaves))
+        emb = model.encode_images(inp)
+        return buf.at[write_rows].set(emb.astype(buf.dtype))
+
+    return jax.jit(encode, donate_argnums=(1,))
+
+
+def patch_ladder(max_patches: int, unit: int) -> list[int]:
+    top = -(-max_patches // unit) * unit
+    ladder, b = [], MIN_PATCH_BUCKET
+    while b < top:
+        ladder.append(b)
+        b *= 2
+    return ladder + [top] if not ladder or ladder[-1] != top else ladder
+
+
+class _Req:
+    __slots__ = ("mm", "mrope", "delta")
+
+    def __init__(self, mm: MultiModalInputs, prompt_ids: list[int], merge: int):
+        self.mm = mm
+        self.mrope, self.delta = mrope_positions(prompt_ids, mm.image_token_id,
+                                                 [im.grid_thw for im in mm.images], merge)
+
+
+class EncoderRunner:
+    """Vision-tower steps of one runner (``runner.mm``)."""
+
+    def __init__(self, runner, *, max_image_patches: int, dtype, warmup: bool = True):
+        self.runner = runner
+        hf = runner.model_config.hf
+        self.vcfg = vision_config(hf)
+        self.merge = int(self.vcfg["spatial_merge_size"])
+        self.unit = self.merge * self.merge
+        self.ladder = patch_ladder(max_image_patches, self.unit)
+        max_tokens = self.ladder[-1] // self.unit
+        sched = runner.config.scheduler
+        self.capacity = 2 * max(sched.max_num_batched_tokens, max_tokens)
+        hidden = runner.model_config.hidden_size
+        self.buf = jnp.zeros((self.capacity + 1, hidden), dtype)
+        if runner.mesh is not None:
+            from jaxserve import sharding
+            self.buf = jax.device_put(self.buf, sharding.replicated(runner.mesh))
+        self._compiles = [0]
+        self._encode = _encode_fn(runner.graphdef, jax.tree_util.tree_structure(runner.state),
+                                  self._compiles)
+        self.entries: OrderedDict[str, tuple[int, int]] = OrderedDict()  # hash -> (row, n)
+        self.reqs: dict[str, _Req] = {}
+        self.num_encoded = 0  # images run through the tower (cache misses)
+        self._off_rows: dict[int, np.ndarray] = {}
+        if warmup and not runner.config.enforce_eager:
+            self.warmup()
+
+    @property
+    def num_compiles(self) -> int:
+        return self._compiles[0]
+
+    def warmup(self) -> None:
+        """Compile every patch bucket (writes go to the trash row)."""
+        dim = int(self.vcfg["in_channels"]) * int(self.vcfg["temporal_patch_size"]) * int(
+            self.vcfg["patch_size"]) ** 2
+        for b in self.ladder:
+            side = int(np.sqrt(self.unit))
+            grid = (1, side, b // side)
+            inp = vision_inputs(np.zeros((b, dim), np.float32), [grid], cfg=self.vcfg,
+                                num_patches=b)
+            self.buf = self._encode(self.runner._state_leaves, self.buf, inp,
+                                    np.full(b // self.unit, self.capacity, np.int32))
+        jax.block_until_ready(self.buf)
+        logger.info("vision encoder: %d patch buckets compiled (%s)", len(self.ladder),
+                    self.ladder)
+
+    # ---- the persistent batch's rows --------------------------------------------------
+    def apply(self, diff: BatchDiff) -> None:
+        for rid in diff.removed:
+            self.reqs.pop(rid, None)
+        for new in diff.new_reqs:
+            if new.mm is not None:
+                self.reqs[new.req_id] = _Req(new.mm, new.token_ids[:new.num_prompt_tokens],
+                                             self.merge)
+
+    # ---- a step's inputs ---------------------------------------------------------------
+    def off_arrays(self, positions: np.ndarray) -> dict:
+        t = positions.shape[0]
+        rows = self._off_rows.get(t)
+        if rows is None:
+            rows = self._off_rows[t] = np.full(t, -1, np.int32)
+        return {"mrope_positions": np.broadcast_to(positions, (3, t)).copy(),
+                "mm_rows": rows, "mm_embeds": self.buf}
+
+    def prepare(self, diff: BatchDiff, positions: np.ndarray) -> dict:
+        """The step's multimodal arrays for the plan's ``positions[T]`` (encoding what the
+        step's image tokens need first)."""
+        t = positions.shape[0]
+        mrope = np.broadcast_to(positions, (3, t)).copy()
+        rows = np.full(t, -1, np.int32)
+        q0 = 0
+        needs = []  # (token slice in the step, request, image, first index in the image)
+        for rid, n, start in zip(diff.req_ids, diff.num_tokens, diff.start_pos):
+            r = self.reqs.get(rid)
+            if r is not None:
+                p = np.arange(start, start + n)
+                L = r.mrope.shape[1]
+                inside = p < L
+                mrope[:, q0:q0 + n] = np.where(inside[None], r.mrope[:, np.minimum(p, L - 1)],
+                                               p[None] + r.delta)
+                for im in r.mm.images:
+                    lo, hi = max(start, im.offset), min(start + n, im.offset + im.num_tokens)
+                    if lo < hi:
+                        needs.append((q0 + lo - start, q0 + hi - start, im, lo - im.offset))
+            q0 += n
+        if not needs:
+            return {"mrope_positions": mrope, "mm_rows": rows, "mm_embeds": self.buf}
+        pinned = {im.hash for *_, im, _ in needs}
+        self._encode_missing([im for *_, im, _ in needs], pinned)
+        for a, b, im, first in needs:
+            row, _ = self.entries[im.hash]
+            self.entries.move_to_end(im.hash)
+            rows[a:b] = row + first + np.arange(b - a)
+        return {"mrope_positions": mrope, "mm_rows": rows, "mm_embeds": self.buf}
+
+    def _encode_missing(self, images, pinned: set) -> None:
+        todo, seen = [], set()
+        for im in images:
+            if im.hash not in self.entries and im.hash not in seen:
+                seen.add(im.hash)
+                todo.append(im)
+        top = self.ladder[-1]
+        batch, size = [], 0
+        for im in todo:
+            n = int(np.prod(im.grid_thw))
+            if n > top:
+                raise ValueError(f"an image of {n} patches exceeds the encoder's largest bucket "
+                                 f"({top})")
+            if size + n > top:
+                self._run(batch, pinned)
+                batch, size = [], 0
+            batch.append(im)
+            size += n
+        if batch:
+            self._run(batch, pinned)
+
+    def _run(self, images, pinned: set) -> None:
+        total = sum(int(np.prod(im.grid_thw)) for im in images)
+        bucket = next(b for b in self.ladder if b >= total)
+        write = np.full(bucket // self.unit, self.capacity, np.int32)
+        k = 0
+        for im in images:
+            row = self._allocate(im.num_tokens, pinned)
+            self.entries[im.hash] = (row, im.num_tokens)
+            write[k:k + im.num_tokens] = row + np.arange(im.num_tokens)
+            k += im.num_tokens
+        inp = vision_inputs(np.concatenate([im.pixel_array() for im in images]),
+                            [im.grid_thw for im in images], cfg=self.vcfg, num_patches=bucket)
+        before = self._compiles[0]
+        self.buf = self._encode(self.runner._state_leaves, self.buf, inp, write)
+        if self._compiles[0] != before:
+            self.runner._add_compiles(self._compiles[0] - before)
+        self.num_encoded += len(images)
+
+    def _allocate(self, n: int, pinned: set) -> int:
+        """First free run of ``n`` rows, evicting least recently used unpinned images."""
+        while True:
+            used = sorted(self.entries.values())
+            at = 0
+            for row, m in used:
+                if row - at >= n:
+                    return at
+                at = max(at, row + m)
+            if self.capacity - at >= n:
+                return at
+            victim = next((h for h in self.entries if h not in pinned), None)
+            if victim is None:
+                raise ValueError(f"the encoder cache ({self.capacity} rows) cannot hold this "
+                                 "step's images")
+            del self.entries[victim]
