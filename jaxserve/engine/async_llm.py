@@ -35,6 +35,8 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
+        # the model takes images (a vision-language checkpoint with its encoder step)
+        self.takes_images = self.engine.runner.mm is not None
         self.default_sampling = self.engine.default_sampling
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self.chat_template = None

@@ -36,9 +36,11 @@ from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest,
                                           LoRAUpdate,
                                           ResetPrefixCache, Shutdown, decode_message,
                                           encode_request, run_engine_core)
+from jaxserve.engine.multimodal import split_prompt, text_only_error
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.streams import FINISHED, RequestStreams
 from jaxserve.engine.tokenizer import prompt_ids
+from jaxserve.multimodal.inputs import MultiModalInputProcessor
 from jaxserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,11 @@ class EngineCoreClient:
         self._stats = info["stats"]
         self._processor = OutputProcessor(self.tokenizer)
         self._processor_lock = threading.Lock()  # the reader thread and the event loop(s)
+        # the image processor (host side) when the core serves images
+        self.mm_processor = (None if info.get("model_dir") is None else
+                             MultiModalInputProcessor.for_model(
+                                 info["model_dir"], self.model_config.hf, config.multimodal))
+        self.takes_images = self.mm_processor is not None
         self._reader = threading.Thread(target=self._read, name="jaxserve-core-reader",
                                         daemon=True)
         self._reader.start()
@@ -192,7 +199,13 @@ class EngineCoreClient:
                        ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         params = sampling_params or SamplingParams()
+        prompt, mm_data = split_prompt(prompt)
         text, ids = prompt_ids(self.tokenizer, prompt)
+        images = None
+        if mm_data is not None:
+            if self.mm_processor is None:
+                raise text_only_error()
+            ids, images = self.mm_processor.process(ids, mm_data)
         q = self._streams.open(request_id)
         try:
             with self._processor_lock:
@@ -207,7 +220,7 @@ class EngineCoreClient:
             answers.append(loop.create_future())
             self._adds[child.request_id] = answers[-1]
             self._send(AddRequest(child.request_id, ids, child.params, priority, lora_request,
-                                  child.prefix_parent))
+                                  child.prefix_parent, images))
 
         added = asyncio.gather(*answers)
 

@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.mm_inputs import MultiModalInputs
 from jaxserve.core.outputs import CoreOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.output_processor import SequenceStop
@@ -60,6 +61,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     priority: int = 0
     lora_request: LoRARequest | None = None
     prefix_parent: str | None = None
+    mm: MultiModalInputs | None = None  # its images, processed in the API process
 
 
 class LoRAUpdate(msgspec.Struct, tag="lora", array_like=True):
@@ -210,7 +212,8 @@ def _handle(engine, msg: CoreRequest, outbox, preparer: Preparer | None = None) 
             if err is None:
                 err = _guarded(lambda: engine.add_core_request(
                     msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority,
-                    lora_request=msg.lora_request, prefix_parent=msg.prefix_parent))[1]
+                    lora_request=msg.lora_request, prefix_parent=msg.prefix_parent,
+                    mm=msg.mm))[1]
             outbox.send(_pickled(("added", msg.request_id, err)))
 
         if preparer is None or not preparer.submit(
@@ -277,4 +280,6 @@ def _ready_info(engine) -> dict:
         model=engine.config.model,  # the engine resolves the default model
         served_model_name=engine.config.served_model_name,
         default_sampling=engine.default_sampling,
+        # images are processed in the API process: where the checkpoint's processor lives
+        model_dir=str(engine.model_dir) if getattr(engine.runner, "mm", None) else None,
     )

@@ -23,6 +23,7 @@ class EngineClient(Protocol):
     default_sampling: dict  # the model's generation-config defaults for unset sampling fields
     served_model_name: str
     chat_template: str | None  # the server's --chat-template, when it sets one
+    takes_images: bool  # prompts may carry multi_modal_data images (a VLM's encoder is on)
 
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None,
                  request_id: str, *, priority: int = 0, lora_request=None

@@ -157,6 +157,8 @@ def _message_content(content, i: int):
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
+        if any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            return _parts_with_images(content, i)
         texts = []
         for part in content:
             if isinstance(part, str):
@@ -173,6 +175,23 @@ def _message_content(content, i: int):
     raise InvalidRequestError(
         f"messages[{i}].content must be a string or a list of parts, got {type(content).__name__}",
         param="messages")
+
+
+def _parts_with_images(content: list, i: int) -> list[dict]:
+    """Text and image parts as HF chat templates take them (the template places each image's
+    tokens; the front end expands them to the image's count)."""
+    out = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "image":
+            out.append({"type": "image"})
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"messages[{i}].content: part type {kind!r} is not "
+                                      "supported", param="messages")
+    return out
 
 
 def normalize_messages(messages) -> list[dict]:

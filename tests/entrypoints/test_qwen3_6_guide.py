@@ -1,6 +1,6 @@
 """The on-prem guide's Qwen 3.6 command, word for word (``vllm`` -> ``jaxserve``, the model a
 tiny random ``qwen3_5`` checkpoint): ``--quantization fp8`` weights, the GDN state in float32,
-a chat request to ``Qwen/Qwen3.6-27B`` answers; an image content part is a 400 naming it; the
+a chat request to ``Qwen/Qwen3.6-27B`` answers; a corrupt image content part is a 400 naming it; the
 start-up log states what the state pool holds and that prefix caching is off."""
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_qwen3_6_guide_command_answers_a_chat_request(tmp_path):
             "model": "Qwen/Qwen3.6-27B", "max_tokens": 2, "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "what is this?"},
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
-        assert bad.status_code == 400 and "image_url" in bad.text
+        # a corrupt image: a 400 naming the part (the tiny VLM takes images)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.content.1"
         text = log.read_text()
         assert "state pool" in text and "prefix caching is off" in text
     finally:

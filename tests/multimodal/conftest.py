@@ -13,6 +13,15 @@ PROMPT_TAIL = "<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+def data_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def make_image(w: int, h: int, seed: int):
     from PIL import Image
 
@@ -50,9 +59,24 @@ class HFReference:
                                    self.proc.process(images))
 
     def greedy(self, prompt: str, images, n: int) -> list[int]:
+        return self.greedy_ids(self.tok.encode(prompt), images, n)
+
+    def chat_ids(self, messages) -> list[int]:
+        """The prompt ids the server renders for ``messages`` (image parts as the template's
+        ``{"type": "image"}``), before placeholder expansion."""
+        from jaxserve.engine.tokenizer import apply_chat_template
+
+        rendered = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                     else [{"type": "image"} if p["type"] == "image_url" else p
+                           for p in m["content"]]} for m in messages]
+        return list(apply_chat_template(self.tok, rendered, add_generation_prompt=True))
+
+    def greedy_ids(self, ids: list[int], images, n: int) -> list[int]:
+        from jaxserve.multimodal.processor import expand_placeholders
+
         torch = self.torch
         processed = self.proc.process(images)
-        ids = self.ids(prompt, images)
+        ids = expand_placeholders(ids, self.image_id, processed)
         kw = {}
         if processed:
             kw = dict(pixel_values=torch.from_numpy(np.concatenate(

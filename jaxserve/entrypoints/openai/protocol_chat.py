@@ -15,12 +15,32 @@ from jaxserve.entrypoints.openai.protocol import (INT32_MAX, OpenAIBaseModel, Pr
 from jaxserve.errors import InvalidRequestError
 
 
+class ImageURL(RequestModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    url: str
+    detail: str | None = None  # OpenAI's hint; the checkpoint's processor decides the size
+
+
 class ContentPart(RequestModel):
-    # a part's keys depend on its type; ``ChatMessageParam.text`` refuses every non-text part
+    # a part's keys depend on its type: text and image_url are served, any other type is a 400
+    # naming the part (video and audio included)
     model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+
+    def check(self, where: str) -> None:
+        if self.type == "text" and self.text is not None:
+            return
+        if self.type == "image_url" and self.image_url is not None:
+            return
+        if self.type in ("text", "image_url"):
+            raise InvalidRequestError(f"a {self.type} content part needs its {self.type!r} "
+                                      "field", param=where)
+        raise InvalidRequestError(f"content part type {self.type!r} is not supported (text "
+                                  "and image_url are)", param=where)
 
 
 class FunctionCallParam(RequestModel):
@@ -49,14 +69,34 @@ class ChatMessageParam(RequestModel):
         parts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
+                part.check(f"{where}.content.{j}")
                 raise InvalidRequestError(
-                    f"only text content parts are supported, got type {part.type!r}",
+                    f"only text content parts are supported here, got type {part.type!r}",
                     param=f"{where}.content.{j}")
             parts.append(part.text)
         return "".join(parts)
 
+    def image_urls(self, where: str) -> list[tuple[str, str]]:
+        """(where, url) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        out = []
+        for j, part in enumerate(self.content):
+            part.check(f"{where}.content.{j}")
+            if part.type == "image_url":
+                out.append((f"{where}.content.{j}", part.image_url.url))
+        return out
+
+    def rendered_content(self, where: str):
+        """What the chat template sees: a string, or (with images) Qwen's / HF's list of
+        ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts."""
+        if not self.image_urls(where):
+            return self.text(where)
+        return [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"}
+                for p in self.content]
+
     def to_dict(self, where: str) -> dict[str, Any]:
-        d: dict[str, Any] = {"role": self.role, "content": self.text(where)}
+        d: dict[str, Any] = {"role": self.role, "content": self.rendered_content(where)}
         if self.name is not None:
             d["name"] = self.name
         if self.tool_call_id is not None:
@@ -151,6 +191,10 @@ class ChatCompletionRequest(_SamplingFields):
     def message_dicts(self) -> list[dict[str, Any]]:
         return [m.to_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
 
+    def image_urls(self) -> list[tuple[str, str]]:
+        """(where, url) of every image part of the conversation, in order."""
+        return [u for i, m in enumerate(self.messages) for u in m.image_urls(f"messages.{i}")]
+
     @property
     def tool_mode(self) -> str:
         """none | auto | required | named."""
@@ -183,7 +227,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     def content_bytes(self) -> int:
         """UTF-8 bytes of all message text: the rendered prompt holds at least these."""
-        return sum(len(m.text(f"messages.{i}").encode()) for i, m in enumerate(self.messages))
+        total = 0
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                m.image_urls(f"messages.{i}")  # every part checked
+                total += sum(len(p.text.encode()) for p in m.content if p.type == "text")
+            else:
+                total += len(m.text(f"messages.{i}").encode())
+        return total
 
     def to_sampling_params(self, max_model_len: int, prompt_len: int,
                            defaults: dict | None = None) -> SamplingParams:

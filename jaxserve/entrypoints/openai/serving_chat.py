@@ -118,7 +118,8 @@ class OpenAIServingChat(OpenAIServing):
         if req.echo and req.messages[-1].role == "assistant":
             echo = req.messages[-1].text(f"messages.{len(req.messages) - 1}")
         request_id = req.request_id or header_id(request) or P.random_id("chatcmpl")
-        fanin = self._fanin([ids], sp, request_id, req.priority, self._lora_of(model))
+        prompt = await self._with_images(ids, req.image_urls())
+        fanin = self._fanin([prompt], sp, request_id, req.priority, self._lora_of(model))
         await fanin.prime()
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         if top_k == -1:

@@ -185,6 +185,28 @@ class OpenAIServing:
                                       param="messages") from None
         return list(ids)
 
+    async def _with_images(self, ids: list[int], urls: list[tuple[str, str]]):
+        """The prompt for the engine: the ids, or (with image parts) vLLM's prompt dict with
+        the images loaded here (``(where, url)`` each; a bad one is a 400 naming its part)."""
+        if not urls:
+            return ids
+        if not getattr(self.engine, "takes_images", False):
+            raise InvalidRequestError(f"{urls[0][0]}: this model is text-only and takes no "
+                                      "images", param=urls[0][0])
+        mmc = self.engine.config.multimodal
+        limit = mmc.limit("image")
+        if len(urls) > limit:
+            raise InvalidRequestError(f"{urls[limit][0]}: {len(urls)} images, more than the "
+                                      f"limit of {limit} per prompt (--limit-mm-per-prompt)",
+                                      param=urls[limit][0])
+        from jaxserve.multimodal.media import load_image_url
+
+        def load(url, where):
+            return load_image_url(url, where, allowed_local_media_path=mmc.allowed_local_media_path)
+
+        images = [await self._off_loop(load, url, where) for where, url in urls]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
     def _vocab_size(self) -> int:
         mc = getattr(self.engine, "model_config", None)
         return int(getattr(mc, "vocab_size", 0) or len(self.engine.tokenizer))
@@ -224,6 +246,8 @@ class OpenAIServing:
         if self.log_requests:
             for i, (ids, sp) in enumerate(zip(prompts, params if isinstance(params, list)
                                                else [params] * len(prompts))):
+                if isinstance(ids, dict):  # with images
+                    ids = ids["prompt_token_ids"]
                 shown = ids if self.max_log_len is None else ids[:self.max_log_len]
                 logger.info("received request %s-%d (response id %r): %d prompt tokens %s, "
                             "params %r", fanin.internal_id, i, request_id, len(ids), shown, sp)
