@@ -259,3 +259,22 @@ def test_bad_construction():
         BlockManager(1, BS)
     with pytest.raises(ValueError):
         BlockManager(4, 0)
+
+
+def _with_image(rid, tokens, image_hash, offset, n):
+    from jaxserve.core.mm_inputs import ImageItem, MultiModalInputs
+
+    req = make_req(rid, tokens)
+    req.mm = MultiModalInputs([ImageItem(image_hash, offset, n, (1, 2, 2), b"", 1)], 99)
+    return req
+
+
+def test_image_hashes_key_the_pages_that_hold_their_placeholders():
+    """Same text with the same picture hits; with another picture only the pages before the
+    image's placeholders hit (the placeholder ids are the same, the pictures are not)."""
+    bm = BlockManager(32, BS)
+    tokens = [1, 2, 3, 4, 5, 99, 99, 99, 99, 6, 7, 8, 9]  # image at 5..8: pages 1 and 2
+    run_prefill(bm, _with_image("a", tokens, "cat", 5, 4))
+    assert bm.get_computed_blocks(_with_image("same", tokens, "cat", 5, 4))[1] == 12
+    assert bm.get_computed_blocks(_with_image("other", tokens, "dog", 5, 4))[1] == 4
+    assert bm.get_computed_blocks(make_req("text", tokens))[1] == 4

@@ -74,15 +74,21 @@ def test_unknown_fields_are_ignored():
     assert req.messages[0].content == "hi"
 
 
-def test_content_parts_join_and_reject_images():
+def test_content_parts_join_render_images_and_reject_other_types():
     req = P.parse_request(PC.ChatCompletionRequest, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert req.message_dicts() == [{"role": "user", "content": "ab"}]
     req = P.parse_request(PC.ChatCompletionRequest, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]})
-    with pytest.raises(InvalidRequestError) as e:
-        req.message_dicts()
-    assert e.value.param == "messages.0.content.0"
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert req.message_dicts() == [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image"}]}]
+    assert req.image_urls() == [("messages.0.content.1", "x")]
+    for part in ({"type": "video_url", "video_url": {"url": "x"}}, {"type": "image_url"}):
+        req = P.parse_request(PC.ChatCompletionRequest, {"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, part]}]})
+        with pytest.raises(InvalidRequestError) as e:
+            req.message_dicts()
+        assert e.value.param == "messages.0.content.1"
 
 
 def test_prompt_shapes():

@@ -120,3 +120,20 @@ def test_too_many_or_too_large_images_are_a_400(client, monkeypatch, hf_ref):
     im = make_image(40, 72, 6)
     r = _chat(client, _messages(data_url(im)))
     assert r.choices[0].message.content == _expected(hf_ref, _messages(data_url(im)), [im])
+
+
+def test_completions_with_vllm_prompt_dict(client, hf_ref):
+    from conftest import IMAGE, PROMPT_HEAD, PROMPT_TAIL
+
+    im = make_image(72, 72, 7)
+    text = PROMPT_HEAD + "Caption " + IMAGE + PROMPT_TAIL
+    r = client.completions.create(
+        model=MODEL, max_tokens=N, temperature=0, extra_body={"ignore_eos": True},
+        prompt={"prompt": text, "multi_modal_data": {"image": [data_url(im)]}})
+    want = hf_ref.tok.decode(hf_ref.greedy(text, [im], N), skip_special_tokens=True)
+    assert r.choices[0].text == want.rstrip("\ufffd")
+    assert r.usage.prompt_tokens == len(hf_ref.ids(text, [im]))  # placeholders expanded
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, max_tokens=2, prompt={
+            "prompt": text, "multi_modal_data": {"video": [data_url(im)]}})
+    assert e.value.body["param"] == "prompt.multi_modal_data.video"

@@ -345,8 +345,46 @@ class _SamplingFields(RequestModel):
 
 
 # ---- completions -----------------------------------------------------------------------------
+class MultiModalPrompt(RequestModel):
+    """vLLM's prompt dict over HTTP: text (or ids) holding the model's image placeholders, and
+    its images as URLs (``data:``, ``file://``, http(s)) in ``multi_modal_data.image``."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    multi_modal_data: dict[str, Any]
+
+    def check(self) -> None:
+        """(Called by the request: an error raised inside a union member would lose its
+        field name.)"""
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise InvalidRequestError("a prompt dict needs exactly one of prompt and "
+                                      "prompt_token_ids", param="prompt")
+        for k in self.multi_modal_data:
+            if k != "image":
+                raise InvalidRequestError(f"prompt.multi_modal_data.{k}: only images are "
+                                          "supported (video and audio are not)",
+                                          param=f"prompt.multi_modal_data.{k}")
+
+    def image_urls(self) -> list[tuple[str, str]]:
+        images = self.multi_modal_data.get("image")
+        if images is None:
+            return []
+        single = not isinstance(images, list)
+        images = [images] if single else images
+        out = []
+        for j, im in enumerate(images):
+            where = "prompt.multi_modal_data.image" + ("" if single else f".{j}")
+            if isinstance(im, dict) and im.get("type") == "image_url":
+                im = (im.get("image_url") or {}).get("url")
+            if not isinstance(im, str):
+                raise InvalidRequestError(f"{where} must be an image URL (data:, file:// or "
+                                          "http(s)) or an image_url part", param=where)
+            out.append((where, im))
+        return out
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Union[list[int], list[list[int]], str, list[str]]
+    prompt: Union[list[int], list[list[int]], str, list[str], MultiModalPrompt]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1: whole vocabulary
     suffix: str | None = None
@@ -357,6 +395,9 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         p = self.prompt
+        if isinstance(p, MultiModalPrompt):
+            p.check()
+            return self
         if isinstance(p, str):
             return self
         if len(p) == 0:
@@ -370,6 +411,8 @@ class CompletionRequest(_SamplingFields):
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts of this (possibly batched) request, each a string or a token id list."""
         p = self.prompt
+        if isinstance(p, MultiModalPrompt):
+            return [p.prompt if p.prompt is not None else list(p.prompt_token_ids)]
         if isinstance(p, str):
             return [p]
         if all(isinstance(t, int) for t in p):

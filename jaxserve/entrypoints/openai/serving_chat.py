@@ -144,8 +144,9 @@ class OpenAIServingChat(OpenAIServing):
                                                      tool_calls=calls),
                 logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
-        usage = P.UsageInfo(prompt_tokens=len(ids), completion_tokens=completion,
-                            total_tokens=len(ids) + completion,
+        n_prompt = len(out.prompt_token_ids or ids)  # image placeholders expanded
+        usage = P.UsageInfo(prompt_tokens=n_prompt, completion_tokens=completion,
+                            total_tokens=n_prompt + completion,
                             prompt_tokens_details=P.PromptTokensDetails(
                                 cached_tokens=out.num_cached_tokens))
         return JSONModel(PC.ChatCompletionResponse(id=request_id, model=model, choices=choices,

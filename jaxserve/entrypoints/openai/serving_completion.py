@@ -44,7 +44,11 @@ class OpenAIServingCompletion(OpenAIServing):
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
         self._check_vocab(sp)
         request_id = req.request_id or header_id(request) or P.random_id("cmpl")
-        fanin = self._fanin(prompts, sp, request_id, req.priority, self._lora_of(model))
+        engine_prompts = prompts
+        if isinstance(req.prompt, P.MultiModalPrompt):
+            engine_prompts = [await self._with_images(prompts[0], req.prompt.image_urls())]
+        fanin = self._fanin(engine_prompts, sp, request_id, req.priority,
+                            self._lora_of(model))
         await fanin.prime()
         if req.stream:
             return SSEResponse(self._completion_stream(req, fanin, model, echo_texts))
@@ -56,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = P.UsageInfo()
         for i, ids in enumerate(prompts):
             out = finals[i]
-            usage.prompt_tokens += len(ids)
+            usage.prompt_tokens += len(out.prompt_token_ids or ids)  # images expanded
             usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             for c in out.outputs:
                 logprobs = None
