@@ -5,6 +5,7 @@ tokens -> 32 output tokens, jaxserve (``LLM.generate`` with ``multi_modal_data``
     python benchmarks/multimodal.py                    # CPU: the tiny random Qwen 3.5 VLM
     python benchmarks/multimodal.py --shape 27b        # GPU: Qwen3.6-27B-shaped dummy VLM
                                                        # (tools/gpu_run.sh "multimodal")
+    python benchmarks/multimodal.py --shape dummy-cpu  # the GPU stage's path, small, on CPU
 
 ``images/s``: ``--num-requests`` requests, each with its own picture (every one runs the
 encoder), submitted together; requests finished per second. ``TTFT``: one request at a time,
@@ -34,12 +35,14 @@ VISION_27B = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh",
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=5120,
                   num_position_embeddings=2304, model_type="qwen3_5_vision",
                   rope_parameters={"rope_theta": 10000.0, "rope_type": "axial"})
+VISION_CPU = dict(VISION_27B, depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                  out_hidden_size=256, num_position_embeddings=64)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", choices=["tiny", "27b"], default=None,
+    p.add_argument("--shape", choices=["tiny", "27b", "dummy-cpu"], default=None,
                    help="default: 27b on an accelerator, tiny otherwise")
     p.add_argument("--num-layers", type=int, default=None, help="27b: cut the text depth")
     p.add_argument("--image-size", type=int, default=None,
@@ -57,25 +60,30 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.shape = args.shape or ("27b" if C.on_accelerator() else "tiny")
     args.image_size = args.image_size or (448 if args.shape == "27b" else 128)
+    if args.shape == "dummy-cpu":
+        args.max_pixels = min(args.max_pixels, 128 * 128)
     args.result_dir = args.result_dir or DEFAULT_DIR
     return args
 
 
-def write_27b(num_layers: int | None, max_pixels: int) -> str:
-    """A Qwen3.6-27B-shaped VLM directory (config, tokenizer, image processor; no weights)."""
+def write_dummy(shape: str, num_layers: int | None, max_pixels: int) -> str:
+    """A Qwen3.6-27B-shaped VLM directory (config, tokenizer, image processor; no weights);
+    ``shape`` "cpu": hybrid_decode's scaled-down text stack and a small tower."""
     from benchmarks.hybrid_decode import configs
     from jaxserve.testing.presets import write_preset
 
-    text = configs(argparse.Namespace(shape="27b", num_layers=num_layers))["hybrid"]
+    text = configs(argparse.Namespace(shape=shape, num_layers=num_layers))["hybrid"]
+    image_token = IMAGE_TOKEN if shape == "27b" else text["vocab_size"] - 4
     text.pop("architectures", None)
     cfg = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
-               text_config=dict(text, model_type="qwen3_5_text"), vision_config=VISION_27B,
-               image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1,
-               vision_start_token_id=IMAGE_TOKEN - 3, vision_end_token_id=IMAGE_TOKEN - 2,
+               text_config=dict(text, model_type="qwen3_5_text"),
+               vision_config=VISION_27B if shape == "27b" else VISION_CPU,
+               image_token_id=image_token, video_token_id=image_token + 1,
+               vision_start_token_id=image_token - 3, vision_end_token_id=image_token - 2,
                vocab_size=text["vocab_size"], bos_token_id=text["bos_token_id"],
                eos_token_id=text["eos_token_id"], tie_word_embeddings=False)
     out = write_preset("qwen3.6", os.path.join(tempfile.mkdtemp(prefix="mm-bench-"),
-                                               "qwen3.6-27b-vl"), config=cfg)
+                                               f"qwen3.6-{shape}-vl"), config=cfg)
     pre = {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16,
            "temporal_patch_size": 2, "merge_size": 2,
            "size": {"shortest_edge": 65536, "longest_edge": max_pixels},
@@ -107,7 +115,7 @@ def run_jaxserve(model_dir: str, items, args, image_id: int) -> dict:
     kw = dict(max_model_len=2048 if accel else 512, max_num_seqs=args.num_requests, seed=0,
               max_num_batched_tokens=2048 if accel else 256, enable_prefix_caching=False,
               quantization=args.quantization)
-    if args.shape == "27b":
+    if args.shape != "tiny":
         kw.update(load_format="dummy", token_bucket_growth=128 if accel else None,
                   enforce_eager=not accel)
     else:
@@ -184,7 +192,8 @@ def main(argv=None):
         model_dir = str(make_tiny_qwen3_5(os.path.join(tempfile.mkdtemp(prefix="mm-bench-"),
                                                        "tiny-vl"), vl=True, mtp=False))
     else:
-        model_dir = write_27b(args.num_layers, args.max_pixels)
+        model_dir = write_dummy("27b" if args.shape == "27b" else "cpu", args.num_layers,
+                                args.max_pixels)
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     image_id = cfg["image_token_id"]
     items = prompts(args, image_id, cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])

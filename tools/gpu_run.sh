@@ -40,6 +40,10 @@
 #   hybrid   Qwen3.6-27B shape in fp8 (dummy weights): decode step time against context 1k -> 32k,
 #            the hybrid (GDN + attention) against its all-attention twin (issue "Qwen 3.6");
 #            two token buckets (16 and the budget), each a long compile at 64 layers
+#   multimodal (not in the default list: STAGES=multimodal) Qwen3.6-27B-shaped VLM (dummy
+#            weights, fp8, MM_LAYERS text layers, the real vision tower shape): images/s and TTFT
+#            for 1 image (448 px) + 64 tokens -> 32 (benchmarks/multimodal.py; on CPU
+#            "--shape dummy-cpu" runs the same path small)
 # Knobs (env): STAGES, BUDGET_S (default 515), N11 (1024), N8B (512), HF_CB_N (256),
 #   LORA_PRESET (llama3-8b), LORA_ARGS (extra benchmarks/lora.py flags),
 #   HF_BS ("64,128,256"), HF_CB_IMPLS ("sdpa,paged|eager,flash_attention_2"), SERVE_N (256),
@@ -238,6 +242,10 @@ stage_hybrid() {
     --quantization fp8 --batch ${HYBRID_BATCH:-8} \
     --contexts ${HYBRID_CONTEXTS:-1024,2048,4096,8192,16384,32768} ${HYBRID_ARGS:-} \
     --output-json "$RES/hybrid_decode-qwen3.6-27b.json"
+}
+stage_multimodal() {
+  run_stage multimodal 240 $PY benchmarks/multimodal.py --shape 27b --quantization fp8 \
+    --num-layers ${MM_LAYERS:-16} ${MM_ARGS:-} --output-json "$RES/multimodal-qwen3.6-27b.json"
 }
 
 for s in $STAGES; do

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve import sharding
 from jaxserve.core.batch_diff import BatchDiff
 from jaxserve.core.mm_inputs import MultiModalInputs
 from jaxserve.models.qwen3_5_vision import VisionInputs, vision_config, vision_inputs
@@ -75,10 +76,9 @@ class EncoderRunner:
         sched = runner.config.scheduler
         self.capacity = 2 * max(sched.max_num_batched_tokens, max_tokens)
         hidden = runner.model_config.hidden_size
-        self.buf = jnp.zeros((self.capacity + 1, hidden), dtype)
-        if runner.mesh is not None:
-            from jaxserve import sharding
-            self.buf = jax.device_put(self.buf, sharding.replicated(runner.mesh))
+        # placed (committed) from the start, as every encoder output is: one trace per bucket
+        self.buf = jax.device_put(jnp.zeros((self.capacity + 1, hidden), dtype),
+                                  sharding.replicated(runner.mesh or sharding.default_mesh()))
         self._compiles = [0]
         self._encode = _encode_fn(runner.graphdef, jax.tree_util.tree_structure(runner.state),
                                   self._compiles)

@@ -77,6 +77,16 @@ def test_preemption_with_images_equals_hf_generate(tiny_vlm, hf_ref, reference):
     assert engine.runner.mm.num_encoded == 3  # 3 distinct pictures, each encoded once
 
 
+@pytest.mark.slow  # warm-up compiles the token bucket and the encoder's patch bucket
+def test_nothing_compiles_after_warmup_with_images(tiny_vlm, reference):
+    llm = _llm(tiny_vlm, enforce_eager=False, max_num_seqs=2)
+    runner = llm.llm_engine.runner
+    warm, encoder = runner.num_compiles, runner.mm.num_compiles
+    assert encoder == len(runner.mm.ladder) == 1
+    assert _generate(llm, _cases()) == reference
+    assert runner.num_compiles == warm and runner.mm.num_compiles == encoder
+
+
 def test_bad_image_requests_are_errors_naming_the_field(tiny_vlm, reference):
     from jaxserve.errors import InvalidRequestError
 
@@ -115,3 +125,36 @@ def qwen_text_only(tmp_path_factory):
     from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
 
     return make_tiny_qwen3_5(tmp_path_factory.mktemp("text") / "q", mtp=False)
+
+
+def _tp2_child(path: str) -> list:
+    llm = _llm(path, tensor_parallel_size=2)
+    visual = llm.llm_engine.model.visual.blocks[0].attn.qkv.weight.get_value()
+    assert len(visual.sharding.device_set) == 2  # on both devices, replicated
+    assert visual.addressable_shards[0].data.shape == visual.shape
+    return _generate(llm, _cases())
+
+
+@pytest.mark.slow  # a child process with 2 CPU devices
+def test_tp2_with_images_equals_hf_generate(tiny_vlm, reference):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"
+                                                                                   / "multimodal")]))
+    proc = subprocess.run([sys.executable, __file__, str(tiny_vlm)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == reference
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(_tp2_child(sys.argv[1])))
