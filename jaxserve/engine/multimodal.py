@@ -14,7 +14,10 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 def input_processor(engine) -> MultiModalInputProcessor | None:
     """The image input processor of the engine's model (None: text-only, or images off with
-    ``--limit-mm-per-prompt '{"image": 0}'``)."""
+    ``--limit-mm-per-prompt '{"image": 0}'``, or a vision tower jaxserve does not run yet)."""
+    if getattr(engine.model, "visual", None) is None or engine.config.multimodal.limit(
+            "image") == 0:
+        return None
     return MultiModalInputProcessor.for_model(engine.model_dir, engine.model_config.hf,
                                               engine.config.multimodal)
 

@@ -115,5 +115,6 @@ def _images_of(data, where: str) -> list:
 
 
 def text_only_error(where: str = "multi_modal_data") -> InvalidRequestError:
-    return InvalidRequestError(f"{where}: this model is text-only and takes no images",
-                               param=where)
+    return InvalidRequestError(f"{where}: this model takes no images here (a text-only model, "
+                               "a vision tower jaxserve does not run yet, or "
+                               "--limit-mm-per-prompt image 0)", param=where)

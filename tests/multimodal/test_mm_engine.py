@@ -114,7 +114,7 @@ def test_images_for_a_text_only_model_are_an_error(qwen_text_only):
     from jaxserve.errors import InvalidRequestError
 
     llm = _llm(qwen_text_only)
-    with pytest.raises(InvalidRequestError, match="text-only") as e:
+    with pytest.raises(InvalidRequestError, match="takes no images") as e:
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": make_image(32, 32, 0)}},
                      use_tqdm=False)
     assert e.value.param == "multi_modal_data"

@@ -191,8 +191,10 @@ class OpenAIServing:
         if not urls:
             return ids
         if not getattr(self.engine, "takes_images", False):
-            raise InvalidRequestError(f"{urls[0][0]}: this model is text-only and takes no "
-                                      "images", param=urls[0][0])
+            raise InvalidRequestError(f"{urls[0][0]}: this model takes no images here (a "
+                                      "text-only model, a vision tower jaxserve does not run "
+                                      "yet, or --limit-mm-per-prompt image 0)",
+                                      param=urls[0][0])
         mmc = self.engine.config.multimodal
         limit = mmc.limit("image")
         if len(urls) > limit:
