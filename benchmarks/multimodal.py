@@ -86,7 +86,7 @@ def write_dummy(shape: str, num_layers: int | None, max_pixels: int) -> str:
                                                f"qwen3.6-{shape}-vl"), config=cfg)
     pre = {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16,
            "temporal_patch_size": 2, "merge_size": 2,
-           "size": {"shortest_edge": 65536, "longest_edge": max_pixels},
+           "size": {"shortest_edge": min(65536, max_pixels // 4), "longest_edge": max_pixels},
            "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
     with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f)

@@ -31,12 +31,8 @@ def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
                          "speculative_config or with --limit-mm-per-prompt '{\"image\": 0}'")
     from jaxserve.worker.mm_step import EncoderRunner
 
-    hf = processor.processor.hf
-    size = getattr(hf, "size", None) or {}
-    longest = int(size.get("longest_edge") or size.get("max_pixels") or 0)
-    patch = int(getattr(hf, "patch_size", 14))
-    max_patches = max(longest // (patch * patch), 64)
-    engine.runner.mm = EncoderRunner(engine.runner, max_image_patches=max_patches,
+    engine.runner.mm = EncoderRunner(engine.runner,
+                                     max_image_patches=processor.processor.max_patches,
                                      dtype=engine.dtype)
 
 

@@ -11,6 +11,8 @@ import hashlib
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
+
 from jaxserve.config import MultiModalConfig
 from jaxserve.core.mm_inputs import ImageItem, MultiModalInputs
 from jaxserve.errors import InvalidRequestError
@@ -84,6 +86,11 @@ class MultiModalInputProcessor:
         except Exception as e:  # noqa: BLE001 - the processor's refusal of this image
             raise InvalidRequestError(f"{where}: the image processor refused it ({e})",
                                       param=where) from None
+        n = int(np.prod(out.grid_thw))
+        if n > self.processor.max_patches:  # the processor's own bounds did not hold
+            raise InvalidRequestError(f"{where}: the image becomes {n} patches, more than the "
+                                      f"{self.processor.max_patches} the encoder takes",
+                                      param=where)
         if self._cache is not None:
             self._cache[key] = out
             if len(self._cache) > CACHE_ITEMS:

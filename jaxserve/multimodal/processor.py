@@ -71,6 +71,14 @@ class ImageProcessor:
             cfg["size"] = size
         self.hf = cls(**cfg)
         self.merge = int(getattr(self.hf, "merge_size", 2))
+        hf_size = getattr(self.hf, "size", None) or {}
+        lo, hi = hf_size.get("shortest_edge"), hf_size.get("longest_edge")
+        if lo is not None and hi is not None and int(lo) > int(hi):
+            raise ValueError(f"image processor: min_pixels (size.shortest_edge {lo}) exceeds "
+                             f"max_pixels (size.longest_edge {hi})")
+        patch = int(getattr(self.hf, "patch_size", 14))
+        # the most patches an image becomes: the encoder's largest bucket
+        self.max_patches = max(int(hi or 0) // (patch * patch), self.merge * self.merge)
 
     def process(self, images) -> list[ProcessedImage]:
         if not images:

@@ -71,12 +71,15 @@ def _prompt(path, n_images):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("sizes", [[], [(64, 96)], [(96, 40), (128, 128)]],
+@pytest.mark.parametrize("sizes", [pytest.param([], marks=pytest.mark.slow),
+                                   pytest.param([(64, 96)], marks=pytest.mark.slow),
+                                   [(96, 40), (128, 128)]],
                          ids=["0-images", "1-image", "2-images"])
 def test_image_prompt_logits_match_hf(vlm, sizes):
     _check_logits(*vlm, sizes)
 
 
+@pytest.mark.slow  # another checkpoint (the MoE layout) built and loaded
 def test_moe_image_prompt_logits_match_hf(qwen35):
     _check_logits(*_load(qwen35("moe-vl")), [(64, 96), (40, 72)])
 

@@ -110,6 +110,7 @@ def test_bad_image_requests_are_errors_naming_the_field(tiny_vlm, reference):
     assert _generate(llm, _cases()[:2]) == reference[:2]  # and it serves on
 
 
+@pytest.mark.slow  # a second checkpoint built and loaded
 def test_images_for_a_text_only_model_are_an_error(qwen_text_only):
     from jaxserve.errors import InvalidRequestError
 
