@@ -26,6 +26,10 @@ def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
     """Give the runner its encoder step (before warm-up) when the model takes images."""
     if processor is None or getattr(engine.model, "visual", None) is None:
         return
+    if engine.config.parallel.pipeline_parallel_size > 1 or engine.config.parallel.num_hosts > 1:
+        # those runners build their own step inputs: images stay off (a 400 naming the part)
+        engine.mm_processor = None
+        return
     if engine.config.speculative is not None:
         raise ValueError("speculative decoding with images is not supported; start without "
                          "speculative_config or with --limit-mm-per-prompt '{\"image\": 0}'")

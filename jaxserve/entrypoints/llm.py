@@ -64,9 +64,16 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              lora_request=None) -> list[RequestOutput]:
         from jaxserve.engine.tokenizer import apply_chat_template
+        from jaxserve.multimodal.inputs import chat_images
+
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [apply_chat_template(self.llm_engine.tokenizer, c, add_generation_prompt,
-                                       chat_template) for c in convs]
+        prompts = []
+        for c in convs:  # image parts (image_url, image_pil) travel as multi_modal_data
+            c, images = chat_images(c, self.config.multimodal.allowed_local_media_path)
+            ids = apply_chat_template(self.llm_engine.tokenizer, c, add_generation_prompt,
+                                      chat_template)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                           if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 

@@ -125,3 +125,36 @@ def text_only_error(where: str = "multi_modal_data") -> InvalidRequestError:
     return InvalidRequestError(f"{where}: this model takes no images here (a text-only model, "
                                "a vision tower jaxserve does not run yet, or "
                                "--limit-mm-per-prompt image 0)", param=where)
+
+
+def chat_images(messages: list[dict], allowed_local_media_path: str | None = None
+                ) -> tuple[list[dict], list]:
+    """A conversation's image parts (vLLM's ``image_url`` and ``image_pil``) loaded, in order,
+    and the messages with each one as the template's ``{"type": "image"}``."""
+    from jaxserve.multimodal.media import load_image_url
+
+    rendered, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            rendered.append(m)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            where = f"messages.{i}.content.{j}"
+            if kind == "image_url":
+                url = (part.get("image_url") or {}).get("url")
+                images.append(load_image_url(url, where,
+                                             allowed_local_media_path=allowed_local_media_path))
+                parts.append({"type": "image"})
+            elif kind == "image_pil":
+                images.append(_images_of({"image": part.get("image_pil")}, where)[0])
+                parts.append({"type": "image"})
+            elif kind in ("video_url", "input_audio", "audio_url"):
+                raise InvalidRequestError(f"{where}: content part type {kind!r} is not "
+                                          "supported (text and images are)", param=where)
+            else:
+                parts.append(part)
+        rendered.append({**m, "content": parts})
+    return rendered, images

@@ -759,7 +759,7 @@ class ModelRunner:
         """Enqueue the step and start copying its results to the host; returns at once.
         A plan with ``prompt_next_ids`` also computes the prompt logprobs; ``mm``: the step's
         image arrays (``EncoderRunner.prepare``)."""
-        out = self._run(plan, mm)
+        out = self._run(plan) if mm is None else self._run(plan, mm)
         prompt_lp = verify = drafts = None
         if plan.prompt_next_ids is not None:
             out, prompt_lp = out

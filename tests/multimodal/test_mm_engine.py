@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import IMAGE, PROMPT_HEAD, PROMPT_TAIL, make_image  # noqa: E402 - tests/multimodal
+from jaxserve.testing.multimodal import IMAGE, PROMPT_HEAD, PROMPT_TAIL, make_image
 
 pytest.importorskip("torch")
 
@@ -87,7 +87,7 @@ def test_nothing_compiles_after_warmup_with_images(tiny_vlm, reference):
     assert runner.num_compiles == warm and runner.mm.num_compiles == encoder
 
 
-def test_bad_image_requests_are_errors_naming_the_field(tiny_vlm, reference):
+def test_bad_image_requests_are_errors_naming_the_field(tiny_vlm, hf_ref, reference):
     from jaxserve.errors import InvalidRequestError
 
     llm = _llm(tiny_vlm, limit_mm_per_prompt={"image": 1})
@@ -108,6 +108,18 @@ def test_bad_image_requests_are_errors_naming_the_field(tiny_vlm, reference):
         assert e.value.param == param, (param, e.value)
     assert not llm.llm_engine.has_unfinished_requests()
     assert _generate(llm, _cases()[:2]) == reference[:2]  # and it serves on
+    # LLM.chat takes image parts (image_pil, image_url) as vLLM's does
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.testing.multimodal import data_url
+
+    im = make_image(64, 64, 9)
+    for part in ({"type": "image_pil", "image_pil": im},
+                 {"type": "image_url", "image_url": {"url": data_url(im)}}):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Look"}, part]}]
+        (out,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=N,
+                                                   ignore_eos=True), use_tqdm=False)
+        assert list(out.outputs[0].token_ids) == hf_ref.greedy_ids(hf_ref.chat_ids(messages),
+                                                                   [im], N)
 
 
 @pytest.mark.slow  # a second checkpoint built and loaded
@@ -146,8 +158,7 @@ def test_tp2_with_images_equals_hf_generate(tiny_vlm, reference):
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"
-                                                                                   / "multimodal")]))
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, __file__, str(tiny_vlm)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

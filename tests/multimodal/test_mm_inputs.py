@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import data_url, make_image  # noqa: E402 - tests/multimodal
+from jaxserve.testing.multimodal import data_url, make_image
 
 pytest.importorskip("PIL")
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from conftest import data_url, make_image  # noqa: E402 - tests/multimodal
+from jaxserve.testing.multimodal import data_url, make_image
 
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
@@ -123,7 +123,7 @@ def test_too_many_or_too_large_images_are_a_400(client, monkeypatch, hf_ref):
 
 
 def test_completions_with_vllm_prompt_dict(client, hf_ref):
-    from conftest import IMAGE, PROMPT_HEAD, PROMPT_TAIL
+    from jaxserve.testing.multimodal import IMAGE, PROMPT_HEAD, PROMPT_TAIL
 
     im = make_image(72, 72, 7)
     text = PROMPT_HEAD + "Caption " + IMAGE + PROMPT_TAIL
