@@ -3,9 +3,6 @@ encoder step (``worker.mm_step``) for a vision-language checkpoint, and how a pr
 its images (vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.inputs import MultiModalInputProcessor, text_only_error
 
@@ -55,14 +52,6 @@ def split_prompt(prompt):
         raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'",
                                   param="prompt")
     return prompt["prompt"], data
-
-
-def model_takes_images(model_dir) -> bool:
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-    return bool(cfg.get("vision_config"))
 
 
 __all__ = ["input_processor", "attach_encoder", "split_prompt", "text_only_error"]

@@ -79,7 +79,8 @@ class ClippableLinear(nnx.Module):
     def __call__(self, x):
         w = self.linear.weight[...]
         if self.clipped:
-            x = jnp.clip(x, self.input_min[...].astype(x.dtype), self.input_max[...].astype(x.dtype))
+            x = jnp.clip(x, self.input_min[...].astype(x.dtype),
+                         self.input_max[...].astype(x.dtype))
         y = x.astype(w.dtype) @ w.T
         if self.clipped:
             y = jnp.clip(y, self.output_min[...].astype(y.dtype),
@@ -247,7 +248,8 @@ class Gemma4Vision(nnx.Module):
 
     def __call__(self, pixels, pos):
         x, valid = self.vision_tower(pixels, pos)
-        return self.embed_vision(x.astype(self.embed_vision.embedding_projection.weight.dtype)), valid
+        dtype = self.embed_vision.embedding_projection.weight.dtype
+        return self.embed_vision(x.astype(dtype)), valid
 
     @staticmethod
     def checkpoint_name(param: str) -> str:

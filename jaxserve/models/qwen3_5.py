@@ -409,9 +409,9 @@ class Qwen3_5ForCausalLM(nnx.Module):
     @classmethod
     def checkpoint_tensors(cls, cfg: ModelConfig, tensors):
         """The VL layout's ``model.language_model.*`` as ``model.*``, ``model.visual.*`` as
-        ``visual.*``; the MTP head (``mtp.*``) too unless ``cfg.load_mtp``; GDN ``in_proj_qkv``/``conv1d`` split
-        into q, k, v parts; MoE experts (fused ``gate_up_proj`` or per expert) stacked, the MTP
-        layer's as well."""
+        ``visual.*``; the MTP head (``mtp.*``) dropped unless ``cfg.load_mtp``; GDN
+        ``in_proj_qkv``/``conv1d`` split into q, k, v parts; MoE experts (fused
+        ``gate_up_proj`` or per expert) stacked, the MTP layer's as well."""
         out = {}
         for name, load in tensors.items():
             if name.startswith(_VISUAL_PREFIXES):

@@ -49,12 +49,6 @@ def vision_config(hf: dict) -> dict:
     return d
 
 
-def merged_tokens(grid_thw, merge: int = 2) -> int:
-    """Language-model tokens an image of patch grid ``(t, h, w)`` becomes."""
-    t, h, w = grid_thw
-    return int(t * h * w) // (merge * merge)
-
-
 def _axis_taps(index: np.ndarray, size: np.ndarray, side: int):
     """Bilinear taps (align corners) of target ``index`` on an axis of ``size`` into ``side``."""
     src = index.astype(np.float32) * (side - 1) / np.maximum(size - 1, 1).astype(np.float32)
