@@ -118,17 +118,18 @@ class EncoderRunner:
                                              self.merge)
 
     # ---- a step's inputs ---------------------------------------------------------------
-    def off_arrays(self, positions: np.ndarray) -> dict:
+    def off_arrays(self, positions: np.ndarray) -> tuple:
+        """``(mrope_positions [3, T], mm_rows [T], mm_embeds [C + 1, H])`` of a step without
+        images."""
         t = positions.shape[0]
         rows = self._off_rows.get(t)
         if rows is None:
             rows = self._off_rows[t] = np.full(t, -1, np.int32)
-        return {"mrope_positions": np.broadcast_to(positions, (3, t)).copy(),
-                "mm_rows": rows, "mm_embeds": self.buf}
+        return np.broadcast_to(positions, (3, t)).astype(np.int32), rows, self.buf
 
-    def prepare(self, diff: BatchDiff, positions: np.ndarray) -> dict:
-        """The step's multimodal arrays for the plan's ``positions[T]`` (encoding what the
-        step's image tokens need first)."""
+    def prepare(self, diff: BatchDiff, positions: np.ndarray) -> tuple:
+        """The step's multimodal arrays (as :meth:`off_arrays`) for the plan's
+        ``positions[T]``, encoding what the step's image tokens need first."""
         t = positions.shape[0]
         mrope = np.broadcast_to(positions, (3, t)).copy()
         rows = np.full(t, -1, np.int32)
@@ -148,14 +149,14 @@ class EncoderRunner:
                         needs.append((q0 + lo - start, q0 + hi - start, im, lo - im.offset))
             q0 += n
         if not needs:
-            return {"mrope_positions": mrope, "mm_rows": rows, "mm_embeds": self.buf}
+            return mrope, rows, self.buf
         pinned = {im.hash for *_, im, _ in needs}
         self._encode_missing([im for *_, im, _ in needs], pinned)
         for a, b, im, first in needs:
             row, _ = self.entries[im.hash]
             self.entries.move_to_end(im.hash)
             rows[a:b] = row + first + np.arange(b - a)
-        return {"mrope_positions": mrope, "mm_rows": rows, "mm_embeds": self.buf}
+        return mrope, rows, self.buf
 
     def _encode_missing(self, images, pinned: set) -> None:
         todo, seen = [], set()

@@ -18,7 +18,8 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import ABORT_KV_CACHE_EXHAUSTED, Scheduler
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import build_step_plan, token_ladder
+from jaxserve.core.step_plan import token_ladder
+from jaxserve.testing.reference_plan import build_step_plan
 from jaxserve.worker.input_batch import InputBatch
 
 VOCAB = 1000

@@ -21,7 +21,8 @@ from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.core.block_manager import NULL_PAGE, BlockManager, cdiv
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.step_plan import build_step_plan, token_ladder
+from jaxserve.core.step_plan import token_ladder
+from jaxserve.testing.reference_plan import build_step_plan
 
 VOCAB = 1000
 

@@ -10,7 +10,8 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.state_slots import StateSlots
-from jaxserve.core.step_plan import build_step_plan, token_ladder
+from jaxserve.core.step_plan import token_ladder
+from jaxserve.testing.reference_plan import build_step_plan
 
 
 @dataclass

@@ -17,10 +17,11 @@ from scipy import stats
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.core.spec_decode import NgramProposer
-from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, verify_arrays
+from jaxserve.core.step_plan import ScheduledSeq, verify_arrays
+from jaxserve.testing.reference_plan import build_step_plan
 from jaxserve.worker import rejection_sampler as rs
 from jaxserve.worker.sampler import SamplingMetadata
-from jaxserve.core.sampling_metadata import build_sampling_arrays
+from jaxserve.testing.reference_plan import build_sampling_arrays
 
 VOCAB = 500
 K = 3
