@@ -1,6 +1,7 @@
 """The on-prem guide's Qwen 3.6 command, word for word (``vllm`` -> ``jaxserve``, the model a
 tiny random ``qwen3_5`` checkpoint): ``--quantization fp8`` weights, the GDN state in float32,
-a chat request to ``Qwen/Qwen3.6-27B`` answers; a corrupt image content part is a 400 naming it; the
+a chat request to ``Qwen/Qwen3.6-27B`` answers, with an image too (through the engine core's
+process); a corrupt image content part is a 400 naming it; the
 start-up log states what the state pool holds and that prefix caching is off."""
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def test_qwen3_6_guide_command_answers_a_chat_request(tmp_path):
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
         # a corrupt image: a 400 naming the part (the tiny VLM takes images)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.content.1"
+        # a real one: processed in the API process, sent to the engine core with its pixels
+        from jaxserve.testing.multimodal import data_url, make_image
+
+        r = client.chat.completions.create(model="Qwen/Qwen3.6-27B", max_tokens=4,
+                                           temperature=0, extra_body={"ignore_eos": True},
+                                           messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": data_url(make_image(64, 64, 0))}}]}])
+        plain = client.chat.completions.create(model="Qwen/Qwen3.6-27B", max_tokens=1, messages=[
+            {"role": "user", "content": "what is this?"}])
+        assert r.usage.completion_tokens == 4
+        # vision start + 4 placeholders (64 px: 2x2 merged patches) + vision end
+        assert r.usage.prompt_tokens == plain.usage.prompt_tokens + 6
         text = log.read_text()
         assert "state pool" in text and "prefix caching is off" in text
     finally:
