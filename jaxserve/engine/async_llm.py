@@ -36,7 +36,7 @@ class AsyncLLM:
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len
         # the model takes images (a vision-language checkpoint with its encoder step)
-        self.takes_images = self.engine.runner.mm is not None
+        self.takes_images = getattr(self.engine.runner, "mm", None) is not None
         self.default_sampling = self.engine.default_sampling
         self.served_model_name = config.served_model_name or config.model or "jaxserve"
         self.chat_template = None

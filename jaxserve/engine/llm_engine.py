@@ -183,7 +183,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, arrival_time=arrival_time, priority=priority,
                       prefix_parent=prefix_parent, lora_request=lora_request)
         if mm is not None:
-            if self.runner.mm is None:
+            if getattr(self.runner, "mm", None) is None:
                 raise multimodal.text_only_error()
             req.mm = mm
         if params.structured_outputs is not None:
@@ -325,7 +325,7 @@ class LLMEngine:
         self._move_pages(sched)
         batch = self.input_batch
         batch.apply(sched.batch)
-        encoder = self.runner.mm
+        encoder = getattr(self.runner, "mm", None)  # pipeline runners have none
         if encoder is not None:
             encoder.apply(sched.batch)
         if not sched.scheduled:
@@ -333,8 +333,8 @@ class LLMEngine:
         bitmask, constrained = self._token_bitmask(sched)
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
-        handle = self.runner.dispatch(
-            plan, None if encoder is None else encoder.prepare(sched.batch, plan.positions))
+        handle = (self.runner.dispatch(plan) if encoder is None else
+                  self.runner.dispatch(plan, encoder.prepare(sched.batch, plan.positions)))
         self.scheduler.update_after_dispatch(sched)  # placeholders until _update
         rows = plan.token_rows[:plan.num_seqs]
         return _InFlight(sched, handle, constrained=constrained,

@@ -3,9 +3,12 @@ encoder step (``worker.mm_step``) for a vision-language checkpoint, and how a pr
 its images (vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``)."""
 from __future__ import annotations
 
+import logging
+
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.inputs import MultiModalInputProcessor, text_only_error
 
+logger = logging.getLogger(__name__)
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
@@ -28,8 +31,10 @@ def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
         engine.mm_processor = None
         return
     if engine.config.speculative is not None:
-        raise ValueError("speculative decoding with images is not supported; start without "
-                         "speculative_config or with --limit-mm-per-prompt '{\"image\": 0}'")
+        logger.warning("speculative decoding serves text only: image inputs are off (start "
+                       "without speculative_config to serve images)")
+        engine.mm_processor = None
+        return
     from jaxserve.worker.mm_step import EncoderRunner
 
     engine.runner.mm = EncoderRunner(engine.runner,
