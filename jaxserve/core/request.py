@@ -42,7 +42,7 @@ _FINISH_REASON = {
 }
 # a tuple: ``in`` compares members by identity (an enum member's hash is a Python call), and
 # this is read for every request on every step
-_FINISHED = tuple(_FINISH_REASON)
+FINISHED_STATUSES = _FINISHED = tuple(_FINISH_REASON)
 
 
 class Request:

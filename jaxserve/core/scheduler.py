@@ -28,7 +28,7 @@ from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CoreOutput, TokenLogprobs
-from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.core.request import FINISHED_STATUSES, PLACEHOLDER, Request, RequestStatus
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.core.siblings import Siblings
 from jaxserve.core.stop_check import stop_status
@@ -41,6 +41,11 @@ def _order_key(req: Request):
 
 
 class Scheduler:
+    # plain rows (a decode inside its last page; an id that needs no grammar or logprobs)
+    # go through the loops' inline branches; False: the general per-row path for every row,
+    # which those branches must match exactly (tests compare the two)
+    inline_plain_rows = True
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -322,9 +327,20 @@ class Scheduler:
         """Running requests, in order (the preemption victim is always the last one): a
         decode or their next prefill chunk each. Returns the budget left."""
         bm = self.block_manager
+        running, in_step = self.running, out.scheduled
+        # a plain decode inside its last page (most rows of most steps): the general path
+        # below would feed its one token, allocate nothing and send no pages; the same row is
+        # added here without its calls
+        bs, max_len = self.block_size, self.max_model_len
+        inline = self.inline_plain_rows and bm.sliding_window is None
+        no_slots = bm.state_slots is None
+        b = out.batch
+        add_id, add_n, add_tok = b.req_ids.append, b.num_tokens.append, b.token_ids.append
+        add_start, add_sample = b.start_pos.append, b.sample.append
+        add_nd, add_nout = b.num_draft.append, b.num_output.append
         i = 0
-        while i < len(self.running) and budget > 0 and len(out.scheduled) < rows:
-            req = self.running[i]
+        while i < len(running) and budget > 0 and len(in_step) < rows:
+            req = running[i]
             if req.num_pending and (
                     self.skip_pending
                     # its last token is still on the device; the engine finishes it then
@@ -337,6 +353,26 @@ class Scheduler:
                 i += 1
                 continue
             if req.spec_in_flight:  # a verify step not read yet (synchronous, as above)
+                i += 1
+                continue
+            c = req.num_computed_tokens
+            toks = req.all_token_ids
+            if (len(toks) - c == 1 and c < max_len and c < len(req.block_ids) * bs
+                    and inline and (no_slots or req.state_slot >= 0)
+                    and req.in_batch and not req.pages_dirty and req.group_block_ids is None
+                    and len(req.block_ids) == req.sent_pages[0] and not req.spec_token_ids
+                    and req.num_prompt_logprobs is None):
+                tok = toks[c]
+                in_step.append(ScheduledRequest(req, 1, c, True, [tok]))
+                add_id(req.request_id)
+                add_n(1)
+                add_tok(tok)
+                add_start(c)
+                add_sample(True)
+                add_nd(0)
+                add_nout(len(req.output_token_ids))
+                out.num_batched_tokens += 1
+                budget -= 1
                 i += 1
                 continue
             n = self._num_new_tokens(req, budget)
@@ -450,9 +486,11 @@ class Scheduler:
         reads the ids); register newly full pages in the prefix cache. Returns the requests
         that got a token (with ``sampled``: a host-only caller then checks their stops)."""
         got_token = []
+        requests, bm, bs = self.requests, self.block_manager, self.block_size
+        cached = bm.cached_page_counts if bm.enable_prefix_caching else None
         for s in scheduler_output.scheduled:
             req = s.request
-            if req.is_finished or self.requests.get(req.request_id) is not req:
+            if requests.get(req.request_id) is not req or req.status in FINISHED_STATUSES:
                 continue  # finished/aborted while the step ran
             if s.num_draft:
                 # the drafts' K/V are written but count only once accepted (commit_verified)
@@ -460,16 +498,25 @@ class Scheduler:
                 if sampled is not None:
                     raise ValueError("a verify step's tokens are read through commit_verified")
                 req.spec_in_flight = True
-                self.block_manager.cache_full_blocks(req)
+                bm.cache_full_blocks(req)
                 continue
             req.num_computed_tokens += s.num_new_tokens
             if s.sample:
-                tok = PLACEHOLDER if sampled is None else sampled.get(req.request_id)
-                if tok is None:
-                    raise ValueError(f"no sampled token for request {req.request_id!r}")
-                req.append_output_token(tok)
+                if sampled is None:  # req.append_output_token(PLACEHOLDER), inline
+                    req.num_pending += 1
+                    req.output_token_ids.append(PLACEHOLDER)
+                    req.all_token_ids.append(PLACEHOLDER)
+                else:
+                    tok = sampled.get(req.request_id)
+                    if tok is None:
+                        raise ValueError(f"no sampled token for request {req.request_id!r}")
+                    req.append_output_token(tok)
                 got_token.append(req)
-            self.block_manager.cache_full_blocks(req)
+            # cache_full_blocks, called only when a page filled (its own first test)
+            if cached is not None and min(
+                    req.num_computed_tokens, len(req.all_token_ids) - req.num_pending
+            ) // bs > cached.get(req.request_id, 0):
+                bm.cache_full_blocks(req)
         return got_token
 
     def update_from_output(self, scheduler_output: SchedulerOutput, out) -> list[CoreOutput]:
@@ -479,23 +526,60 @@ class Scheduler:
         gained. Rows of requests finished or aborted since are dropped."""
         now = time.time()
         token_ids = out.token_ids.tolist()  # Python ints
-        touched: dict[str, Request] = {}
+        requests, bm, bs = self.requests, self.block_manager, self.block_size
+        cached = bm.cached_page_counts if bm.enable_prefix_caching else None
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        inline = self.inline_plain_rows
+        outputs: list[CoreOutput] = []
+        num_plain = 0  # plain rows: one id each
         t0 = 0  # the row's first token in the plan (rows are laid out in order)
         for i, s in enumerate(scheduler_output.scheduled):
             req, row_t0 = s.request, t0
             t0 += len(s.new_token_ids)
             if s.prompt_span is not None:
                 req.record_prompt_logprobs(out.prompt_logprobs, row_t0, *s.prompt_span)
-            if not s.sample or req.is_finished or self.requests.get(req.request_id) is not req:
+            if (not s.sample or req.status in FINISHED_STATUSES
+                    or requests.get(req.request_id) is not req):
                 continue  # no token, or stopped / aborted since: its token is dropped
-            touched[req.request_id] = req
             if s.num_draft:
                 self._accept_verified(req, s.num_draft, out, i, now)
-            else:
-                req.resolve_pending(token_ids[i])
-                self.block_manager.cache_full_blocks(req)
-                self._on_token(req, token_ids[i], out, i, now)
-        return [r.take_output() for r in touched.values()]
+                outputs.append(req.take_output())
+                continue
+            tok = token_ids[i]
+            pend = req.num_pending
+            if (not pend or req.grammar is not None or req.new_logprobs is not None
+                    or req.new_prompt_logprobs or not inline):
+                req.resolve_pending(tok)
+                bm.cache_full_blocks(req)
+                self._on_token(req, tok, out, i, now)
+                outputs.append(req.take_output())
+                continue
+            # a plain row: resolve_pending, cache_full_blocks, _on_token and take_output, with
+            # stop_status called only where one of its tests can hold
+            ids, all_ids = req.output_token_ids, req.all_token_ids
+            n_out = len(ids) - pend + 1  # known output ids, this one included
+            n_known = len(all_ids) - pend + 1
+            ids[n_out - 1] = tok
+            all_ids[n_known - 1] = tok
+            req.num_pending = pend - 1
+            if cached is not None and (min(req.num_computed_tokens, n_known) // bs
+                                       > cached.get(req.request_id, 0)):
+                bm.cache_full_blocks(req)
+            num_plain += 1
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            if ((tok in eos or req.sampling_params.stop_token_ids or n_out >= req.max_tokens
+                 or n_known >= max_len) and self.check_stop(req, tok)):
+                m.finished_time = now
+                outputs.append(req.take_output())
+                continue
+            outputs.append(CoreOutput(req.request_id, ids[req.num_reported:n_out], None, None,
+                                      req.stop_reason, None, m, req.num_cached_tokens))
+            req.num_reported = n_out
+        self.generation_tokens_total += num_plain
+        return outputs
 
     def _accept_verified(self, req: Request, num_draft: int, out, row: int, now: float) -> None:
         """A verify row: accepted drafts + the target's token, each through the stop checks
