@@ -101,6 +101,9 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by (priority, arrival, seq)
         self._swapped_pages: dict[str, int] = {}  # request_id -> pages held in host memory
         self._finished_since_schedule: list[str] = []
+        # the step being scheduled: (req_id, num_tokens, start_pos, sample, num_draft,
+        # num_output) of each row, in order (BatchDiff's row columns)
+        self._cols: list[tuple] = []
         self._seq_counter = 0
         # n > 1 siblings: who waits for whose prompt, and (fork_prompts) who forks from it
         self.siblings = Siblings(self.requests, block_manager)
@@ -286,19 +289,15 @@ class Scheduler:
             req.pages_dirty = False
             b.page_updates += ups
         # else: one pool, no page gained (a decode inside its last page): nothing to send
-        b.req_ids.append(req.request_id)
-        b.num_tokens.append(len(ids))
+        self._cols.append((req.request_id, len(ids), start, sample, nd,
+                           len(req.output_token_ids)))
         b.token_ids += ids
-        b.start_pos.append(start)
-        b.sample.append(sample)
-        b.num_draft.append(nd)
-        b.num_output.append(len(req.output_token_ids))
         if req.num_prompt_logprobs is not None:
             lo = max(start, req.num_prompt_logprobs - 1)  # a recomputed prefix is not redone
             hi = min(start + n, req.num_prompt_tokens - 1)
             if hi > lo:
                 out.scheduled[-1].prompt_span = (lo, hi)
-                b.prompt_spans[len(b.req_ids) - 1] = (lo, hi)
+                b.prompt_spans[len(out.scheduled) - 1] = (lo, hi)
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.time()
 
@@ -315,9 +314,15 @@ class Scheduler:
         if self.token_limit is not None:
             budget = max(1, min(budget, self.token_limit))
         rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
+        # the diff's row columns, one tuple a row while scheduling, then as columns
+        self._cols = cols = []
         budget = self._schedule_running(out, budget, rows)
         if not out.preempted:  # vLLM V1: no admissions in a step that had to preempt
             self._schedule_waiting(out, budget, rows)
+        b = out.batch
+        if cols:
+            (b.req_ids, b.num_tokens, b.start_pos, b.sample, b.num_draft,
+             b.num_output) = map(list, zip(*cols))
         out.finished_req_ids = self._finished_since_schedule
         self._finished_since_schedule = []
         out.batch.removed = out.finished_req_ids + out.preempted
@@ -327,26 +332,27 @@ class Scheduler:
         """Running requests, in order (the preemption victim is always the last one): a
         decode or their next prefill chunk each. Returns the budget left."""
         bm = self.block_manager
-        running, in_step = self.running, out.scheduled
+        running, in_step, cols = self.running, out.scheduled, self._cols
+        add_tok = out.batch.token_ids.append
         # a plain decode inside its last page (most rows of most steps): the general path
         # below would feed its one token, allocate nothing and send no pages; the same row is
         # added here without its calls
-        bs, max_len = self.block_size, self.max_model_len
+        bs, max_len, skip_pending = self.block_size, self.max_model_len, self.skip_pending
         inline = self.inline_plain_rows and bm.sliding_window is None
         no_slots = bm.state_slots is None
-        b = out.batch
-        add_id, add_n, add_tok = b.req_ids.append, b.num_tokens.append, b.token_ids.append
-        add_start, add_sample = b.start_pos.append, b.sample.append
-        add_nd, add_nout = b.num_draft.append, b.num_output.append
+        num_plain = 0
         i = 0
         while i < len(running) and budget > 0 and len(in_step) < rows:
             req = running[i]
             if req.num_pending and (
-                    self.skip_pending
+                    skip_pending
                     # its last token is still on the device; the engine finishes it then
-                    or (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens)
+                    or (req.max_tokens is not None
+                        and len(req.output_token_ids) >= req.max_tokens)
                     # its next token mask needs the token still on the device
-                    or req.needs_known_tokens
+                    # (req.needs_known_tokens)
+                    or req.grammar is not None
+                    or (req.token_filter is not None and req.token_filter.needs_history)
                     # speculation: the next drafts need every token known (how many a verify
                     # step accepted is only known once it is read): it runs synchronously
                     or req.use_spec):
@@ -357,21 +363,16 @@ class Scheduler:
                 continue
             c = req.num_computed_tokens
             toks = req.all_token_ids
-            if (len(toks) - c == 1 and c < max_len and c < len(req.block_ids) * bs
-                    and inline and (no_slots or req.state_slot >= 0)
-                    and req.in_batch and not req.pages_dirty and req.group_block_ids is None
-                    and len(req.block_ids) == req.sent_pages[0] and not req.spec_token_ids
-                    and req.num_prompt_logprobs is None):
+            if (inline and len(toks) - c == 1 and c < max_len and req.in_batch
+                    and c < len(req.block_ids) * bs and not req.spec_token_ids
+                    and not req.pages_dirty and req.group_block_ids is None
+                    and len(req.block_ids) == req.sent_pages[0]
+                    and req.num_prompt_logprobs is None and (no_slots or req.state_slot >= 0)):
                 tok = toks[c]
                 in_step.append(ScheduledRequest(req, 1, c, True, [tok]))
-                add_id(req.request_id)
-                add_n(1)
+                cols.append((req.request_id, 1, c, True, 0, len(req.output_token_ids)))
                 add_tok(tok)
-                add_start(c)
-                add_sample(True)
-                add_nd(0)
-                add_nout(len(req.output_token_ids))
-                out.num_batched_tokens += 1
+                num_plain += 1
                 budget -= 1
                 i += 1
                 continue
@@ -402,6 +403,7 @@ class Scheduler:
                     req.spec_token_ids = []
                 budget -= n
                 i += 1
+        out.num_batched_tokens += num_plain
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, rows: int) -> None:
@@ -409,10 +411,12 @@ class Scheduler:
         last; a new one first takes its cached prefix."""
         bm = self.block_manager
         j = 0
-        loras = self._running_loras()
+        loras: set[int] | None = None  # the running adapters, read once a request has one
         while (j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < rows):
             req = self.waiting[j]
+            if loras is None and req.lora_int_id:
+                loras = self._running_loras()
             if self._lets_others_pass(req, loras):
                 j += 1
                 continue
@@ -460,7 +464,7 @@ class Scheduler:
             self._add_scheduled(out, req, n)
             budget -= n
 
-    def _lets_others_pass(self, req: Request, loras: set[int]) -> bool:
+    def _lets_others_pass(self, req: Request, loras: set[int] | None) -> bool:
         """A waiting request that is not admitted yet, without holding up the ones behind."""
         return bool(
             # preempted mid-verify, or (pipelined) its token still in flight: read it first
@@ -472,8 +476,9 @@ class Scheduler:
     def _running_loras(self) -> set[int]:
         return {r.lora_int_id for r in self.running if r.lora_int_id}
 
-    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
-        """Whether ``req`` may run beside the adapters in ``loras`` (max_loras distinct)."""
+    def _lora_fits(self, req: Request, loras: set[int] | None) -> bool:
+        """Whether ``req`` may run beside the adapters in ``loras`` (max_loras distinct; None
+        only for a request without an adapter)."""
         lid = req.lora_int_id
         if not lid or lid in loras:
             return True
