@@ -528,7 +528,8 @@ class Scheduler:
         """A dispatched step's ids reached the host (``out``: the runner's ``StepOutput``, numpy
         arrays, one row per scheduled request): resolve each row's placeholder or verified
         drafts, keep logprobs, stop what ends (``check_stop``) and report what each request
-        gained. Rows of requests finished or aborted since are dropped."""
+        gained (a ``final_only`` one: everything, once it finishes). Rows of requests finished
+        or aborted since are dropped."""
         now = time.time()
         token_ids = out.token_ids.tolist()  # Python ints
         requests, bm, bs = self.requests, self.block_manager, self.block_size
@@ -548,7 +549,8 @@ class Scheduler:
                 continue  # no token, or stopped / aborted since: its token is dropped
             if s.num_draft:
                 self._accept_verified(req, s.num_draft, out, i, now)
-                outputs.append(req.take_output())
+                if not req.final_only or req.status in FINISHED_STATUSES:
+                    outputs.append(req.take_output())
                 continue
             tok = token_ids[i]
             pend = req.num_pending
@@ -557,7 +559,8 @@ class Scheduler:
                 req.resolve_pending(tok)
                 bm.cache_full_blocks(req)
                 self._on_token(req, tok, out, i, now)
-                outputs.append(req.take_output())
+                if not req.final_only or req.status in FINISHED_STATUSES:
+                    outputs.append(req.take_output())
                 continue
             # a plain row: resolve_pending, cache_full_blocks, _on_token and take_output, with
             # stop_status called only where one of its tests can hold
@@ -579,6 +582,8 @@ class Scheduler:
                  or n_known >= max_len) and self.check_stop(req, tok)):
                 m.finished_time = now
                 outputs.append(req.take_output())
+                continue
+            if req.final_only:
                 continue
             outputs.append(CoreOutput(req.request_id, ids[req.num_reported:n_out], None, None,
                                       req.stop_reason, None, m, req.num_cached_tokens))

@@ -1,8 +1,8 @@
 """The scheduler's inline branches for plain rows (a decode inside its last page, an id that
 needs no grammar or logprobs) against its general per-row path: random workloads driven the
 engine's way (async: placeholders after dispatch, ids read one step later, stops on EOS, stop
-ids, min_tokens, max_tokens and max_model_len) give the same steps, the same diffs and the same
-outputs with ``inline_plain_rows`` on and off, step by step."""
+ids, min_tokens, max_tokens and max_model_len, final-only reports) give the same steps, the
+same diffs and the same outputs with ``inline_plain_rows`` on and off, step by step."""
 import zlib
 
 import msgspec
@@ -74,6 +74,7 @@ def _drive(cfg: dict, specs: list[dict], aborts: dict, salt: int, inline: bool):
                 max_tokens=sp["max_tokens"], min_tokens=min(sp["min_tokens"], sp["max_tokens"]),
                 stop_token_ids=sp["stop_ids"], ignore_eos=sp["ignore_eos"]),
                 arrival_time=float(sp["at_step"]), priority=sp["priority"])
+            r.final_only = sp.get("final_only", False)
             s.add_request(r)
             reqs.append(r)
         for rid in aborts.get(steps, []):
@@ -112,7 +113,7 @@ def workloads(draw):
             max_tokens=draw(st.integers(1, 24)), min_tokens=draw(st.integers(0, 4)),
             stop_ids=draw(st.lists(st.integers(1, VOCAB - 1), max_size=2)),
             ignore_eos=draw(st.booleans()), priority=draw(st.integers(0, 1)),
-            at_step=draw(st.integers(0, 10))))
+            at_step=draw(st.integers(0, 10)), final_only=draw(st.booleans())))
     aborts = draw(st.dictionaries(st.integers(0, 20), st.lists(st.sampled_from(
         [sp["rid"] for sp in specs]), max_size=2), max_size=2))
     return cfg, specs, aborts, draw(st.integers(0, 3))
@@ -166,3 +167,35 @@ def test_generation_tokens_counted_once_per_id(inline):
     assert [len(ids) for _, _, ids, _ in got.final] == [6] * 4
     assert all(st == "finished_length" for _, st, _, _ in got.final)
     assert got.sched.generation_tokens_total == 24
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_final_only_request_reports_once_with_every_id(inline):
+    """A final-only request (offline, no stop strings) gets no output while it runs and one at
+    its finish holding every id and its logprobs; a streaming one beside it reports each id."""
+    cc, sc = CacheConfig(block_size=4), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    s = Scheduler(sc, cc, BlockManager(64, 4), 256, eos_token_ids=[EOS])
+    s.inline_plain_rows = inline
+    quiet = Request("q", [1, 2, 3], SamplingParams(max_tokens=5, logprobs=0))
+    plain = Request("p", [1, 2], SamplingParams(max_tokens=5, ignore_eos=True))
+    loud = Request("l", [3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+    quiet.final_only = plain.final_only = True
+    for r in (quiet, plain, loud):
+        s.add_request(r)
+    reports: dict[str, list] = {"q": [], "p": [], "l": []}
+    inflight = None
+    while s.has_unfinished() or inflight is not None:
+        out = s.schedule()
+        s.update_after_dispatch(out)
+        if inflight is not None:
+            fetched = _fetched(inflight, 0)
+            fetched.token_ids[:] = 4  # never EOS: every request runs to max_tokens
+            for o in s.update_from_output(inflight, fetched):
+                reports[o.request_id].append(o)
+        inflight = out if out.scheduled else None
+    for rid in ("q", "p"):
+        (o,) = reports[rid]  # one report, at the finish
+        assert o.new_token_ids == [4] * 5 and o.finish_reason == "length"
+    assert [t.token_id for t in reports["q"][0].new_logprobs] == [4] * 5
+    assert [o.new_token_ids for o in reports["l"]] == [[4]] * 5
+    assert s.generation_tokens_total == 15
