@@ -46,6 +46,10 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(3, 500, a["input_len"]).tolist() for _ in range(a["num_prompts"])]
 sp = SamplingParams(temperature=0, max_tokens=a["output_len"], ignore_eos=True, detokenize=False)
 llm.generate(prompts, sp, use_tqdm=False)  # compiles every shape the timed passes use
+if a["freeze"]:  # what the end of warm-up does without enforce_eager: the compiles' heap too
+    import gc
+    gc.collect()
+    gc.freeze()
 eng, acc = llm.llm_engine, {"steps": 0, "device": 0.0}
 phase = {}
 step = eng.step
@@ -88,7 +92,8 @@ print("RESULT " + json.dumps(out))
 def run_tree(tree: str, args) -> list[dict]:
     cfg = dict(model=args.model, max_num_seqs=args.max_num_seqs, budget=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, input_len=args.input_len,
-               output_len=args.output_len, num_prompts=args.num_prompts, passes=args.passes)
+               output_len=args.output_len, num_prompts=args.num_prompts, passes=args.passes,
+               freeze=args.freeze_after_compile)
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     env.setdefault("JAX_PLATFORMS", "cpu")
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg), json.dumps(PHASES)],
@@ -112,6 +117,10 @@ def main(argv=None) -> dict:
     p.add_argument("--max-model-len", type=int, default=128)
     p.add_argument("--passes", type=int, default=3, help="timed passes per process")
     p.add_argument("--rounds", type=int, default=2, help="processes per tree, alternating")
+    p.add_argument("--freeze-after-compile", action="store_true",
+                   help="gc.freeze() after the compiling pass, as warm-up's end does without "
+                        "enforce_eager (else the compiles' garbage stays in every full "
+                        "collection of the timed passes: a ~40 ms pause every ~100 steps)")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--output-json", required=True)
     p.add_argument("--no-plot", action="store_true")
