@@ -126,7 +126,8 @@ class LLMEngine:
             for child in parent.children:
                 self.add_core_request(child.request_id, ids, child.params, arrival_time=now,
                                       priority=priority, lora_request=lora_request,
-                                      prefix_parent=child.prefix_parent)
+                                      prefix_parent=child.prefix_parent,
+                                      final_only=final_only and not child.params.stop)
         except Exception:
             self.abort_request(request_id)
             raise
@@ -151,9 +152,11 @@ class LLMEngine:
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
-                         prefix_parent: str | None = None) -> None:
+                         prefix_parent: str | None = None, final_only: bool = False) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
-        request whose prompt this one repeats, an n > 1 sibling's child 0)."""
+        request whose prompt this one repeats, an n > 1 sibling's child 0; ``final_only``: no
+        output until it finishes, for a front end that shows nothing before and checks no
+        stop string)."""
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine core runs one sequence per "
                                       "request (the front end fans n > 1 out)", param="n")
@@ -178,6 +181,7 @@ class LLMEngine:
                 self.model_config.vocab_size, params.allowed_token_ids,
                 bad_words_token_ids(self.tokenizer, params.bad_words or ()))
         req.use_spec = self.proposer is not None and can_speculate(params)
+        req.final_only = final_only
         self.scheduler.add_request(req)
         if prefix_parent is None:
             self.prompt_tokens_total += len(ids)
