@@ -913,6 +913,21 @@ class ModelRunner:
             self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
                                      tuple(self.state_layers), src, dst, ssrc, sdst))
 
+    # ---- weights in place, sleep (jaxserve.worker.weight_update, jaxserve.worker.sleep) ----
+    def param_names(self) -> list[str]:
+        """The state path (HF name) of each param leaf, in leaf order."""
+        from jaxserve.worker.weight_update import state_names
+
+        return state_names(self.state)
+
+    def set_params(self, leaves: list) -> None:
+        """Swap every param leaf between steps. Each has its old leaf's shape, dtype and
+        sharding (``weight_update.prepare_leaves``), so no step recompiles."""
+        with self._pool_lock:
+            self._state_leaves = list(leaves)
+            self.state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self.state),
+                                                      self._state_leaves)
+
     def _set_pool(self, pool) -> None:
         """Keep the step's input sharding (no recompile under tp): page pools split over KV
         heads, state pools over their channel/head axis."""
