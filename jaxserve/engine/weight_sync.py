@@ -80,6 +80,14 @@ class WeightControl:
                     1e3 * (time.perf_counter() - t0))
         return True
 
+    def get_weights(self) -> dict:
+        """The engine's params by state path (HF name): its own device arrays, no copy (a
+        trainer in the same process starts from them). Refused while the weights sleep."""
+        if self._runner_sleep is not None and "weights" in self._runner_sleep.asleep:
+            raise InvalidRequestError("get_weights: the weights are asleep; wake them up first",
+                                      status_code=503, type="service_unavailable")
+        return dict(zip(self.runner.param_names(), self.runner._state_leaves))
+
     def _swap(self, leaves: list, path: str | None) -> None:
         self.runner.set_params(leaves)
         nnx.update(self.model, self.runner.state)  # the module keeps no stale arrays alive

@@ -82,6 +82,11 @@ class LLM:
         the new weights are in place now."""
         return self.llm_engine.update_weights(weights, in_flight=in_flight)
 
+    def get_weights(self) -> dict:
+        """The engine's params keyed by HF name: its own device arrays (no copy), placed as
+        ``update_weights`` uses them as they are."""
+        return self.llm_engine.get_weights()
+
     def sleep(self, level: int = 1) -> None:
         """Give device memory back: level 1 drops the KV cache and moves the weights to host
         memory; level 2 drops both (``wake_up`` reloads the weights from their source)."""

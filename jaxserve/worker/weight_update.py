@@ -190,11 +190,15 @@ def _check(name: str, v, t, float_for_quantized: bool) -> None:
 
 
 def place(v, t):
-    """``v`` with ``t``'s dtype and sharding; ``v`` itself when it already has them."""
+    """``v`` with ``t``'s dtype and sharding; ``v`` itself when it already has them, its own
+    buffers under ``t``'s sharding object when its sharding is equivalent (a 1-device mesh
+    names its axes in any order), else one cast and one placement."""
     sharding = t.sharding
     if isinstance(v, jax.Array):
         if v.dtype == t.dtype and v.sharding == sharding:
             return v
+        if v.dtype == t.dtype and v.sharding.is_equivalent_to(sharding, v.ndim):
+            return jax.device_put(v, sharding)  # the same buffers: no copy
         if v.dtype != t.dtype:
             v = v.astype(t.dtype)
         return jax.device_put(v, sharding)
