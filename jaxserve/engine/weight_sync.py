@@ -20,8 +20,6 @@ import logging
 import time
 from pathlib import Path
 
-from flax import nnx
-
 from jaxserve.core.request import RequestStatus
 from jaxserve.errors import InvalidRequestError
 from jaxserve.worker import sleep as sleep_lib
@@ -90,13 +88,23 @@ class WeightControl:
 
     def _swap(self, leaves: list, path: str | None) -> None:
         self.runner.set_params(leaves)
-        nnx.update(self.model, self.runner.state)  # the module keeps no stale arrays alive
+        self._sync_model()
         if self._runner_sleep is not None:
             self._runner_sleep.weights_restored()
         if path is not None:
             self._weights_source = path
         self.weight_version += 1
         self.reset_prefix_cache()
+
+    def _sync_model(self) -> None:
+        """The engine's module holds the runner's leaves too, so it keeps no stale (or
+        sleeping) arrays alive. Its variables are found once, in leaf order (a graph-wide
+        update costs 30 ms for SmolLM2's 272 tensors)."""
+        names = self.runner.param_names()
+        if getattr(self, "_model_vars", None) is None:
+            self._model_vars = [_resolve(self.model, n) for n in names]
+        for var, leaf in zip(self._model_vars, self.runner._state_leaves):
+            var.set_value(leaf)
 
     def _abort_for_update(self) -> None:
         """Every request ends now (finish reason ``abort``); their outputs leave with the next
@@ -162,7 +170,7 @@ class WeightControl:
         if self._runner_sleep is None:
             self._runner_sleep = sleep_lib.RunnerSleep()
         self._runner_sleep.sleep(self.runner, level)
-        nnx.update(self.model, self.runner.state)
+        self._sync_model()
         self._last_sleep_s = time.perf_counter() - t0
         logger.info("sleep(level=%d) in %.1f ms: %s released", level, 1e3 * self._last_sleep_s,
                     " and ".join(sorted(self._runner_sleep.asleep)))
@@ -178,7 +186,7 @@ class WeightControl:
             return
         t0 = time.perf_counter()
         self._runner_sleep.wake_up(self.runner, tags, reload=self._reload_weights)
-        nnx.update(self.model, self.runner.state)
+        self._sync_model()
         logger.info("wake_up(%s) in %.1f ms", ",".join(tags), 1e3 * (time.perf_counter() - t0))
 
     def is_sleeping(self) -> bool:
@@ -222,3 +230,14 @@ class WeightControl:
         if type(self.runner) is not ModelRunner:
             raise InvalidRequestError(f"{what} is not supported with pipeline parallelism yet",
                                       param="pipeline_parallel_size")
+        if self.config.parallel.num_hosts > 1:  # followers replay steps, not weight swaps
+            raise InvalidRequestError(f"{what} runs on one host (the engine spans "
+                                      f"{self.config.parallel.num_hosts})", param="num_hosts")
+
+
+def _resolve(model, name: str):
+    """The module's variable at a state path (``model.layers.0.mlp.up_proj.weight``)."""
+    obj = model
+    for part in name.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj

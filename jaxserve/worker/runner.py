@@ -912,17 +912,22 @@ class ModelRunner:
     # ---- weights in place, sleep (jaxserve.worker.weight_update, jaxserve.worker.sleep) ----
     def param_names(self) -> list[str]:
         """The state path (HF name) of each param leaf, in leaf order."""
-        from jaxserve.worker.weight_update import state_names
+        names = getattr(self, "_param_names", None)
+        if names is None:  # the state's structure never changes
+            from jaxserve.worker.weight_update import state_names
 
-        return state_names(self.state)
+            names = self._param_names = state_names(self.state)
+        return names
 
     def set_params(self, leaves: list) -> None:
         """Swap every param leaf between steps. Each has its old leaf's shape, dtype and
         sharding (``weight_update.prepare_leaves``), so no step recompiles."""
+        treedef = getattr(self, "_state_treedef", None)
+        if treedef is None:
+            treedef = self._state_treedef = jax.tree_util.tree_structure(self.state)
         with self._pool_lock:
             self._state_leaves = list(leaves)
-            self.state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self.state),
-                                                      self._state_leaves)
+            self.state = jax.tree_util.tree_unflatten(treedef, self._state_leaves)
 
     def _set_pool(self, pool) -> None:
         """Keep the step's input sharding (no recompile under tp): page pools split over KV
