@@ -201,11 +201,15 @@ def test_sleep_refused_while_requests_run(llm):
     _run_engine(engine, {})
 
 
-def test_fp8_engine_requantizes_float_weights(base, new_weights):
+def test_fp8_engine_requantizes_float_weights_and_reloads_after_sleep(base, new_weights):
     new, d, _ = new_weights
     llm = LLM(str(base), quantization="fp8", **ENGINE)
     fresh = _greedy(LLM(str(d), quantization="fp8", **ENGINE))
     compiles = llm.llm_engine.runner.num_compiles
+    before = _greedy(llm)
+    llm.sleep(2)  # no update yet: the wake reloads (and re-quantizes) the model it started with
+    llm.wake_up()
+    assert _greedy(llm) == before
     llm.update_weights(new)
     assert _greedy(llm) == fresh
     assert llm.llm_engine.runner.num_compiles == compiles
