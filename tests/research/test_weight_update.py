@@ -79,7 +79,17 @@ def test_update_from_placed_arrays_uses_them_without_copy_or_compile(llm, base, 
     assert _greedy(llm) == before
     llm.update_weights(new)
     assert _greedy(llm) == want
+    llm.update_weights(str(base / "model.safetensors"))  # one file
+    assert _greedy(llm) == before
     assert r.num_compiles == compiles
+
+
+def test_update_from_an_orbax_checkpoint(llm, base, new_weights, tmp_path):
+    from jaxserve.loaders.model_loader import convert_to_orbax
+
+    _, d, want = new_weights
+    llm.update_weights(str(convert_to_orbax(str(d), tmp_path / "orbax", dtype="float32")))
+    assert _greedy(llm) == want
     llm.update_weights(str(base))
 
 
@@ -201,10 +211,12 @@ def test_sleep_refused_while_requests_run(llm):
     _run_engine(engine, {})
 
 
-def test_fp8_engine_requantizes_float_weights_and_reloads_after_sleep(base, new_weights):
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_quantized_engine_requantizes_float_weights_and_reloads_after_sleep(base, new_weights,
+                                                                            method):
     new, d, _ = new_weights
-    llm = LLM(str(base), quantization="fp8", **ENGINE)
-    fresh = _greedy(LLM(str(d), quantization="fp8", **ENGINE))
+    llm = LLM(str(base), quantization=method, **ENGINE)
+    fresh = _greedy(LLM(str(d), quantization=method, **ENGINE))
     compiles = llm.llm_engine.runner.num_compiles
     before = _greedy(llm)
     llm.sleep(2)  # no update yet: the wake reloads (and re-quantizes) the model it started with
@@ -213,7 +225,8 @@ def test_fp8_engine_requantizes_float_weights_and_reloads_after_sleep(base, new_
     llm.update_weights(new)
     assert _greedy(llm) == fresh
     assert llm.llm_engine.runner.num_compiles == compiles
-    assert any(str(x.dtype) == "float8_e4m3fn" for x in llm.llm_engine.runner._state_leaves)
+    want = "float8_e4m3fn" if method == "fp8" else "int8"
+    assert any(str(x.dtype) == want for x in llm.llm_engine.runner._state_leaves)
 
 
 def test_lora_base_weights_update(base, new_weights, tmp_path):
