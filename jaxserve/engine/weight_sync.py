@@ -44,7 +44,7 @@ class WeightControl:
     def update_weights(self, weights, *, in_flight: str = "wait") -> bool:
         """New weights from arrays (used as they are when placed as the engine's) or a path.
         Returns True when swapped now, False when the swap waits for running requests."""
-        self._check_runner("update_weights")
+        self._check_runner("update_weights", pipeline_ok=True)
         if in_flight not in IN_FLIGHT_MODES:
             raise InvalidRequestError(f"in_flight: expected one of {IN_FLIGHT_MODES}, got "
                                       f"{in_flight!r}", param="in_flight")
@@ -55,10 +55,13 @@ class WeightControl:
         try:
             from jaxserve.models.registry import get_model_class
 
-            leaves = weight_update.prepare_leaves(
-                runner.param_names(), current, weight_update.flat_source(weights),
-                model_cls=get_model_class(self.model_config.architecture),
-                model_config=self.model_config)
+            kw = dict(model_cls=get_model_class(self.model_config.architecture),
+                      model_config=self.model_config)
+            if hasattr(runner, "stage_param_names"):  # pipeline stages: leaves per stage
+                leaves = _stage_leaves(runner, weight_update.flat_source(weights), kw)
+            else:
+                leaves = weight_update.prepare_leaves(
+                    runner.param_names(), current, weight_update.flat_source(weights), **kw)
         except InvalidRequestError:
             raise
         except ValueError as e:
@@ -87,8 +90,11 @@ class WeightControl:
         return dict(zip(self.runner.param_names(), self.runner._state_leaves))
 
     def _swap(self, leaves: list, path: str | None) -> None:
-        self.runner.set_params(leaves)
-        self._sync_model()
+        if hasattr(self.runner, "stage_param_names"):
+            self.runner.set_stage_params(leaves)  # the module keeps names only (pipeline.py)
+        else:
+            self.runner.set_params(leaves)
+            self._sync_model()
         if self._runner_sleep is not None:
             self._runner_sleep.weights_restored()
         if path is not None:
@@ -224,10 +230,11 @@ class WeightControl:
         return weight_update.prepare_leaves(names, abstract, src, model_cls=cls,
                                             model_config=self.model_config)
 
-    def _check_runner(self, what: str) -> None:
+    def _check_runner(self, what: str, pipeline_ok: bool = False) -> None:
         from jaxserve.worker.runner import ModelRunner
 
-        if type(self.runner) is not ModelRunner:
+        if type(self.runner) is not ModelRunner and not (
+                pipeline_ok and hasattr(self.runner, "stage_param_names")):
             raise InvalidRequestError(f"{what} is not supported with pipeline parallelism yet",
                                       param="pipeline_parallel_size")
         if self.config.parallel.num_hosts > 1:  # followers replay steps, not weight swaps
@@ -241,3 +248,17 @@ def _resolve(model, name: str):
     for part in name.split("."):
         obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
     return obj
+
+
+def _stage_leaves(runner, source, kw: dict) -> list[list]:
+    """Each pipeline stage's new leaves: every tensor checked and placed once (on the first
+    stage holding it), then on each other stage holding it too (a tied LM head's copy)."""
+    names, current = [], []
+    for stage_names, leaves in zip(runner.stage_param_names(), runner._stage_leaves):
+        for n, x in zip(stage_names, leaves):
+            if n not in names:
+                names.append(n)
+                current.append(x)
+    placed = dict(zip(names, weight_update.prepare_leaves(names, current, source, **kw)))
+    return [[weight_update.place(placed[n], x) for n, x in zip(stage_names, leaves)]
+            for stage_names, leaves in zip(runner.stage_param_names(), runner._stage_leaves)]

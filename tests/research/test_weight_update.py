@@ -1,6 +1,6 @@
 """Weights updated in place and sleep / wake on the tiny Llama: after ``update_weights`` greedy
 equals a fresh ``LLM`` of the new weights (arrays used as they are, a safetensors path, fp8
-re-quantized, a LoRA base, tp 2), with no compile; bad sources change nothing; requests in
+re-quantized, a LoRA base, tp 2, pp 2), with no compile; bad sources change nothing; requests in
 flight finish on the old weights or are aborted; ``sleep(2)`` releases the engine's device
 bytes and ``wake_up`` restores identical outputs."""
 from __future__ import annotations
@@ -257,13 +257,22 @@ placed = {n: jax.device_put(new[n], x.sharding) for n, x in zip(r.param_names(),
 c = r.num_compiles
 llm.update_weights(placed)
 same = all(a is placed[n] for n, a in zip(r.param_names(), r._state_leaves))
-print(json.dumps(dict(out=_greedy(llm), same=same, compiles=r.num_compiles - c,
-                      sharded=len(r._state_leaves[3].sharding.device_set))))
+res = dict(out=_greedy(llm), same=same, compiles=r.num_compiles - c,
+           sharded=len(r._state_leaves[3].sharding.device_set))
+pp = LLM(sys.argv[1], pipeline_parallel_size=2, **ENGINE)
+c = pp.llm_engine.runner.num_compiles
+pp.update_weights(new)
+res.update(pp_out=_greedy(pp), pp_compiles=pp.llm_engine.runner.num_compiles - c)
+try:
+    pp.sleep(1)
+except ValueError as e:
+    res["pp_sleep"] = str(e)
+print(json.dumps(res))
 """
 
 
 @pytest.mark.slow  # a child process with two CPU devices
-def test_tp2_update_equals_fresh(base, new_weights, tmp_path):
+def test_tp2_and_pp2_updates_equal_fresh(base, new_weights, tmp_path):
     new, _, want = new_weights
     np.savez(tmp_path / "new.npz", **new)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -275,3 +284,5 @@ def test_tp2_update_equals_fresh(base, new_weights, tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["same"] and res["compiles"] == 0 and res["sharded"] == 2
     assert res["out"] == want  # tp 2 after the update equals tp 1 of the new checkpoint
+    assert res["pp_out"] == want and res["pp_compiles"] == 0  # pp 2: each stage's leaves
+    assert "pipeline parallelism" in res["pp_sleep"]
