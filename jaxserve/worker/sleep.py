@@ -9,7 +9,6 @@ them too.
 """
 from __future__ import annotations
 
-import logging
 from functools import lru_cache
 
 import jax
@@ -17,8 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.worker.weight_update import abstract_leaves
-
-logger = logging.getLogger(__name__)
 
 TAGS = ("weights", "kv_cache")
 
@@ -109,7 +106,3 @@ def _zeros(a: jax.ShapeDtypeStruct) -> jax.Array:
 def _zeros_fn(shape, dtype, sharding):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
-
-def device_bytes(tree) -> int:
-    """Bytes of the device arrays in ``tree`` (placeholders count 0)."""
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array))
