@@ -44,6 +44,7 @@ from jaxserve.engine.generation_config import default_sampling
 from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
 from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
 from jaxserve.engine.tokenizer import prompt_ids
+from jaxserve.engine.weight_sync import WeightControl
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _InFlight:
     generations: np.ndarray | None = None  # the batch rows' generations at dispatch
 
 
-class LLMEngine:
+class LLMEngine(WeightControl):
     """The engine core's loop over parts made by ``jaxserve.engine.builder.build_engine``."""
 
     def __init__(self, config: EngineConfig, *, model, model_config, model_dir, tokenizer,
@@ -182,15 +183,17 @@ class LLMEngine:
                 bad_words_token_ids(self.tokenizer, params.bad_words or ()))
         req.use_spec = self.proposer is not None and can_speculate(params)
         req.final_only = final_only
-        self.scheduler.add_request(req)
+        self._admit(req)  # held while a weight swap waits; refused while asleep
         if prefix_parent is None:
             self.prompt_tokens_total += len(ids)
 
     def abort_core_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
         for rid in request_ids:
             self._swapped.pop(rid, None)
             self._swapped_state.pop(rid, None)
             self.scheduler.abort_request(rid)
+        self._drop_held(request_ids)
         self._drop_inflight_if_idle()
 
     def finish_sequences(self, stops: Iterable[SequenceStop]) -> None:
@@ -210,7 +213,7 @@ class LLMEngine:
         return self.scheduler.generation_tokens_total
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._weights_busy()
 
     def _drop_inflight_if_idle(self) -> None:
         if not self.scheduler.has_unfinished():
@@ -285,7 +288,7 @@ class LLMEngine:
     def core_step(self) -> list[CoreOutput]:
         """Schedule -> execute -> update: what each request gained from the step read now (the
         previous one with async scheduling)."""
-        outputs = []
+        outputs = self._weight_step()  # aborted by an update; a waiting swap once idle
         if self._inflight is not None and self._inflight.constrained:
             # a grammar's next mask needs the token in flight: read that step first
             done, self._inflight = self._inflight, None
