@@ -35,6 +35,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CoreOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.worker.host_memory import memory_by_part
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.core.sampling_params import SamplingParams
@@ -436,6 +437,7 @@ class LLMEngine(WeightControl):
             generation_tokens_total=self.generation_tokens_total,
             num_free_pages=self.block_manager.num_free_pages,
             num_pages=self.runner.num_pages,
+            memory_bytes=memory_by_part(self.runner),
         )
         if self.proposer is not None:
             s.update(self.spec_stats.as_dict())

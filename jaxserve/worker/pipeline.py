@@ -534,6 +534,10 @@ class PipelineRunner(runner_lib.ModelRunner):
                       mesh=smesh, weight_specs=targets.specs, layers=(lo, hi))
             for (lo, hi), smesh in zip(self.partition, self.stage_meshes)])
 
+    def weight_leaves(self) -> list:
+        """Every stage's parameter arrays (on their own devices)."""
+        return [x for leaves in self._stage_leaves for x in leaves]
+
     def _stage_lora(self, i: int):
         """Stage ``i``'s adapter slots' weights (None without LoRA)."""
         return None if self.lora is None else self.lora.stages[i].arrays

@@ -672,6 +672,10 @@ class ModelRunner:
         buf, layout = pack(inputs)
         return self._sample(logits, buf, prev_tokens, token_bitmask, layout)
 
+    def weight_leaves(self) -> list:
+        """The model's parameter arrays (what the step reads as weights)."""
+        return list(self._state_leaves)
+
     def _lora_arrays(self):
         """The adapter slots' device weights (None without LoRA): one graph for any mix."""
         return None if self.lora is None else self.lora.arrays
