@@ -93,6 +93,12 @@ class GroupedBlockManager:
         return set().union(*(m.cached_block_hashes() for m in self.managers))
 
     # -- prefix cache -------------------------------------------------------------------------
+    @property
+    def cached_page_counts(self) -> "_LeastCached":
+        """request id -> the leading pages every group has registered in the prefix cache (the
+        fewest of any group: ``cache_full_blocks`` has work while one group is behind)."""
+        return _LeastCached(self.managers)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
         """Per group, the pages of the longest prefix every group serves (entries before a
         sliding group's window are ``NULL_PAGE``), and its length in tokens."""
@@ -164,3 +170,16 @@ class GroupedBlockManager:
                 v.block_ids = (r.group_block_ids or [r.block_ids] * len(self.managers))[g]
                 views.append(v)
             m.check_invariants(views)
+
+
+class _LeastCached:
+    """A read-only view: ``get(request_id, default)`` is the fewest cached pages of any
+    group's manager."""
+
+    __slots__ = ("_counts",)
+
+    def __init__(self, managers: Sequence[BlockManager]):
+        self._counts = [m.cached_page_counts for m in managers]
+
+    def get(self, request_id: str, default: int = 0) -> int:
+        return min(c.get(request_id, default) for c in self._counts)

@@ -291,3 +291,22 @@ def padding_plan(t: int, s: int, num_groups: int, max_pages_per_seq: int, *,
                     num_draft=spec[2], prompt_next_ids=None,
                     next_token_ids=np.full(s, -1, np.int32) if num_spec_tokens else None,
                     num_seqs=0, num_tokens=0)
+
+
+def to_rows(out, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
+    """A ``SchedulerOutput``'s scheduled requests as rows for :func:`build_step_plan`, in
+    ``scheduled`` order. ``prev_rows``: request id -> its row in the previous (still running)
+    step, for pending tokens."""
+    prev_rows = prev_rows or {}
+    return [
+        ScheduledSeq(
+            new_token_ids=s.new_token_ids,
+            start_pos=s.start_pos,
+            block_ids=s.request.pages_per_group(),
+            sample=s.sample,
+            prev_row=prev_rows.get(s.request.request_id, -1),
+            num_draft=s.num_draft,
+            state_slot=s.request.state_slot,
+        )
+        for s in out.scheduled
+    ]

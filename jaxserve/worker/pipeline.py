@@ -39,6 +39,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 import threading
 import time
 import types
@@ -342,6 +343,12 @@ def _release_unused(model, kept: list) -> None:
             x.delete()
 
 
+def _model_path(name: str, lo: int) -> str:
+    """A stage's state path -> the model's (stage layer ``j`` is model layer ``lo + j``)."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
+    return f"model.layers.{int(m.group(1)) + lo}.{m.group(2)}" if m else name
+
+
 def _abstract(tree):
     return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
@@ -527,6 +534,10 @@ class PipelineRunner(runner_lib.ModelRunner):
                       mesh=smesh, weight_specs=targets.specs, layers=(lo, hi))
             for (lo, hi), smesh in zip(self.partition, self.stage_meshes)])
 
+    def weight_leaves(self) -> list:
+        """Every stage's parameter arrays (on their own devices)."""
+        return [x for leaves in self._stage_leaves for x in leaves]
+
     def _stage_lora(self, i: int):
         """Stage ``i``'s adapter slots' weights (None without LoRA)."""
         return None if self.lora is None else self.lora.stages[i].arrays
@@ -685,6 +696,25 @@ class PipelineRunner(runner_lib.ModelRunner):
                 out = (out, self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids))
             self._count_step_compiles(before, plan)
         return out
+
+    # ---- weights in place (jaxserve.engine.weight_sync) -------------------------------------
+    def stage_param_names(self) -> list[list[str]]:
+        """Each stage's params by the model's state path (its layers numbered as the model's)."""
+        names = getattr(self, "_stage_names", None)
+        if names is None:
+            from jaxserve.worker.weight_update import state_names
+
+            names = self._stage_names = [
+                [_model_path(n, lo) for n in state_names(jax.tree_util.tree_unflatten(td, lv))]
+                for (lo, _), (_, td), lv in zip(self.partition, self._stage_defs,
+                                                self._stage_leaves)]
+        return names
+
+    def set_stage_params(self, stage_leaves: list[list]) -> None:
+        """Swap every stage's leaves between steps (each with its old leaf's placement)."""
+        with self._pool_lock:
+            self._stage_leaves = [list(x) for x in stage_leaves]
+            self._state_leaves = self._stage_leaves[-1]
 
     # ---- warm-up: every bucket, smallest first, on a thread (or in the foreground) ----------
     # Each bucket's stage programs are lowered and compiled without the pool lock (steps on

@@ -394,14 +394,12 @@ def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, ma
         want = sched.max_num_seqs * full + 1
         return tuple(int(max(2, min(want, max(n, 2 * full + 1))))
                      for n in split(cpu_kv_cache_bytes()))
-    in_use = stats.get("bytes_in_use", param_bytes)
     t_max = sched.max_num_batched_tokens
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
     act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
     reserve = 2 * act + (256 << 20)
-    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
-    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
-                                         reserve)
+    free, total, in_use = memory_budget.kv_cache_budget_from_stats(
+        stats, cache.gpu_memory_utilization, reserve, param_bytes)
     sizes = split(free)
     if min(sizes) < 2:
         raise ValueError(
@@ -444,13 +442,11 @@ def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConf
         fit = split_budget(pools, cpu_kv_cache_bytes(), block_size=block,
                            max_model_len=max_model_len, tp=tp)
         return tuple(int(max(2, min(w, f + h))) for w, f, h in zip(want, fit, headroom))
-    in_use = stats.get("bytes_in_use", param_bytes)
     t_max = sched.max_num_batched_tokens
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
     act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
-    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
-    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
-                                         2 * act + (256 << 20))
+    free, total, in_use = memory_budget.kv_cache_budget_from_stats(
+        stats, cache.gpu_memory_utilization, 2 * act + (256 << 20), param_bytes)
     free -= sum(h * b for h, b in zip(headroom, per_page))
     sizes = tuple(n + h for n, h in zip(
         split_budget(pools, max(free, 0), block_size=block, max_model_len=max_model_len,
@@ -680,6 +676,10 @@ class ModelRunner:
         ids)``, the inputs sent as one buffer."""
         buf, layout = pack(inputs)
         return self._sample(logits, buf, prev_tokens, token_bitmask, layout)
+
+    def weight_leaves(self) -> list:
+        """The model's parameter arrays (what the step reads as weights)."""
+        return list(self._state_leaves)
 
     def _lora_arrays(self):
         """The adapter slots' device weights (None without LoRA): one graph for any mix."""
@@ -921,6 +921,26 @@ class ModelRunner:
         with self._pool_lock:
             self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
                                      tuple(self.state_layers), src, dst, ssrc, sdst))
+
+    # ---- weights in place, sleep (jaxserve.worker.weight_update, jaxserve.worker.sleep) ----
+    def param_names(self) -> list[str]:
+        """The state path (HF name) of each param leaf, in leaf order."""
+        names = getattr(self, "_param_names", None)
+        if names is None:  # the state's structure never changes
+            from jaxserve.worker.weight_update import state_names
+
+            names = self._param_names = state_names(self.state)
+        return names
+
+    def set_params(self, leaves: list) -> None:
+        """Swap every param leaf between steps. Each has its old leaf's shape, dtype and
+        sharding (``weight_update.prepare_leaves``), so no step recompiles."""
+        treedef = getattr(self, "_state_treedef", None)
+        if treedef is None:
+            treedef = self._state_treedef = jax.tree_util.tree_structure(self.state)
+        with self._pool_lock:
+            self._state_leaves = list(leaves)
+            self.state = jax.tree_util.tree_unflatten(treedef, self._state_leaves)
 
     def _set_pool(self, pool) -> None:
         """Keep the step's input sharding (no recompile under tp): page pools split over KV

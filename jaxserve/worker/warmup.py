@@ -305,7 +305,7 @@ def warmup_plan(runner, t: int, s: int, long_rows: bool) -> StepPlan:
     """Bucket ``t`` filled with rows whose pages are all the trash page: ``s`` rows (one
     long, the rest single tokens), or as few long rows as fit; padding if neither fits."""
     bs = runner.block_size
-    cap = runner.max_pages_per_seq * bs - 1  # tokens one row may hold
+    cap = min(runner.max_pages_per_seq * bs, runner.max_model_len) - 1  # tokens a row holds
     n_rows = min(s, -(-t // cap)) if long_rows else s
     if n_rows * cap < t:
         return warmup_padding_plan(runner, t, s)

@@ -68,3 +68,18 @@ def test_grouped_manager_frees_out_of_window_pages_and_serves_prefix_hits():
     for r in (a, b):
         bm.free(r)
     assert bm.group_used_pages() == [0, 0]
+
+
+def test_grouped_cached_page_counts_are_the_fewest_of_any_group():
+    """The scheduler skips ``cache_full_blocks`` while a request's computed pages are no more
+    than ``cached_page_counts``: grouped, that must be the group furthest behind."""
+    sliding, full = BlockManager(40, 4, sliding_window=8), BlockManager(40, 4)
+    bm = GroupedBlockManager([sliding, full])
+    a = _req("a", 20)
+    assert bm.allocate_slots(a, 20, [[], []])
+    a.num_computed_tokens = 20
+    bm.cache_full_blocks(a)
+    assert bm.cached_page_counts.get("a", 0) == 5
+    full._num_cached_blocks["a"] = 3  # one group behind
+    assert bm.cached_page_counts.get("a", 0) == 3
+    assert bm.cached_page_counts.get("nobody", 0) == 0

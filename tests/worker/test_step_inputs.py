@@ -96,3 +96,18 @@ def test_one_constructor_of_attention_metadata_and_of_the_step_plan():
     plans = [h for h in _calls(r"\bStepPlan\(") if not h.startswith("testing/")]
     assert len(plans) == 1 and plans[0].startswith("worker/input_batch.py"), plans
     assert _calls(r"\bStepInputs\(") == []  # only StepInputs.from_plan's cls(...)
+
+
+def test_warmup_when_max_model_len_is_below_the_token_budget(tiny_llama_dir):
+    """Warm-up rows never exceed max_model_len, even when one bucket holds more tokens than a
+    request may have; every bucket is compiled and nothing compiles afterwards."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama_dir), max_model_len=22, max_num_batched_tokens=64, max_num_seqs=4,
+              min_token_bucket=16, enforce_eager=False)
+    engine = llm.llm_engine
+    before = engine.runner.num_compiles
+    out = llm.generate([[5, 6, 7] * 4] * 3, SamplingParams(max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6, 6]
+    assert engine.runner.num_compiles == before
