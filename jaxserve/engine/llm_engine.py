@@ -138,12 +138,9 @@ class LLMEngine(WeightControl):
             for child in parent.children:
                 self.add_core_request(child.request_id, ids, child.params, arrival_time=now,
                                       priority=priority, lora_request=lora_request,
-<<<<<<< HEAD
-                                      prefix_parent=child.prefix_parent, mm=images)
-=======
                                       prefix_parent=child.prefix_parent,
-                                      final_only=final_only and not child.params.stop)
->>>>>>> main
+                                      final_only=final_only and not child.params.stop,
+                                      mm=images)
         except Exception:
             self.abort_request(request_id)
             raise
@@ -168,18 +165,12 @@ class LLMEngine(WeightControl):
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
-<<<<<<< HEAD
-                         prefix_parent: str | None = None, mm=None) -> None:
-        """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
-        request whose prompt this one repeats, an n > 1 sibling's child 0; ``mm``: its
-        processed images, ``core.mm_inputs.MultiModalInputs``)."""
-=======
-                         prefix_parent: str | None = None, final_only: bool = False) -> None:
+                         prefix_parent: str | None = None, final_only: bool = False,
+                         mm=None) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
         request whose prompt this one repeats, an n > 1 sibling's child 0; ``final_only``: no
         output until it finishes, for a front end that shows nothing before and checks no
-        stop string)."""
->>>>>>> main
+        stop string; ``mm``: its processed images, ``core.mm_inputs.MultiModalInputs``)."""
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine core runs one sequence per "
                                       "request (the front end fans n > 1 out)", param="n")
