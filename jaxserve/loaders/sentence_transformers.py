@@ -23,6 +23,8 @@ from jaxserve.core.pooling_params import PoolerConfig, PoolingModelInfo
 DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 _ST_POOLING = (("pooling_mode_cls_token", "CLS"), ("pooling_mode_mean_tokens", "MEAN"),
                ("pooling_mode_lasttoken", "LAST"))
+# architectures that only pool: --runner auto picks the pooling runner for them
+POOLING_ONLY_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "NomicBertModel")
 _ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                    "pooling_mode_weightedmean_tokens")
 
@@ -40,6 +42,50 @@ def default_embedding_model_path() -> str:
         if os.path.isfile(os.path.join(p, "config.json")):
             return p
     raise FileNotFoundError(hint)
+
+
+def uses_pooling_runner(config) -> bool:
+    """``--runner``: pooling when asked (or ``--task embed|score|classify``); with auto, for a
+    local sentence-transformers directory or a pooling-only architecture."""
+    if config.runner != "auto":
+        return config.runner == "pooling"
+    if config.model is None:
+        return False
+    path = Path(str(config.model)).expanduser()
+    if not path.is_dir():
+        return False
+    if is_sentence_transformers_dir(path):
+        return True
+    try:
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return bool(archs) and (archs[0] in POOLING_ONLY_ARCHITECTURES
+                            or archs[0].endswith("ForSequenceClassification"))
+
+
+def resolve_pooling_model(config):
+    """The config with the default embedding model named when none is."""
+    if config.model is not None:
+        return config
+    return dataclasses.replace(config, model=default_embedding_model_path(),
+                               served_model_name=config.served_model_name
+                               or DEFAULT_EMBEDDING_MODEL_NAME)
+
+
+def check_pooling_architecture(model_dir) -> None:
+    """--runner pooling serves the BERT encoder family; anything else is an error naming it."""
+    from jaxserve.models.bert import ENCODER_ARCHITECTURES
+
+    try:
+        archs = json.loads((Path(model_dir) / "config.json").read_text()).get(
+            "architectures") or []
+    except (OSError, ValueError):
+        raise ValueError(f"--runner pooling needs a Hugging Face model directory with a "
+                         f"config.json; {model_dir} has none") from None
+    if not archs or archs[0] not in ENCODER_ARCHITECTURES:
+        raise ValueError(f"--runner pooling serves {', '.join(sorted(ENCODER_ARCHITECTURES))};"
+                         f" {model_dir} is {archs[0] if archs else 'of no architecture'}")
 
 
 def is_sentence_transformers_dir(path) -> bool:
