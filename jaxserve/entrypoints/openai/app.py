@@ -43,6 +43,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_engine import MAX_BODY_BYTES, load_chat_template
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.entrypoints.openai.serving_score import OpenAIServingScore
 from jaxserve.entrypoints.openai.lora_models import runtime_lora_updating
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ HEADER_TIMEOUT_S = 10  # a connection must send a whole request head within this
 KEEP_ALIVE_S = 5  # uvicorn's default idle keep-alive
 
 
-class OpenAIServer(OpenAIServingChat, OpenAIServingCompletion, OpenAIServingModels):
+class OpenAIServer(OpenAIServingChat, OpenAIServingCompletion, OpenAIServingScore,
+                   OpenAIServingModels):
     """Every route handler over one engine, plus the operational endpoints; ``build_app``
     wires them to paths."""
 
@@ -118,9 +120,26 @@ def build_app(engine: EngineClient, *, api_key: str | None = None,
         body, status = error_from_exception(exc, engine)
         return JSONResponse(body, status_code=status)
 
+    def generative(handler, route: str):
+        """A generation route: a 400 naming the runner on a pooling server."""
+        async def run(request: Request) -> Response:
+            serving.require_runner("generate", route)
+            return await handler(request)
+        return run
+
     routes = [
-        Route("/v1/completions", serving.completions, methods=["POST"]),
-        Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+        Route("/v1/completions", generative(serving.completions, "/v1/completions"),
+              methods=["POST"]),
+        Route("/v1/chat/completions", generative(serving.chat_completions,
+                                                 "/v1/chat/completions"), methods=["POST"]),
+        Route("/v1/embeddings", serving.embeddings, methods=["POST"]),
+        Route("/pooling", serving.pooling, methods=["POST"]),
+        Route("/classify", serving.classify, methods=["POST"]),
+        Route("/score", serving.score, methods=["POST"]),
+        Route("/v1/score", serving.score, methods=["POST"]),
+        Route("/rerank", serving.rerank, methods=["POST"]),
+        Route("/v1/rerank", serving.rerank, methods=["POST"]),
+        Route("/v2/rerank", serving.rerank, methods=["POST"]),
         Route("/v1/models", serving.models, methods=["GET"]),
         Route("/tokenize", serving.tokenize, methods=["POST"]),
         Route("/detokenize", serving.detokenize, methods=["POST"]),
