@@ -161,6 +161,10 @@ def check_params(params: PoolingParams, info: PoolingModelInfo) -> None:
     if params.task in ("classify", "score") and info.num_labels == 0:
         raise InvalidRequestError(f"task {params.task!r} needs a classification head; this "
                                   "model only embeds", param="task")
+    if params.task in ("embed", "token_embed") and info.num_labels:
+        raise InvalidRequestError(f"task {params.task!r}: this model is a classifier (a "
+                                  f"head of {info.num_labels} outputs); it classifies and "
+                                  "scores, it does not embed", param="task")
     if params.task == "embed" and info.pooling_type in ("ALL", "STEP"):
         raise InvalidRequestError(f"pooling_type {info.pooling_type} pools every token: use "
                                   "task 'token_embed' (the /pooling route)", param="task")
