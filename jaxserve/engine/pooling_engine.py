@@ -197,8 +197,9 @@ def build_pooling_engine(config: EngineConfig) -> PoolingEngine:
     budget = config.scheduler.max_num_batched_tokens
     if "max_num_batched_tokens" in unset:
         budget = max(DEFAULT_POOLING_BATCHED_TOKENS, max_model_len)
+    min_bucket = 16 if "min_token_bucket" in unset else config.scheduler.min_token_bucket
     runner = EncoderRunner(model, info.pooling_type, max_model_len, budget,
-                           config.scheduler.max_num_seqs)
+                           config.scheduler.max_num_seqs, min_bucket=min_bucket)
     logger.info("loaded %s (%s, %s pooling%s) in %.1f s", config.model, mc.architecture,
                 info.pooling_type, ", normalized" if info.normalize else "",
                 time.perf_counter() - t0)

