@@ -29,8 +29,9 @@ from jaxserve.worker.pooling_runner import EncoderRunner
 logger = logging.getLogger(__name__)
 
 # With no --max-num-batched-tokens, a pooling step holds this many tokens (at least one
-# max_model_len prompt): whole prompts are packed, so the budget is the batch, not a chunk.
-DEFAULT_POOLING_BATCHED_TOKENS = 4096
+# max_model_len prompt): whole prompts are packed, so the budget is the batch, not a chunk. On
+# CPU a few rows already reach the matmuls' peak and a larger step only pads more.
+DEFAULT_POOLING_BATCHED_TOKENS = {"gpu": 8192, "cpu": 1024}
 
 
 @dataclasses.dataclass
@@ -107,18 +108,14 @@ class PoolingEngine:
         return len(self._waiting)
 
     def core_step(self) -> list[PoolingOutput]:
-        """One packed step over the longest run of waiting requests that fits."""
+        """One packed step over a leading run of the waiting requests (``plan_prefix``)."""
         if not self._waiting:
             return []
-        batch: list[_Pending] = []
-        step = None
-        for req in self._waiting.values():
-            trial = self.runner.plan([(r.token_ids, r.token_type_ids)
-                                      for r in batch + [req]])
-            if trial is None:
-                break
-            batch.append(req)
-            step = trial
+        waiting = list(self._waiting.values())[:self.runner.max_num_seqs]
+        k, step = self.runner.plan_prefix([(r.token_ids, r.token_type_ids) for r in waiting])
+        if step is None:  # cannot happen: add_core_request admits prompts of one row at most
+            raise RuntimeError("a pooling request does not fit the largest bucket")
+        batch = waiting[:k]
         pooled = self.runner.run(step)
         outs = []
         for req, vec in zip(batch, pooled):
@@ -186,8 +183,12 @@ def build_pooling_engine(config: EngineConfig) -> PoolingEngine:
         st = read_st_modules(model_dir)
     except ValueError as e:
         raise InvalidRequestError(str(e), param="model") from None
-    model, mc = load_encoder(model_dir, dtype=dtype, hf_overrides=config.hf_overrides)
     tokenizer = load_tokenizer(model_dir, config.tokenizer)
+    try:
+        model, mc = load_encoder(model_dir, dtype=dtype, hf_overrides=config.hf_overrides,
+                                 tokenizer=lambda: tokenizer)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="model") from None
     info = pooling_info(model, mc, st, config.pooler_config)
     limit = min(mc.max_position_embeddings, st.max_seq_length or mc.max_position_embeddings)
     max_model_len = int(config.scheduler.max_model_len or limit)
@@ -196,7 +197,8 @@ def build_pooling_engine(config: EngineConfig) -> PoolingEngine:
                                   f"{mc.max_position_embeddings}", param="max_model_len")
     budget = config.scheduler.max_num_batched_tokens
     if "max_num_batched_tokens" in unset:
-        budget = max(DEFAULT_POOLING_BATCHED_TOKENS, max_model_len)
+        budget = max(DEFAULT_POOLING_BATCHED_TOKENS[
+            "gpu" if jax.default_backend() == "gpu" else "cpu"], max_model_len)
     min_bucket = 16 if "min_token_bucket" in unset else config.scheduler.min_token_bucket
     runner = EncoderRunner(model, info.pooling_type, max_model_len, budget,
                            config.scheduler.max_num_seqs, min_bucket=min_bucket)

@@ -75,7 +75,7 @@ def resolve_pooling_model(config):
 
 def check_pooling_architecture(model_dir) -> None:
     """--runner pooling serves the BERT encoder family; anything else is an error naming it."""
-    from jaxserve.models.bert import ENCODER_ARCHITECTURES
+    from jaxserve.models.pooling_registry import get_pooling_class
 
     try:
         archs = json.loads((Path(model_dir) / "config.json").read_text()).get(
@@ -83,9 +83,7 @@ def check_pooling_architecture(model_dir) -> None:
     except (OSError, ValueError):
         raise ValueError(f"--runner pooling needs a Hugging Face model directory with a "
                          f"config.json; {model_dir} has none") from None
-    if not archs or archs[0] not in ENCODER_ARCHITECTURES:
-        raise ValueError(f"--runner pooling serves {', '.join(sorted(ENCODER_ARCHITECTURES))};"
-                         f" {model_dir} is {archs[0] if archs else 'of no architecture'}")
+    get_pooling_class(archs[0] if archs else "(none)")
 
 
 def is_sentence_transformers_dir(path) -> bool:
@@ -121,6 +119,7 @@ class StModules:
 
     pooling_type: str | None = None
     normalize: bool = False
+    is_st: bool = False  # a sentence-transformers directory (else vLLM's defaults apply)
     dense: list[DenseModule] = dataclasses.field(default_factory=list)
     max_seq_length: int | None = None
 
@@ -130,6 +129,7 @@ def read_st_modules(model_dir: Path) -> StModules:
     model_dir = Path(model_dir)
     if not is_sentence_transformers_dir(model_dir):
         return out
+    out.is_st = True
     cfg = model_dir / "sentence_bert_config.json"
     if cfg.is_file():
         msl = json.loads(cfg.read_text()).get("max_seq_length")
@@ -192,7 +192,9 @@ def pooling_info(model, mc: ModelConfig, st: StModules,
     matryoshka = hf.get("matryoshka_dimensions")
     return PoolingModelInfo(
         hidden_size=hidden, pooling_type=pooling_type,
-        normalize=st.normalize if o.normalize is None else bool(o.normalize),
+        # an embedding is normalised unless a sentence-transformers directory has no Normalize
+        normalize=(st.normalize if st.is_st else True) if o.normalize is None
+        else bool(o.normalize),
         num_labels=labels,
         id2label={int(k): v for k, v in (hf.get("id2label") or {}).items()},
         is_matryoshka=bool(hf.get("is_matryoshka") or matryoshka),
@@ -202,18 +204,22 @@ def pooling_info(model, mc: ModelConfig, st: StModules,
         use_activation=True if o.use_activation is None else bool(o.use_activation))
 
 
-def load_encoder(model_dir, *, dtype, hf_overrides: dict | None = None):
-    """(model, ModelConfig) of a BERT-family checkpoint (safetensors; a ``bert.``-prefixed
-    classifier or a bare encoder; BERT's own pooler weights are dropped by an embedder)."""
+def load_encoder(model_dir, *, dtype, hf_overrides: dict | None = None, tokenizer=None):
+    """(model, ModelConfig) of a pooling checkpoint (safetensors): a BERT encoder or
+    cross-encoder (``bert.``-prefixed or bare; an embedder drops BERT's own pooler), or a
+    Llama-family decoder as an embedder or classifier. vLLM's ``classifier_from_token``
+    (Qwen3-Reranker's recipe) builds the classifier from the LM head's rows of those tokens
+    (``tokenizer`` reads their ids)."""
     import jax
     from flax import nnx
 
     from jaxserve.loaders.model_loader import _read_config, safetensors_tensors
-    from jaxserve.models.bert import ENCODER_ARCHITECTURES
+    from jaxserve.models.llama_pooling import reranker_score_weight
+    from jaxserve.models.pooling_registry import get_pooling_class
 
     model_dir = Path(model_dir)
     mc = ModelConfig.from_hf_config(_read_config(model_dir, hf_overrides))
-    cls = ENCODER_ARCHITECTURES[mc.architecture]
+    cls = get_pooling_class(mc.architecture)
     model = nnx.eval_shape(lambda: cls(mc, dtype=dtype, rngs=nnx.Rngs(0)))
     _, state = nnx.split(model)
     expected = {".".join(str(p) for p in path): var
@@ -221,6 +227,15 @@ def load_encoder(model_dir, *, dtype, hf_overrides: dict | None = None):
     tensors = safetensors_tensors(model_dir)
     if cls.__name__ == "BertModel":  # an encoder saved with a head or as a BertModel
         tensors = {n[5:] if n.startswith("bert.") else n: f for n, f in tensors.items()}
+    elif "model.norm.weight" in expected and "model.norm.weight" not in tensors:
+        tensors = {f"model.{n}": f for n, f in tensors.items()}  # a bare Qwen3Model / LlamaModel
+    tokens = mc.hf.get("classifier_from_token")
+    if tokens and "score.weight" in expected and "score.weight" not in tensors:
+        head = tensors.get("lm_head.weight") or tensors["model.embed_tokens.weight"]
+        if tokenizer is None:
+            raise ValueError("classifier_from_token needs the tokenizer")
+        tensors["score.weight"] = lambda: np.asarray(reranker_score_weight(
+            head(), tokenizer(), list(tokens), bool(mc.hf.get("is_original_qwen3_reranker"))))
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r}"

@@ -68,7 +68,8 @@ def pack(prompts: list[tuple[list[int], list[int] | None]], rows: int, width: in
 
 
 def token_buckets(width: int, max_tokens: int, min_bucket: int = 16) -> list[tuple[int, int]]:
-    """``(rows, width)`` shapes, smallest first: one short row, then whole rows."""
+    """``(rows, width)`` shapes, smallest first: one short row, then whole rows in steps of
+    about 1.5x (1, 2, 3, 4, 6, 8, 12, 16, ...), so a step pads by at most a third."""
     out = []
     t = min(min_bucket, width)
     while t < width:
@@ -79,6 +80,8 @@ def token_buckets(width: int, max_tokens: int, min_bucket: int = 16) -> list[tup
         out.append((r, width))
         if r * width >= max_tokens:
             break
+        if r >= 2 and r & (r - 1) == 0 and (r + r // 2) * width < max_tokens:
+            out.append((r + r // 2, width))
         r *= 2
     return out
 
@@ -140,6 +143,39 @@ class EncoderRunner:
             if packed is not None:
                 return packed
         return None
+
+    def plan_prefix(self, prompts) -> tuple[int, PackedStep | None]:
+        """The step for a leading run of ``prompts`` (first come, first served): of the
+        prefixes that fit, the longest whose bucket is filled to 3/4 or within 10 % of the best
+        filled one, so a step does not pad a bucket half empty for one more prompt, nor cut a
+        well-filled batch short. (0, None): the first prompt does not fit."""
+        free: list[int] = []  # first-fit over whole rows of ``width``
+        tokens, best, fills = 0, 0.0, []
+        for k, (ids, _) in enumerate(prompts[:self.max_num_seqs]):
+            n = len(ids)
+            for r in range(len(free)):
+                if free[r] >= n:
+                    free[r] -= n
+                    break
+            else:
+                free.append(self.width - n)
+            if len(free) > self.max_rows or tokens + n > self.max_num_batched_tokens:
+                break
+            tokens += n
+            size = self._bucket_tokens(len(free), self.width - free[0])
+            fills.append(tokens / size)
+            best = max(best, fills[-1])
+        if not fills:
+            return 0, None
+        k = max(i for i, f in enumerate(fills) if f >= min(0.9 * best, 0.75)) + 1
+        step = self.plan(list(prompts[:k]))
+        return (k, step) if step is not None else (0, None)
+
+    def _bucket_tokens(self, rows: int, first_row_fill: int) -> int:
+        for r, w in self.buckets:
+            if (rows == 1 and w >= first_row_fill) or r >= rows:
+                return r * w
+        return self.buckets[-1][0] * self.buckets[-1][1]
 
     def run(self, step: PackedStep) -> list[np.ndarray]:
         """The pooled output of each sequence, in order (ALL/STEP: ``[len, H]`` blocks)."""

@@ -96,8 +96,8 @@ def test_cross_encoder_scores_match_hf(ce_dir):
     assert raw[0].outputs.data.shape == (1,)
     with pytest.raises(InvalidRequestError, match="runner 'generate'"):
         llm.generate("hello")
-    with pytest.raises(InvalidRequestError, match="dimensions"):
-        llm.embed("hello", dimensions=4)
+    with pytest.raises(InvalidRequestError, match="does not embed"):
+        llm.embed("hello")
 
 
 def test_classifier_probs_match_hf_softmax(tmp_path):
