@@ -315,6 +315,12 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     check_ssl_files(ssl_keyfile, ssl_certfile)
+    from jaxserve.loaders.sentence_transformers import uses_pooling_runner
+
+    if uses_pooling_runner(engine_config) and not use_core_process(engine_config):
+        raise ValueError("--runner pooling serves from the engine core process: it needs "
+                         "--data-parallel-size 1, one host and JAXSERVE_ENABLE_MULTIPROCESSING "
+                         "unset or 1")
     t0 = time.perf_counter()
     if use_core_process(engine_config):
         # the device loop in its own process; it serves while its buckets compile (/health
