@@ -91,6 +91,14 @@ class LLM:
                                                   truncate_prompt_tokens=truncate_prompt_tokens),
                            use_tqdm=use_tqdm, method="classify")
 
+    def reward(self, prompts, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = False) -> list[PoolingOutput]:
+        """vLLM's ``LLM.reward``: the model's raw pooled output (a reward model pools ALL or
+        STEP: one row per kept token)."""
+        return self.encode(prompts, PoolingParams(task="encode",
+                                                  truncate_prompt_tokens=truncate_prompt_tokens),
+                           use_tqdm=use_tqdm, method="reward")
+
     def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = False) -> list[PoolingOutput]:
         """vLLM's ``LLM.score``: one query against many documents (or pairwise lists). A

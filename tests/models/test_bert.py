@@ -147,3 +147,16 @@ def test_runner_and_pooler_config_flags():
         PoolerConfig.parse({"pool_type": "MEAN"})
     with pytest.raises(ValueError, match="pooling_type"):
         PoolerConfig.parse({"pooling_type": "MAX"})
+
+
+def test_step_pooling_keeps_tagged_tokens_and_returned_columns():
+    from jaxserve.core.pooling_params import PoolingModelInfo, postprocess
+
+    info = PoolingModelInfo(hidden_size=4, pooling_type="STEP", normalize=False,
+                            step_tag_id=7, returned_token_ids=(1, 3))
+    hidden = np.arange(20, dtype=np.float32).reshape(5, 4)  # five tokens
+    out = postprocess(hidden, [7, 2, 7, 3, 7], PoolingParams(task="encode"), info)
+    np.testing.assert_array_equal(out, hidden[[0, 2, 4]][:, [1, 3]])
+    with pytest.raises(InvalidRequestError, match="token_embed"):
+        from jaxserve.core.pooling_params import check_params
+        check_params(PoolingParams(task="embed"), info)

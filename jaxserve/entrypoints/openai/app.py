@@ -185,9 +185,13 @@ def startup_message(engine: EngineClient, host: str, port: int, names: list[str]
              or engine.config.dtype)
     dtype = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
+    info = getattr(engine, "pooling_info", None)
+    cache = (f"pooling runner ({info.pooling_type} pooling, {info.hidden_size} dims"
+             f"{', normalized' if info.normalize and not info.num_labels else ''}"
+             f"{f', {info.num_labels} labels' if info.num_labels else ''})" if info is not None
+             else f"{s.get('num_pages', '?')} KV pages of {engine.config.cache.block_size} tokens")
     return (f"jaxserve ready: model {engine.config.model or names[0]!s} served as "
-            f"{', '.join(names)} | dtype {dtype} | {s.get('num_pages', '?')} KV pages of "
-            f"{engine.config.cache.block_size} tokens | max_model_len {engine.max_model_len} | "
+            f"{', '.join(names)} | dtype {dtype} | {cache} | max_model_len {engine.max_model_len} | "
             f"{s.get('num_compiles', '?')} compiles in warm-up | "
             f"OpenAI API at http://{shown}:{port}/v1")
 
