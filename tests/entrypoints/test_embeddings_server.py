@@ -178,3 +178,11 @@ def test_rerank_orders_as_hf_scores(cross_encoder):
     np.testing.assert_allclose([x["score"] for x in s["data"]], want, atol=1e-4)
     bad = httpx.post(cross_encoder.url + "/v1/embeddings", timeout=60, json={"input": "x"})
     assert bad.status_code == 400  # a cross-encoder does not embed
+
+
+def test_health_metrics_and_models_on_a_pooling_server(minilm):
+    assert httpx.get(minilm.url + "/health", timeout=30).status_code == 200
+    m = httpx.get(minilm.url + "/metrics", timeout=30)
+    assert m.status_code == 200 and "jaxserve" in m.text
+    models = httpx.get(minilm.url + "/v1/models", timeout=30).json()
+    assert [d["id"] for d in models["data"]] == ["all-MiniLM-L6-v2"]
