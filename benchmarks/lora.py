@@ -79,16 +79,28 @@ def _throughput(llm, prompts, sp, loras) -> dict:
 def _step_times(base, lora, args, adapters) -> dict[str, list[float]]:
     """Seconds per decode step of ``num_prompts`` rows (one token each, at the prompt's end),
     adapters round-robin over the rows; the cases interleaved step by step."""
-    from jaxserve.core.step_plan import ScheduledSeq
+    from jaxserve.core.batch_diff import BatchDiff, NewRequestData
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.worker.input_batch import InputBatch
 
     rows_n = min(args.num_prompts, args.max_num_seqs)
     pages = -(-(args.input_len + 1) // lora.llm_engine.config.cache.block_size)
 
     def plan(runner, k):
-        rows = [ScheduledSeq(new_token_ids=[100 + i], start_pos=args.input_len,
-                             block_ids=[list(range(1 + pages * i, 1 + pages * (i + 1)))],
-                             lora_slot=(i % k) if k else -1) for i in range(rows_n)]
-        return runner.build_plan(rows)
+        """Row i: its own pages, adapter id ``i % k + 1`` in device slot ``i % k``."""
+        batch = InputBatch.for_runner(runner, seed=0)
+        ids = [f"row-{i}" for i in range(rows_n)]
+        batch.apply(BatchDiff(new_reqs=[
+            NewRequestData(rid, [0] * args.input_len + [100 + i], args.input_len,
+                           SamplingParams(temperature=0.0),
+                           [list(range(1 + pages * i, 1 + pages * (i + 1)))],
+                           lora_int_id=(i % k) + 1 if k else 0)
+            for i, rid in enumerate(ids)]))
+        return batch.prepare_inputs(BatchDiff(
+            req_ids=ids, num_tokens=[1] * rows_n, token_ids=[100 + i for i in range(rows_n)],
+            start_pos=[args.input_len] * rows_n, sample=[True] * rows_n,
+            num_draft=[0] * rows_n, num_output=[0] * rows_n),
+            ladder=runner.ladder, lora_slots={j + 1: j for j in range(k)})
 
     lora.llm_engine.lora_manager.prepare(adapters)  # every adapter in its slot: slot = index
     cases = {"base": (base.llm_engine.runner, 0)}

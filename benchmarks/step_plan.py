@@ -53,7 +53,8 @@ def prefill_rows(n: int, chunk: int, first_page: int) -> list:
 
 def time_plan(rows, *, budget: int, max_pages: int, iters: int) -> float:
     """Best mean ms of build_step_plan over three rounds of ``iters`` calls."""
-    from jaxserve.core.step_plan import build_step_plan, token_ladder
+    from jaxserve.core.step_plan import token_ladder
+    from jaxserve.testing.reference_plan import build_step_plan
 
     ladder, rng = token_ladder(budget), np.random.default_rng(0)
 

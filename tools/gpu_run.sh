@@ -40,11 +40,15 @@
 #   hybrid   Qwen3.6-27B shape in fp8 (dummy weights): decode step time against context 1k -> 32k,
 #            the hybrid (GDN + attention) against its all-attention twin (issue "Qwen 3.6");
 #            two token buckets (16 and the budget), each a long compile at 64 layers
+#   research benchmarks/research.py on the 1.1B shape (dummy weights, bf16): update_weights from
+#            placed arrays (target <= 20 ms), host arrays and a safetensors dir; sleep/wake levels
+#            1 and 2; against a restart (issue 52). Not in the default STAGES: STAGES=research.
+#            RESEARCH_ARGS="--tiny --dtype float32" checks the stage on a CPU
 # Knobs (env): STAGES, BUDGET_S (default 515), N11 (1024), N8B (512), HF_CB_N (256),
 #   LORA_PRESET (llama3-8b), LORA_ARGS (extra benchmarks/lora.py flags),
 #   HF_BS ("64,128,256"), HF_CB_IMPLS ("sdpa,paged|eager,flash_attention_2"), SERVE_N (256),
 #   SERVE_RATES ("inf,0.8x,0.5x"), SERVE_LAUNCH_TIMEOUT (180), GEMMA4_ARGS ("--preset gemma4-31b"; "--tiny" on CPU),
-#   DUMMY_SHAPE (27b),
+#   DUMMY_SHAPE (27b), RESEARCH_ARGS ("--preset tinyllama-1.1b --dtype bfloat16"),
 #   T_<stage> caps in seconds (T_tp11=300 ...).
 # XLA's persistent compilation cache is on (in the work dir), so the serving stage's server
 # reuses the executables the 1.1B throughput stage compiled (same shapes).
@@ -232,6 +236,11 @@ stage_dummyinit() {
   # the old one-jit init's lower + compile as the baseline (its JSON is written after each part)
   run_stage dummyinit 240 $PY -m benchmarks.dummy_init --hybrid-shape ${DUMMY_SHAPE:-27b} \
     --output-json "$RES/dummy_init-qwen3.6-${DUMMY_SHAPE:-27b}.json"
+}
+stage_research() {
+  run_stage research 240 $PY benchmarks/research.py \
+    ${RESEARCH_ARGS:---preset tinyllama-1.1b --dtype bfloat16} --gpu-memory-utilization 0.6 \
+    --output-json "$RES/research-tinyllama-1.1b.json"
 }
 stage_hybrid() {
   run_stage hybrid 240 $PY benchmarks/hybrid_decode.py --shape ${HYBRID_SHAPE:-27b} \

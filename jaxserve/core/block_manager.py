@@ -119,6 +119,13 @@ class BlockManager:
         events, self._events = self._events, []
         return events
 
+    @property
+    def cached_page_counts(self) -> dict[str, int]:
+        """request id -> its leading pages registered in the prefix cache so far (read-only:
+        ``cache_full_blocks`` has nothing to do while a request's known computed tokens fill
+        no more pages than this)."""
+        return self._num_cached_blocks
+
     def cached_block_hashes(self) -> set[int]:
         """Every hash in the prefix cache now (what a subscriber of the events rebuilds)."""
         return set(self._cached)

@@ -42,7 +42,7 @@ _FINISH_REASON = {
 }
 # a tuple: ``in`` compares members by identity (an enum member's hash is a Python call), and
 # this is read for every request on every step
-_FINISHED = tuple(_FINISH_REASON)
+FINISHED_STATUSES = _FINISHED = tuple(_FINISH_REASON)
 
 
 class Request:
@@ -112,6 +112,9 @@ class Request:
         # what update_from_output has reported: output ids, and (when asked) the logprobs of
         # ids and prompt positions not reported yet; prompt positions recorded so far
         self.num_reported = 0
+        # its front end wants only the finished output (offline, no stop strings to check on
+        # text): update_from_output reports it once, when it finishes, with everything
+        self.final_only = False
         self.new_logprobs: list | None = (
             [] if getattr(sampling_params, "logprobs", None) is not None else None)
         self.num_prompt_logprobs: int | None = 1 if self.skip_prefix_cache else None

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from jaxserve.core.batch_diff import BatchDiff
 from jaxserve.core.outputs import CoreOutput
 from jaxserve.core.request import Request
-from jaxserve.core.step_plan import ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -58,20 +57,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    def to_rows(self, prev_rows: dict[str, int] | None = None) -> list[ScheduledSeq]:
-        """The rows for ``step_plan.build_step_plan``, in ``scheduled`` order. ``prev_rows``:
-        request id -> its row in the previous (still running) step, for pending tokens."""
-        prev_rows = prev_rows or {}
-        return [
-            ScheduledSeq(
-                new_token_ids=s.new_token_ids,
-                start_pos=s.start_pos,
-                block_ids=s.request.pages_per_group(),
-                sample=s.sample,
-                prev_row=prev_rows.get(s.request.request_id, -1),
-                num_draft=s.num_draft,
-                state_slot=s.request.state_slot,
-            )
-            for s in self.scheduled
-        ]

@@ -28,7 +28,7 @@ from jaxserve.core.block_manager import BlockManager, cdiv
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CoreOutput, TokenLogprobs
-from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.core.request import FINISHED_STATUSES, PLACEHOLDER, Request, RequestStatus
 from jaxserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from jaxserve.core.siblings import Siblings
 from jaxserve.core.stop_check import stop_status
@@ -41,6 +41,11 @@ def _order_key(req: Request):
 
 
 class Scheduler:
+    # plain rows (a decode inside its last page; an id that needs no grammar or logprobs)
+    # go through the loops' inline branches; False: the general per-row path for every row,
+    # which those branches must match exactly (tests compare the two)
+    inline_plain_rows = True
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -96,6 +101,9 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by (priority, arrival, seq)
         self._swapped_pages: dict[str, int] = {}  # request_id -> pages held in host memory
         self._finished_since_schedule: list[str] = []
+        # the step being scheduled: (req_id, num_tokens, start_pos, sample, num_draft,
+        # num_output) of each row, in order (BatchDiff's row columns)
+        self._cols: list[tuple] = []
         self._seq_counter = 0
         # n > 1 siblings: who waits for whose prompt, and (fork_prompts) who forks from it
         self.siblings = Siblings(self.requests, block_manager)
@@ -281,19 +289,15 @@ class Scheduler:
             req.pages_dirty = False
             b.page_updates += ups
         # else: one pool, no page gained (a decode inside its last page): nothing to send
-        b.req_ids.append(req.request_id)
-        b.num_tokens.append(len(ids))
+        self._cols.append((req.request_id, len(ids), start, sample, nd,
+                           len(req.output_token_ids)))
         b.token_ids += ids
-        b.start_pos.append(start)
-        b.sample.append(sample)
-        b.num_draft.append(nd)
-        b.num_output.append(len(req.output_token_ids))
         if req.num_prompt_logprobs is not None:
             lo = max(start, req.num_prompt_logprobs - 1)  # a recomputed prefix is not redone
             hi = min(start + n, req.num_prompt_tokens - 1)
             if hi > lo:
                 out.scheduled[-1].prompt_span = (lo, hi)
-                b.prompt_spans[len(b.req_ids) - 1] = (lo, hi)
+                b.prompt_spans[len(out.scheduled) - 1] = (lo, hi)
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.time()
 
@@ -310,9 +314,15 @@ class Scheduler:
         if self.token_limit is not None:
             budget = max(1, min(budget, self.token_limit))
         rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
+        # the diff's row columns, one tuple a row while scheduling, then as columns
+        self._cols = cols = []
         budget = self._schedule_running(out, budget, rows)
         if not out.preempted:  # vLLM V1: no admissions in a step that had to preempt
             self._schedule_waiting(out, budget, rows)
+        b = out.batch
+        if cols:
+            (b.req_ids, b.num_tokens, b.start_pos, b.sample, b.num_draft,
+             b.num_output) = map(list, zip(*cols))
         out.finished_req_ids = self._finished_since_schedule
         self._finished_since_schedule = []
         out.batch.removed = out.finished_req_ids + out.preempted
@@ -322,21 +332,48 @@ class Scheduler:
         """Running requests, in order (the preemption victim is always the last one): a
         decode or their next prefill chunk each. Returns the budget left."""
         bm = self.block_manager
+        running, in_step, cols = self.running, out.scheduled, self._cols
+        add_tok = out.batch.token_ids.append
+        # a plain decode inside its last page (most rows of most steps): the general path
+        # below would feed its one token, allocate nothing and send no pages; the same row is
+        # added here without its calls
+        bs, max_len, skip_pending = self.block_size, self.max_model_len, self.skip_pending
+        inline = self.inline_plain_rows and bm.sliding_window is None
+        no_slots = bm.state_slots is None
+        num_plain = 0
         i = 0
-        while i < len(self.running) and budget > 0 and len(out.scheduled) < rows:
-            req = self.running[i]
+        while i < len(running) and budget > 0 and len(in_step) < rows:
+            req = running[i]
             if req.num_pending and (
-                    self.skip_pending
+                    skip_pending
                     # its last token is still on the device; the engine finishes it then
-                    or (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens)
+                    or (req.max_tokens is not None
+                        and len(req.output_token_ids) >= req.max_tokens)
                     # its next token mask needs the token still on the device
-                    or req.needs_known_tokens
+                    # (req.needs_known_tokens)
+                    or req.grammar is not None
+                    or (req.token_filter is not None and req.token_filter.needs_history)
                     # speculation: the next drafts need every token known (how many a verify
                     # step accepted is only known once it is read): it runs synchronously
                     or req.use_spec):
                 i += 1
                 continue
             if req.spec_in_flight:  # a verify step not read yet (synchronous, as above)
+                i += 1
+                continue
+            c = req.num_computed_tokens
+            toks = req.all_token_ids
+            if (inline and len(toks) - c == 1 and c < max_len and req.in_batch
+                    and c < len(req.block_ids) * bs and not req.spec_token_ids
+                    and not req.pages_dirty and req.group_block_ids is None
+                    and len(req.block_ids) == req.sent_pages[0]
+                    and req.num_prompt_logprobs is None and (no_slots or req.state_slot >= 0)):
+                tok = toks[c]
+                in_step.append(ScheduledRequest(req, 1, c, True, [tok]))
+                cols.append((req.request_id, 1, c, True, 0, len(req.output_token_ids)))
+                add_tok(tok)
+                num_plain += 1
+                budget -= 1
                 i += 1
                 continue
             n = self._num_new_tokens(req, budget)
@@ -366,6 +403,7 @@ class Scheduler:
                     req.spec_token_ids = []
                 budget -= n
                 i += 1
+        out.num_batched_tokens += num_plain
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, rows: int) -> None:
@@ -373,10 +411,12 @@ class Scheduler:
         last; a new one first takes its cached prefix."""
         bm = self.block_manager
         j = 0
-        loras = self._running_loras()
+        loras: set[int] | None = None  # the running adapters, read once a request has one
         while (j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
                and len(out.scheduled) < rows):
             req = self.waiting[j]
+            if loras is None and req.lora_int_id:
+                loras = self._running_loras()
             if self._lets_others_pass(req, loras):
                 j += 1
                 continue
@@ -424,7 +464,7 @@ class Scheduler:
             self._add_scheduled(out, req, n)
             budget -= n
 
-    def _lets_others_pass(self, req: Request, loras: set[int]) -> bool:
+    def _lets_others_pass(self, req: Request, loras: set[int] | None) -> bool:
         """A waiting request that is not admitted yet, without holding up the ones behind."""
         return bool(
             # preempted mid-verify, or (pipelined) its token still in flight: read it first
@@ -436,8 +476,9 @@ class Scheduler:
     def _running_loras(self) -> set[int]:
         return {r.lora_int_id for r in self.running if r.lora_int_id}
 
-    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
-        """Whether ``req`` may run beside the adapters in ``loras`` (max_loras distinct)."""
+    def _lora_fits(self, req: Request, loras: set[int] | None) -> bool:
+        """Whether ``req`` may run beside the adapters in ``loras`` (max_loras distinct; None
+        only for a request without an adapter)."""
         lid = req.lora_int_id
         if not lid or lid in loras:
             return True
@@ -450,9 +491,11 @@ class Scheduler:
         reads the ids); register newly full pages in the prefix cache. Returns the requests
         that got a token (with ``sampled``: a host-only caller then checks their stops)."""
         got_token = []
+        requests, bm, bs = self.requests, self.block_manager, self.block_size
+        cached = bm.cached_page_counts if bm.enable_prefix_caching else None
         for s in scheduler_output.scheduled:
             req = s.request
-            if req.is_finished or self.requests.get(req.request_id) is not req:
+            if requests.get(req.request_id) is not req or req.status in FINISHED_STATUSES:
                 continue  # finished/aborted while the step ran
             if s.num_draft:
                 # the drafts' K/V are written but count only once accepted (commit_verified)
@@ -460,42 +503,93 @@ class Scheduler:
                 if sampled is not None:
                     raise ValueError("a verify step's tokens are read through commit_verified")
                 req.spec_in_flight = True
-                self.block_manager.cache_full_blocks(req)
+                bm.cache_full_blocks(req)
                 continue
             req.num_computed_tokens += s.num_new_tokens
             if s.sample:
-                tok = PLACEHOLDER if sampled is None else sampled.get(req.request_id)
-                if tok is None:
-                    raise ValueError(f"no sampled token for request {req.request_id!r}")
-                req.append_output_token(tok)
+                if sampled is None:  # req.append_output_token(PLACEHOLDER), inline
+                    req.num_pending += 1
+                    req.output_token_ids.append(PLACEHOLDER)
+                    req.all_token_ids.append(PLACEHOLDER)
+                else:
+                    tok = sampled.get(req.request_id)
+                    if tok is None:
+                        raise ValueError(f"no sampled token for request {req.request_id!r}")
+                    req.append_output_token(tok)
                 got_token.append(req)
-            self.block_manager.cache_full_blocks(req)
+            # cache_full_blocks, called only when a page filled (its own first test)
+            if cached is not None and min(
+                    req.num_computed_tokens, len(req.all_token_ids) - req.num_pending
+            ) // bs > cached.get(req.request_id, 0):
+                bm.cache_full_blocks(req)
         return got_token
 
     def update_from_output(self, scheduler_output: SchedulerOutput, out) -> list[CoreOutput]:
         """A dispatched step's ids reached the host (``out``: the runner's ``StepOutput``, numpy
         arrays, one row per scheduled request): resolve each row's placeholder or verified
         drafts, keep logprobs, stop what ends (``check_stop``) and report what each request
-        gained. Rows of requests finished or aborted since are dropped."""
+        gained (a ``final_only`` one: everything, once it finishes). Rows of requests finished
+        or aborted since are dropped."""
         now = time.time()
         token_ids = out.token_ids.tolist()  # Python ints
-        touched: dict[str, Request] = {}
+        requests, bm, bs = self.requests, self.block_manager, self.block_size
+        cached = bm.cached_page_counts if bm.enable_prefix_caching else None
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        inline = self.inline_plain_rows
+        outputs: list[CoreOutput] = []
+        num_plain = 0  # plain rows: one id each
         t0 = 0  # the row's first token in the plan (rows are laid out in order)
         for i, s in enumerate(scheduler_output.scheduled):
             req, row_t0 = s.request, t0
             t0 += len(s.new_token_ids)
             if s.prompt_span is not None:
                 req.record_prompt_logprobs(out.prompt_logprobs, row_t0, *s.prompt_span)
-            if not s.sample or req.is_finished or self.requests.get(req.request_id) is not req:
+            if (not s.sample or req.status in FINISHED_STATUSES
+                    or requests.get(req.request_id) is not req):
                 continue  # no token, or stopped / aborted since: its token is dropped
-            touched[req.request_id] = req
             if s.num_draft:
                 self._accept_verified(req, s.num_draft, out, i, now)
-            else:
-                req.resolve_pending(token_ids[i])
-                self.block_manager.cache_full_blocks(req)
-                self._on_token(req, token_ids[i], out, i, now)
-        return [r.take_output() for r in touched.values()]
+                if not req.final_only or req.status in FINISHED_STATUSES:
+                    outputs.append(req.take_output())
+                continue
+            tok = token_ids[i]
+            pend = req.num_pending
+            if (not pend or req.grammar is not None or req.new_logprobs is not None
+                    or req.new_prompt_logprobs or not inline):
+                req.resolve_pending(tok)
+                bm.cache_full_blocks(req)
+                self._on_token(req, tok, out, i, now)
+                if not req.final_only or req.status in FINISHED_STATUSES:
+                    outputs.append(req.take_output())
+                continue
+            # a plain row: resolve_pending, cache_full_blocks, _on_token and take_output, with
+            # stop_status called only where one of its tests can hold
+            ids, all_ids = req.output_token_ids, req.all_token_ids
+            n_out = len(ids) - pend + 1  # known output ids, this one included
+            n_known = len(all_ids) - pend + 1
+            ids[n_out - 1] = tok
+            all_ids[n_known - 1] = tok
+            req.num_pending = pend - 1
+            if cached is not None and (min(req.num_computed_tokens, n_known) // bs
+                                       > cached.get(req.request_id, 0)):
+                bm.cache_full_blocks(req)
+            num_plain += 1
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            if ((tok in eos or req.sampling_params.stop_token_ids or n_out >= req.max_tokens
+                 or n_known >= max_len) and self.check_stop(req, tok)):
+                m.finished_time = now
+                outputs.append(req.take_output())
+                continue
+            if req.final_only:
+                continue
+            outputs.append(CoreOutput(req.request_id, ids[req.num_reported:n_out], None, None,
+                                      req.stop_reason, None, m, req.num_cached_tokens))
+            req.num_reported = n_out
+        self.generation_tokens_total += num_plain
+        return outputs
 
     def _accept_verified(self, req: Request, num_draft: int, out, row: int, now: float) -> None:
         """A verify row: accepted drafts + the target's token, each through the stop checks

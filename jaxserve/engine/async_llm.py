@@ -107,6 +107,10 @@ class AsyncLLM:
                     result = self.engine.add_lora(args[0])
                 elif kind == "remove_lora":
                     result = self.engine.remove_lora(args[0])
+                elif kind == "utility":
+                    from jaxserve.engine.core_process import call_utility
+
+                    result = call_utility(self.engine, *args[0])
                 if fut is not None:
                     fut.set_result(result)
             except Exception as e:  # noqa: BLE001 - bad input goes back to its caller
@@ -157,6 +161,11 @@ class AsyncLLM:
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         return await self._command("remove_lora", lora_int_id)
+
+    async def call_utility(self, method: str, **kwargs):
+        """One of the engine's research controls (sleep, wake_up, is_sleeping,
+        update_weights) on the engine thread, between steps."""
+        return await self._command("utility", (method, kwargs))
 
     async def _command(self, kind: str, arg):
         self.check_health()

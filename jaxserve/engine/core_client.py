@@ -34,7 +34,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest, FinishSequences,
                                           LoRAUpdate, PoolRequest,
-                                          ResetPrefixCache, Shutdown, decode_message,
+                                          ResetPrefixCache, Shutdown, Utility, decode_message,
                                           encode_request, run_engine_core)
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.streams import FINISHED, RequestStreams
@@ -182,6 +182,12 @@ class EngineCoreClient:
             if fut is not None:
                 fut.get_loop().call_soon_threadsafe(
                     _settle if err is not None else _settle_value, fut, err or result)
+        elif kind == "utility":
+            _, token, result, err = msg
+            fut = self._adds.pop(token, None)
+            if fut is not None:
+                fut.get_loop().call_soon_threadsafe(
+                    _settle if err is not None else _settle_value, fut, err or result)
         elif kind == "dead":
             self._die(f"the engine core died: {msg[1]}")
 
@@ -303,6 +309,19 @@ class EngineCoreClient:
         fut = asyncio.get_running_loop().create_future()
         self._adds[token] = fut
         self._send(ResetPrefixCache(token))
+        try:
+            return await fut
+        finally:
+            self._adds.pop(token, None)
+
+    async def call_utility(self, method: str, **kwargs):
+        """One of the core's research controls (``core_process.UTILITY_METHODS``), run
+        between steps; its error (bad input) is raised here."""
+        self.check_health()
+        token = f"utility-{next(self._tokens)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._adds[token] = fut
+        self._send(Utility(token, method, kwargs))
         try:
             return await fut
         finally:

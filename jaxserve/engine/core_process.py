@@ -18,6 +18,8 @@ Messages out:
   ``STATS_INTERVAL_S`` (None between).
 - ``("pooled", outputs, stats)``: the ``PoolingOutput``s of one step of a pooling engine.
 - ``("reset", token, ok)``: the answer to ``reset_prefix_cache``.
+- ``("utility", token, result, error)``: the answer to a ``Utility`` call (sleep, wake_up,
+  is_sleeping, update_weights).
 - ``("dead", message)``: the loop failed; the process then exits.
 
 The core exits when its parent does (it checks its parent id), so it never outlives the
@@ -101,8 +103,21 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-CoreRequest = (AddRequest | PoolRequest | AbortRequest | FinishSequences | ResetPrefixCache | LoRAUpdate
-               | Shutdown)
+# the engine's research controls (engine/weight_sync.py) a client may call between steps
+UTILITY_METHODS = ("sleep", "wake_up", "is_sleeping", "update_weights")
+
+
+class Utility(msgspec.Struct, tag="utility", array_like=True):
+    """Call ``engine.<method>(**kwargs)`` (one of ``UTILITY_METHODS``) between steps; the
+    answer ``("utility", token, result, error)`` carries ``token`` back."""
+
+    token: str
+    method: str
+    kwargs: dict = {}
+
+
+CoreRequest = (AddRequest | PoolRequest | AbortRequest | FinishSequences | ResetPrefixCache
+               | LoRAUpdate | Utility | Shutdown)
 
 
 def encode_request(msg: CoreRequest) -> bytes:
@@ -266,9 +281,20 @@ def _handle(engine, msg: CoreRequest, outbox, preparer: Preparer | None = None) 
         if (msg.lora_request is None or preparer is None
                 or not preparer.submit(msg.token, update, lora_request=msg.lora_request)):
             update()
+    elif isinstance(msg, Utility):
+        result, err = _guarded(lambda: call_utility(engine, msg.method, msg.kwargs))
+        outbox.send(_pickled(("utility", msg.token, result, err)))
     elif isinstance(msg, Shutdown):
         return False
     return True
+
+
+def call_utility(engine, method: str, kwargs: dict):
+    """One of the engine's research controls by name (the only names a client may call)."""
+    if method not in UTILITY_METHODS:
+        raise InvalidRequestError(f"unknown utility method {method!r} (one of "
+                                  f"{', '.join(UTILITY_METHODS)})", param="method")
+    return getattr(engine, method)(**kwargs)
 
 
 def _guarded(fn):

@@ -35,6 +35,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CoreOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
+from jaxserve.worker.host_memory import memory_by_part
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.core.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ from jaxserve.engine.generation_config import default_sampling
 from jaxserve.engine.token_filter import TokenFilter, bad_words_token_ids
 from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
 from jaxserve.engine.tokenizer import prompt_ids
+from jaxserve.engine.weight_sync import WeightControl
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class _InFlight:
     generations: np.ndarray | None = None  # the batch rows' generations at dispatch
 
 
-class LLMEngine:
+class LLMEngine(WeightControl):
     """The engine core's loop over parts made by ``jaxserve.engine.builder.build_engine``."""
 
     def __init__(self, config: EngineConfig, *, model, model_config, model_dir, tokenizer,
@@ -126,7 +128,8 @@ class LLMEngine:
             for child in parent.children:
                 self.add_core_request(child.request_id, ids, child.params, arrival_time=now,
                                       priority=priority, lora_request=lora_request,
-                                      prefix_parent=child.prefix_parent)
+                                      prefix_parent=child.prefix_parent,
+                                      final_only=final_only and not child.params.stop)
         except Exception:
             self.abort_request(request_id)
             raise
@@ -151,9 +154,11 @@ class LLMEngine:
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
-                         prefix_parent: str | None = None) -> None:
+                         prefix_parent: str | None = None, final_only: bool = False) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
-        request whose prompt this one repeats, an n > 1 sibling's child 0)."""
+        request whose prompt this one repeats, an n > 1 sibling's child 0; ``final_only``: no
+        output until it finishes, for a front end that shows nothing before and checks no
+        stop string)."""
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine core runs one sequence per "
                                       "request (the front end fans n > 1 out)", param="n")
@@ -178,15 +183,18 @@ class LLMEngine:
                 self.model_config.vocab_size, params.allowed_token_ids,
                 bad_words_token_ids(self.tokenizer, params.bad_words or ()))
         req.use_spec = self.proposer is not None and can_speculate(params)
-        self.scheduler.add_request(req)
+        req.final_only = final_only
+        self._admit(req)  # held while a weight swap waits; refused while asleep
         if prefix_parent is None:
             self.prompt_tokens_total += len(ids)
 
     def abort_core_requests(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
         for rid in request_ids:
             self._swapped.pop(rid, None)
             self._swapped_state.pop(rid, None)
             self.scheduler.abort_request(rid)
+        self._drop_held(request_ids)
         self._drop_inflight_if_idle()
 
     def finish_sequences(self, stops: Iterable[SequenceStop]) -> None:
@@ -206,7 +214,7 @@ class LLMEngine:
         return self.scheduler.generation_tokens_total
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._weights_busy()
 
     def _drop_inflight_if_idle(self) -> None:
         if not self.scheduler.has_unfinished():
@@ -281,7 +289,7 @@ class LLMEngine:
     def core_step(self) -> list[CoreOutput]:
         """Schedule -> execute -> update: what each request gained from the step read now (the
         previous one with async scheduling)."""
-        outputs = []
+        outputs = self._weight_step()  # aborted by an update; a waiting swap once idle
         if self._inflight is not None and self._inflight.constrained:
             # a grammar's next mask needs the token in flight: read that step first
             done, self._inflight = self._inflight, None
@@ -429,6 +437,7 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             num_free_pages=self.block_manager.num_free_pages,
             num_pages=self.runner.num_pages,
+            memory_bytes=memory_by_part(self.runner),
         )
         if self.proposer is not None:
             s.update(self.spec_stats.as_dict())

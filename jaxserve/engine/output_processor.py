@@ -139,14 +139,19 @@ class OutputProcessor:
                 st.prompt_logprobs.extend(self._entry(tl, k) for tl in co.new_prompt_logprobs)
             if seq.finish_reason is not None:
                 continue
-            self._append(st, seq, co.new_token_ids, co.new_logprobs)
+            if seq.detok is None and (seq.logprobs is None or co.new_logprobs is None):
+                seq.token_ids += co.new_token_ids  # ids only: no text, so no stop string
+            else:
+                self._append(st, seq, co.new_token_ids, co.new_logprobs)
             if seq.finish_reason is not None:  # a stop string
                 stops.append(SequenceStop(seq.core_id, len(seq.token_ids)))
             elif co.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
         outputs = []
         for st in touched.values():
-            finished = st.finished
+            seqs = st.sequences
+            finished = (seqs[0].finish_reason is not None if len(seqs) == 1
+                        else st.finished)
             if finished or not st.final_only:
                 outputs.append(self._output(st))
             if finished:

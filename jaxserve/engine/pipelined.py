@@ -52,12 +52,12 @@ class PipelinedEngine(LLMEngine):
         return len(self._queue)
 
     def core_step(self) -> list[CoreOutput]:
+        outputs = self._weight_step()  # aborted by an update; a waiting swap once idle
         sched = self.scheduler.schedule()
         step = self._execute(sched)
         if step is not None:
             self._queue.append(step)
             self.max_in_flight = max(self.max_in_flight, len(self._queue))
-        outputs = []
         if self._queue and (len(self._queue) >= self.depth or step is None):
-            outputs = self._update(self._queue.popleft())
+            outputs += self._update(self._queue.popleft())
         return self._end_step(sched, outputs)

@@ -167,6 +167,39 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
+    # ---- research: weights in place, sleep and wake (engine/weight_sync.py) ---------------
+    def update_weights(self, weights, *, in_flight: str = "wait") -> bool:
+        """New weights without a restart: a pytree of ``jax.Array`` (an ``nnx.State`` or
+        module, or a dict keyed by HF names) or a path (safetensors directory or file, orbax
+        directory). Arrays already placed as the engine's (its mesh, sharding and dtype) are
+        used as they are, with no copy; others are cast and placed once; fp8 / int8 layers
+        are re-quantized. Everything is checked before anything changes (a ValueError names
+        the tensor). No step recompiles; the prefix cache is reset. ``in_flight``: "wait"
+        (requests running finish on the old weights, the swap follows) or "abort". True when
+        the new weights are in place now."""
+        return self.llm_engine.update_weights(weights, in_flight=in_flight)
+
+    def get_weights(self) -> dict:
+        """The engine's params keyed by HF name: its own device arrays (no copy), placed as
+        ``update_weights`` uses them as they are."""
+        return self.llm_engine.get_weights()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give device memory back: level 1 drops the KV cache and moves the weights to host
+        memory; level 2 drops both (``wake_up`` reloads the weights from their source)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; both when None)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix page; False while pages are in use."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         order = []

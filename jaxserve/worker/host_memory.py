@@ -180,8 +180,35 @@ def format_report(report: dict) -> str:
             f" + the rest (runtime, compiled programs, Python) {mib(report['rest'])}")
 
 
-# the last memory report of this process (``/metrics`` reads it), by part, in bytes
+# the last memory report of this process, by part, in bytes
 LAST_REPORT: dict = {}
+_REPORT_AT = [float("-inf")]
+REPORT_MAX_AGE_S = 5.0  # /metrics and the stats log see a report at most this old
+
+
+def memory_by_part(runner) -> dict:
+    """:func:`memory_report` of ``runner`` for the engine's stats, measured at most every
+    :data:`REPORT_MAX_AGE_S` seconds (``mincore`` over the pool costs milliseconds; stats are
+    read every step). Off the CPU ``rss`` is the host process's, and weights and KV are device
+    bytes."""
+    import time
+
+    import jax
+
+    now = time.monotonic()
+    if now - _REPORT_AT[0] >= REPORT_MAX_AGE_S or not LAST_REPORT:
+        weights = sum(x.nbytes for x in runner.weight_leaves() if hasattr(x, "nbytes"))
+        if jax.default_backend() == "cpu":
+            report = memory_report(weights, runner.kv_pages)
+        else:
+            reserved = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv_pages)
+                           if hasattr(x, "nbytes"))
+            report = dict(rss=rss_bytes(), weights=weights, kv_reserved=reserved,
+                          kv_resident=None, rest=None)
+        LAST_REPORT.clear()
+        LAST_REPORT.update(report)
+        _REPORT_AT[0] = now
+    return {k: v for k, v in LAST_REPORT.items() if v is not None}
 
 
 def log_memory(runner, when: str = "after warm-up") -> dict | None:
@@ -193,8 +220,7 @@ def log_memory(runner, when: str = "after warm-up") -> dict | None:
     if jax.default_backend() != "cpu":
         return None
     trim()
-    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.state)
-                  if hasattr(x, "nbytes"))
+    weights = sum(x.nbytes for x in runner.weight_leaves() if hasattr(x, "nbytes"))
     report = memory_report(weights, runner.kv_pages)
     LAST_REPORT.clear()
     LAST_REPORT.update(report)

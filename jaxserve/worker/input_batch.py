@@ -26,9 +26,6 @@ from jaxserve.core.sampling_params import MAX_LOGIT_BIAS
 from jaxserve.core.step_plan import (TRASH_PAGE, StepPlan, pick_bucket, seq_bucket,
                                      verify_arrays)
 
-# StepInputs is the padded, fixed-shape pytree one step reads (core.step_plan.StepPlan)
-StepInputs = StepPlan
-
 _SCALARS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "num_logprobs")
 
@@ -224,13 +221,15 @@ class InputBatch:
 
     # ---- the step ------------------------------------------------------------------------
     def prepare_inputs(self, diff: BatchDiff, *, ladder, token_bitmask: np.ndarray | None = None,
-                       lora_slots: dict[int, int] | None = None) -> StepInputs:
-        """The step's padded inputs, in the smallest bucket of ``ladder`` that holds them.
+                       lora_slots: dict[int, int] | None = None,
+                       bucket: int | None = None) -> StepPlan:
+        """The step's padded inputs, in the smallest bucket of ``ladder`` that holds them
+        (``bucket``: in that token bucket; a diff without rows then gives a padding step).
 
         ``token_bitmask[n_rows, W]``: the rows' allowed tokens (None: all); ``lora_slots``:
         adapter id -> device slot of the adapters this step runs."""
         n_rows = diff.num_rows
-        if n_rows == 0:
+        if n_rows == 0 and bucket is None:
             raise ValueError("a step needs at least one scheduled sequence")
         if n_rows > self.max_num_seqs:
             raise ValueError(f"{n_rows} sequences exceed max_num_seqs={self.max_num_seqs}")
@@ -246,11 +245,16 @@ class InputBatch:
             raise ValueError("every scheduled sequence needs at least one new token")
         starts = np.asarray(diff.start_pos, np.int32)
         n_tok = int(q_lens.sum())
-        t_bucket = pick_bucket(ladder, max(n_tok, n_rows))
-        s_bucket = seq_bucket(t_bucket, self.max_num_seqs)
-        if n_rows > s_bucket:  # only when the ladder's smallest bucket is tiny
-            t_bucket = pick_bucket(ladder, n_rows)
+        if bucket is not None:
+            t_bucket, s_bucket = bucket, seq_bucket(bucket, self.max_num_seqs)
+            if n_tok > t_bucket or n_rows > s_bucket:
+                raise ValueError(f"{n_rows} rows of {n_tok} tokens exceed bucket {bucket}")
+        else:
+            t_bucket = pick_bucket(ladder, max(n_tok, n_rows))
             s_bucket = seq_bucket(t_bucket, self.max_num_seqs)
+            if n_rows > s_bucket:  # only when the ladder's smallest bucket is tiny
+                t_bucket = pick_bucket(ladder, n_rows)
+                s_bucket = seq_bucket(t_bucket, self.max_num_seqs)
 
         query_start = np.zeros(s_bucket + 1, np.int32)
         np.cumsum(q_lens, out=query_start[1:n_rows + 1])

@@ -20,11 +20,14 @@ from flax import nnx
 
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models import kv_scales
-from jaxserve.models.layers import AttentionMetadata
 from jaxserve import sharding
 from jaxserve.core.kv_cache_spec import LinearState, group_layers, state_groups
 from jaxserve.worker.kv_cache import allocate_hybrid_caches, allocate_kv_pages
-from jaxserve.worker.runner import model_cache_specs
+from jaxserve.core.batch_diff import BatchDiff, NewRequestData
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.runner import attention_metadata, model_cache_specs
+from jaxserve.worker.step_inputs import StepInputs
 from pallas_kernels.reference import is_fp8
 
 logger = logging.getLogger(__name__)
@@ -53,12 +56,18 @@ def kv_amax(model, model_config: ModelConfig, token_ids, *, block_size: int, dty
         pool = allocate_kv_pages(model_config, pages + 1, block_size, dtype,
                                  sharding=pool_sharding, tp=tp)
     paged = [not isinstance(spec, LinearState) for spec in specs]
-    md = AttentionMetadata(
-        slot_mapping=jnp.arange(n, dtype=jnp.int32) + block_size,  # page 1 on; 0 is trash
-        query_start=jnp.asarray([0, n], jnp.int32),
-        seq_lens=jnp.asarray([n], jnp.int32),
-        block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-        num_seqs=jnp.int32(1), state_slots=jnp.zeros((1,), jnp.int32))
+    # the prefill is built as the engine builds its steps: a one-row batch, one diff
+    batch = InputBatch(max_rows=1, num_groups=1, max_pages=pages, block_size=block_size,
+                       max_model_len=n, max_num_seqs=1)
+    ids = [int(t) for t in token_ids]
+    batch.apply(BatchDiff(new_reqs=[NewRequestData(
+        "calibration", ids, n, SamplingParams(), [list(range(1, pages + 1))],  # 0: trash
+        state_slot=0)]))
+    plan = batch.prepare_inputs(BatchDiff(
+        req_ids=["calibration"], num_tokens=[n], token_ids=ids, start_pos=[0], sample=[False],
+        num_draft=[0], num_output=[0]), ladder=(n,))
+    inputs = jax.tree_util.tree_map(jnp.asarray, StepInputs.from_plan(plan))
+    md = attention_metadata(inputs, state_slots=inputs.state_slots)
     graphdef, state = nnx.split(model)
     heads = sharding.pool_kv_heads(model_config.num_kv_heads, tp)
 

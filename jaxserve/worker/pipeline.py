@@ -39,6 +39,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 import threading
 import time
 import types
@@ -58,6 +59,7 @@ from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.lora import LoRABatch
 from jaxserve.worker import runner as runner_lib
+from jaxserve.worker.step_inputs import StepInputs
 from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool, fork_copy,
                                       fork_pairs, kv_cache_dtype, specs_page_bytes)
 
@@ -229,28 +231,25 @@ def _state_sharding(mesh, tp: int):
 def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
                      state_layers: tuple[int, ...] = (), num_layers: int = 0):
     """One stage's program, jitted on its mesh:
-    ``(leaves, kv_pages, arrays, x, prev_tokens) -> (x, kv_pages)``, on the last stage
+    ``(leaves, kv_pages, inputs, lora, x, prev_tokens) -> (x, kv_pages)``, on the last stage
     ``(logits, kv_pages, hidden)`` as the single-program forward returns them. The first stage
-    takes token ids (``x`` unused), the others the previous stage's hidden states. With LoRA,
-    ``arrays["lora"]`` holds this stage's layers' adapter slots. ``state_layers``: the stage's
+    takes token ids (``x`` unused), the others the previous stage's hidden states. ``inputs``:
+    the step's ``StepInputs``; ``lora``: this stage's layers' adapter slots (None: no LoRA). ``state_layers``: the stage's
     LinearState layers (stage-local indices), whose caches are state-pool arrays."""
 
-    def forward(state_leaves, kv_pages, arrays, x, prev_tokens):
+    def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens):
         runner_lib._TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         family = stage.family
         md = runner_lib.attention_metadata(
-            arrays, state_slots=runner_lib._state_slots(arrays["state_slots"], kv_pages,
-                                                        state_layers))
+            step, state_slots=runner_lib._state_slots(step.state_slots, kv_pages,
+                                                      state_layers))
         if stage.first:
-            ref = arrays["prev_ref"]
-            token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)],
-                                  arrays["token_ids"])
+            ref = step.prev_ref
+            token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], step.token_ids)
             x = family.embed(stage, token_ids)
-        lora = (LoRABatch(arrays["lora_slots"], *arrays["lora"]) if "lora" in arrays
-                else None)
-        inputs = family.layer_inputs(stage, arrays["positions"], md,
-                                     arrays["positions"].shape[0])
+        lora = LoRABatch(step.lora_slots, *lora) if lora is not None else None
+        inputs = family.layer_inputs(stage, step.positions, md, step.positions.shape[0])
         new_pages = []
         for j, (layer, kv) in enumerate(zip(stage.model.layers, kv_pages)):
             if stage.shared_from[j] is not None:  # KV sharing: the producer's pages
@@ -263,7 +262,7 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
             return x, new_pages  # the hidden states (with PLE: and the per-layer inputs)
         final = getattr(family, "final_hidden", None)
         hidden = final(stage, x) if final is not None else stage.model.norm(x)
-        idx = arrays["logits_indices"]
+        idx = step.logits_indices
         if idx.size > hidden.shape[0]:
             return stage.compute_logits(hidden)[idx], new_pages, hidden
         logits = stage.compute_logits(hidden[idx.reshape(-1)])
@@ -342,6 +341,12 @@ def _release_unused(model, kept: list) -> None:
     for x in jax.tree_util.tree_leaves(nnx.state(model)):
         if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
             x.delete()
+
+
+def _model_path(name: str, lo: int) -> str:
+    """A stage's state path -> the model's (stage layer ``j`` is model layer ``lo + j``)."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
+    return f"model.layers.{int(m.group(1)) + lo}.{m.group(2)}" if m else name
 
 
 def _abstract(tree):
@@ -492,7 +497,6 @@ class PipelineRunner(runner_lib.ModelRunner):
         self._on_token_limit = None
         self._count_lock = threading.Lock()
         self._ones_bitmasks = {}
-        self._np_rng = np.random.default_rng(engine_config.seed)
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         # the first stage's placeholder source when no row has one (no wait on the last stage)
         self._no_tokens = None if not self.local[0] else jax.device_put(
@@ -530,21 +534,13 @@ class PipelineRunner(runner_lib.ModelRunner):
                       mesh=smesh, weight_specs=targets.specs, layers=(lo, hi))
             for (lo, hi), smesh in zip(self.partition, self.stage_meshes)])
 
-    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
-        """The plan's arrays (LoRA: the slots' weights are each stage's, see
-        ``_stage_arrays``) and the verifier's inputs."""
-        spec = None
-        if plan.num_draft is not None:
-            spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
-        arrays = plan.forward_arrays()
-        if self.lora is not None:
-            arrays["lora_slots"] = plan.lora_slots
-        return arrays, spec
+    def weight_leaves(self) -> list:
+        """Every stage's parameter arrays (on their own devices)."""
+        return [x for leaves in self._stage_leaves for x in leaves]
 
-    def _stage_arrays(self, arrays: dict, i: int) -> dict:
-        if self.lora is None:
-            return arrays
-        return dict(arrays, lora=self.lora.stages[i].arrays)
+    def _stage_lora(self, i: int):
+        """Stage ``i``'s adapter slots' weights (None without LoRA)."""
+        return None if self.lora is None else self.lora.stages[i].arrays
 
     @property
     def kv_pages(self) -> list:
@@ -561,7 +557,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         (logits on the sampling stage, None, hidden on the last stage or None), or with
         ``gather=False`` the last stage's (logits, hidden) as they are (None on other hosts);
         ``before_last()`` runs after the hand-off into the last stage, before its program."""
-        arrays, _ = self._step_inputs(plan)
+        inputs = self._step_inputs(plan)[0]
         prev = self._no_tokens
         if self.local[0] and np.any(plan.prev_ref >= 0):  # placeholders: wait for the ids
             prev = jax.device_put(self._last_tokens, sharding.replicated(self.stage_meshes[0]))
@@ -576,8 +572,8 @@ class PipelineRunner(runner_lib.ModelRunner):
             if i == last and before_last is not None:
                 before_last()
             if fn is not None:
-                out = fn(self._stage_leaves[i], self.stage_pages[i],
-                         self._stage_arrays(arrays, i), x, prev if i == 0 else None)
+                out = fn(self._stage_leaves[i], self.stage_pages[i], inputs,
+                         self._stage_lora(i), x, prev if i == 0 else None)
                 x, self.stage_pages[i] = out[0], out[1]
             else:
                 x = None
@@ -648,10 +644,8 @@ class PipelineRunner(runner_lib.ModelRunner):
         plan = h.plan
         before = runner_lib._TRACES.n
         logits, _, hidden = self._gather_logits(plan, logits, hidden)
-        out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                              self._last_tokens, plan.token_rows,
-                                              self._bitmask(plan),
-                                              self._step_inputs(plan)[1])
+        out, self._last_tokens = self.sample(logits, self._step_inputs(plan)[1],
+                                             self._last_tokens, self._bitmask(plan))
         h.sampled, h.verify = out if self.num_spec_tokens else (out, None)
         if plan.prompt_next_ids is not None:
             h.prompt_logprobs = self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids)
@@ -696,14 +690,31 @@ class PipelineRunner(runner_lib.ModelRunner):
         with self._pool_lock:
             before = runner_lib._TRACES.n
             logits, _, hidden = self._forward_stages(plan)
-            out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                  self._last_tokens, plan.token_rows,
-                                                  self._bitmask(plan),
-                                                  self._step_inputs(plan)[1])
+            out, self._last_tokens = self.sample(logits, self._step_inputs(plan)[1],
+                                                 self._last_tokens, self._bitmask(plan))
             if plan.prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs_everywhere(hidden, plan.prompt_next_ids))
             self._count_step_compiles(before, plan)
         return out
+
+    # ---- weights in place (jaxserve.engine.weight_sync) -------------------------------------
+    def stage_param_names(self) -> list[list[str]]:
+        """Each stage's params by the model's state path (its layers numbered as the model's)."""
+        names = getattr(self, "_stage_names", None)
+        if names is None:
+            from jaxserve.worker.weight_update import state_names
+
+            names = self._stage_names = [
+                [_model_path(n, lo) for n in state_names(jax.tree_util.tree_unflatten(td, lv))]
+                for (lo, _), (_, td), lv in zip(self.partition, self._stage_defs,
+                                                self._stage_leaves)]
+        return names
+
+    def set_stage_params(self, stage_leaves: list[list]) -> None:
+        """Swap every stage's leaves between steps (each with its old leaf's placement)."""
+        with self._pool_lock:
+            self._stage_leaves = [list(x) for x in stage_leaves]
+            self._state_leaves = self._stage_leaves[-1]
 
     # ---- warm-up: every bucket, smallest first, on a thread (or in the foreground) ----------
     # Each bucket's stage programs are lowered and compiled without the pool lock (steps on
@@ -782,14 +793,15 @@ class PipelineRunner(runner_lib.ModelRunner):
         with self._pool_lock:  # the arrays of the moment (their shapes and shardings)
             leaves, pages = list(self._stage_leaves), list(self.stage_pages)
             prev = self._no_tokens
-            arrays, _ = self._step_inputs(plan)
-            arrays = [self._stage_arrays(arrays, i) for i in range(self.num_stages)]
+            inputs = self._step_inputs(plan)[0]
+            loras = [self._stage_lora(i) for i in range(self.num_stages)]
         x = None
         for i, fn in enumerate(self._stage_fns):
             if fn is None:
                 return
             with TRACE_LOCK:
-                lowered = fn.lower(leaves[i], pages[i], arrays[i], x, prev if i == 0 else None)
+                lowered = fn.lower(leaves[i], pages[i], inputs, loras[i], x,
+                                   prev if i == 0 else None)
             out = lowered.compile().out_info[0]
             if i + 1 < len(self._stage_fns):
                 rep = sharding.replicated(self.stage_meshes[i + 1])
@@ -805,21 +817,16 @@ class PipelineRunner(runner_lib.ModelRunner):
         s, plans = self._warmup_plans(t)
         if self.link is None:
             self._compile_stages(plans[0])
-        k = self.num_spec_tokens
-        # drafts in every row: the verifier's random branch (as warmup.BucketWarmup)
-        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
-                      num_draft=np.full(s, k, np.int32)) if k else None
         with self._pool_lock:
             for plan in plans:
                 logits, _, hidden = self._forward_stages(plan)
-                jax.block_until_ready(self._sample(
-                    logits, plan.sampling, plan.history_ref, self._last_tokens,
-                    plan.token_rows, self._ones_bitmask(s), self._step_inputs(plan)[1]))
+                jax.block_until_ready(self.sample(logits, self._step_inputs(plan)[1],
+                                                  self._last_tokens, self._ones_bitmask(s)))
             half = w.warmup_bitmask(self, s)
             for p in w._WARMUP_OTHER_BRANCHES + w._WARMUP_FULL_LAYOUT:
-                jax.block_until_ready(self._sample(
-                    logits, w.warmup_sampling(self, p, s), np.full((s, 2), -1, np.int32),
-                    self._last_tokens, np.full(s, -1, np.int32), half, drafts))
+                jax.block_until_ready(self.sample(
+                    logits, w.sampler_variant(self, w.warmup_sampling(self, p, s), s),
+                    self._last_tokens, half))
             jax.block_until_ready(self._prompt_logprobs_everywhere(
                 hidden, np.zeros(t, np.int32)))
 

@@ -1,6 +1,8 @@
 """The model runner: one jitted step per token bucket, KV pool donated, compile counter.
 
-    step(state, kv_pages, plan arrays, sampling arrays) -> (sampler output, kv_pages)
+    step(state, kv_pages, StepInputs, SamplerInputs) -> (sampler output, kv_pages)
+
+Each half takes its inputs as one packed buffer (``worker.step_inputs``).
 
 The model is split into a static graph and a state pytree once (``nnx.split``); the step merges
 them inside ``jit``, so params are ordinary jit arguments and the graph is a closure. Every new
@@ -45,8 +47,8 @@ from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, group_poo
                                          pooled_kv_bytes_per_token, split_budget,
                                          split_budget_with_state, state_bytes_per_slot,
                                          state_groups)
-from jaxserve.core.step_plan import (ARRAY_FIELDS, TRASH_PAGE, ScheduledSeq, StepPlan,
-                                     build_step_plan, seq_bucket, token_ladder)
+from jaxserve.core.step_plan import ARRAY_FIELDS, TRASH_PAGE, StepPlan, seq_bucket, token_ladder
+from jaxserve.worker.step_inputs import SamplerInputs, StepInputs, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -79,23 +81,24 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
     which cost milliseconds per step), and params travel as a flat list of leaves.
     """
 
-    def forward(state_leaves, kv_pages, arrays, prev_tokens):
+    def forward(state_leaves, kv_pages, buf, prev_tokens, lora, layout):
         _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
-        ref = arrays["prev_ref"]
-        token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
+        inputs: StepInputs = unpack(buf, layout)
+        ref = inputs.prev_ref
+        token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
         md = attention_metadata(
-            arrays, state_slots=_state_slots(arrays["state_slots"], kv_pages, state_layers),
+            inputs, state_slots=_state_slots(inputs.state_slots, kv_pages, state_layers),
             snapshot_slots=(None if snapshots is None
-                            else snapshot_slots(arrays["num_draft"], *snapshots)))
-        if "lora" in arrays:  # (scale [L], per-layer A/B) of the device slots
-            hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md,
-                                     lora=LoRABatch(arrays["lora_slots"], *arrays["lora"]))
+                            else snapshot_slots(inputs.num_draft, *snapshots)))
+        if lora is not None:  # (scale [L], per-layer A/B) of the device slots
+            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md,
+                                     lora=LoRABatch(inputs.lora_slots, *lora))
         else:
-            hidden, kv_pages = model(token_ids, arrays["positions"], kv_pages, md)
+            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md)
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
         # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
-        idx = arrays["logits_indices"]
+        idx = inputs.logits_indices
         if idx.size > hidden.shape[0]:
             # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
             # mostly padding): the vocabulary projection runs once per token, then is gathered
@@ -104,28 +107,30 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
         return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden
 
     if mesh is None:
-        return jax.jit(forward, donate_argnums=(1,))
+        return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,))
     # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
     # shards) and the donated pool keeps its head sharding, so every step reuses one program.
     pool = sharding.kv_pool_sharding(mesh)
     if state_layers:  # the state pools split over their channel/head axis, the pages over heads
         pool = [sharding.state_pool_sharding(mesh) if i in state_layers else pool
                 for i in range(num_layers)]
-    return jax.jit(forward, donate_argnums=(1,), out_shardings=(
+    return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,), out_shardings=(
         sharding.replicated(mesh), pool, sharding.replicated(mesh)))
 
 
-def attention_metadata(arrays: dict, state_slots=None, snapshot_slots=None
-                       ) -> AttentionMetadata:
-    """What the attention kernels read of a step's inputs: with one page pool, group 0's
-    slot mapping and block tables; with a pool per cache group, every group's (``[G, ...]``),
-    and the model picks each layer's (``cache_groups_supported``)."""
-    grouped = arrays["block_tables"].shape[0] > 1
+def attention_metadata(inputs: StepInputs, state_slots=None, snapshot_slots=None,
+                       group: int | None = None) -> AttentionMetadata:
+    """What the attention kernels read of a step's inputs, the one place that makes it: with
+    one page pool (or ``group`` named), that group's slot mapping and block tables; with a
+    pool per cache group, every group's (``[G, ...]``), and the model picks each layer's
+    (``cache_groups_supported``)."""
+    grouped = group is None and inputs.block_tables.shape[0] > 1
+    g = group or 0
     return AttentionMetadata(
-        slot_mapping=arrays["slot_mapping"] if grouped else arrays["slot_mapping"][0],
-        query_start=arrays["query_start"], seq_lens=arrays["seq_lens"],
-        block_tables=arrays["block_tables"] if grouped else arrays["block_tables"][0],
-        num_seqs=arrays["num_seqs"], state_slots=state_slots, snapshot_slots=snapshot_slots)
+        slot_mapping=inputs.slot_mapping if grouped else inputs.slot_mapping[g],
+        query_start=inputs.query_start, seq_lens=inputs.seq_lens,
+        block_tables=inputs.block_tables if grouped else inputs.block_tables[g],
+        num_seqs=inputs.num_seqs, state_slots=state_slots, snapshot_slots=snapshot_slots)
 
 
 def snapshot_slots(num_draft, base: int, k: int):
@@ -181,48 +186,47 @@ def _mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None):
 
     Returns (drafts ``[S, k]``, the head's pages)."""
 
-    def propose(state_leaves, mtp_kv, arrays, hidden, prev_tokens, emitted, num_emitted):
+    def propose(state_leaves, mtp_kv, buf, hidden, prev_tokens, emitted, num_emitted, layout):
         _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        inputs: StepInputs = unpack(buf, layout)
         T = hidden.shape[0]
-        ref = arrays["prev_ref"]
-        tok = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], arrays["token_ids"])
-        qs, seq_lens, nd = arrays["query_start"], arrays["seq_lens"], arrays["num_draft"]
+        ref = inputs.prev_ref
+        tok = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
+        qs, seq_lens, nd = inputs.query_start, inputs.seq_lens, inputs.num_draft
         S = seq_lens.shape[0]
         rows = jnp.arange(S, dtype=jnp.int32)
         real = seq_lens > 0
         a = num_emitted - 1
         src = jnp.clip(qs[1:] - 1 - nd + a, 0, T - 1)  # each row's sampling position
-        nxt_row = jnp.where(arrays["next_token_ids"] >= 0, arrays["next_token_ids"],
+        nxt_row = jnp.where(inputs.next_token_ids >= 0, inputs.next_token_ids,
                             emitted[rows, jnp.clip(a, 0, k)])
         nxt = jnp.concatenate([tok[1:], jnp.zeros((1,), tok.dtype)])
         nxt = nxt.at[jnp.where(real, src, T)].set(nxt_row, mode="drop")
-        bt = arrays["block_tables"][0]
-        md = AttentionMetadata(slot_mapping=arrays["slot_mapping"][0], query_start=qs,
-                               seq_lens=seq_lens, block_tables=bt, num_seqs=arrays["num_seqs"])
-        h, mtp_kv = model.mtp_forward(nxt, arrays["positions"], hidden, mtp_kv, md)
+        h, mtp_kv = model.mtp_forward(nxt, inputs.positions, hidden, mtp_kv,
+                                      attention_metadata(inputs, group=0))
         h = h[src]
         draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
         drafts = [draft]
-        pos = arrays["positions"][src]
-        max_pos = bt.shape[1] * block_size - 1
-        for j in range(1, k):
+        pos = inputs.positions[src]
+        bt = inputs.block_tables[:1]
+        max_pos = bt.shape[2] * block_size - 1
+        for j in range(1, k):  # one position a row: the row's own single-token step
             p = jnp.minimum(pos + j, max_pos)
-            page = bt[rows, p // block_size]
-            md = AttentionMetadata(
+            page = bt[0, rows, p // block_size]
+            one = inputs.replace(
                 slot_mapping=jnp.where(real, page * block_size + p % block_size,
-                                       TRASH_PAGE * block_size),
+                                       TRASH_PAGE * block_size)[None],
                 query_start=jnp.arange(S + 1, dtype=jnp.int32),
-                seq_lens=jnp.where(real, p + 1, 1), block_tables=bt,
-                num_seqs=jnp.int32(S))
-            h, mtp_kv = model.mtp_forward(draft, p, h, mtp_kv, md)
+                seq_lens=jnp.where(real, p + 1, 1), block_tables=bt, num_seqs=jnp.int32(S))
+            h, mtp_kv = model.mtp_forward(draft, p, h, mtp_kv, attention_metadata(one, group=0))
             draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
             drafts.append(draft)
         return jnp.stack(drafts, axis=1), mtp_kv
 
     if mesh is None:
-        return jax.jit(propose, donate_argnums=(1,))
-    return jax.jit(propose, donate_argnums=(1,), out_shardings=(
+        return jax.jit(propose, donate_argnums=(1,), static_argnums=(7,))
+    return jax.jit(propose, donate_argnums=(1,), static_argnums=(7,), out_shardings=(
         sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)))
 
 
@@ -270,36 +274,40 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
     the (cheap) sampler compiles once per sequence bucket and sampling-array layout. The top
     logprobs have the static width ``num_top_logprobs`` (see :func:`top_logprobs_width`).
 
-    ``history_ref[S, 2]`` (buffer row, history index) fills a penalty row's pending token from
-    ``prev_tokens``. Returns the sampler output and the ``[max_num_seqs]`` buffer of each row's
+    Takes a packed :class:`SamplerInputs`; its ``history_ref[S, 2]`` (buffer row, history
+    index) fills a penalty row's pending token from ``prev_tokens``. Returns the sampler output and the ``[max_num_seqs]`` buffer of each row's
     last sampled id with this step's ids written at ``token_rows`` (-1: not kept), which later
     steps read; under a mesh everything
     leaves replicated (on the parameters' 1-device mesh without tensor parallelism), so the
     buffer keeps one sharding from step to step."""
 
-    def sample(logits, sampling, history_ref, prev_tokens, token_rows, token_bitmask,
-               spec=None):
+    def sample(logits, buf, prev_tokens, token_bitmask, layout):
         _TRACES.n += 1
-        fields = {k: sampling[k] for k in SAMPLING_FIELDS}
+        inputs: SamplerInputs = unpack(buf, layout)
+        fields = {k: inputs.sampling[k] for k in SAMPLING_FIELDS}
         hist = fields["history"]
         rows = jnp.arange(hist.shape[0])
+        history_ref = inputs.history_ref
         src, pos = history_ref[:, 0], jnp.clip(history_ref[:, 1], 0, hist.shape[1] - 1)
         pending = prev_tokens[jnp.maximum(src, 0)]
         fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
         md = sampler_lib.SamplingMetadata(**fields)
-        if spec is None:
+        if not inputs.speculating:
             out = sampler_lib.sample(logits, md, num_top_logprobs, token_bitmask=token_bitmask)
+            ids = out.token_ids
         else:  # [S, k+1, V]: column 0 is what a row without drafts samples
             out = sampler_lib.sample(logits[:, 0], md, num_top_logprobs,
                                      token_bitmask=token_bitmask)
-            out = (out, rejection_sampler.verify(logits, md, spec["draft_token_ids"],
-                                                 spec["num_draft"], out.token_ids))
-        ids = out.token_ids if spec is None else out[0].token_ids
+            ids = out.token_ids
+            out = (out, rejection_sampler.verify(logits, md, inputs.draft_token_ids,
+                                                 inputs.num_draft, out.token_ids))
         R = prev_tokens.shape[0]
+        token_rows = inputs.token_rows
         return out, prev_tokens.at[jnp.where(token_rows >= 0, token_rows, R)].set(
             ids, mode="drop")
 
-    return jax.jit(sample, out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
+    return jax.jit(sample, static_argnums=(4,),
+                   out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
 
 
 def top_logprobs_width(max_logprobs: int, vocab_size: int) -> int:
@@ -382,14 +390,12 @@ def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, ma
         want = sched.max_num_seqs * full + 1
         return tuple(int(max(2, min(want, max(n, 2 * full + 1))))
                      for n in split(cpu_kv_cache_bytes()))
-    in_use = stats.get("bytes_in_use", param_bytes)
     t_max = sched.max_num_batched_tokens
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
     act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
     reserve = 2 * act + (256 << 20)
-    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
-    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
-                                         reserve)
+    free, total, in_use = memory_budget.kv_cache_budget_from_stats(
+        stats, cache.gpu_memory_utilization, reserve, param_bytes)
     sizes = split(free)
     if min(sizes) < 2:
         raise ValueError(
@@ -432,13 +438,11 @@ def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConf
         fit = split_budget(pools, cpu_kv_cache_bytes(), block_size=block,
                            max_model_len=max_model_len, tp=tp)
         return tuple(int(max(2, min(w, f + h))) for w, f, h in zip(want, fit, headroom))
-    in_use = stats.get("bytes_in_use", param_bytes)
     t_max = sched.max_num_batched_tokens
     act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
     act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
-    total = memory_budget.device_total_bytes(limit, memory_budget.allocator_fraction())
-    free = memory_budget.kv_cache_budget(total, cache.gpu_memory_utilization, limit, in_use,
-                                         2 * act + (256 << 20))
+    free, total, in_use = memory_budget.kv_cache_budget_from_stats(
+        stats, cache.gpu_memory_utilization, 2 * act + (256 << 20), param_bytes)
     free -= sum(h * b for h, b in zip(headroom, per_page))
     sizes = tuple(n + h for n, h in zip(
         split_budget(pools, max(free, 0), block_size=block, max_model_len=max_model_len,
@@ -586,7 +590,6 @@ class ModelRunner:
         self._warmup: BucketWarmup | None = None  # the compile jobs, once started
         self._count_lock = threading.Lock()
         self._ones_bitmasks: dict[int, jax.Array] = {}  # all-ones masks per sequence bucket
-        self._np_rng = np.random.default_rng(engine_config.seed)  # seeds of unseeded rows
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         if self.state_layers:
@@ -643,14 +646,15 @@ class ModelRunner:
             self._warmup.wait(plan)
         with self._pool_lock:
             before = _TRACES.n
-            arrays, spec = self._step_inputs(plan)
+            inputs, sampler_inputs = self._step_inputs(plan)
+            packed = pack(inputs)
             prev_tokens = self._last_tokens
-            logits, self.kv_pages, hidden = self._forward(self._state_leaves, self.kv_pages,
-                                                          arrays, prev_tokens)
-            out, self._last_tokens = self._sample(logits, plan.sampling, plan.history_ref,
-                                                  prev_tokens, plan.token_rows,
-                                                  self._bitmask(plan), spec)
-            drafts = self.after_verify(arrays, hidden, out, prev_tokens)
+            logits, self.kv_pages, hidden = self._forward(
+                self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
+                packed[1])
+            out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
+                                                 self._bitmask(plan))
+            drafts = self.after_verify(inputs, packed, hidden, out, prev_tokens)
             if drafts is not None:
                 out = (*out, drafts)
             if prompt_next_ids is not None:
@@ -662,43 +666,46 @@ class ModelRunner:
                                    plan.token_bucket)
         return out
 
-    def after_verify(self, arrays: dict, hidden, out, prev_tokens):
+    def sample(self, logits, inputs: SamplerInputs, prev_tokens, token_bitmask):
+        """The sampler on a step's logits: ``(output, the last-token buffer with this step's
+        ids)``, the inputs sent as one buffer."""
+        buf, layout = pack(inputs)
+        return self._sample(logits, buf, prev_tokens, token_bitmask, layout)
+
+    def weight_leaves(self) -> list:
+        """The model's parameter arrays (what the step reads as weights)."""
+        return list(self._state_leaves)
+
+    def _lora_arrays(self):
+        """The adapter slots' device weights (None without LoRA): one graph for any mix."""
+        return None if self.lora is None else self.lora.arrays
+
+    def after_verify(self, inputs: StepInputs, packed, hidden, out, prev_tokens):
         """What a speculating step runs after its verifier (in the step's own dispatch, so
         nothing waits for the host): the recurrent state's rollback to each verify row's last
-        accepted token, then the MTP head's drafts for the next step (None without it)."""
+        accepted token, then the MTP head's drafts for the next step (None without it).
+        ``packed``: the forward's ``pack(inputs)``."""
         if not self.num_spec_tokens:
             return None
         verify = out[1]
         pool = list(self.kv_pages)
         if self._rollback is not None:
             states = self._rollback([pool[i] for i in self.state_layers],
-                                    arrays["state_slots"], arrays["num_draft"],
-                                    verify.num_emitted)
+                                    inputs.state_slots, inputs.num_draft, verify.num_emitted)
             for i, st in zip(self.state_layers, states):
                 pool[i] = st
         drafts = None
         if self._mtp is not None:
-            drafts, pool[-1] = self._mtp(self._state_leaves, pool[-1], arrays, hidden,
-                                         prev_tokens, verify.token_ids, verify.num_emitted)
+            drafts, pool[-1] = self._mtp(self._state_leaves, pool[-1], packed[0], hidden,
+                                         prev_tokens, verify.token_ids, verify.num_emitted,
+                                         packed[1])
         self.kv_pages = pool
         return drafts
 
-    def _step_inputs(self, plan: StepPlan) -> tuple[dict, dict | None]:
-        """The forward's plan arrays and the verifier's inputs (every step of a speculating
-        engine has the verify shapes: logits at ``[S, k+1]`` positions). With LoRA on, every
-        step carries the slots' weights and each token's slot (one graph for any mix)."""
-        spec = None
-        if plan.num_draft is not None:
-            spec = dict(draft_token_ids=plan.draft_token_ids, num_draft=plan.num_draft)
-        arrays = plan.forward_arrays()
-        if plan.num_draft is not None and (self.snapshots is not None or self.mtp):
-            arrays["num_draft"] = plan.num_draft
-        if self.mtp:
-            arrays["next_token_ids"] = plan.next_token_ids
-        if self.lora is not None:
-            arrays["lora_slots"] = plan.lora_slots
-            arrays["lora"] = self.lora.arrays
-        return arrays, spec
+    def _step_inputs(self, plan: StepPlan) -> tuple[StepInputs, SamplerInputs]:
+        """The step's two device-side views (every step of a speculating engine has the
+        verify shapes: logits at ``[S, k+1]`` positions)."""
+        return StepInputs.from_plan(plan), SamplerInputs.from_plan(plan, self.num_spec_tokens)
 
     def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
         """The device slots of every layer's adapters, placed like the weights they adapt."""
@@ -737,15 +744,6 @@ class ModelRunner:
             ones = self._ones_bitmasks[s] = self._put_bitmask(
                 np.full((s, self.bitmask_width()), -1, np.int32))
         return ones
-
-    def build_plan(self, rows: list[ScheduledSeq], token_bitmask: np.ndarray | None = None
-                   ) -> StepPlan:
-        """The step's plan, in a bucket that is compiled (or compiling) now."""
-        return build_step_plan(rows, block_size=self.block_size,
-                               max_pages_per_seq=self.max_pages_per_seq,
-                               ladder=self._plan_ladder(), max_num_seqs=self.max_num_seqs,
-                               history_len=self.max_model_len, rng=self._np_rng,
-                               token_bitmask=token_bitmask, num_spec_tokens=self.num_spec_tokens)
 
     def dispatch(self, plan: StepPlan) -> StepHandle:
         """Enqueue the step and start copying its results to the host; returns at once.
@@ -912,6 +910,26 @@ class ModelRunner:
         with self._pool_lock:
             self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
                                      tuple(self.state_layers), src, dst, ssrc, sdst))
+
+    # ---- weights in place, sleep (jaxserve.worker.weight_update, jaxserve.worker.sleep) ----
+    def param_names(self) -> list[str]:
+        """The state path (HF name) of each param leaf, in leaf order."""
+        names = getattr(self, "_param_names", None)
+        if names is None:  # the state's structure never changes
+            from jaxserve.worker.weight_update import state_names
+
+            names = self._param_names = state_names(self.state)
+        return names
+
+    def set_params(self, leaves: list) -> None:
+        """Swap every param leaf between steps. Each has its old leaf's shape, dtype and
+        sharding (``weight_update.prepare_leaves``), so no step recompiles."""
+        treedef = getattr(self, "_state_treedef", None)
+        if treedef is None:
+            treedef = self._state_treedef = jax.tree_util.tree_structure(self.state)
+        with self._pool_lock:
+            self._state_leaves = list(leaves)
+            self.state = jax.tree_util.tree_unflatten(treedef, self._state_leaves)
 
     def _set_pool(self, pool) -> None:
         """Keep the step's input sharding (no recompile under tp): page pools split over KV

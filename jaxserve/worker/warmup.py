@@ -25,10 +25,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
-from jaxserve.core.sampling_metadata import (COMPACT_STOP_WIDTH, build_sampling_arrays,
-                                              dummy_sampling_arrays)
+from jaxserve.core.sampling_metadata import COMPACT_STOP_WIDTH
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import TRASH_PAGE, StepPlan, padding_plan, seq_bucket
+from jaxserve.core.step_plan import TRASH_PAGE, StepPlan, seq_bucket
+from jaxserve.worker.step_inputs import SamplerInputs, pack
 from jaxserve.worker.compile_pool import TRACE_LOCK, CompilePool
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.host_memory import log_memory
@@ -198,42 +198,37 @@ class BucketWarmup:
             kv, last = r.kv_pages, self._scratch_tokens
         t0 = time.perf_counter()
         with TRACE_LOCK:
-            lowered = r._forward.lower(r._state_leaves, kv, r._step_inputs(plans[0])[0], last)
+            buf, layout = pack(r._step_inputs(plans[0])[0])
+            lowered = r._forward.lower(r._state_leaves, kv, buf, last, r._lora_arrays(), layout)
         t1 = time.perf_counter()
         fwd = lowered.compile()  # or a load from the persistent cache
         t2 = time.perf_counter()
         logits = fwd.out_info[0]
         # the other side of each sampler lax.cond: other sampling modes, a token mask that
         # forbids half the vocabulary, and drafts in every row (the verifier's random branch)
-        k = r.num_spec_tokens
-        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
-                      num_draft=np.full(s, k, np.int32)) if k else None
         ones, half = r._ones_bitmask(s), warmup_bitmask(r, s)
-        none = np.full(s, -1, np.int32)
-        others = [(warmup_sampling(r, p, s), np.full((s, 2), -1, np.int32), none, half, drafts)
+        others = [(sampler_variant(r, warmup_sampling(r, p, s), s), half)
                   for p in _WARMUP_OTHER_BRANCHES]
-        own = [(p.sampling, p.history_ref, p.token_rows, ones, r._step_inputs(p)[1])
-               for p in plans]
+        own = [(r._step_inputs(p)[1], ones) for p in plans]
         with self._sampler_locks.setdefault(s, threading.Lock()):  # once per sequence bucket
-            for sampling, history_ref, rows, mask, spec in own + others:
+            for sampler_inputs, mask in own + others:
                 with TRACE_LOCK:
-                    lowered = r._sample.lower(logits, sampling, history_ref, last, rows, mask,
-                                              spec)
+                    buf, layout = pack(sampler_inputs)
+                    lowered = r._sample.lower(logits, buf, last, mask, layout)
                 lowered.compile()
         with r._pool_lock:  # the runs donate the pool: one step at a time
             for plan in plans:
-                arrays, spec = r._step_inputs(plan)
-                logits, r.kv_pages, hidden = r._forward(r._state_leaves, r.kv_pages, arrays,
-                                                        last)
-                sampled = r._sample(logits, plan.sampling, plan.history_ref, last,
-                                    plan.token_rows, ones, spec)
+                inputs, sampler_inputs = r._step_inputs(plan)
+                packed = pack(inputs)
+                logits, r.kv_pages, hidden = r._forward(r._state_leaves, r.kv_pages, packed[0],
+                                                        last, r._lora_arrays(), packed[1])
+                sampled = r.sample(logits, sampler_inputs, last, ones)
                 if r.num_spec_tokens:  # the rollback and the MTP head's drafts
                     with TRACE_LOCK:
-                        r.after_verify(arrays, hidden, sampled[0], last)
+                        r.after_verify(inputs, packed, hidden, sampled[0], last)
                 jax.block_until_ready(sampled)
-            for sampling, history_ref, rows, mask, spec in others:
-                jax.block_until_ready(r._sample(logits, sampling, history_ref, last, rows, mask,
-                                                spec))
+            for sampler_inputs, mask in others:
+                jax.block_until_ready(r.sample(logits, sampler_inputs, last, mask))
         self._job_detail[("forward", t)] = (
             f"trace+lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s, sampler and warm-up runs "
             f"{time.perf_counter() - t2:.1f} s")
@@ -250,23 +245,18 @@ class BucketWarmup:
         traces = r.trace_counter()
         before = traces.n
         logits = self._warm_logits.pop(s)
-        history_ref = np.full((s, 2), -1, np.int32)
         last = self._scratch_tokens
-        k = r.num_spec_tokens
-        drafts = dict(draft_token_ids=np.zeros((s, k), np.int32),
-                      num_draft=np.full(s, k, np.int32)) if k else None
-        rows = np.full(s, -1, np.int32)
-        variants = [(warmup_sampling(r, p, s), history_ref, mask)  # (the second: wide bias)
+        variants = [(sampler_variant(r, warmup_sampling(r, p, s), s), mask)  # (2nd: wide bias)
                     for p, mask in zip(_WARMUP_FULL_LAYOUT,
                                        (r._ones_bitmask(s), warmup_bitmask(r, s)))]
         with self._sampler_locks.setdefault(s, threading.Lock()):
-            for sampling, history, mask in variants:
+            for sampler_inputs, mask in variants:
                 with TRACE_LOCK:
-                    lowered = r._sample.lower(logits, sampling, history, last, rows, mask,
-                                              drafts)
+                    buf, layout = pack(sampler_inputs)
+                    lowered = r._sample.lower(logits, buf, last, mask, layout)
                 lowered.compile()
-        for sampling, history, mask in variants:
-            jax.block_until_ready(r._sample(logits, sampling, history, last, rows, mask, drafts))
+        for sampler_inputs, mask in variants:
+            jax.block_until_ready(r.sample(logits, sampler_inputs, last, mask))
         r._add_compiles(traces.n - before)
 
     def _compile_prompt_logprobs(self, t: int) -> None:
@@ -286,8 +276,20 @@ class BucketWarmup:
 
 def warmup_sampling(runner, params: SamplingParams, s: int) -> dict:
     """Sampler arrays for ``s`` rows of ``params`` (one token generated so far)."""
-    return build_sampling_arrays([(params, [0], [0], None, 1)] * s, s,
-                                 history_len=runner.max_model_len, rng=np.random.default_rng(0))
+    plan = _rows_plan(runner, [1] * s, params, num_output=1)
+    if plan.seq_bucket != s:
+        raise ValueError(f"no token bucket has sequence bucket {s}")
+    return plan.sampling
+
+
+def sampler_variant(runner, sampling: dict, s: int) -> SamplerInputs:
+    """Sampler inputs of ``s`` rows sampling with ``sampling``, drafts in every row when the
+    engine speculates (the verifier's random branch), nothing pending or kept."""
+    k = runner.num_spec_tokens
+    return SamplerInputs(sampling=sampling, history_ref=np.full((s, 2), -1, np.int32),
+                         token_rows=np.full(s, -1, np.int32),
+                         draft_token_ids=np.zeros((s, k), np.int32),
+                         num_draft=np.full(s, k, np.int32))
 
 
 def warmup_bitmask(runner, s: int) -> jax.Array:
@@ -301,37 +303,43 @@ def warmup_plan(runner, t: int, s: int, long_rows: bool) -> StepPlan:
     """Bucket ``t`` filled with rows whose pages are all the trash page: ``s`` rows (one
     long, the rest single tokens), or as few long rows as fit; padding if neither fits."""
     bs = runner.block_size
-    cap = runner.max_pages_per_seq * bs - 1  # tokens one row may hold
+    cap = min(runner.max_pages_per_seq * bs, runner.max_model_len) - 1  # tokens a row holds
     n_rows = min(s, -(-t // cap)) if long_rows else s
     if n_rows * cap < t:
-        return warmup_padding_plan(runner, t, s, False)
+        return warmup_padding_plan(runner, t, s)
     lens = [1] * n_rows
     extra = t - n_rows
     for i in range(n_rows):
         add = min(extra, cap - 1)
         lens[i] += add
         extra -= add
-    # the long-rows plan samples with every compact feature on, the other greedy;
-    # built as the engine builds its steps: rows of a scratch persistent batch, then one diff
+    # the long-rows plan samples with every compact feature on, the other greedy
     params = _WARMUP_COMPACT_FEATURES if long_rows else _WARMUP_GREEDY
+    plan = _rows_plan(runner, lens, params)
+    if plan.token_bucket != t:
+        return warmup_padding_plan(runner, t, s)
+    return plan
+
+
+def warmup_padding_plan(runner, t: int, s: int) -> StepPlan:
+    """Bucket (t, s) with no real row."""
+    plan = _rows_plan(runner, [], _WARMUP_GREEDY, bucket=t)
+    assert plan.seq_bucket == s, (plan.seq_bucket, s)
+    return plan
+
+
+def _rows_plan(runner, lens: list[int], params: SamplingParams, num_output: int = 1,
+               bucket: int | None = None) -> StepPlan:
+    """A step of rows of ``lens`` new tokens sampling with ``params``, every page the trash
+    page, built as the engine builds its steps: rows of a scratch persistent batch, one diff."""
+    bs = runner.block_size
     batch = InputBatch.for_runner(runner, seed=0)
-    ids = [f"warmup-{i}" for i in range(n_rows)]
+    ids = [f"warmup-{i}" for i in range(len(lens))]
     batch.apply(BatchDiff(new_reqs=[
         NewRequestData(rid, [0] * q, q - 1, params,
                        [[TRASH_PAGE] * -(-q // bs)] * runner.num_cache_groups)
         for rid, q in zip(ids, lens)]))
-    plan = batch.prepare_inputs(BatchDiff(
-        req_ids=ids, num_tokens=lens, token_ids=[0] * sum(lens), start_pos=[0] * n_rows,
-        sample=[True] * n_rows, num_draft=[0] * n_rows, num_output=[1] * n_rows),
-        ladder=runner.ladder)
-    if plan.token_bucket != t:
-        return warmup_padding_plan(runner, t, s, False)
-    return plan
-
-
-def warmup_padding_plan(runner, t: int, s: int, full: bool) -> StepPlan:
-    """Bucket (t, s) with no real row, in the compact or ``full`` sampler layout."""
-    return padding_plan(t, s, runner.num_cache_groups, runner.max_pages_per_seq,
-                        sampling=dummy_sampling_arrays(s, full=full,
-                                                       history_len=runner.max_model_len),
-                        num_spec_tokens=runner.num_spec_tokens)
+    return batch.prepare_inputs(BatchDiff(
+        req_ids=ids, num_tokens=lens, token_ids=[0] * sum(lens), start_pos=[0] * len(lens),
+        sample=[True] * len(lens), num_draft=[0] * len(lens),
+        num_output=[num_output] * len(lens)), ladder=runner.ladder, bucket=bucket)

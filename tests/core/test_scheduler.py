@@ -18,7 +18,8 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import ABORT_KV_CACHE_EXHAUSTED, Scheduler
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import build_step_plan, token_ladder
+from jaxserve.core.step_plan import token_ladder
+from jaxserve.testing.reference_plan import build_step_plan, to_rows
 from jaxserve.worker.input_batch import InputBatch
 
 VOCAB = 1000
@@ -87,7 +88,7 @@ class FakeDevice:
             return {}
         plan = self.batch.prepare_inputs(out.batch, ladder=self.ladder)
         # the rows' own builder agrees on everything the forward reads
-        ref = build_step_plan(out.to_rows(), block_size=bs, max_pages_per_seq=self.max_pages,
+        ref = build_step_plan(to_rows(out), block_size=bs, max_pages_per_seq=self.max_pages,
                               ladder=self.ladder, max_num_seqs=self.s.max_num_seqs)
         for f in ("token_ids", "positions", "slot_mapping", "query_start", "seq_lens",
                   "block_tables", "logits_indices", "sample_mask", "state_slots"):

@@ -21,7 +21,8 @@ from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.core.block_manager import NULL_PAGE, BlockManager, cdiv
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.step_plan import build_step_plan, token_ladder
+from jaxserve.core.step_plan import token_ladder
+from jaxserve.testing.reference_plan import build_step_plan, to_rows
 
 VOCAB = 1000
 
@@ -68,7 +69,7 @@ class WindowDevice:
                 self.kv[p * bs:(p + 1) * bs] = d
         if out.is_empty:
             return {}
-        plan = build_step_plan(out.to_rows(), block_size=bs,
+        plan = build_step_plan(to_rows(out), block_size=bs,
                                max_pages_per_seq=self.s.max_pages_per_seq, ladder=self.ladder,
                                max_num_seqs=self.s.max_num_seqs)
         n = plan.num_tokens

@@ -10,7 +10,8 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.state_slots import StateSlots
-from jaxserve.core.step_plan import build_step_plan, token_ladder
+from jaxserve.core.step_plan import token_ladder
+from jaxserve.testing.reference_plan import build_step_plan, to_rows
 
 
 @dataclass
@@ -49,7 +50,7 @@ def test_admission_waits_for_a_free_slot_and_the_plan_carries_it():
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["r0", "r1"]  # r2: no slot though room
     assert sorted(s.request.state_slot for s in out.scheduled) == [0, 1]
-    plan = build_step_plan(out.to_rows(), block_size=4, max_pages_per_seq=32,
+    plan = build_step_plan(to_rows(out), block_size=4, max_pages_per_seq=32,
                            ladder=token_ladder(64, 4), max_num_seqs=4)
     assert plan.state_slots[:2].tolist() == [0, 1] and set(plan.state_slots[2:]) == {-1}
     sched.update_after_dispatch(out, {"r0": 1, "r1": 1})

@@ -9,7 +9,8 @@ import pytest
 from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.sampling_metadata import SamplingRow
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.step_plan import FORWARD_FIELDS, ScheduledSeq, build_step_plan
+from jaxserve.core.step_plan import FORWARD_FIELDS, ScheduledSeq
+from jaxserve.testing.reference_plan import build_step_plan
 
 
 def _plan(rows, **kw):

@@ -17,10 +17,11 @@ from scipy import stats
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.core.spec_decode import NgramProposer
-from jaxserve.core.step_plan import ScheduledSeq, build_step_plan, verify_arrays
+from jaxserve.core.step_plan import ScheduledSeq, verify_arrays
+from jaxserve.testing.reference_plan import build_step_plan, to_rows
 from jaxserve.worker import rejection_sampler as rs
 from jaxserve.worker.sampler import SamplingMetadata
-from jaxserve.core.sampling_metadata import build_sampling_arrays
+from jaxserve.testing.reference_plan import build_sampling_arrays
 
 VOCAB = 500
 K = 3
@@ -107,7 +108,7 @@ def test_scheduler_lookahead_slots_and_rollback():
     # max_tokens 6, one output so far: at most 4 drafts (+ the target's own token = 5 more)
     assert s.num_draft == 4 and s.new_token_ids == [8, 9, 10, 11, 12]
     assert len(r.block_ids) == 3  # 7 + 5 = 12 positions: lookahead pages allocated
-    assert s.start_pos == 7 and out.to_rows()[0].num_draft == 4
+    assert s.start_pos == 7 and to_rows(out)[0].num_draft == 4
     sched.update_after_dispatch(out)
     assert r.num_computed_tokens == 8 and r.spec_in_flight and r.spec_token_ids == []
     assert sched.schedule().scheduled == []  # unread verify step: not scheduled again

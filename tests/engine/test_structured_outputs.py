@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
-from jaxserve.core.sampling_metadata import build_sampling_arrays
+from jaxserve.testing.reference_plan import build_sampling_arrays
 from jaxserve.errors import InvalidRequestError
 from jaxserve.worker import sampler as sampler_lib
 

@@ -331,6 +331,23 @@ def test_metrics_names_and_counters_move(client, server, engine):
     assert 0.0 <= after["jaxserve:kv_cache_usage_perc"] <= 1.0
 
 
+def test_metrics_report_the_engine_memory_by_part(server, engine):
+    """The engine core's memory by part: weights as the engine counts them, the pool reserved,
+    and on the CPU the resident set split so that the parts add up."""
+    parts = {}
+    for fam in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        if fam.name == "jaxserve:process_memory_bytes":
+            parts = {s.labels["part"]: s.value for s in fam.samples
+                     if s.labels.get("model_name") == MODEL}
+    weights = sum(x.nbytes for x in engine.engine.runner.weight_leaves())
+    assert parts["weights"] == weights > 0
+    assert parts["kv_reserved"] > 0
+    assert parts["rss"] > parts["weights"]
+    if "kv_resident" in parts:
+        assert 0 <= parts["kv_resident"] <= parts["kv_reserved"]
+        assert parts["rest"] == parts["rss"] - parts["weights"] - parts["kv_resident"]
+
+
 # ---- auth ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
                                          ("POST", "/v1/chat/completions")])

@@ -9,7 +9,8 @@ import pytest
 
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData, PageUpdate
 from jaxserve.core.request import PLACEHOLDER
-from jaxserve.core.sampling_metadata import SamplingRow, build_sampling_arrays
+from jaxserve.core.sampling_metadata import SamplingRow
+from jaxserve.testing.reference_plan import build_sampling_arrays
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.worker.input_batch import InputBatch
 

@@ -182,6 +182,7 @@ def test_engine_step_of_every_bucket_writes_pool_in_place(tiny_llama_dir, max_mo
     no layer's pool is copied, for a short and a long block table."""
     from jaxserve.engine.builder import build_engine
     from jaxserve.entrypoints.llm import engine_config_from_kwargs
+    from jaxserve.worker.step_inputs import pack
     from jaxserve.worker.warmup import warmup_padding_plan
 
     engine = build_engine(engine_config_from_kwargs(
@@ -191,9 +192,10 @@ def test_engine_step_of_every_bucket_writes_pool_in_place(tiny_llama_dir, max_mo
     pool = runner.kv_pages[0][0]
     pool_bytes = pool.size * pool.dtype.itemsize
     for t in runner.ladder:
-        plan = warmup_padding_plan(runner, t, min(t, runner.max_num_seqs), False)
-        compiled = runner._forward.lower(runner._state_leaves, runner.kv_pages,
-                                         plan.forward_arrays(), runner._last_tokens).compile()
+        plan = warmup_padding_plan(runner, t, min(t, runner.max_num_seqs))
+        buf, layout = pack(runner._step_inputs(plan)[0])
+        compiled = runner._forward.lower(runner._state_leaves, runner.kv_pages, buf,
+                                         runner._last_tokens, None, layout).compile()
         problems = [p for p in pool_copies(compiled, pool.shape, pool_bytes)
                     if "not aliased" not in p]  # aliases: checked by the tests above
         assert problems == [], (t, problems)

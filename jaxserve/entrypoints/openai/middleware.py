@@ -11,7 +11,9 @@ from jaxserve.entrypoints.openai.responses import error_response
 MAX_REQUEST_ID_CHARS = 256  # a longer X-Request-Id is replaced, not echoed
 
 
-PROTECTED = ("/v1", "/reset_prefix_cache")
+# /v1, and the operations that change the engine (dev_routes.DEV_PATHS with the dev flag)
+PROTECTED = ("/v1", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
+             "/update_weights")
 
 
 def _route_path(scope) -> str:
