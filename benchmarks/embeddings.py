@@ -88,7 +88,7 @@ def main() -> None:
         tokens_total=sum(tokens), tokens_mean=float(np.mean(tokens)), tokens_max=max(tokens),
         truncated_at_256=sum(t >= 256 for t in tokens),
         engine_load_and_warmup_s=load_s, buckets=eng.runner.buckets,
-        compiles_after_warmup=eng.runner.num_compiles - len(eng.runner.buckets),
+        compiles_after_warmup=eng.runner.num_compiles - eng.runner.compiles_at_warmup,
         seconds=times, median_s=med, sentences_per_s=rate, speedup_vs_st=ratio,
         target_speedup=1.5, min_cosine_vs_st=float(cos.min()),
         note="same process, interleaved passes after a warm pass each; 2-core CPU shared "

@@ -125,7 +125,8 @@ class EncoderRunner:
                                      min_bucket)
         self.max_rows = self.buckets[-1][0]
         self.max_num_batched_tokens = max(max_num_batched_tokens, self.width)
-        self.num_compiles = 0
+        self.num_compiles = 0  # new programs this runner's steps caused (jit cache misses)
+        self.compiles_at_warmup = 0  # of which warm-up's: a later one is a bug
         self.warmed_up = False
 
     def _compiled(self) -> int:
@@ -201,5 +202,6 @@ class EncoderRunner:
         for rows, width in self.buckets:
             self.run(pack([([0], None)], rows, width, self.max_num_seqs))
         self.warmed_up = True
+        self.compiles_at_warmup = self.num_compiles
         logger.info("pooling runner: %d buckets %s compiled in %.1f s", len(self.buckets),
                     self.buckets, time.perf_counter() - t0)

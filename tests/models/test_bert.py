@@ -50,7 +50,7 @@ def test_st_pipeline_matches_sentence_transformers(embedder, st_dir):
 def test_packed_steps_compile_nothing_after_warmup(embedder):
     runner = embedder.llm_engine.runner
     compiled = runner.num_compiles
-    assert compiled == len(runner.buckets)  # warm-up compiled each bucket once
+    assert compiled == runner.compiles_at_warmup <= len(runner.buckets)  # one per bucket
     many = [" ".join(TEXTS[i % len(TEXTS)] for _ in range(1 + i % 4)) for i in range(20)]
     steps = embedder.llm_engine.num_steps
     outs = embedder.embed(many, truncate_prompt_tokens=-1)
