@@ -71,6 +71,10 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     default all visible). ``background_warmup``: return once the model is loaded and compile
     the buckets on a thread pool (steps wait for the buckets they need; the scheduler keeps
     each step within the compiled ones)."""
+    from jaxserve.loaders.sentence_transformers import uses_pooling_runner
+    if uses_pooling_runner(config):  # an encoder: its own engine (jaxserve.engine.pooling_engine)
+        from jaxserve.engine.pooling_engine import build_pooling_engine
+        return build_pooling_engine(config)
     config = resolve_config(config)
     enable_compilation_cache()
     try:
