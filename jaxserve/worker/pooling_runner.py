@@ -95,7 +95,7 @@ def _pool_step(graphdef, pooling_type: str, state, token_ids, positions, token_t
     hidden = model(token_ids, positions, token_type_ids, segment_ids)
     flat = hidden.reshape(-1, hidden.shape[-1])
     num_seqs = starts.shape[0]
-    if getattr(model, "num_labels", 0):
+    if model.num_labels:
         first = flat[starts] if pooling_type == "CLS" else flat[starts + jnp.maximum(lens, 1) - 1]
         return model.head(first)
     if pooling_type == "CLS":
@@ -118,7 +118,7 @@ class EncoderRunner:
         self.graphdef, self.state = nnx.split(model)
         self.pooling_type = pooling_type
         # ALL / STEP of an embedder: every token's hidden state comes back
-        self.per_token = pooling_type in ("ALL", "STEP") and not getattr(model, "num_labels", 0)
+        self.per_token = pooling_type in ("ALL", "STEP") and not model.num_labels
         self.width = 1 << max(0, (max_model_len - 1).bit_length())
         self.max_num_seqs = max_num_seqs
         self.buckets = token_buckets(self.width, max(max_num_batched_tokens, self.width),
