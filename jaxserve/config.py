@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
+from jaxserve.core.pooling_params import RUNNERS, TASK_ALIASES, PoolerConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -294,6 +295,12 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # None: LoRA off (no --enable-lora)
     # a grammar not compiled within this many seconds fails its request (400)
     structured_outputs_compile_timeout: float = 5.0
+    # --runner: auto (pooling for a sentence-transformers directory or a pooling-only
+    # architecture, else generate) | generate | pooling; --task embed|score|classify also
+    # selects pooling and names the default task
+    runner: str = "auto"
+    pooling_task: str | None = None
+    pooler_config: PoolerConfig | None = None  # --pooler-config overrides the checkpoint's
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -336,6 +343,8 @@ class EngineConfig:
                 and self.parallel.data_parallel_size > 1):
             raise ValueError("kv_events_config with data_parallel_size > 1 is not supported "
                              "yet (one publisher endpoint per replica)")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a dict (JSON object), got"
                              f" {self.hf_overrides!r}")
@@ -519,9 +528,9 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               tokenizer_mode="auto", kv_events_config=None,
                               enable_lora=False, max_loras=1, max_lora_rank=16,
                               max_cpu_loras=None, lora_allowed_paths=None,
-                              structured_outputs_compile_timeout=5.0,
-                              limit_mm_per_prompt=None, mm_processor_kwargs=None,
-                              disable_mm_preprocessor_cache=False,
+                              structured_outputs_compile_timeout=5.0, runner="auto", task=None,
+                              pooler_config=None, limit_mm_per_prompt=None,
+                              mm_processor_kwargs=None, disable_mm_preprocessor_cache=False,
                               allowed_local_media_path=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
@@ -533,7 +542,9 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                  min_token_bucket=min_token_bucket, token_bucket_growth=token_bucket_growth)
     unset = tuple(k for k, v in given.items() if v is None)
     fallback = SchedulerConfig()
+    runner, pooling_task = _runner_and_task(runner, task)
     return EngineConfig(
+        runner=runner, pooling_task=pooling_task, pooler_config=PoolerConfig.parse(pooler_config),
         model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
         quantization=quantization, lm_head_quantized=lm_head_quantized,
         attention_backend=attention_backend, served_model_name=served_model_name,
@@ -574,6 +585,23 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
             allowed_local_media_path=(None if allowed_local_media_path is None
                                       else str(allowed_local_media_path))),
     )
+
+
+def _runner_and_task(runner, task) -> tuple[str, str | None]:
+    """``--task`` (vLLM's older spelling): embed / score / classify / reward select the pooling
+    runner; generate (or auto) leaves ``--runner`` as it is."""
+    if task in (None, "auto"):
+        return runner, None
+    if task == "generate":
+        if runner == "pooling":
+            raise ValueError("task 'generate' contradicts runner 'pooling'")
+        return "generate", None
+    if task not in TASK_ALIASES:
+        raise ValueError(f"task must be one of auto, generate, {', '.join(TASK_ALIASES)}, got "
+                         f"{task!r}")
+    if runner == "generate":
+        raise ValueError(f"task {task!r} contradicts runner 'generate'")
+    return "pooling", TASK_ALIASES[task]
 
 
 def _positive_seconds(value, name: str) -> float:

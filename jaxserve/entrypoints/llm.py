@@ -14,6 +14,8 @@ from jaxserve.worker.memory_budget import set_allocator_fraction
 from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.pooling_params import PoolingOutput, PoolingParams
+from jaxserve.core.scoring import cosine_output, score_pairs
 
 
 def _log_to_stderr(level: str | None) -> None:
@@ -48,6 +50,7 @@ class LLM:
                  lora_request=None) -> list[RequestOutput]:
         """``lora_request``: one ``LoRARequest`` for every prompt, or a list of one (or None,
         the base model) per prompt."""
+        self._require_runner("generate", "generate")
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -60,9 +63,103 @@ class LLM:
         return self._run([(p, sp, prios[i] if prios else 0, loras[i])
                           for i, (p, sp) in enumerate(zip(prompts, params))], use_tqdm)
 
+    # ---- pooling (--runner pooling) ---------------------------------------------------------
+    @property
+    def runner_type(self) -> str:
+        return "pooling" if getattr(self.llm_engine, "is_pooling", False) else "generate"
+
+    def _require_runner(self, want: str, method: str) -> None:
+        if self.runner_type != want:
+            raise InvalidRequestError(
+                f"LLM.{method} needs a model served with runner {want!r}; this LLM runs "
+                f"{self.config.model} with runner {self.runner_type!r}"
+                + (" (pass runner='pooling', or task='embed'|'score'|'classify')"
+                   if want == "pooling" else ""), param="runner")
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
+              use_tqdm: bool = False) -> list[PoolingOutput]:
+        """One embedding per prompt (a string or token ids): ``out.outputs.embedding``."""
+        params = pooling_params or PoolingParams(
+            task="embed", truncate_prompt_tokens=truncate_prompt_tokens, dimensions=dimensions)
+        return self.encode(prompts, params, use_tqdm=use_tqdm, method="embed")
+
+    def classify(self, prompts, *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = False) -> list[PoolingOutput]:
+        """Class probabilities per prompt (``out.outputs.probs``)."""
+        return self.encode(prompts, PoolingParams(task="classify",
+                                                  truncate_prompt_tokens=truncate_prompt_tokens),
+                           use_tqdm=use_tqdm, method="classify")
+
+    def reward(self, prompts, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = False) -> list[PoolingOutput]:
+        """vLLM's ``LLM.reward``: the model's raw pooled output (a reward model pools ALL or
+        STEP: one row per kept token)."""
+        return self.encode(prompts, PoolingParams(task="encode",
+                                                  truncate_prompt_tokens=truncate_prompt_tokens),
+                           use_tqdm=use_tqdm, method="reward")
+
+    def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list[PoolingOutput]:
+        """vLLM's ``LLM.score``: one query against many documents (or pairwise lists). A
+        cross-encoder reads each pair together; an embedder scores by cosine similarity.
+        ``out.outputs.score``."""
+        self._require_runner("pooling", "score")
+        pairs = score_pairs(text_1, text_2)
+        engine = self.llm_engine
+        if engine.pooling_info.num_labels:
+            params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+            items = [(a, params, b) for a, b in pairs]
+            return self._pool(items, use_tqdm)
+        params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+        texts = sorted({t for p in pairs for t in p}, key=str)
+        vecs = {t: o.data for t, o in zip(texts, self._pool([(t, params, None) for t in texts],
+                                                              use_tqdm))}
+        return [cosine_output(str(i), vecs[a], vecs[b]) for i, (a, b) in enumerate(pairs)]
+
+    def encode(self, prompts, pooling_params: PoolingParams | None = None, *,
+               use_tqdm: bool = False, method: str = "encode") -> list[PoolingOutput]:
+        """The pooled output of each prompt, in input order."""
+        self._require_runner("pooling", method)
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidRequestError("prompts is empty", param="prompts")
+        params = pooling_params or PoolingParams(task=self.config.pooling_task or "embed")
+        return self._pool([(p, params, None) for p in prompts], use_tqdm)
+
+    def _pool(self, items, use_tqdm: bool) -> list[PoolingOutput]:
+        engine = self.llm_engine
+        order = []
+        try:
+            for prompt, params, pair in items:
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, params, pair=pair)
+                order.append(rid)
+        except Exception:
+            engine.abort_request(order)
+            raise
+        done: dict[str, PoolingOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+        except BaseException:
+            engine.abort_request(order)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in order]
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              lora_request=None) -> list[RequestOutput]:
+        self._require_runner("generate", "chat")
         from jaxserve.engine.tokenizer import apply_chat_template
         from jaxserve.multimodal.inputs import chat_images
 

@@ -30,6 +30,26 @@ from jaxserve.sharding import TP_AXIS
 TensorLoaders = Mapping[str, Callable[[], np.ndarray]]  # name -> lazy numpy array
 
 
+class ModelBase:
+    """The contract's capabilities with their defaults: a family class lists this first among
+    its bases and sets what it supports, so the engine reads each capability as a plain
+    attribute (never a probe)."""
+
+    # gives its forward in pieces (``embed``, ``layer_inputs``, ``run_layer``,
+    # ``final_hidden``) that pipeline stages run over a layer range
+    supports_pipeline = False
+    # its layers take a ``lora`` argument (``jaxserve.models.lora``)
+    supports_lora = False
+    # reads per-group block tables (``md.block_tables [G, S, M]``) when its cache groups differ
+    cache_groups_supported = False
+    # the multi-token-prediction head (``mtp_forward``), None without one
+    mtp = None
+
+    def final_hidden(self, x):
+        """The last layer's output -> the final hidden states (the final norm)."""
+        return self.model.norm(x)
+
+
 @runtime_checkable
 class CausalLM(Protocol):
     """A decoder-only LM over the paged KV pool.
@@ -42,6 +62,10 @@ class CausalLM(Protocol):
     num_layers: int
     attention_backend: str
     mesh: object
+    supports_pipeline: bool
+    supports_lora: bool
+    cache_groups_supported: bool
+    mtp: object  # the MTP head module, or None
 
     def __call__(self, token_ids, positions, kv_pages, md):
         """``token_ids[T], positions[T]``, one ``(k, v)`` per layer, ``AttentionMetadata`` ->

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
-from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.quantization import lm_head_logits
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
@@ -129,7 +129,7 @@ class GemmaModel(nnx.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
-class GemmaForCausalLM(nnx.Module):
+class GemmaForCausalLM(ModelBase, nnx.Module):
     """Gemma 2 / Gemma 3 text; ``attention_backend`` (static): reference|pallas|xla."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,

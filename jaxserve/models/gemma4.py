@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SharedKV, SlidingWindow, group_layers
-from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
@@ -325,7 +325,7 @@ class Gemma4Model(nnx.Module):
             Gemma4RMSNorm(ple, eps=cfg.rms_norm_eps, dtype=dtype) if ple else None)
 
 
-class Gemma4ForCausalLM(nnx.Module):
+class Gemma4ForCausalLM(ModelBase, nnx.Module):
     """Gemma 4 text (``Gemma4ForCausalLM`` and the language model of
     ``Gemma4ForConditionalGeneration``); ``kv_pages``: one ``(k, v)`` per layer of the layer's
     own shape, ``()`` for a KV-sharing layer."""

@@ -24,7 +24,7 @@ from jaxserve.models.layers import (
     paged_self_attention,
     rope_cos_sin,
 )
-from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.lora import LoRABatch, layer_lora, project, project_many
 from jaxserve.models.quantization import lm_head_logits
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
@@ -100,7 +100,7 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(ModelBase, nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3; ``attention_backend`` (static): reference|pallas|xla."""
 
     decoder_layer = DecoderLayer  # a family that differs only in its layers swaps this

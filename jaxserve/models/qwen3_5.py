@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, LinearState
-from jaxserve.models.contract import megatron_partition_spec
+from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.gemma import GemmaRMSNorm  # the (1 + w) RMSNorm Qwen 3.5 shares
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
@@ -284,7 +284,7 @@ class MultiTokenPredictor(nnx.Module):
         self.norm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
 
 
-class Qwen3_5ForCausalLM(nnx.Module):
+class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
     """Dense Qwen 3.5 / 3.6 (both checkpoint layouts)."""
 
     moe = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
@@ -13,6 +14,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import StepPlan, token_ladder
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.runner import attention_metadata
+from jaxserve.worker.step_inputs import StepInputs
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -43,7 +45,5 @@ def step_inputs(rows: Sequence[tuple], *, block_size: int, max_pages: int,
 
 def metadata(plan: StepPlan, **kwargs):
     """The plan's ``AttentionMetadata`` on the device (``kwargs``: state or snapshot slots)."""
-    arrays = {k: jnp.asarray(getattr(plan, k))
-              for k in ("slot_mapping", "query_start", "seq_lens", "block_tables")}
-    arrays["num_seqs"] = jnp.int32(plan.num_seqs)
-    return attention_metadata(arrays, **kwargs)
+    inputs = jax.tree_util.tree_map(jnp.asarray, StepInputs.from_plan(plan))
+    return attention_metadata(inputs, **kwargs)

@@ -134,8 +134,6 @@ def prepare_kv_scales(model, model_config: ModelConfig, cache: CacheConfig, kv_d
 def _uniform_kv(model) -> bool:
     """Every paged layer owns KV of one shape (what ``[L, Hkv, 2]`` scales describe); a
     LinearState layer holds an unused scale."""
-    if not hasattr(model, "cache_specs"):
-        return True
     specs = [s for s in model.cache_specs("float32") if not isinstance(s, LinearState)]
     return (all(hasattr(s, "kv_heads") for s in specs)
             and len({(s.kv_heads, s.head_dim) for s in specs}) == 1)

@@ -120,7 +120,7 @@ def check_model(model) -> None:
     Qwen2/3, Phi-3), the MoE families, Gemma 2/3/4 and Qwen3.5. Others are a start-up error
     naming the family and the flag."""
     name = type(model).__name__
-    if not getattr(model, "supports_pipeline", False):
+    if not model.supports_pipeline:
         raise InvalidRequestError(
             f"{FLAG} > 1 does not support {name} yet (it does not give its forward in stage "
             f"pieces); serve it with {FLAG} 1 (tensor parallelism works)",
@@ -260,8 +260,7 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
                      for src, kv in zip(stage.shared_from, new_pages)]
         if not stage.last:
             return x, new_pages  # the hidden states (with PLE: and the per-layer inputs)
-        final = getattr(family, "final_hidden", None)
-        hidden = final(stage, x) if final is not None else stage.model.norm(x)
+        hidden = family.final_hidden(stage, x)
         idx = step.logits_indices
         if idx.size > hidden.shape[0]:
             return stage.compute_logits(hidden)[idx], new_pages, hidden

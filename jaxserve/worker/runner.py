@@ -364,10 +364,10 @@ def enable_compilation_cache(path: str | None = None) -> None:
 
 
 def model_cache_specs(model, model_config: ModelConfig, kv_dtype) -> list:
-    """Each layer's cache spec (the family declares them; a model without ``cache_specs``,
-    e.g. a test double, is taken as full or sliding attention from its config)."""
+    """Each layer's cache spec: the family declares them (``model=None``: attention layers
+    over ``model_config``'s KV heads, full or sliding as its config says)."""
     name = np.dtype(kv_dtype).name
-    if hasattr(model, "cache_specs"):
+    if model is not None:
         return model.cache_specs(name)
     return [attention_spec(model_config.num_kv_heads, model_config.head_dim, name,
                            model_config.layer_sliding_window(i))
@@ -415,7 +415,7 @@ def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes
     differ; one pool (every layer's array indexed by the same page ids) when
     ``--disable-hybrid-kv-cache-manager``, swap preemption or a draft model's pool (which
     shares the target's page ids) needs it."""
-    return (getattr(model, "cache_groups_supported", False)
+    return (model.cache_groups_supported
             and sum(g.paged for g in groups) > 1
             and not engine_config.scheduler.disable_hybrid_kv_cache_manager
             and engine_config.scheduler.preemption_mode != "swap"
@@ -515,7 +515,7 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         # method "mtp": the model's MTP head drafts inside every step (its pages the last layer)
         self.mtp = spec is not None and spec.method == "mtp"
-        if self.mtp and getattr(model, "mtp", None) is None:
+        if self.mtp and model.mtp is None:
             raise ValueError("speculative_config.method 'mtp' needs a model built with its "
                              "multi-token-prediction head (ModelConfig.load_mtp)")
         self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,

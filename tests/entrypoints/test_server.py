@@ -440,6 +440,16 @@ def test_unknown_route_and_method(http):
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/embeddings", {"input": "x"}), ("/pooling", {"input": "x"}),
+    ("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "q", "documents": ["d"]}),
+    ("/v2/rerank", {"query": "q", "documents": ["d"]}), ("/classify", {"input": "x"})])
+def test_pooling_route_on_a_generative_server_names_the_runner(http, path, body):
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "--runner generate" in r.json()["error"]["message"]
+
+
 def test_openai_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", n=0)

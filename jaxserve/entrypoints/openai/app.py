@@ -43,6 +43,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_engine import MAX_BODY_BYTES, load_chat_template
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.entrypoints.openai.serving_score import OpenAIServingScore
 from jaxserve.entrypoints.openai.lora_models import runtime_lora_updating
 from jaxserve.entrypoints.openai.dev_routes import dev_mode_enabled, dev_routes
 
@@ -53,7 +54,8 @@ HEADER_TIMEOUT_S = 10  # a connection must send a whole request head within this
 KEEP_ALIVE_S = 5  # uvicorn's default idle keep-alive
 
 
-class OpenAIServer(OpenAIServingChat, OpenAIServingCompletion, OpenAIServingModels):
+class OpenAIServer(OpenAIServingChat, OpenAIServingCompletion, OpenAIServingScore,
+                   OpenAIServingModels):
     """Every route handler over one engine, plus the operational endpoints; ``build_app``
     wires them to paths."""
 
@@ -119,9 +121,26 @@ def build_app(engine: EngineClient, *, api_key: str | None = None,
         body, status = error_from_exception(exc, engine)
         return JSONResponse(body, status_code=status)
 
+    def generative(handler, route: str):
+        """A generation route: a 400 naming the runner on a pooling server."""
+        async def run(request: Request) -> Response:
+            serving.require_runner("generate", route)
+            return await handler(request)
+        return run
+
     routes = [
-        Route("/v1/completions", serving.completions, methods=["POST"]),
-        Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+        Route("/v1/completions", generative(serving.completions, "/v1/completions"),
+              methods=["POST"]),
+        Route("/v1/chat/completions", generative(serving.chat_completions,
+                                                 "/v1/chat/completions"), methods=["POST"]),
+        Route("/v1/embeddings", serving.embeddings, methods=["POST"]),
+        Route("/pooling", serving.pooling, methods=["POST"]),
+        Route("/classify", serving.classify, methods=["POST"]),
+        Route("/score", serving.score, methods=["POST"]),
+        Route("/v1/score", serving.score, methods=["POST"]),
+        Route("/rerank", serving.rerank, methods=["POST"]),
+        Route("/v1/rerank", serving.rerank, methods=["POST"]),
+        Route("/v2/rerank", serving.rerank, methods=["POST"]),
         Route("/v1/models", serving.models, methods=["GET"]),
         Route("/tokenize", serving.tokenize, methods=["POST"]),
         Route("/detokenize", serving.detokenize, methods=["POST"]),
@@ -169,9 +188,13 @@ def startup_message(engine: EngineClient, host: str, port: int, names: list[str]
              or engine.config.dtype)
     dtype = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
+    info = getattr(engine, "pooling_info", None)
+    cache = (f"pooling runner ({info.pooling_type} pooling, {info.hidden_size} dims"
+             f"{', normalized' if info.normalize and not info.num_labels else ''}"
+             f"{f', {info.num_labels} labels' if info.num_labels else ''})" if info is not None
+             else f"{s.get('num_pages', '?')} KV pages of {engine.config.cache.block_size} tokens")
     return (f"jaxserve ready: model {engine.config.model or names[0]!s} served as "
-            f"{', '.join(names)} | dtype {dtype} | {s.get('num_pages', '?')} KV pages of "
-            f"{engine.config.cache.block_size} tokens | max_model_len {engine.max_model_len} | "
+            f"{', '.join(names)} | dtype {dtype} | {cache} | max_model_len {engine.max_model_len} | "
             f"{s.get('num_compiles', '?')} compiles in warm-up | "
             f"OpenAI API at http://{shown}:{port}/v1")
 
@@ -299,6 +322,12 @@ def run_server(engine_config, host: str = "127.0.0.1", port: int = 8000,
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     check_ssl_files(ssl_keyfile, ssl_certfile)
+    from jaxserve.loaders.sentence_transformers import uses_pooling_runner
+
+    if uses_pooling_runner(engine_config) and not use_core_process(engine_config):
+        raise ValueError("--runner pooling serves from the engine core process: it needs "
+                         "--data-parallel-size 1, one host and JAXSERVE_ENABLE_MULTIPROCESSING "
+                         "unset or 1")
     t0 = time.perf_counter()
     if use_core_process(engine_config):
         # the device loop in its own process; it serves while its buckets compile (/health
