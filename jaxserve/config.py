@@ -253,6 +253,9 @@ class EngineConfig:
     max_logprobs: int = 20
     # --enforce-eager: no ahead-of-time bucket warm-up; each bucket compiles on its first step
     enforce_eager: bool = False
+    # the most layers a request's return_hidden_states may name: the static width of the
+    # step's hidden-state capture (0: no capture compiled in, requests asking are refused)
+    max_hidden_state_layers: int = 0
     # where the checkpoint comes from: a Hub revision, a download directory, and keys laid over
     # its config.json (--hf-overrides); remote code is never run (a config that needs it is an
     # error, trust_remote_code or not)
@@ -285,6 +288,15 @@ class EngineConfig:
                 or self.max_logprobs < -1):
             raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or an integer >= 0,"
                              f" got {self.max_logprobs!r}")
+        m = self.max_hidden_state_layers
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"max_hidden_state_layers must be an integer >= 0, got {m!r}")
+        if m and self.speculative is not None:
+            raise ValueError("max_hidden_state_layers > 0 with speculative decoding is not "
+                             "supported (a verify step reads tokens it may reject)")
+        if m and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("max_hidden_state_layers > 0 with pipeline_parallel_size > 1 is "
+                             "not supported yet")
         if self.attention_backend == "mosaic" and self.cache.cache_dtype != "auto":
             # Its GPU test (tests/kernels/test_mosaic_gpu_attention.py) disagrees with the
             # reference on float8 pages under jax 0.11, so the engine does not serve them.
@@ -490,7 +502,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               tokenizer_mode="auto", kv_events_config=None,
                               enable_lora=False, max_loras=1, max_lora_rank=16,
                               max_cpu_loras=None, lora_allowed_paths=None,
-                              structured_outputs_compile_timeout=5.0) -> EngineConfig:
+                              structured_outputs_compile_timeout=5.0,
+                              max_hidden_state_layers=0) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -510,6 +523,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         override_generation_config=_override_generation_config(override_generation_config),
         speculative=SpeculativeConfig.from_dict(speculative_config),
         max_logprobs=max_logprobs, enforce_eager=bool(enforce_eager), revision=revision,
+        max_hidden_state_layers=max_hidden_state_layers,
         download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         kv_events=KVEventsConfig.parse(kv_events_config),

@@ -486,6 +486,10 @@ class Scheduler:
             t0 += len(s.new_token_ids)
             if s.prompt_span is not None:
                 req.record_prompt_logprobs(out.prompt_logprobs, row_t0, *s.prompt_span)
+            if req.hidden_layers is not None and out.hidden_states is not None \
+                    and not req.is_finished:
+                req.record_hidden_states(out.hidden_states, row_t0, s.start_pos,
+                                         s.num_new_tokens - s.num_draft)
             if not s.sample or req.is_finished or self.requests.get(req.request_id) is not req:
                 continue  # no token, or stopped / aborted since: its token is dropped
             touched[req.request_id] = req

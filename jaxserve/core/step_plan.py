@@ -117,6 +117,9 @@ class StepPlan:
     # -- host counts (static)
     num_seqs: int  # real rows
     num_tokens: int  # real tokens
+    # [S, K] int32 the layers whose residual stream each row's tokens return
+    # (return_hidden_states; -1 padded); None: the engine captures none (K = 0)
+    hidden_layers: np.ndarray | None = None
 
     @property
     def token_bucket(self) -> int:

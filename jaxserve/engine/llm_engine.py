@@ -167,6 +167,8 @@ class LLMEngine:
         self._check_lora(lora_request)
         params.verify_vocab(self.model_config.vocab_size)
         params = params.verify_logprobs(self.config.max_logprobs, self.model_config.vocab_size)
+        params = params.verify_hidden_states(self.model_config.num_layers,
+                                             self.config.max_hidden_state_layers)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
         req = Request(request_id, ids, params, arrival_time=arrival_time, priority=priority,

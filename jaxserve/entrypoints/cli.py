@@ -228,6 +228,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "for; -1 = the whole vocabulary, which a request asks for with -1 "
                         "(default: %(default)s)")
 
+    d.add_argument("--max-hidden-state-layers", type=int,
+                   default=EngineConfig.max_hidden_state_layers,
+                   help="the most layers a request's return_hidden_states may name (the step "
+                        "captures that many per token; 0 = off) (default: %(default)s)")
+
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -492,7 +497,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         lora_allowed_paths=args.lora_allowed_paths,
-        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout)
+        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+        max_hidden_state_layers=args.max_hidden_state_layers)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -35,7 +35,8 @@ class InputBatch:
 
     def __init__(self, *, max_rows: int, num_groups: int, max_pages: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, eos_token_ids=(),
-                 num_spec_tokens: int = 0, seed: int | None = None):
+                 num_spec_tokens: int = 0, seed: int | None = None,
+                 max_hidden_state_layers: int = 0):
         R, G = max_rows, num_groups
         self.max_rows, self.num_groups, self.max_pages = R, G, max_pages
         self.block_size = block_size
@@ -73,6 +74,8 @@ class InputBatch:
         self.bias_ids = np.full((R, MAX_LOGIT_BIAS), -1, np.int32)
         self.bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
         self.num_bias = np.zeros(R, np.int32)
+        # return_hidden_states: each row's layers, -1 padded (K = 0: the engine captures none)
+        self.hidden_layers = np.full((R, max_hidden_state_layers), -1, np.int32)
         self._padding: dict[tuple[int, bool], dict] = {}  # read-only sampler padding arrays
         self._added: list[int] = []  # rows the last diff added (their device id is not theirs)
 
@@ -82,7 +85,8 @@ class InputBatch:
                    max_pages=runner.max_pages_per_seq, block_size=runner.block_size,
                    max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
                    eos_token_ids=eos_token_ids, num_spec_tokens=runner.num_spec_tokens,
-                   seed=seed)
+                   seed=seed,
+                   max_hidden_state_layers=getattr(runner, "max_hidden_state_layers", 0))
 
     @property
     def num_rows(self) -> int:
@@ -175,6 +179,12 @@ class InputBatch:
         self.bias_ids[row, :len(bias)] = list(bias.keys())
         self.bias_values[row, :len(bias)] = list(bias.values())
         self.num_bias[row] = len(bias)
+        layers = getattr(p, "return_hidden_states", None) or ()
+        if len(layers) > self.hidden_layers.shape[1]:
+            raise ValueError(f"return_hidden_states names {len(layers)} layers, more than "
+                             f"max_hidden_state_layers={self.hidden_layers.shape[1]}")
+        self.hidden_layers[row] = -1
+        self.hidden_layers[row, :len(layers)] = layers
 
     def _clear(self, row: int) -> None:
         """A freed row is all padding again (a from-scratch batch equals a reused one)."""
@@ -189,6 +199,7 @@ class InputBatch:
         self.bias_ids[row] = -1
         self.bias_values[row] = 0.0
         self.num_stop[row] = self.num_bias[row] = self.min_tokens[row] = 0
+        self.hidden_layers[row] = -1
 
     def snapshot(self) -> dict[str, dict]:
         """What each request's row holds, by request id (row numbers and unseeded rows'
@@ -334,6 +345,10 @@ class InputBatch:
             mask = np.full((s_bucket, token_bitmask.shape[1]), -1, np.int32)
             mask[:n_rows] = token_bitmask
             token_bitmask = mask
+        hidden_layers = None
+        if self.hidden_layers.shape[1]:
+            hidden_layers = np.full((s_bucket, self.hidden_layers.shape[1]), -1, np.int32)
+            hidden_layers[:n_rows] = self.hidden_layers[rows]
         prompt_next_ids = None
         if diff.prompt_spans:
             prompt_next_ids = np.zeros(t_bucket, np.int32)
@@ -359,7 +374,7 @@ class InputBatch:
             sample_mask=sample_mask, token_bitmask=token_bitmask,
             spec_logits_indices=spec[0], draft_token_ids=spec[1], num_draft=spec[2],
             prompt_next_ids=prompt_next_ids, next_token_ids=next_token_ids,
-            num_seqs=n_rows, num_tokens=n_tok)
+            num_seqs=n_rows, num_tokens=n_tok, hidden_layers=hidden_layers)
 
     def _sampling(self, diff: BatchDiff, rows, sample, hist_len, pending, query_start,
                   s_bucket: int):

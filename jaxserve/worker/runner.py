@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.worker import memory_budget
+from jaxserve.worker import hidden_states, memory_budget
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
@@ -91,20 +91,24 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
             inputs, state_slots=_state_slots(inputs.state_slots, kv_pages, state_layers),
             snapshot_slots=(None if snapshots is None
                             else snapshot_slots(inputs.num_draft, *snapshots)))
-        if lora is not None:  # (scale [L], per-layer A/B) of the device slots
-            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md,
-                                     lora=LoRABatch(inputs.lora_slots, *lora))
+        kwargs = {} if lora is None else {  # (scale [L], per-layer A/B) of the device slots
+            "lora": LoRABatch(inputs.lora_slots, *lora)}
+        captured = None
+        if inputs.hidden_layers.shape[1]:  # return_hidden_states: K layers a token
+            hidden, kv_pages, captured = hidden_states.forward_with_capture(
+                model, inputs.hidden_layers, inputs.query_start, token_ids, inputs.positions,
+                kv_pages, md, **kwargs)
         else:
-            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md)
+            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md, **kwargs)
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
         # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
         idx = inputs.logits_indices
         if idx.size > hidden.shape[0]:
             # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
             # mostly padding): the vocabulary projection runs once per token, then is gathered
-            return model.compute_logits(hidden)[idx], kv_pages, hidden
+            return model.compute_logits(hidden)[idx], kv_pages, hidden, captured
         logits = model.compute_logits(hidden[idx.reshape(-1)])
-        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden
+        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden, captured
 
     if mesh is None:
         return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,))
@@ -115,7 +119,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
         pool = [sharding.state_pool_sharding(mesh) if i in state_layers else pool
                 for i in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,), out_shardings=(
-        sharding.replicated(mesh), pool, sharding.replicated(mesh)))
+        sharding.replicated(mesh), pool, sharding.replicated(mesh), sharding.replicated(mesh)))
 
 
 def attention_metadata(inputs: StepInputs, state_slots=None, snapshot_slots=None,
@@ -310,6 +314,11 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
                    out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
 
 
+def _captures(plan: StepPlan) -> bool:
+    """Whether a row of the step asked for hidden states (only then are they copied back)."""
+    return plan.hidden_layers is not None and bool((plan.hidden_layers[:plan.num_seqs] >= 0).any())
+
+
 def top_logprobs_width(max_logprobs: int, vocab_size: int) -> int:
     """The static top-k width of the sampler's logprobs: ``max_logprobs`` (-1: the vocabulary),
     at most the vocabulary, at least 1."""
@@ -327,6 +336,7 @@ class StepHandle:
     want_topk: bool = False
     verify: object = None  # rejection_sampler.VerifyOutput on device (speculative decoding)
     drafts: object = None  # [S, k] the MTP head's drafts for each row's next step, on device
+    hidden_states: object = None  # [T, K, H] captured residual streams (a row asked), on device
 
 
 @dataclass
@@ -344,6 +354,8 @@ class StepOutput:
     spec_token_ids: np.ndarray | None = None
     num_emitted: np.ndarray | None = None
     draft_ids: np.ndarray | None = None  # [S, k] the MTP head's drafts (method "mtp")
+    # [num_tokens, K, H] float32 the residual stream at each token's row's asked layers
+    hidden_states: np.ndarray | None = None
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -513,6 +525,8 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         spec = engine_config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # return_hidden_states: layers captured per token (the static width; 0 = none)
+        self.max_hidden_state_layers = engine_config.max_hidden_state_layers
         # method "mtp": the model's MTP head drafts inside every step (its pages the last layer)
         self.mtp = spec is not None and spec.method == "mtp"
         if self.mtp and getattr(model, "mtp", None) is None:
@@ -596,6 +610,7 @@ class ModelRunner:
         self._ones_bitmasks: dict[int, jax.Array] = {}  # all-ones masks per sequence bucket
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
+        self._captured = None  # the last step's hidden-state capture, when a row asked
         if self.state_layers:
             self._log_hybrid_cache(max_model_len, tp)
         else:
@@ -653,7 +668,7 @@ class ModelRunner:
             inputs, sampler_inputs = self._step_inputs(plan)
             packed = pack(inputs)
             prev_tokens = self._last_tokens
-            logits, self.kv_pages, hidden = self._forward(
+            logits, self.kv_pages, hidden, captured = self._forward(
                 self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
                 packed[1])
             out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
@@ -663,6 +678,7 @@ class ModelRunner:
                 out = (*out, drafts)
             if prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
+            self._captured = captured if _captures(plan) else None
             if _TRACES.n != before:
                 self._add_compiles(_TRACES.n - before)
                 if self._warmup is not None:
@@ -756,7 +772,7 @@ class ModelRunner:
             out, verify, *rest = out
             drafts = rest[0] if rest else None
         h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)),
-                       verify, drafts)
+                       verify, drafts, self._captured)
         for x in self._handle_arrays(h):
             x.copy_to_host_async()
         return h
@@ -772,6 +788,8 @@ class ModelRunner:
             xs += list(h.verify)
         if h.drafts is not None:
             xs.append(h.drafts)
+        if h.hidden_states is not None:
+            xs.append(h.hidden_states)
         return xs
 
     def fetch(self, h: StepHandle) -> StepOutput:
@@ -788,6 +806,8 @@ class ModelRunner:
             res.spec_token_ids, res.num_emitted = map(np.asarray, jax.device_get(tuple(h.verify)))
         if h.drafts is not None:
             res.draft_ids = np.asarray(jax.device_get(h.drafts))
+        if h.hidden_states is not None:
+            res.hidden_states = np.asarray(jax.device_get(h.hidden_states))[:h.plan.num_tokens]
         return res
 
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -42,6 +42,9 @@ class StepInputs:
     num_draft: np.ndarray  # [S] int32 draft tokens verified in each row; 0 = none
     next_token_ids: np.ndarray  # [S] int32 the known token after a row (MTP head); -1
     num_seqs: np.ndarray  # [] int32 real rows
+    # [S, K] int32 layers whose residual stream each row's tokens return (-1: none); K is
+    # the engine's max_hidden_state_layers, [S, 0] when it captures nothing
+    hidden_layers: np.ndarray
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> StepInputs:
@@ -58,7 +61,9 @@ class StepInputs:
             prev_ref=plan.prev_ref, state_slots=plan.state_slots, lora_slots=plan.lora_slots,
             num_draft=plan.num_draft if plan.num_draft is not None else np.zeros(s, np.int32),
             next_token_ids=plan.next_token_ids if plan.next_token_ids is not None else off,
-            num_seqs=np.asarray(plan.num_seqs, np.int32))
+            num_seqs=np.asarray(plan.num_seqs, np.int32),
+            hidden_layers=(plan.hidden_layers if plan.hidden_layers is not None
+                           else np.zeros((s, 0), np.int32)))
 
     def replace(self, **changes) -> StepInputs:
         return dataclasses.replace(self, **changes)

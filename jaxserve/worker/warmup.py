@@ -220,7 +220,7 @@ class BucketWarmup:
             for plan in plans:
                 inputs, sampler_inputs = r._step_inputs(plan)
                 packed = pack(inputs)
-                logits, r.kv_pages, hidden = r._forward(r._state_leaves, r.kv_pages, packed[0],
+                logits, r.kv_pages, hidden, _ = r._forward(r._state_leaves, r.kv_pages, packed[0],
                                                         last, r._lora_arrays(), packed[1])
                 sampled = r.sample(logits, sampler_inputs, last, ones)
                 if r.num_spec_tokens:  # the rollback and the MTP head's drafts
