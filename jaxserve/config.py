@@ -256,6 +256,9 @@ class EngineConfig:
     # the most layers a request's return_hidden_states may name: the static width of the
     # step's hidden-state capture (0: no capture compiled in, requests asking are refused)
     max_hidden_state_layers: int = 0
+    # --enable-prompt-embeds: prompts may be {"prompt_embeds": [n, hidden]} (the step then
+    # takes [T, hidden] embeddings beside the token ids)
+    enable_prompt_embeds: bool = False
     # where the checkpoint comes from: a Hub revision, a download directory, and keys laid over
     # its config.json (--hf-overrides); remote code is never run (a config that needs it is an
     # error, trust_remote_code or not)
@@ -297,6 +300,11 @@ class EngineConfig:
         if m and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("max_hidden_state_layers > 0 with pipeline_parallel_size > 1 is "
                              "not supported yet")
+        if self.enable_prompt_embeds and self.speculative is not None:
+            raise ValueError("enable_prompt_embeds with speculative decoding is not supported")
+        if self.enable_prompt_embeds and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("enable_prompt_embeds with pipeline_parallel_size > 1 is not "
+                             "supported yet")
         if self.attention_backend == "mosaic" and self.cache.cache_dtype != "auto":
             # Its GPU test (tests/kernels/test_mosaic_gpu_attention.py) disagrees with the
             # reference on float8 pages under jax 0.11, so the engine does not serve them.
@@ -503,7 +511,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               enable_lora=False, max_loras=1, max_lora_rank=16,
                               max_cpu_loras=None, lora_allowed_paths=None,
                               structured_outputs_compile_timeout=5.0,
-                              max_hidden_state_layers=0) -> EngineConfig:
+                              max_hidden_state_layers=0,
+                              enable_prompt_embeds=False) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -524,6 +533,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         speculative=SpeculativeConfig.from_dict(speculative_config),
         max_logprobs=max_logprobs, enforce_eager=bool(enforce_eager), revision=revision,
         max_hidden_state_layers=max_hidden_state_layers,
+        enable_prompt_embeds=bool(enable_prompt_embeds),
         download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         kv_events=KVEventsConfig.parse(kv_events_config),

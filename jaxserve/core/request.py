@@ -72,6 +72,9 @@ class Request:
         # admits it once that prompt is computed, so it takes the full prompt pages from the
         # prefix cache (copy-free)
         self.prefix_parent = prefix_parent
+        # [n, hidden] float32 numpy: the prompt given as embeddings (prompt ids placeholders);
+        # its digest is in cache_salt, so its pages are never shared with a token prompt
+        self.prompt_embeds = None
         # prompt_logprobs need every prompt position computed, so no prefix-cache reads (vLLM)
         # so do hidden states (return_hidden_states), of every prompt token
         self.hidden_layers = getattr(sampling_params, "return_hidden_states", None)

@@ -273,7 +273,7 @@ class Scheduler:
             b.new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                 req.sampling_params, [list(p) for p in pages], req.lora_int_id,
-                req.state_slot))
+                req.state_slot, req.prompt_embeds))
             req.in_batch, req.sent_pages, req.pages_dirty = True, [len(p) for p in pages], False
         elif (req.pages_dirty or req.group_block_ids is not None
               or len(req.block_ids) != req.sent_pages[0]):

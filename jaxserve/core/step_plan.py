@@ -120,6 +120,10 @@ class StepPlan:
     # [S, K] int32 the layers whose residual stream each row's tokens return
     # (return_hidden_states; -1 padded); None: the engine captures none (K = 0)
     hidden_layers: np.ndarray | None = None
+    # prompt embeddings (--enable-prompt-embeds): [T] bool tokens that read their row of
+    # prompt_embeds [T, H] float32 (None: no row of the step reads any) instead of their id's
+    embed_mask: np.ndarray | None = None
+    prompt_embeds: np.ndarray | None = None
 
     @property
     def token_bucket(self) -> int:

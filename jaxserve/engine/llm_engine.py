@@ -33,6 +33,7 @@ import numpy as np
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
+from jaxserve.core import prompt_embeds as prompt_embeds_lib
 from jaxserve.core.outputs import CoreOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.input_batch import InputBatch
@@ -118,15 +119,22 @@ class LLMEngine:
         sequence; ``final_only``: offline use, no output until the request finishes;
         ``lora_request``: the adapter to run)."""
         params = params or SamplingParams()
-        prompt_text, ids = prompt_ids(self.tokenizer, prompt)
-        parent = self.output_processor.add_request(request_id, prompt_text, ids, params,
+        embeds = None
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            embeds = self._check_prompt_embeds(prompt["prompt_embeds"])
+            prompt_text, ids = None, [prompt_embeds_lib.PLACEHOLDER_ID] * len(embeds)
+        else:
+            prompt_text, ids = prompt_ids(self.tokenizer, prompt)
+        parent = self.output_processor.add_request(request_id, prompt_text,
+                                                   [] if embeds is not None else ids, params,
                                                    final_only)
         now = arrival_time if arrival_time is not None else time.time()
         try:
             for child in parent.children:
                 self.add_core_request(child.request_id, ids, child.params, arrival_time=now,
                                       priority=priority, lora_request=lora_request,
-                                      prefix_parent=child.prefix_parent)
+                                      prefix_parent=child.prefix_parent,
+                                      prompt_embeds=embeds)
         except Exception:
             self.abort_request(request_id)
             raise
@@ -151,9 +159,10 @@ class LLMEngine:
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
-                         prefix_parent: str | None = None) -> None:
+                         prefix_parent: str | None = None, prompt_embeds=None) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
-        request whose prompt this one repeats, an n > 1 sibling's child 0)."""
+        request whose prompt this one repeats, an n > 1 sibling's child 0; ``prompt_embeds``:
+        ``[len(ids), hidden]`` rows the prompt positions read instead of their ids)."""
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine core runs one sequence per "
                                       "request (the front end fans n > 1 out)", param="n")
@@ -171,8 +180,16 @@ class LLMEngine:
                                              self.config.max_hidden_state_layers)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
+        salt = None
+        if prompt_embeds is not None:
+            prompt_embeds = self._check_prompt_embeds(prompt_embeds)
+            if len(prompt_embeds) != len(ids):
+                raise InvalidRequestError(f"prompt_embeds has {len(prompt_embeds)} rows for "
+                                          f"{len(ids)} prompt ids", param="prompt_embeds")
+            salt = prompt_embeds_lib.digest(prompt_embeds)
         req = Request(request_id, ids, params, arrival_time=arrival_time, priority=priority,
-                      prefix_parent=prefix_parent, lora_request=lora_request)
+                      prefix_parent=prefix_parent, lora_request=lora_request, cache_salt=salt)
+        req.prompt_embeds = prompt_embeds
         if params.structured_outputs is not None:
             req.grammar = self.structured.grammar_for(params.structured_outputs)
         if params.allowed_token_ids is not None or params.bad_words:
@@ -265,6 +282,14 @@ class LLMEngine:
             self._structured = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size, self._eos_list)
         return self._structured
+
+    def _check_prompt_embeds(self, value):
+        """``[n, hidden]`` float32 embeddings, when the engine takes them."""
+        if not self.config.enable_prompt_embeds:
+            raise InvalidRequestError("prompt_embeds needs an engine started with "
+                                      "enable_prompt_embeds (--enable-prompt-embeds)",
+                                      param="prompt_embeds")
+        return prompt_embeds_lib.as_embeds(value, self.model_config.hidden_size)
 
     def _check_prompt_ids(self, prompt_token_ids) -> list[int]:
         """The ids as a list of ints: not empty, in the vocabulary (the length is checked by

@@ -232,6 +232,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=EngineConfig.max_hidden_state_layers,
                    help="the most layers a request's return_hidden_states may name (the step "
                         "captures that many per token; 0 = off) (default: %(default)s)")
+    d.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompt embeddings as prompts (prompt_embeds in /v1/completions:"
+                        " base64 of a torch.save'd tensor, or of a .npy array)")
 
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -498,7 +501,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         lora_allowed_paths=args.lora_allowed_paths,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
-        max_hidden_state_layers=args.max_hidden_state_layers)
+        max_hidden_state_layers=args.max_hidden_state_layers,
+        enable_prompt_embeds=args.enable_prompt_embeds)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

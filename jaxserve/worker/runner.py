@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
@@ -28,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.worker import hidden_states, memory_budget
+from jaxserve.worker import forward_hooks, memory_budget
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
@@ -81,9 +82,14 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
     which cost milliseconds per step), and params travel as a flat list of leaves.
     """
 
-    def forward(state_leaves, kv_pages, buf, prev_tokens, lora, layout):
+    def forward(state_leaves, kv_pages, buf, prev_tokens, lora, layout, embeds=None):
         _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        with (forward_hooks.prompt_embeds(model, unpack(buf, layout).embed_mask, embeds)
+              if embeds is not None else nullcontext()):
+            return model_half(model, buf, prev_tokens, kv_pages, lora, layout)
+
+    def model_half(model, buf, prev_tokens, kv_pages, lora, layout):
         inputs: StepInputs = unpack(buf, layout)
         ref = inputs.prev_ref
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
@@ -95,7 +101,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
             "lora": LoRABatch(inputs.lora_slots, *lora)}
         captured = None
         if inputs.hidden_layers.shape[1]:  # return_hidden_states: K layers a token
-            hidden, kv_pages, captured = hidden_states.forward_with_capture(
+            hidden, kv_pages, captured = forward_hooks.forward_with_capture(
                 model, inputs.hidden_layers, inputs.query_start, token_ids, inputs.positions,
                 kv_pages, md, **kwargs)
         else:
@@ -527,6 +533,9 @@ class ModelRunner:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         # return_hidden_states: layers captured per token (the static width; 0 = none)
         self.max_hidden_state_layers = engine_config.max_hidden_state_layers
+        # --enable-prompt-embeds: the forward takes [T, H] embeddings beside the token ids
+        self.enable_prompt_embeds = engine_config.enable_prompt_embeds
+        self._zero_embeds: dict[int, jax.Array] = {}
         # method "mtp": the model's MTP head drafts inside every step (its pages the last layer)
         self.mtp = spec is not None and spec.method == "mtp"
         if self.mtp and getattr(model, "mtp", None) is None:
@@ -670,7 +679,7 @@ class ModelRunner:
             prev_tokens = self._last_tokens
             logits, self.kv_pages, hidden, captured = self._forward(
                 self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
-                packed[1])
+                packed[1], self.embeds_arg(plan))
             out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
                                                  self._bitmask(plan))
             drafts = self.after_verify(inputs, packed, hidden, out, prev_tokens)
@@ -685,6 +694,22 @@ class ModelRunner:
                     logger.warning("compile caused by a step (token bucket %d): this is a bug",
                                    plan.token_bucket)
         return out
+
+    def embeds_arg(self, plan: StepPlan):
+        """The forward's ``[T, H]`` prompt embeddings (``--enable-prompt-embeds``): the plan's
+        when a row reads some, else zeros kept on the device per token bucket (nothing copied);
+        None when the engine takes no prompt embeddings."""
+        if not self.enable_prompt_embeds:
+            return None
+        if plan.prompt_embeds is not None:
+            return jax.device_put(plan.prompt_embeds,
+                                  sharding.replicated(self.mesh or sharding.default_mesh()))
+        t = plan.token_bucket
+        zeros = self._zero_embeds.get(t)
+        if zeros is None:
+            zeros = self._zero_embeds[t] = self._device_zeros(
+                (t, self.model_config.hidden_size), jnp.float32)
+        return zeros
 
     def sample(self, logits, inputs: SamplerInputs, prev_tokens, token_bitmask):
         """The sampler on a step's logits: ``(output, the last-token buffer with this step's

@@ -45,6 +45,9 @@ class StepInputs:
     # [S, K] int32 layers whose residual stream each row's tokens return (-1: none); K is
     # the engine's max_hidden_state_layers, [S, 0] when it captures nothing
     hidden_layers: np.ndarray
+    # [T] bool tokens that read the step's prompt embeddings (a forward argument of its own)
+    # instead of their id's embedding; [0] when the engine takes none
+    embed_mask: np.ndarray
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> StepInputs:
@@ -63,7 +66,9 @@ class StepInputs:
             next_token_ids=plan.next_token_ids if plan.next_token_ids is not None else off,
             num_seqs=np.asarray(plan.num_seqs, np.int32),
             hidden_layers=(plan.hidden_layers if plan.hidden_layers is not None
-                           else np.zeros((s, 0), np.int32)))
+                           else np.zeros((s, 0), np.int32)),
+            embed_mask=(plan.embed_mask if plan.embed_mask is not None
+                        else np.zeros(0, np.bool_)))
 
     def replace(self, **changes) -> StepInputs:
         return dataclasses.replace(self, **changes)

@@ -199,7 +199,8 @@ class BucketWarmup:
         t0 = time.perf_counter()
         with TRACE_LOCK:
             buf, layout = pack(r._step_inputs(plans[0])[0])
-            lowered = r._forward.lower(r._state_leaves, kv, buf, last, r._lora_arrays(), layout)
+            lowered = r._forward.lower(r._state_leaves, kv, buf, last, r._lora_arrays(), layout,
+                                       r.embeds_arg(plans[0]))
         t1 = time.perf_counter()
         fwd = lowered.compile()  # or a load from the persistent cache
         t2 = time.perf_counter()
@@ -221,7 +222,8 @@ class BucketWarmup:
                 inputs, sampler_inputs = r._step_inputs(plan)
                 packed = pack(inputs)
                 logits, r.kv_pages, hidden, _ = r._forward(r._state_leaves, r.kv_pages, packed[0],
-                                                        last, r._lora_arrays(), packed[1])
+                                                           last, r._lora_arrays(), packed[1],
+                                                           r.embeds_arg(plan))
                 sampled = r.sample(logits, sampler_inputs, last, ones)
                 if r.num_spec_tokens:  # the rollback and the MTP head's drafts
                     with TRACE_LOCK:
