@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import io
 import itertools
 import logging
 import multiprocessing
@@ -27,10 +28,12 @@ import tempfile
 import threading
 from typing import AsyncIterator
 
+import numpy as np
 import zmq
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.prompt_embeds import PLACEHOLDER_ID
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest, FinishSequences,
                                           LoRAUpdate,
@@ -192,11 +195,19 @@ class EngineCoreClient:
                        ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         params = sampling_params or SamplingParams()
-        text, ids = prompt_ids(self.tokenizer, prompt)
+        embeds = None
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # checked by the core
+            arr = np.ascontiguousarray(prompt["prompt_embeds"], dtype=np.float32)
+            buf = io.BytesIO()
+            np.save(buf, arr, allow_pickle=False)
+            embeds, text, ids = buf.getvalue(), None, [PLACEHOLDER_ID] * len(arr)
+        else:
+            text, ids = prompt_ids(self.tokenizer, prompt)
         q = self._streams.open(request_id)
         try:
             with self._processor_lock:
-                parent = self._processor.add_request(request_id, text, ids, params)
+                parent = self._processor.add_request(request_id, text,
+                                                     [] if embeds is not None else ids, params)
         except BaseException:
             self._streams.close(request_id)
             raise
@@ -207,7 +218,7 @@ class EngineCoreClient:
             answers.append(loop.create_future())
             self._adds[child.request_id] = answers[-1]
             self._send(AddRequest(child.request_id, ids, child.params, priority, lora_request,
-                                  child.prefix_parent))
+                                  child.prefix_parent, embeds))
 
         added = asyncio.gather(*answers)
 

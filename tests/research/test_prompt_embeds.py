@@ -16,7 +16,8 @@ from jaxserve.errors import InvalidRequestError
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
     return LLM(str(tiny_llama_dir), max_model_len=128, max_num_seqs=8,
-               max_num_batched_tokens=32, enable_prompt_embeds=True)
+               max_num_batched_tokens=32, min_token_bucket=32,
+               enable_prompt_embeds=True)
 
 
 @pytest.fixture(scope="module")

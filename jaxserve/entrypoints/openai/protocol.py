@@ -346,7 +346,10 @@ class _SamplingFields(RequestModel):
 
 # ---- completions -----------------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: Union[list[int], list[list[int]], str, list[str]]
+    prompt: Union[list[int], list[list[int]], str, list[str], None] = None
+    # --enable-prompt-embeds: base64 of a torch.save'd float tensor [tokens, hidden] (vLLM's
+    # format) or of a .npy array; run before the prompts, as vLLM orders them
+    prompt_embeds: Union[str, list[str], None] = None
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1: whole vocabulary
     suffix: str | None = None
@@ -357,6 +360,14 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         p = self.prompt
+        if p is None:
+            if self.prompt_embeds is None:
+                raise InvalidRequestError("prompt (or prompt_embeds) is required",
+                                          param="prompt")
+            if not self.prompt_embeds:
+                raise InvalidRequestError("prompt_embeds must not be empty",
+                                          param="prompt_embeds")
+            return self
         if isinstance(p, str):
             return self
         if len(p) == 0:
@@ -370,6 +381,8 @@ class CompletionRequest(_SamplingFields):
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts of this (possibly batched) request, each a string or a token id list."""
         p = self.prompt
+        if p is None:
+            return []
         if isinstance(p, str):
             return [p]
         if all(isinstance(t, int) for t in p):
