@@ -259,6 +259,8 @@ class EngineConfig:
     # --enable-prompt-embeds: prompts may be {"prompt_embeds": [n, hidden]} (the step then
     # takes [T, hidden] embeddings beside the token ids)
     enable_prompt_embeds: bool = False
+    # vLLM's --logits-processors: "module:Class" strings or classes (core.logits_processor)
+    logits_processors: tuple = ()
     # where the checkpoint comes from: a Hub revision, a download directory, and keys laid over
     # its config.json (--hf-overrides); remote code is never run (a config that needs it is an
     # error, trust_remote_code or not)
@@ -300,6 +302,11 @@ class EngineConfig:
         if m and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("max_hidden_state_layers > 0 with pipeline_parallel_size > 1 is "
                              "not supported yet")
+        if self.logits_processors and self.speculative is not None:
+            raise ValueError("logits_processors with speculative decoding is not supported")
+        if self.logits_processors and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("logits_processors with pipeline_parallel_size > 1 is not "
+                             "supported yet")
         if self.enable_prompt_embeds and self.speculative is not None:
             raise ValueError("enable_prompt_embeds with speculative decoding is not supported")
         if self.enable_prompt_embeds and self.parallel.pipeline_parallel_size > 1:
@@ -512,7 +519,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               max_cpu_loras=None, lora_allowed_paths=None,
                               structured_outputs_compile_timeout=5.0,
                               max_hidden_state_layers=0,
-                              enable_prompt_embeds=False) -> EngineConfig:
+                              enable_prompt_embeds=False,
+                              logits_processors=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -534,6 +542,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         max_logprobs=max_logprobs, enforce_eager=bool(enforce_eager), revision=revision,
         max_hidden_state_layers=max_hidden_state_layers,
         enable_prompt_embeds=bool(enable_prompt_embeds),
+        logits_processors=tuple(logits_processors or ()),
         download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         kv_events=KVEventsConfig.parse(kv_events_config),

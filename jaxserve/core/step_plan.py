@@ -124,6 +124,9 @@ class StepPlan:
     # prompt_embeds [T, H] float32 (None: no row of the step reads any) instead of their id's
     embed_mask: np.ndarray | None = None
     prompt_embeds: np.ndarray | None = None
+    # custom jax logits processors' state rows (one dict of [S, ...] arrays each); None:
+    # their zero template (core.logits_processor)
+    processor_state: tuple | None = None
 
     @property
     def token_bucket(self) -> int:

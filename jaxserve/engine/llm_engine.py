@@ -23,6 +23,7 @@ process and the front end in the API process (engine/core_process.py, engine/cor
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from jaxserve.core import prompt_embeds as prompt_embeds_lib
 from jaxserve.core.outputs import CoreOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.logits_processors import LogitsProcessorError
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
@@ -102,6 +104,10 @@ class LLMEngine:
         self.input_batch = InputBatch.for_runner(runner, self._eos_list, seed=config.seed)
         self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0  # an n > 1 prompt counts once
+        # custom logits processors (worker.logits_processors; the builder sets them), and
+        # the outputs of requests a failing processor ended, reported with the next step
+        self.logits_processors = None
+        self._failed: list[CoreOutput] = []
 
     @property
     def attention_backend(self) -> str:
@@ -180,6 +186,11 @@ class LLMEngine:
                                              self.config.max_hidden_state_layers)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
+        if self.logits_processors is not None:
+            try:
+                self.logits_processors.validate(params)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="logits_processors") from None
         salt = None
         if prompt_embeds is not None:
             prompt_embeds = self._check_prompt_embeds(prompt_embeds)
@@ -324,6 +335,8 @@ class LLMEngine:
     def _end_step(self, sched, outputs: list[CoreOutput]) -> list[CoreOutput]:
         self._publish_kv_events()
         self._drop_inflight_if_idle()
+        if self._failed:
+            outputs, self._failed = self._failed + outputs, []
         return sched.finished_outputs + outputs
 
     def _publish_kv_events(self) -> None:
@@ -342,11 +355,45 @@ class LLMEngine:
         bitmask, constrained = self._token_bitmask(sched)
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
-        handle = self.runner.dispatch(plan)
+        if self.logits_processors is not None:
+            try:
+                handle = self._dispatch_with_processors(sched, plan)
+            except LogitsProcessorError as e:
+                self._fail_step(sched, str(e))
+                return None
+        else:
+            handle = self.runner.dispatch(plan)
         self.scheduler.update_after_dispatch(sched)  # placeholders until _update
         rows = plan.token_rows[:plan.num_seqs]
         return _InFlight(sched, handle, constrained=constrained,
                          generations=batch.generation[np.maximum(rows, 0)])
+
+    def _dispatch_with_processors(self, sched, plan):
+        """Tell the custom logits processors the step's batch, then dispatch with their
+        state (jax) and their host function."""
+        reqs = {s.request.request_id: s.request for s in sched.scheduled}
+
+        def added(rid):
+            r = reqs[rid]
+            return r.sampling_params, r.prompt_token_ids, r.output_token_ids
+
+        state, host = self.logits_processors.begin_step(sched.batch.req_ids, added,
+                                                        plan.seq_bucket)
+        plan = dataclasses.replace(plan, processor_state=state)
+        return self.runner.dispatch(plan, host_logits=host)
+
+    def _fail_step(self, sched, why: str) -> None:
+        """A logits processor raised: every request of the step ends (``abort``, the error
+        as its stop reason); the others go on."""
+        logger.error("%s: failing the %d requests of the step", why, len(sched.scheduled))
+        for s in sched.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            req.drop_pending()
+            req.stop_reason = why
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+            self._failed.append(req.take_output())
 
     def _update(self, done: _InFlight) -> list[CoreOutput]:
         """Read a dispatched step's ids into the scheduler (and the batch rows' token

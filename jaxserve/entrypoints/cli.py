@@ -235,6 +235,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--enable-prompt-embeds", action="store_true",
                    help="accept prompt embeddings as prompts (prompt_embeds in /v1/completions:"
                         " base64 of a torch.save'd tensor, or of a .npy array)")
+    d.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                   help="logits processor classes with vLLM V1's interface "
+                        "(jaxserve.core.logits_processor), e.g. my_pkg.procs:BanToken")
 
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -502,7 +505,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         lora_allowed_paths=args.lora_allowed_paths,
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
         max_hidden_state_layers=args.max_hidden_state_layers,
-        enable_prompt_embeds=args.enable_prompt_embeds)
+        enable_prompt_embeds=args.enable_prompt_embeds,
+        logits_processors=args.logits_processors)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -279,7 +279,8 @@ def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int):
 
 
 @lru_cache(maxsize=None)
-def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
+def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS,
+               processors: tuple = ()):
     """The sampler half: its own jit, so the model graph compiles once per token bucket while
     the (cheap) sampler compiles once per sequence bucket and sampling-array layout. The top
     logprobs have the static width ``num_top_logprobs`` (see :func:`top_logprobs_width`).
@@ -302,8 +303,10 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
         pending = prev_tokens[jnp.maximum(src, 0)]
         fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
         md = sampler_lib.SamplingMetadata(**fields)
+        procs = tuple((fn, inv, st) for (fn, inv), st in zip(processors, inputs.processors))
         if not inputs.speculating:
-            out = sampler_lib.sample(logits, md, num_top_logprobs, token_bitmask=token_bitmask)
+            out = sampler_lib.sample(logits, md, num_top_logprobs, token_bitmask=token_bitmask,
+                                     processors=procs)
             ids = out.token_ids
         else:  # [S, k+1, V]: column 0 is what a row without drafts samples
             out = sampler_lib.sample(logits[:, 0], md, num_top_logprobs,
@@ -607,6 +610,8 @@ class ModelRunner:
                                                    model_config.vocab_size)
         self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef,
                                                     self.num_top_logprobs)
+        # custom logits processors (worker.logits_processors; set before warm-up)
+        self.logits_processors = None
         self._sample = _sample_fn(mesh, self.num_top_logprobs)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
@@ -668,7 +673,7 @@ class ModelRunner:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan, host_logits=None):
         prompt_next_ids = plan.prompt_next_ids
         if self._warmup is not None:  # a bucket still compiling: wait, never compile here
             self._warmup.wait(plan)
@@ -680,6 +685,8 @@ class ModelRunner:
             logits, self.kv_pages, hidden, captured = self._forward(
                 self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
                 packed[1], self.embeds_arg(plan))
+            if host_logits is not None:  # host logits processors: a round trip of [S, V]
+                logits = self._host_logits(logits, plan.num_seqs, host_logits)
             out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
                                                  self._bitmask(plan))
             drafts = self.after_verify(inputs, packed, hidden, out, prev_tokens)
@@ -694,6 +701,15 @@ class ModelRunner:
                     logger.warning("compile caused by a step (token bucket %d): this is a bug",
                                    plan.token_bucket)
         return out
+
+    def set_logits_processors(self, procs) -> None:
+        """The engine's custom processors (before warm-up): their jax halves become part of
+        the sampler's trace, their state rows part of its inputs."""
+        self.logits_processors = procs
+        self._sample = _sample_fn(self.mesh, self.num_top_logprobs, procs.sampler_spec())
+
+    def processor_template(self, s: int) -> tuple:
+        return () if self.logits_processors is None else self.logits_processors.template(s)
 
     def embeds_arg(self, plan: StepPlan):
         """The forward's ``[T, H]`` prompt embeddings (``--enable-prompt-embeds``): the plan's
@@ -710,6 +726,12 @@ class ModelRunner:
             zeros = self._zero_embeds[t] = self._device_zeros(
                 (t, self.model_config.hidden_size), jnp.float32)
         return zeros
+
+    def _host_logits(self, logits, n: int, fn):
+        """``fn`` on the real rows' logits, on the host; the result back where they were."""
+        arr = np.array(jax.device_get(logits), dtype=np.float32)
+        arr[:n] = fn(arr[:n])
+        return jax.device_put(arr, logits.sharding)
 
     def sample(self, logits, inputs: SamplerInputs, prev_tokens, token_bitmask):
         """The sampler on a step's logits: ``(output, the last-token buffer with this step's
@@ -746,7 +768,8 @@ class ModelRunner:
     def _step_inputs(self, plan: StepPlan) -> tuple[StepInputs, SamplerInputs]:
         """The step's two device-side views (every step of a speculating engine has the
         verify shapes: logits at ``[S, k+1]`` positions)."""
-        return StepInputs.from_plan(plan), SamplerInputs.from_plan(plan, self.num_spec_tokens)
+        return StepInputs.from_plan(plan), SamplerInputs.from_plan(
+            plan, self.num_spec_tokens, self.processor_template(plan.seq_bucket))
 
     def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
         """The device slots of every layer's adapters, placed like the weights they adapt."""
@@ -786,10 +809,12 @@ class ModelRunner:
                 np.full((s, self.bitmask_width()), -1, np.int32))
         return ones
 
-    def dispatch(self, plan: StepPlan) -> StepHandle:
+    def dispatch(self, plan: StepPlan, host_logits=None) -> StepHandle:
         """Enqueue the step and start copying its results to the host; returns at once.
-        A plan with ``prompt_next_ids`` also computes the prompt logprobs."""
-        out = self._run(plan)
+        A plan with ``prompt_next_ids`` also computes the prompt logprobs. ``host_logits``:
+        the host logits processors' function on ``[num_seqs, V]`` numpy logits (the step then
+        waits for its logits)."""
+        out = self._run(plan, host_logits)
         prompt_lp = verify = drafts = None
         if plan.prompt_next_ids is not None:
             out, prompt_lp = out

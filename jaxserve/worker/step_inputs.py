@@ -83,9 +83,12 @@ class SamplerInputs:
     token_rows: np.ndarray  # [S] int32 the buffer row each sampled id is kept in; -1: not kept
     draft_token_ids: np.ndarray  # [S, k] int32 (k = 0: the engine does not speculate)
     num_draft: np.ndarray  # [S] int32
+    # custom jax logits processors' state rows, one dict of [S, ...] arrays each; () = none
+    processors: tuple = ()
 
     @classmethod
-    def from_plan(cls, plan: StepPlan, num_spec_tokens: int = 0) -> SamplerInputs:
+    def from_plan(cls, plan: StepPlan, num_spec_tokens: int = 0,
+                  processors: tuple = ()) -> SamplerInputs:
         s = plan.seq_bucket
         if plan.draft_token_ids is not None:
             drafts, num_draft = plan.draft_token_ids, plan.num_draft
@@ -93,7 +96,9 @@ class SamplerInputs:
             drafts = np.zeros((s, num_spec_tokens), np.int32)
             num_draft = np.zeros(s, np.int32)
         return cls(sampling=plan.sampling, history_ref=plan.history_ref,
-                   token_rows=plan.token_rows, draft_token_ids=drafts, num_draft=num_draft)
+                   token_rows=plan.token_rows, draft_token_ids=drafts, num_draft=num_draft,
+                   processors=(plan.processor_state if plan.processor_state is not None
+                               else processors))
 
     @property
     def speculating(self) -> bool:

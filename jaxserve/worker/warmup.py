@@ -291,7 +291,8 @@ def sampler_variant(runner, sampling: dict, s: int) -> SamplerInputs:
     return SamplerInputs(sampling=sampling, history_ref=np.full((s, 2), -1, np.int32),
                          token_rows=np.full(s, -1, np.int32),
                          draft_token_ids=np.zeros((s, k), np.int32),
-                         num_draft=np.full(s, k, np.int32))
+                         num_draft=np.full(s, k, np.int32),
+                         processors=runner.processor_template(s))
 
 
 def warmup_bitmask(runner, s: int) -> jax.Array:
