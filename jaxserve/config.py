@@ -5,6 +5,7 @@ Names and defaults follow vLLM. ``ModelConfig`` (HF config.json -> our fields) l
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
@@ -261,6 +262,9 @@ class EngineConfig:
     enable_prompt_embeds: bool = False
     # vLLM's --logits-processors: "module:Class" strings or classes (core.logits_processor)
     logits_processors: tuple = ()
+    # --batch-invariant (or VLLM_BATCH_INVARIANT=1): a request's logprobs bit-identical
+    # whatever else is in its steps (models.batch_invariant)
+    batch_invariant: bool = False
     # where the checkpoint comes from: a Hub revision, a download directory, and keys laid over
     # its config.json (--hf-overrides); remote code is never run (a config that needs it is an
     # error, trust_remote_code or not)
@@ -302,6 +306,9 @@ class EngineConfig:
         if m and self.parallel.pipeline_parallel_size > 1:
             raise ValueError("max_hidden_state_layers > 0 with pipeline_parallel_size > 1 is "
                              "not supported yet")
+        if self.batch_invariant and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("batch_invariant with pipeline_parallel_size > 1 is not "
+                             "supported yet")
         if self.logits_processors and self.speculative is not None:
             raise ValueError("logits_processors with speculative decoding is not supported")
         if self.logits_processors and self.parallel.pipeline_parallel_size > 1:
@@ -520,7 +527,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               structured_outputs_compile_timeout=5.0,
                               max_hidden_state_layers=0,
                               enable_prompt_embeds=False,
-                              logits_processors=None) -> EngineConfig:
+                              logits_processors=None,
+                              batch_invariant=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -543,6 +551,7 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         max_hidden_state_layers=max_hidden_state_layers,
         enable_prompt_embeds=bool(enable_prompt_embeds),
         logits_processors=tuple(logits_processors or ()),
+        batch_invariant=_batch_invariant(batch_invariant),
         download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         kv_events=KVEventsConfig.parse(kv_events_config),
@@ -569,6 +578,14 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                                 data_parallel_size=data_parallel_size,
                                 enable_expert_parallel=enable_expert_parallel),
     )
+
+
+def _batch_invariant(value) -> bool:
+    """The flag, or (None) ``VLLM_BATCH_INVARIANT`` / ``JAXSERVE_BATCH_INVARIANT`` = 1."""
+    if value is None:
+        return any(os.environ.get(k, "0").strip() not in ("", "0")
+                   for k in ("VLLM_BATCH_INVARIANT", "JAXSERVE_BATCH_INVARIANT"))
+    return bool(value)
 
 
 def _positive_seconds(value, name: str) -> float:

@@ -238,6 +238,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
                    help="logits processor classes with vLLM V1's interface "
                         "(jaxserve.core.logits_processor), e.g. my_pkg.procs:BanToken")
+    d.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="a request's logprobs bit-identical whatever the batch, chunking and "
+                        "padding bucket (also VLLM_BATCH_INVARIANT=1)")
 
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -506,7 +509,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
         max_hidden_state_layers=args.max_hidden_state_layers,
         enable_prompt_embeds=args.enable_prompt_embeds,
-        logits_processors=args.logits_processors)
+        logits_processors=args.logits_processors,
+        batch_invariant=args.batch_invariant)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -39,6 +39,7 @@ from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
                                       allocate_layer_pages, fork_copy, fork_pairs,
                                       kv_cache_dtype)
+from jaxserve.models import batch_invariant
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
@@ -72,7 +73,8 @@ _TRACES = _TraceCount()
 
 @lru_cache(maxsize=None)
 def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...] = (),
-                num_layers: int = 0, snapshots: tuple[int, int] | None = None):
+                num_layers: int = 0, snapshots: tuple[int, int] | None = None,
+                invariant: bool = False):
     """The model half of the step (write K/V, attend, logits of each row's last token), jitted
     for one model graph. ``snapshots`` (first scratch slot, k): the state pool keeps each
     verify row's state after each of its tokens (:func:`snapshot_slots`).
@@ -86,7 +88,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
         _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         with (forward_hooks.prompt_embeds(model, unpack(buf, layout).embed_mask, embeds)
-              if embeds is not None else nullcontext()):
+              if embeds is not None else nullcontext()), batch_invariant.mode(invariant):
             return model_half(model, buf, prev_tokens, kv_pages, lora, layout)
 
     def model_half(model, buf, prev_tokens, kv_pages, lora, layout):
@@ -253,7 +255,8 @@ PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in
 
 
 @lru_cache(maxsize=None)
-def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int):
+def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int,
+                        invariant: bool = False):
     """Logprobs of each prompt token under the step's hidden states (``prompt_logprobs``),
     with the top ``num_top_logprobs`` of each position.
 
@@ -272,7 +275,9 @@ def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int):
             return sampler_lib.compute_prompt_logprobs(model.compute_logits(h), ids,
                                                        num_top_logprobs)
 
-        outs = jax.lax.map(chunk, (hidden.reshape(t // c, c, -1), next_ids.reshape(t // c, c)))
+        with batch_invariant.mode(invariant):
+            outs = jax.lax.map(chunk, (hidden.reshape(t // c, c, -1),
+                                       next_ids.reshape(t // c, c)))
         return jax.tree_util.tree_map(lambda x: x.reshape((t,) + x.shape[2:]), outs)
 
     return jax.jit(prompt_logprobs)
@@ -280,7 +285,7 @@ def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int):
 
 @lru_cache(maxsize=None)
 def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS,
-               processors: tuple = ()):
+               processors: tuple = (), invariant: bool = False):
     """The sampler half: its own jit, so the model graph compiles once per token bucket while
     the (cheap) sampler compiles once per sequence bucket and sampling-array layout. The top
     logprobs have the static width ``num_top_logprobs`` (see :func:`top_logprobs_width`).
@@ -293,6 +298,10 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS,
     buffer keeps one sharding from step to step."""
 
     def sample(logits, buf, prev_tokens, token_bitmask, layout):
+        with batch_invariant.mode(invariant):
+            return sample_rows(logits, buf, prev_tokens, token_bitmask, layout)
+
+    def sample_rows(logits, buf, prev_tokens, token_bitmask, layout):
         _TRACES.n += 1
         inputs: SamplerInputs = unpack(buf, layout)
         fields = {k: inputs.sampling[k] for k in SAMPLING_FIELDS}
@@ -544,7 +553,10 @@ class ModelRunner:
         if self.mtp and getattr(model, "mtp", None) is None:
             raise ValueError("speculative_config.method 'mtp' needs a model built with its "
                              "multi-token-prediction head (ModelConfig.load_mtp)")
-        self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
+        min_bucket = sched.min_token_bucket
+        if engine_config.batch_invariant:  # below it XLA:CPU emits its dots another way
+            min_bucket = max(min_bucket, batch_invariant.MIN_TOKEN_BUCKET)
+        self.ladder = token_ladder(sched.max_num_batched_tokens, min_bucket,
                                    sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.sharding); None: single device
         self.lora = None  # jaxserve.lora.slots.LoRASlots when LoRA is on (set before warm-up)
@@ -600,8 +612,11 @@ class ModelRunner:
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        # --batch-invariant: reductions in a fixed order (models.batch_invariant)
+        self.batch_invariant = engine_config.batch_invariant
         self._forward = _forward_fn(self.graphdef, treedef, mesh, self.state_layers,
-                                    len(self.cache_specs), self.snapshots)
+                                    len(self.cache_specs), self.snapshots,
+                                    self.batch_invariant)
         self._rollback = (None if self.snapshots is None
                           else _rollback_fn(*self.snapshots, mesh))
         self._mtp = (_mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
@@ -609,10 +624,10 @@ class ModelRunner:
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
         self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef,
-                                                    self.num_top_logprobs)
+                                                    self.num_top_logprobs, self.batch_invariant)
         # custom logits processors (worker.logits_processors; set before warm-up)
         self.logits_processors = None
-        self._sample = _sample_fn(mesh, self.num_top_logprobs)
+        self._sample = _sample_fn(mesh, self.num_top_logprobs, (), self.batch_invariant)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
         self.enforce_eager = engine_config.enforce_eager
@@ -706,7 +721,8 @@ class ModelRunner:
         """The engine's custom processors (before warm-up): their jax halves become part of
         the sampler's trace, their state rows part of its inputs."""
         self.logits_processors = procs
-        self._sample = _sample_fn(self.mesh, self.num_top_logprobs, procs.sampler_spec())
+        self._sample = _sample_fn(self.mesh, self.num_top_logprobs, procs.sampler_spec(),
+                                  self.batch_invariant)
 
     def processor_template(self, s: int) -> tuple:
         return () if self.logits_processors is None else self.logits_processors.template(s)

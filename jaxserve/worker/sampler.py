@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SAMPLING_EPS
+from jaxserve.models import batch_invariant
 
 _NEG_INF = float("-inf")
 
@@ -166,8 +167,13 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy_rows: jax.Arr
     return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
 
 
+def _log_softmax(x: jax.Array) -> jax.Array:
+    return batch_invariant.log_softmax(x) if batch_invariant.enabled() else \
+        jax.nn.log_softmax(x, axis=-1)
+
+
 def _logprob_details(raw: jax.Array, token_ids: jax.Array, k: int):
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    logprobs = _log_softmax(raw)
     tok_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     ranks = jnp.sum(logprobs >= tok_lp, axis=-1).astype(jnp.int32)
     topk_ids, topk_lp = _top_k_padded(logprobs, k)
@@ -199,7 +205,8 @@ def sample(logits: jax.Array, md: SamplingMetadata,
         raw = jax.lax.cond(jnp.any(token_bitmask != -1),
                            lambda r: apply_token_bitmask(r, token_bitmask), lambda r: r, raw)
     S, V = raw.shape
-    lse = jax.nn.logsumexp(raw, axis=-1)
+    lse = (batch_invariant.logsumexp(raw) if batch_invariant.enabled()
+           else jax.nn.logsumexp(raw, axis=-1))
 
     greedy_rows = is_greedy(md)
     any_penalty = jnp.any((md.presence_penalty != 0.0) | (md.frequency_penalty != 0.0)
@@ -239,7 +246,7 @@ def compute_prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array,
     token that follows each position). Returns (logprob of that token [T], top-k ids [T, k],
     top-k logprobs [T, k], rank of that token [T], 1 = most likely). Raw distribution."""
     raw = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    logprobs = _log_softmax(raw)
     tok_lp = jnp.take_along_axis(logprobs, next_token_ids[:, None].astype(jnp.int32), axis=-1)
     ranks = jnp.sum(logprobs >= tok_lp, axis=-1).astype(jnp.int32)
     topk_ids, topk_lp = _top_k_padded(logprobs, k)
