@@ -181,3 +181,13 @@ def test_builtins_on_the_interface():
     assert np.isinf(mt.apply(logits.copy())[0, 3])
     with pytest.raises(ValueError, match="cannot load"):
         load_logits_processors(["nowhere.module:Nothing"])
+
+
+def test_vllm_xargs_reach_extra_args():
+    from jaxserve.entrypoints.openai import protocol as P
+    req = P.parse_request(P.CompletionRequest, {"prompt": "hi", "vllm_xargs": {"ban_jax": 5}})
+    assert req.to_sampling_params(128, 2).extra_args == {"ban_jax": 5}
+    with pytest.raises(InvalidRequestError, match="return_hidden_states") as e:
+        P.parse_request(P.CompletionRequest, {"prompt": "hi",
+                                              "vllm_xargs": {"return_hidden_states": [1]}})
+    assert e.value.param == "vllm_xargs"
