@@ -2,16 +2,19 @@
 results do not depend on how many other rows share its step (the token bucket), so a request's
 logprobs are bit-identical alone, beside any neighbours, or split by chunked prefill.
 
-On XLA:CPU the matmuls of the step (``x @ W.T`` with ``M >= 32`` rows) and the attention kernel
-already reduce in an order fixed by the shapes of one row; what moves with the number of rows is
-XLA's row reductions (a mean over the hidden size, a sum over the vocabulary), whose loop
+On XLA:CPU the matmuls of the step (``x @ W.T``) and the C++ attention kernel (one task per
+token and KV head, no split of the context) already reduce in an order fixed by the shapes of
+one row; what moves with the number of rows is XLA's row reductions (a mean over the hidden size, a sum over the vocabulary), whose loop
 emitter changes its vectorisation with the row count. In this mode those reductions are a
 fixed binary tree of elementwise adds over the reduced axis (:func:`row_sum`): the same adds in
 the same order for every row, whatever the batch.
 
-The dots themselves are emitted one way for 32 rows and more, another (XLA:CPU's small-dot
-emitter, another summation order) below: in this mode the smallest token bucket is
-:data:`MIN_TOKEN_BUCKET`.
+A tree padded to a power of two is not enough: XLA fuses the padding with the adds differently
+in the smallest buckets; the tree here carries an odd entry to the next level instead. And the
+dots of a 16-row bucket are emitted another way than those of 32 rows and more at SmolLM2's
+shapes (bit-identity fails there, not at the tiny test model's): in this mode the smallest
+token bucket is :data:`MIN_TOKEN_BUCKET`, which is most of the mode's cost when decode batches
+are smaller than that (``benchmarks/batch_invariance.py``).
 
 The mode is read while tracing (:func:`mode` around a jitted step's trace); every jitted
 function whose trace reads it takes the flag in its cache key, so an engine in the default mode
@@ -44,14 +47,13 @@ def enabled() -> bool:
 
 
 def row_sum(x, keepdims: bool = False):
-    """Sum over the last axis as a fixed binary tree of adds (zero-padded to a power of two)."""
-    n = x.shape[-1]
-    p = 1 << max(n - 1, 0).bit_length()
-    if p != n:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
+    """Sum over the last axis as a fixed binary tree of adds: halves added elementwise, an odd
+    entry carried to the next level."""
     while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
+        n = x.shape[-1]
+        h = n // 2
+        y = x[..., :h] + x[..., h:2 * h]
+        x = jnp.concatenate([y, x[..., 2 * h:]], axis=-1) if n % 2 else y
     return x if keepdims else x[..., 0]
 
 

@@ -1,7 +1,6 @@
 """--batch-invariant: each of 20 prompts' logprobs (and greedy tokens) are bit-identical alone,
 in batches of mixed sizes with random neighbours, and split differently by chunked prefill
 (prompts longer than the step budget, chunked where their neighbours leave room)."""
-import os
 import random
 
 import numpy as np
@@ -49,3 +48,15 @@ def test_flag_and_env(monkeypatch):
     assert not engine_config_from_kwargs("m", batch_invariant=False).batch_invariant
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     assert not engine_config_from_kwargs("m").batch_invariant
+
+
+def test_features_off_by_default_are_refused(llm):
+    """This engine has no prompt embeddings nor hidden-state capture: asking is an error
+    naming the field."""
+    from jaxserve.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match="enable_prompt_embeds") as e:
+        llm.generate([{"prompt_embeds": np.zeros((2, 64), np.float32)}], use_tqdm=False)
+    assert e.value.param == "prompt_embeds"
+    with pytest.raises(InvalidRequestError, match="max_hidden_state_layers") as e:
+        llm.generate([[1, 2]], SamplingParams(return_hidden_states=[1]), use_tqdm=False)
+    assert e.value.param == "return_hidden_states"

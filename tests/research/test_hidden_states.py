@@ -5,14 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), max_model_len=128, max_num_seqs=8,
-               max_num_batched_tokens=32, min_token_bucket=32, max_hidden_state_layers=3)
+def llm(hidden_llm):
+    return hidden_llm
 
 
 @pytest.fixture(scope="module")
@@ -58,5 +57,3 @@ def test_named_field_and_bad_input(llm):
         SamplingParams(extra_args={"return_hidden_states": "last"})
     with pytest.raises(InvalidRequestError, match="return_hidden_states"):
         SamplingParams(n=2, return_hidden_states=[1])
-    with pytest.raises(InvalidRequestError, match="enable_prompt_embeds"):
-        llm.generate([{"prompt_embeds": np.zeros((2, 64), np.float32)}], use_tqdm=False)

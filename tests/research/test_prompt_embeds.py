@@ -8,16 +8,14 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 from jaxserve.core.prompt_embeds import decode_base64
 from jaxserve.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), max_model_len=128, max_num_seqs=8,
-               max_num_batched_tokens=32, min_token_bucket=32,
-               enable_prompt_embeds=True)
+def llm(embeds_llm):
+    return embeds_llm
 
 
 @pytest.fixture(scope="module")

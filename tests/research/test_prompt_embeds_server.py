@@ -91,3 +91,4 @@ def test_core_process_message_carries_embeds():
     back = _REQUEST_DECODER.decode(encode_request(msg))
     np.testing.assert_array_equal(np.load(io.BytesIO(back.prompt_embeds)), x)
     assert isinstance(msgspec.msgpack.encode(msg), bytes)
+
