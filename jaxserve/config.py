@@ -5,6 +5,7 @@ Names and defaults follow vLLM. ``ModelConfig`` (HF config.json -> our fields) l
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
@@ -282,6 +283,17 @@ class EngineConfig:
     max_logprobs: int = 20
     # --enforce-eager: no ahead-of-time bucket warm-up; each bucket compiles on its first step
     enforce_eager: bool = False
+    # the most layers a request's return_hidden_states may name: the static width of the
+    # step's hidden-state capture (0: no capture compiled in, requests asking are refused)
+    max_hidden_state_layers: int = 0
+    # --enable-prompt-embeds: prompts may be {"prompt_embeds": [n, hidden]} (the step then
+    # takes [T, hidden] embeddings beside the token ids)
+    enable_prompt_embeds: bool = False
+    # vLLM's --logits-processors: "module:Class" strings or classes (core.logits_processor)
+    logits_processors: tuple = ()
+    # --batch-invariant (or VLLM_BATCH_INVARIANT=1): a request's logprobs bit-identical
+    # whatever else is in its steps (models.batch_invariant)
+    batch_invariant: bool = False
     # where the checkpoint comes from: a Hub revision, a download directory, and keys laid over
     # its config.json (--hf-overrides); remote code is never run (a config that needs it is an
     # error, trust_remote_code or not)
@@ -321,6 +333,28 @@ class EngineConfig:
                 or self.max_logprobs < -1):
             raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or an integer >= 0,"
                              f" got {self.max_logprobs!r}")
+        m = self.max_hidden_state_layers
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"max_hidden_state_layers must be an integer >= 0, got {m!r}")
+        if m and self.speculative is not None:
+            raise ValueError("max_hidden_state_layers > 0 with speculative decoding is not "
+                             "supported (a verify step reads tokens it may reject)")
+        if m and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("max_hidden_state_layers > 0 with pipeline_parallel_size > 1 is "
+                             "not supported yet")
+        if self.batch_invariant and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("batch_invariant with pipeline_parallel_size > 1 is not "
+                             "supported yet")
+        if self.logits_processors and self.speculative is not None:
+            raise ValueError("logits_processors with speculative decoding is not supported")
+        if self.logits_processors and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("logits_processors with pipeline_parallel_size > 1 is not "
+                             "supported yet")
+        if self.enable_prompt_embeds and self.speculative is not None:
+            raise ValueError("enable_prompt_embeds with speculative decoding is not supported")
+        if self.enable_prompt_embeds and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("enable_prompt_embeds with pipeline_parallel_size > 1 is not "
+                             "supported yet")
         if self.attention_backend == "mosaic" and self.cache.cache_dtype != "auto":
             # Its GPU test (tests/kernels/test_mosaic_gpu_attention.py) disagrees with the
             # reference on float8 pages under jax 0.11, so the engine does not serve them.
@@ -531,7 +565,9 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               structured_outputs_compile_timeout=5.0, runner="auto", task=None,
                               pooler_config=None, limit_mm_per_prompt=None,
                               mm_processor_kwargs=None, disable_mm_preprocessor_cache=False,
-                              allowed_local_media_path=None) -> EngineConfig:
+                              allowed_local_media_path=None, max_hidden_state_layers=0,
+                              enable_prompt_embeds=False, logits_processors=None,
+                              batch_invariant=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
     ``EngineConfig``. Needs no jax: limits left unset are named in
     ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
@@ -553,6 +589,10 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
         override_generation_config=_override_generation_config(override_generation_config),
         speculative=SpeculativeConfig.from_dict(speculative_config),
         max_logprobs=max_logprobs, enforce_eager=bool(enforce_eager), revision=revision,
+        max_hidden_state_layers=max_hidden_state_layers,
+        enable_prompt_embeds=bool(enable_prompt_embeds),
+        logits_processors=tuple(logits_processors or ()),
+        batch_invariant=_batch_invariant(batch_invariant),
         download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
         trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
         kv_events=KVEventsConfig.parse(kv_events_config),
@@ -602,6 +642,14 @@ def _runner_and_task(runner, task) -> tuple[str, str | None]:
     if runner == "generate":
         raise ValueError(f"task {task!r} contradicts runner 'generate'")
     return "pooling", TASK_ALIASES[task]
+
+
+def _batch_invariant(value) -> bool:
+    """The flag, or (None) ``VLLM_BATCH_INVARIANT`` / ``JAXSERVE_BATCH_INVARIANT`` = 1."""
+    if value is None:
+        return any(os.environ.get(k, "0").strip() not in ("", "0")
+                   for k in ("VLLM_BATCH_INVARIANT", "JAXSERVE_BATCH_INVARIANT"))
+    return bool(value)
 
 
 def _positive_seconds(value, name: str) -> float:

@@ -26,6 +26,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     lora_int_id: int = 0  # 0: the base model
     state_slot: int = -1  # its recurrent-state pool slot; -1: none
     mm: MultiModalInputs | None = None  # its images (vision-language models)
+    # [num_prompt_tokens, hidden] float32 numpy: its prompt as embeddings (its prompt ids are
+    # placeholders); in-process only (a numpy array does not cross hosts)
+    prompt_embeds: object = None
 
 
 class PageUpdate(msgspec.Struct, array_like=True, gc=False):

@@ -52,6 +52,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # return_hidden_states: [tokens, layers, hidden] float32 numpy, for the prompt then every
+    # generated token but the last (the tokens the model read), layers in the order asked
+    hidden_states: object = None
 
 
 # ---- what the engine core reports: token ids and floats, never text ------------------------
@@ -91,6 +94,9 @@ class CoreOutput:
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # return_hidden_states: [n, K, H] float32 arrays of the positions computed since (offline
+    # and in-process engines only: the core process's wire format carries ids and floats)
+    new_hidden_states: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -74,8 +74,14 @@ class Request:
         # admits it once that prompt is computed, so it takes the full prompt pages from the
         # prefix cache (copy-free)
         self.prefix_parent = prefix_parent
+        # [n, hidden] float32 numpy: the prompt given as embeddings (prompt ids placeholders);
+        # its digest is in cache_salt, so its pages are never shared with a token prompt
+        self.prompt_embeds = None
         # prompt_logprobs need every prompt position computed, so no prefix-cache reads (vLLM)
-        self.skip_prefix_cache = getattr(sampling_params, "prompt_logprobs", None) is not None
+        # so do hidden states (return_hidden_states), of every prompt token
+        self.hidden_layers = getattr(sampling_params, "return_hidden_states", None)
+        self.skip_prefix_cache = (getattr(sampling_params, "prompt_logprobs", None) is not None
+                                  or self.hidden_layers is not None)
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -121,6 +127,9 @@ class Request:
             [] if getattr(sampling_params, "logprobs", None) is not None else None)
         self.num_prompt_logprobs: int | None = 1 if self.skip_prefix_cache else None
         self.new_prompt_logprobs: list = []
+        # return_hidden_states: positions whose hidden states are kept, and those not reported
+        self.num_hidden = 0
+        self.new_hidden_states: list = []
         self._seq_no = 0  # tie-breaker for equal (priority, arrival), set by the scheduler
         # Effective generation cap (the scheduler lowers it to fit max_model_len).
         mt = getattr(sampling_params, "max_tokens", None)
@@ -201,6 +210,18 @@ class Request:
                 top_ids[t, :k].tolist(), top_lp[t, :k].tolist()))
             self.num_prompt_logprobs += 1
 
+    def record_hidden_states(self, captured, t0: int, start: int, n: int) -> None:
+        """Keep the hidden states of positions ``start .. start+n-1``, read at plan tokens
+        ``t0..`` of a step (``captured [T, K, H]``); positions kept before (a preempted
+        request recomputes them) are skipped."""
+        skip = self.num_hidden - start
+        if skip >= n:
+            return
+        skip = max(skip, 0)
+        k = len(self.hidden_layers)
+        self.new_hidden_states.append(captured[t0 + skip:t0 + n, :k])
+        self.num_hidden = start + n
+
     def take_output(self) -> CoreOutput:
         """What this request gained since its last report (known ids, their logprobs, prompt
         logprobs), and why it finished if it did."""
@@ -210,8 +231,11 @@ class Request:
         if logprobs is not None:
             self.new_logprobs = []
         prompt_lps, self.new_prompt_logprobs = self.new_prompt_logprobs or None, []
-        return CoreOutput(self.request_id, new, logprobs, self.finish_reason, self.stop_reason,
-                          prompt_lps, self.metrics, self.num_cached_tokens)
+        out = CoreOutput(self.request_id, new, logprobs, self.finish_reason, self.stop_reason,
+                         prompt_lps, self.metrics, self.num_cached_tokens)
+        if self.new_hidden_states:
+            out.new_hidden_states, self.new_hidden_states = self.new_hidden_states, []
+        return out
 
     def pages_per_group(self) -> list[list[int]]:
         """The block-table rows of this request, one per paged cache group."""

@@ -147,6 +147,14 @@ class SamplingParams:
     # this request decodes one token a step even when the engine speculates (its own choice:
     # e.g. a latency-insensitive batch job that should not spend verify compute)
     disable_speculative_decoding: bool = False
+    # vLLM's free-form per-request arguments (custom logits processors read them). One key
+    # the engine itself reads: "return_hidden_states", a list of layer indices.
+    extra_args: dict[str, Any] | None = None
+    # the residual stream at these layers (HF's ``output_hidden_states`` indices: 0 = the
+    # embeddings, i = after decoder layer i, num_layers = the final norm's output; negative
+    # from the end) for every token the model reads; the same as
+    # ``extra_args["return_hidden_states"]``
+    return_hidden_states: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -166,6 +174,23 @@ class SamplingParams:
                     isinstance(w, str) and w.strip() for w in words):
                 raise _bad("bad_words", words, "must be a list of non-empty strings")
             self.bad_words = list(words)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise _bad("extra_args", self.extra_args, "must be a dict")
+        layers = self.return_hidden_states
+        from_extra = (self.extra_args or {}).get("return_hidden_states")
+        if layers is not None and from_extra is not None and list(layers) != list(from_extra):
+            raise _bad("return_hidden_states", layers, "differs from "
+                       "extra_args['return_hidden_states']")
+        if layers is None:
+            layers = from_extra
+        if layers is not None:
+            name = "return_hidden_states"
+            if not isinstance(layers, (list, tuple)) or not layers or not all(
+                    _is_int(i) for i in layers):
+                raise _bad(name, layers, "must be a non-empty list of layer indices")
+            if len(set(layers)) != len(layers):
+                raise _bad(name, layers, "must not repeat a layer")
+            self.return_hidden_states = [int(i) for i in layers]
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -277,6 +302,8 @@ class SamplingParams:
                      "include_stop_str_in_output", "detokenize", "disable_speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "must be a boolean")
+        if self.return_hidden_states is not None and self.n != 1:
+            raise _bad("return_hidden_states", self.return_hidden_states, "needs n=1")
         if not self.detokenize and self.stop:
             raise _bad("stop", self.stop, "needs detokenize=True (stop strings match on text)")
 
@@ -290,6 +317,36 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    def verify_hidden_states(self, num_layers: int, max_layers: int) -> SamplingParams:
+        """Check ``return_hidden_states`` against the model's layers and the engine's
+        ``max_hidden_state_layers``; return the params with negative indices resolved (a copy
+        if anything changed)."""
+        layers = self.return_hidden_states
+        if layers is None:
+            return self
+        name = "return_hidden_states"
+        if max_layers == 0:
+            raise _bad(name, layers, "needs an engine started with max_hidden_state_layers > 0 "
+                       "(--max-hidden-state-layers)")
+        if len(layers) > max_layers:
+            raise _bad(name, layers, f"asks for {len(layers)} layers, more than the engine's "
+                       f"max_hidden_state_layers={max_layers}")
+        resolved = []
+        for i in layers:
+            if not -(num_layers + 1) <= i <= num_layers:
+                raise _bad(name, i, f"must be in [-{num_layers + 1}, {num_layers}] (0: the "
+                           f"embeddings, {num_layers}: the final norm's output)")
+            resolved.append(i % (num_layers + 1))
+        if len(set(resolved)) != len(resolved):
+            raise _bad(name, layers, "must not repeat a layer")
+        if resolved == layers:
+            return self
+        out = self.clone()
+        out.return_hidden_states = resolved
+        if out.extra_args and "return_hidden_states" in out.extra_args:
+            out.extra_args = {**out.extra_args, "return_hidden_states": resolved}
+        return out
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Token ids must exist in the model's vocabulary (needs the model, so the engine calls it)."""

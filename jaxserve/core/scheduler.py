@@ -281,7 +281,7 @@ class Scheduler:
             b.new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                 req.sampling_params, [list(p) for p in pages], req.lora_int_id,
-                req.state_slot, req.mm))
+                req.state_slot, req.mm, req.prompt_embeds))
             req.in_batch, req.sent_pages, req.pages_dirty = True, [len(p) for p in pages], False
         elif (req.pages_dirty or req.group_block_ids is not None
               or len(req.block_ids) != req.sent_pages[0]):
@@ -544,6 +544,10 @@ class Scheduler:
             t0 += len(s.new_token_ids)
             if s.prompt_span is not None:
                 req.record_prompt_logprobs(out.prompt_logprobs, row_t0, *s.prompt_span)
+            if req.hidden_layers is not None and out.hidden_states is not None \
+                    and req.status not in FINISHED_STATUSES:
+                req.record_hidden_states(out.hidden_states, row_t0, s.start_pos,
+                                         s.num_new_tokens - s.num_draft)
             if (not s.sample or req.status in FINISHED_STATUSES
                     or requests.get(req.request_id) is not req):
                 continue  # no token, or stopped / aborted since: its token is dropped

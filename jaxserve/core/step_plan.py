@@ -117,6 +117,16 @@ class StepPlan:
     # -- host counts (static)
     num_seqs: int  # real rows
     num_tokens: int  # real tokens
+    # [S, K] int32 the layers whose residual stream each row's tokens return
+    # (return_hidden_states; -1 padded); None: the engine captures none (K = 0)
+    hidden_layers: np.ndarray | None = None
+    # prompt embeddings (--enable-prompt-embeds): [T] bool tokens that read their row of
+    # prompt_embeds [T, H] float32 (None: no row of the step reads any) instead of their id's
+    embed_mask: np.ndarray | None = None
+    prompt_embeds: np.ndarray | None = None
+    # custom jax logits processors' state rows (one dict of [S, ...] arrays each); None:
+    # their zero template (core.logits_processor)
+    processor_state: tuple | None = None
 
     @property
     def token_bucket(self) -> int:

@@ -213,6 +213,11 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     if str(config.model).endswith(".gguf"):
         from jaxserve.loaders.gguf import release_readers
         release_readers()
+    if config.logits_processors:
+        from jaxserve.worker.logits_processors import LogitsProcessors
+        engine.logits_processors = LogitsProcessors(config.logits_processors, config,
+                                                    jax.local_devices()[0])
+        runner.set_logits_processors(engine.logits_processors)
     if background_warmup:
         # while buckets compile, each step stays within the largest compiled one
         runner.start_warmup(on_token_limit=scheduler.limit_tokens)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import io
 import itertools
 import logging
 import multiprocessing
@@ -27,10 +28,12 @@ import tempfile
 import threading
 from typing import AsyncIterator
 
+import numpy as np
 import zmq
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.prompt_embeds import PLACEHOLDER_ID
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.core_process import (AbortRequest, AddRequest, CoreRequest, FinishSequences,
                                           LoRAUpdate, PoolRequest,
@@ -220,17 +223,24 @@ class EngineCoreClient:
                        ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         params = sampling_params or SamplingParams()
-        prompt, mm_data = split_prompt(prompt)
-        text, ids = prompt_ids(self.tokenizer, prompt)
-        images = None
-        if mm_data is not None:
-            if self.mm_processor is None:
-                raise text_only_error()
-            ids, images = self.mm_processor.process(ids, mm_data)
+        embeds = images = None
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # checked by the core
+            arr = np.ascontiguousarray(prompt["prompt_embeds"], dtype=np.float32)
+            buf = io.BytesIO()
+            np.save(buf, arr, allow_pickle=False)
+            embeds, text, ids = buf.getvalue(), None, [PLACEHOLDER_ID] * len(arr)
+        else:
+            prompt, mm_data = split_prompt(prompt)
+            text, ids = prompt_ids(self.tokenizer, prompt)
+            if mm_data is not None:
+                if self.mm_processor is None:
+                    raise text_only_error()
+                ids, images = self.mm_processor.process(ids, mm_data)
         q = self._streams.open(request_id)
         try:
             with self._processor_lock:
-                parent = self._processor.add_request(request_id, text, ids, params)
+                parent = self._processor.add_request(request_id, text,
+                                                     [] if embeds is not None else ids, params)
         except BaseException:
             self._streams.close(request_id)
             raise
@@ -241,7 +251,7 @@ class EngineCoreClient:
             answers.append(loop.create_future())
             self._adds[child.request_id] = answers[-1]
             self._send(AddRequest(child.request_id, ids, child.params, priority, lora_request,
-                                  child.prefix_parent, images))
+                                  child.prefix_parent, images, embeds))
 
         added = asyncio.gather(*answers)
 

@@ -27,6 +27,7 @@ server.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -34,6 +35,7 @@ import signal
 import time
 
 import msgspec
+import numpy as np
 import zmq
 
 from jaxserve.config import EngineConfig
@@ -66,6 +68,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     lora_request: LoRARequest | None = None
     prefix_parent: str | None = None
     mm: MultiModalInputs | None = None  # its images, processed in the API process
+    prompt_embeds: bytes | None = None  # the prompt as embeddings: a float32 .npy array
 
 
 class PoolRequest(msgspec.Struct, tag="pool", array_like=True):
@@ -245,7 +248,10 @@ def _handle(engine, msg: CoreRequest, outbox, preparer: Preparer | None = None) 
                 err = _guarded(lambda: engine.add_core_request(
                     msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority,
                     lora_request=msg.lora_request, prefix_parent=msg.prefix_parent,
-                    mm=msg.mm))[1]
+                    mm=msg.mm,
+                    prompt_embeds=(None if msg.prompt_embeds is None
+                                   else np.load(io.BytesIO(msg.prompt_embeds),
+                                                allow_pickle=False))))[1]
             outbox.send(_pickled(("added", msg.request_id, err)))
 
         if preparer is None or not preparer.submit(

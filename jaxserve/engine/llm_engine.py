@@ -23,6 +23,7 @@ process and the front end in the API process (engine/core_process.py, engine/cor
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -33,10 +34,12 @@ import numpy as np
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.config import EngineConfig
 from jaxserve.errors import InvalidRequestError
+from jaxserve.core import prompt_embeds as prompt_embeds_lib
 from jaxserve.core.outputs import CoreOutput, RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.worker.host_memory import memory_by_part
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.logits_processors import LogitsProcessorError
 from jaxserve.worker.runner import ModelRunner
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
@@ -107,6 +110,10 @@ class LLMEngine(WeightControl):
         multimodal.attach_encoder(self, self.mm_processor)
         self._structured = None  # StructuredOutputManager, made on the first grammar request
         self.prompt_tokens_total = 0  # an n > 1 prompt counts once
+        # custom logits processors (worker.logits_processors; the builder sets them), and
+        # the outputs of requests a failing processor ended, reported with the next step
+        self.logits_processors = None
+        self._failed: list[CoreOutput] = []
 
     @property
     def attention_backend(self) -> str:
@@ -124,14 +131,19 @@ class LLMEngine(WeightControl):
         sequence; ``final_only``: offline use, no output until the request finishes;
         ``lora_request``: the adapter to run)."""
         params = params or SamplingParams()
-        prompt, mm_data = multimodal.split_prompt(prompt)
-        prompt_text, ids = prompt_ids(self.tokenizer, prompt)
-        images = None
-        if mm_data is not None:
-            if self.mm_processor is None:
-                raise multimodal.text_only_error()
-            ids, images = self.mm_processor.process(ids, mm_data)
-        parent = self.output_processor.add_request(request_id, prompt_text, ids, params,
+        embeds = images = None
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            embeds = self._check_prompt_embeds(prompt["prompt_embeds"])
+            prompt_text, ids = None, [prompt_embeds_lib.PLACEHOLDER_ID] * len(embeds)
+        else:
+            prompt, mm_data = multimodal.split_prompt(prompt)
+            prompt_text, ids = prompt_ids(self.tokenizer, prompt)
+            if mm_data is not None:
+                if self.mm_processor is None:
+                    raise multimodal.text_only_error()
+                ids, images = self.mm_processor.process(ids, mm_data)
+        parent = self.output_processor.add_request(request_id, prompt_text,
+                                                   [] if embeds is not None else ids, params,
                                                    final_only)
         now = arrival_time if arrival_time is not None else time.time()
         try:
@@ -140,7 +152,7 @@ class LLMEngine(WeightControl):
                                       priority=priority, lora_request=lora_request,
                                       prefix_parent=child.prefix_parent,
                                       final_only=final_only and not child.params.stop,
-                                      mm=images)
+                                      mm=images, prompt_embeds=embeds)
         except Exception:
             self.abort_request(request_id)
             raise
@@ -166,11 +178,13 @@ class LLMEngine(WeightControl):
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
                          prefix_parent: str | None = None, final_only: bool = False,
-                         mm=None) -> None:
+                         mm=None, prompt_embeds=None) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
         request whose prompt this one repeats, an n > 1 sibling's child 0; ``final_only``: no
         output until it finishes, for a front end that shows nothing before and checks no
-        stop string; ``mm``: its processed images, ``core.mm_inputs.MultiModalInputs``)."""
+        stop string; ``mm``: its processed images, ``core.mm_inputs.MultiModalInputs``;
+        ``prompt_embeds``: ``[len(ids), hidden]`` rows the prompt positions read instead of
+        their ids)."""
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine core runs one sequence per "
                                       "request (the front end fans n > 1 out)", param="n")
@@ -184,10 +198,25 @@ class LLMEngine(WeightControl):
         self._check_lora(lora_request)
         params.verify_vocab(self.model_config.vocab_size)
         params = params.verify_logprobs(self.config.max_logprobs, self.model_config.vocab_size)
+        params = params.verify_hidden_states(self.model_config.num_layers,
+                                             self.config.max_hidden_state_layers)
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
+        if self.logits_processors is not None:
+            try:
+                self.logits_processors.validate(params)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), param="logits_processors") from None
+        salt = None
+        if prompt_embeds is not None:
+            prompt_embeds = self._check_prompt_embeds(prompt_embeds)
+            if len(prompt_embeds) != len(ids):
+                raise InvalidRequestError(f"prompt_embeds has {len(prompt_embeds)} rows for "
+                                          f"{len(ids)} prompt ids", param="prompt_embeds")
+            salt = prompt_embeds_lib.digest(prompt_embeds)
         req = Request(request_id, ids, params, arrival_time=arrival_time, priority=priority,
-                      prefix_parent=prefix_parent, lora_request=lora_request)
+                      prefix_parent=prefix_parent, lora_request=lora_request, cache_salt=salt)
+        req.prompt_embeds = prompt_embeds
         if mm is not None:
             if getattr(self.runner, "mm", None) is None:
                 raise multimodal.text_only_error()
@@ -288,6 +317,14 @@ class LLMEngine(WeightControl):
                 self.tokenizer, self.model_config.vocab_size, self._eos_list)
         return self._structured
 
+    def _check_prompt_embeds(self, value):
+        """``[n, hidden]`` float32 embeddings, when the engine takes them."""
+        if not self.config.enable_prompt_embeds:
+            raise InvalidRequestError("prompt_embeds needs an engine started with "
+                                      "enable_prompt_embeds (--enable-prompt-embeds)",
+                                      param="prompt_embeds")
+        return prompt_embeds_lib.as_embeds(value, self.model_config.hidden_size)
+
     def _check_prompt_ids(self, prompt_token_ids) -> list[int]:
         """The ids as a list of ints: not empty, in the vocabulary (the length is checked by
         the scheduler)."""
@@ -321,6 +358,8 @@ class LLMEngine(WeightControl):
     def _end_step(self, sched, outputs: list[CoreOutput]) -> list[CoreOutput]:
         self._publish_kv_events()
         self._drop_inflight_if_idle()
+        if self._failed:
+            outputs, self._failed = self._failed + outputs, []
         return sched.finished_outputs + outputs
 
     def _publish_kv_events(self) -> None:
@@ -342,12 +381,48 @@ class LLMEngine(WeightControl):
         bitmask, constrained = self._token_bitmask(sched)
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
-        handle = (self.runner.dispatch(plan) if encoder is None else
-                  self.runner.dispatch(plan, encoder.prepare(sched.batch, plan.positions)))
+        mm = None if encoder is None else encoder.prepare(sched.batch, plan.positions)
+        if self.logits_processors is not None:
+            try:
+                handle = self._dispatch_with_processors(sched, plan, mm)
+            except LogitsProcessorError as e:
+                self._fail_step(sched, str(e))
+                return None
+        elif mm is None:  # (a pipeline runner takes no image arrays)
+            handle = self.runner.dispatch(plan)
+        else:
+            handle = self.runner.dispatch(plan, mm)
         self.scheduler.update_after_dispatch(sched)  # placeholders until _update
         rows = plan.token_rows[:plan.num_seqs]
         return _InFlight(sched, handle, constrained=constrained,
                          generations=batch.generation[np.maximum(rows, 0)])
+
+    def _dispatch_with_processors(self, sched, plan, mm=None):
+        """Tell the custom logits processors the step's batch, then dispatch with their
+        state (jax) and their host function."""
+        reqs = {s.request.request_id: s.request for s in sched.scheduled}
+
+        def added(rid):
+            r = reqs[rid]
+            return r.sampling_params, r.prompt_token_ids, r.output_token_ids
+
+        state, host = self.logits_processors.begin_step(sched.batch.req_ids, added,
+                                                        plan.seq_bucket)
+        plan = dataclasses.replace(plan, processor_state=state)
+        return self.runner.dispatch(plan, mm, host_logits=host)
+
+    def _fail_step(self, sched, why: str) -> None:
+        """A logits processor raised: every request of the step ends (``abort``, the error
+        as its stop reason); the others go on."""
+        logger.error("%s: failing the %d requests of the step", why, len(sched.scheduled))
+        for s in sched.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            req.drop_pending()
+            req.stop_reason = why
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+            self._failed.append(req.take_output())
 
     def _update(self, done: _InFlight) -> list[CoreOutput]:
         """Read a dispatched step's ids into the scheduler (and the batch rows' token

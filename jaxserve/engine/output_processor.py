@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxserve.core.outputs import (CompletionOutput, CoreOutput, Logprob, RequestOutput,
                                    TokenLogprobs)
 from jaxserve.core.sampling_params import SamplingParams
@@ -56,6 +58,7 @@ class _RequestState:
     final_only: bool
     prompt_logprobs: list | None
     num_cached_tokens: int = 0
+    hidden_states: list | None = None  # return_hidden_states: [n, K, H] arrays in order
 
     @property
     def finished(self) -> bool:
@@ -137,6 +140,8 @@ class OutputProcessor:
             if co.new_prompt_logprobs and st.prompt_logprobs is not None:
                 k = st.params.prompt_logprobs
                 st.prompt_logprobs.extend(self._entry(tl, k) for tl in co.new_prompt_logprobs)
+            if co.new_hidden_states:
+                st.hidden_states = (st.hidden_states or []) + co.new_hidden_states
             if seq.finish_reason is not None:
                 continue
             if seq.detok is None and (seq.logprobs is None or co.new_logprobs is None):
@@ -209,4 +214,5 @@ class OutputProcessor:
             request_id=st.request_id, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
             outputs=comps, finished=st.finished,
             prompt_logprobs=list(st.prompt_logprobs) if st.prompt_logprobs else None,
-            metrics=metrics, num_cached_tokens=st.num_cached_tokens)
+            metrics=metrics, num_cached_tokens=st.num_cached_tokens,
+            hidden_states=(np.concatenate(st.hidden_states) if st.hidden_states else None))

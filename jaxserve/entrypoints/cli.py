@@ -253,6 +253,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "for; -1 = the whole vocabulary, which a request asks for with -1 "
                         "(default: %(default)s)")
 
+    d.add_argument("--max-hidden-state-layers", type=int,
+                   default=EngineConfig.max_hidden_state_layers,
+                   help="the most layers a request's return_hidden_states may name (the step "
+                        "captures that many per token; 0 = off) (default: %(default)s)")
+    d.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept prompt embeddings as prompts (prompt_embeds in /v1/completions:"
+                        " base64 of a torch.save'd tensor, or of a .npy array)")
+    d.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                   help="logits processor classes with vLLM V1's interface "
+                        "(jaxserve.core.logits_processor), e.g. my_pkg.procs:BanToken")
+    d.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="a request's logprobs bit-identical whatever the batch, chunking and "
+                        "padding bucket (also VLLM_BATCH_INVARIANT=1)")
+
     sd = p.add_argument_group("speculative decoding")
     sd.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -522,7 +536,11 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_kwargs=args.mm_processor_kwargs,
         disable_mm_preprocessor_cache=args.disable_mm_preprocessor_cache,
-        allowed_local_media_path=args.allowed_local_media_path)
+        allowed_local_media_path=args.allowed_local_media_path,
+        max_hidden_state_layers=args.max_hidden_state_layers,
+        enable_prompt_embeds=args.enable_prompt_embeds,
+        logits_processors=args.logits_processors,
+        batch_invariant=args.batch_invariant)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

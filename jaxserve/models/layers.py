@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
+from jaxserve.models import batch_invariant
 from jaxserve.models.lora import project, project_many
 from pallas_kernels import reference
 from pallas_kernels.reference import write_kv
@@ -64,7 +65,9 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        ms = (batch_invariant.row_mean(xf * xf, keepdims=True) if batch_invariant.enabled()
+              else jnp.mean(xf * xf, axis=-1, keepdims=True))
+        xf = xf * jax.lax.rsqrt(ms + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
 
 

@@ -35,7 +35,8 @@ class InputBatch:
 
     def __init__(self, *, max_rows: int, num_groups: int, max_pages: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, eos_token_ids=(),
-                 num_spec_tokens: int = 0, seed: int | None = None):
+                 num_spec_tokens: int = 0, seed: int | None = None,
+                 max_hidden_state_layers: int = 0, embed_dim: int = 0):
         R, G = max_rows, num_groups
         self.max_rows, self.num_groups, self.max_pages = R, G, max_pages
         self.block_size = block_size
@@ -73,6 +74,11 @@ class InputBatch:
         self.bias_ids = np.full((R, MAX_LOGIT_BIAS), -1, np.int32)
         self.bias_values = np.zeros((R, MAX_LOGIT_BIAS), np.float32)
         self.num_bias = np.zeros(R, np.int32)
+        # return_hidden_states: each row's layers, -1 padded (K = 0: the engine captures none)
+        self.hidden_layers = np.full((R, max_hidden_state_layers), -1, np.int32)
+        # --enable-prompt-embeds (embed_dim > 0): rows whose prompt is embeddings -> [n, H]
+        self.embed_dim = embed_dim
+        self.prompt_embeds: dict[int, np.ndarray] = {}
         self._padding: dict[tuple[int, bool], dict] = {}  # read-only sampler padding arrays
         self._added: list[int] = []  # rows the last diff added (their device id is not theirs)
 
@@ -82,7 +88,10 @@ class InputBatch:
                    max_pages=runner.max_pages_per_seq, block_size=runner.block_size,
                    max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
                    eos_token_ids=eos_token_ids, num_spec_tokens=runner.num_spec_tokens,
-                   seed=seed)
+                   seed=seed,
+                   max_hidden_state_layers=getattr(runner, "max_hidden_state_layers", 0),
+                   embed_dim=(runner.model_config.hidden_size
+                              if getattr(runner, "enable_prompt_embeds", False) else 0))
 
     @property
     def num_rows(self) -> int:
@@ -145,6 +154,11 @@ class InputBatch:
             self.block_table[g, row, :len(pages)] = pages
             self.num_blocks[g, row] = len(pages)
         self.state_slot[row] = new.state_slot
+        if new.prompt_embeds is not None:
+            if not self.embed_dim:
+                raise ValueError(f"request {new.req_id!r} has prompt embeddings; the engine "
+                                 "takes none (enable_prompt_embeds)")
+            self.prompt_embeds[row] = new.prompt_embeds
         self.lora_id[row] = new.lora_int_id
         self._set_sampling(row, new.sampling_params)
         return row
@@ -175,6 +189,12 @@ class InputBatch:
         self.bias_ids[row, :len(bias)] = list(bias.keys())
         self.bias_values[row, :len(bias)] = list(bias.values())
         self.num_bias[row] = len(bias)
+        layers = getattr(p, "return_hidden_states", None) or ()
+        if len(layers) > self.hidden_layers.shape[1]:
+            raise ValueError(f"return_hidden_states names {len(layers)} layers, more than "
+                             f"max_hidden_state_layers={self.hidden_layers.shape[1]}")
+        self.hidden_layers[row] = -1
+        self.hidden_layers[row, :len(layers)] = layers
 
     def _clear(self, row: int) -> None:
         """A freed row is all padding again (a from-scratch batch equals a reused one)."""
@@ -189,6 +209,8 @@ class InputBatch:
         self.bias_ids[row] = -1
         self.bias_values[row] = 0.0
         self.num_stop[row] = self.num_bias[row] = self.min_tokens[row] = 0
+        self.hidden_layers[row] = -1
+        self.prompt_embeds.pop(row, None)
 
     def snapshot(self) -> dict[str, dict]:
         """What each request's row holds, by request id (row numbers and unseeded rows'
@@ -334,6 +356,15 @@ class InputBatch:
             mask = np.full((s_bucket, token_bitmask.shape[1]), -1, np.int32)
             mask[:n_rows] = token_bitmask
             token_bitmask = mask
+        hidden_layers = None
+        if self.hidden_layers.shape[1]:
+            hidden_layers = np.full((s_bucket, self.hidden_layers.shape[1]), -1, np.int32)
+            hidden_layers[:n_rows] = self.hidden_layers[rows]
+        embed_mask = embeds = None
+        if self.embed_dim:
+            embed_mask = np.zeros(t_bucket, np.bool_)
+            if self.prompt_embeds:
+                embed_mask, embeds = self._embeds(rows, row_of_tok, pos, t_bucket)
         prompt_next_ids = None
         if diff.prompt_spans:
             prompt_next_ids = np.zeros(t_bucket, np.int32)
@@ -359,7 +390,26 @@ class InputBatch:
             sample_mask=sample_mask, token_bitmask=token_bitmask,
             spec_logits_indices=spec[0], draft_token_ids=spec[1], num_draft=spec[2],
             prompt_next_ids=prompt_next_ids, next_token_ids=next_token_ids,
-            num_seqs=n_rows, num_tokens=n_tok)
+            num_seqs=n_rows, num_tokens=n_tok, hidden_layers=hidden_layers,
+            embed_mask=embed_mask, prompt_embeds=embeds)
+
+    def _embeds(self, rows, row_of_tok, pos, t_bucket: int):
+        """(embed_mask [T], prompt_embeds [T, H] or None): the step's tokens at positions of
+        a prompt given as embeddings read that prompt's rows."""
+        mask = np.zeros(t_bucket, np.bool_)
+        embeds = None
+        for i, row in enumerate(rows.tolist()):
+            e = self.prompt_embeds.get(row)
+            if e is None:
+                continue
+            toks = np.flatnonzero((row_of_tok == i) & (pos < len(e)))
+            if not toks.size:
+                continue
+            if embeds is None:
+                embeds = np.zeros((t_bucket, self.embed_dim), np.float32)
+            mask[toks] = True
+            embeds[toks] = e[pos[toks]]
+        return mask, embeds
 
     def _sampling(self, diff: BatchDiff, rows, sample, hist_len, pending, query_start,
                   s_bucket: int):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
@@ -28,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.worker import memory_budget
+from jaxserve.worker import forward_hooks, memory_budget
 from jaxserve.worker import rejection_sampler
 from jaxserve.worker import sampler as sampler_lib
 from jaxserve.config import EngineConfig, ModelConfig
@@ -38,6 +39,7 @@ from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
                                       allocate_layer_pages, fork_copy, fork_pairs,
                                       kv_cache_dtype)
+from jaxserve.models import batch_invariant
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
@@ -71,7 +73,8 @@ _TRACES = _TraceCount()
 
 @lru_cache(maxsize=None)
 def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...] = (),
-                num_layers: int = 0, snapshots: tuple[int, int] | None = None):
+                num_layers: int = 0, snapshots: tuple[int, int] | None = None,
+                invariant: bool = False):
     """The model half of the step (write K/V, attend, logits of each row's last token), jitted
     for one model graph. ``snapshots`` (first scratch slot, k): the state pool keeps each
     verify row's state after each of its tokens (:func:`snapshot_slots`).
@@ -81,9 +84,14 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
     which cost milliseconds per step), and params travel as a flat list of leaves.
     """
 
-    def forward(state_leaves, kv_pages, buf, prev_tokens, lora, layout, mm=None):
+    def forward(state_leaves, kv_pages, buf, prev_tokens, lora, layout, embeds=None, mm=None):
         _TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
+        with (forward_hooks.prompt_embeds(model, unpack(buf, layout).embed_mask, embeds)
+              if embeds is not None else nullcontext()), batch_invariant.mode(invariant):
+            return model_half(model, buf, prev_tokens, kv_pages, lora, layout, mm)
+
+    def model_half(model, buf, prev_tokens, kv_pages, lora, layout, mm):
         inputs: StepInputs = unpack(buf, layout)
         ref = inputs.prev_ref
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
@@ -91,24 +99,28 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
             inputs, state_slots=_state_slots(inputs.state_slots, kv_pages, state_layers),
             snapshot_slots=(None if snapshots is None
                             else snapshot_slots(inputs.num_draft, *snapshots)))
-        if lora is not None:  # (scale [L], per-layer A/B) of the device slots
-            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md,
-                                     lora=LoRABatch(inputs.lora_slots, *lora))
-        elif mm is not None:  # a vision-language model (worker.mm_step.EncoderRunner)
-            mrope_positions, mm_rows, mm_embeds = mm
-            hidden, kv_pages = model(token_ids, mrope_positions, kv_pages, md,
-                                     mm=(mm_embeds, mm_rows))
+        kwargs = {} if lora is None else {  # (scale [L], per-layer A/B) of the device slots
+            "lora": LoRABatch(inputs.lora_slots, *lora)}
+        positions = inputs.positions
+        if mm is not None:  # a vision-language model (worker.mm_step.EncoderRunner)
+            positions, mm_rows, mm_embeds = mm
+            kwargs["mm"] = (mm_embeds, mm_rows)
+        captured = None
+        if inputs.hidden_layers.shape[1]:  # return_hidden_states: K layers a token
+            hidden, kv_pages, captured = forward_hooks.forward_with_capture(
+                model, inputs.hidden_layers, inputs.query_start, token_ids, positions,
+                kv_pages, md, **kwargs)
         else:
-            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md)
+            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md, **kwargs)
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
         # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
         idx = inputs.logits_indices
         if idx.size > hidden.shape[0]:
             # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
             # mostly padding): the vocabulary projection runs once per token, then is gathered
-            return model.compute_logits(hidden)[idx], kv_pages, hidden
+            return model.compute_logits(hidden)[idx], kv_pages, hidden, captured
         logits = model.compute_logits(hidden[idx.reshape(-1)])
-        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden
+        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden, captured
 
     if mesh is None:
         return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,))
@@ -119,7 +131,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
         pool = [sharding.state_pool_sharding(mesh) if i in state_layers else pool
                 for i in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,), out_shardings=(
-        sharding.replicated(mesh), pool, sharding.replicated(mesh)))
+        sharding.replicated(mesh), pool, sharding.replicated(mesh), sharding.replicated(mesh)))
 
 
 def attention_metadata(inputs: StepInputs, state_slots=None, snapshot_slots=None,
@@ -247,7 +259,8 @@ PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in
 
 
 @lru_cache(maxsize=None)
-def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int):
+def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int,
+                        invariant: bool = False):
     """Logprobs of each prompt token under the step's hidden states (``prompt_logprobs``),
     with the top ``num_top_logprobs`` of each position.
 
@@ -266,14 +279,17 @@ def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int):
             return sampler_lib.compute_prompt_logprobs(model.compute_logits(h), ids,
                                                        num_top_logprobs)
 
-        outs = jax.lax.map(chunk, (hidden.reshape(t // c, c, -1), next_ids.reshape(t // c, c)))
+        with batch_invariant.mode(invariant):
+            outs = jax.lax.map(chunk, (hidden.reshape(t // c, c, -1),
+                                       next_ids.reshape(t // c, c)))
         return jax.tree_util.tree_map(lambda x: x.reshape((t,) + x.shape[2:]), outs)
 
     return jax.jit(prompt_logprobs)
 
 
 @lru_cache(maxsize=None)
-def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
+def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS,
+               processors: tuple = (), invariant: bool = False):
     """The sampler half: its own jit, so the model graph compiles once per token bucket while
     the (cheap) sampler compiles once per sequence bucket and sampling-array layout. The top
     logprobs have the static width ``num_top_logprobs`` (see :func:`top_logprobs_width`).
@@ -286,6 +302,10 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
     buffer keeps one sharding from step to step."""
 
     def sample(logits, buf, prev_tokens, token_bitmask, layout):
+        with batch_invariant.mode(invariant):
+            return sample_rows(logits, buf, prev_tokens, token_bitmask, layout)
+
+    def sample_rows(logits, buf, prev_tokens, token_bitmask, layout):
         _TRACES.n += 1
         inputs: SamplerInputs = unpack(buf, layout)
         fields = {k: inputs.sampling[k] for k in SAMPLING_FIELDS}
@@ -296,8 +316,10 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
         pending = prev_tokens[jnp.maximum(src, 0)]
         fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
         md = sampler_lib.SamplingMetadata(**fields)
+        procs = tuple((fn, inv, st) for (fn, inv), st in zip(processors, inputs.processors))
         if not inputs.speculating:
-            out = sampler_lib.sample(logits, md, num_top_logprobs, token_bitmask=token_bitmask)
+            out = sampler_lib.sample(logits, md, num_top_logprobs, token_bitmask=token_bitmask,
+                                     processors=procs)
             ids = out.token_ids
         else:  # [S, k+1, V]: column 0 is what a row without drafts samples
             out = sampler_lib.sample(logits[:, 0], md, num_top_logprobs,
@@ -312,6 +334,11 @@ def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS):
 
     return jax.jit(sample, static_argnums=(4,),
                    out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
+
+
+def _captures(plan: StepPlan) -> bool:
+    """Whether a row of the step asked for hidden states (only then are they copied back)."""
+    return plan.hidden_layers is not None and bool((plan.hidden_layers[:plan.num_seqs] >= 0).any())
 
 
 def top_logprobs_width(max_logprobs: int, vocab_size: int) -> int:
@@ -331,6 +358,7 @@ class StepHandle:
     want_topk: bool = False
     verify: object = None  # rejection_sampler.VerifyOutput on device (speculative decoding)
     drafts: object = None  # [S, k] the MTP head's drafts for each row's next step, on device
+    hidden_states: object = None  # [T, K, H] captured residual streams (a row asked), on device
 
 
 @dataclass
@@ -348,6 +376,8 @@ class StepOutput:
     spec_token_ids: np.ndarray | None = None
     num_emitted: np.ndarray | None = None
     draft_ids: np.ndarray | None = None  # [S, k] the MTP head's drafts (method "mtp")
+    # [num_tokens, K, H] float32 the residual stream at each token's row's asked layers
+    hidden_states: np.ndarray | None = None
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -513,12 +543,20 @@ class ModelRunner:
         self.max_num_seqs = sched.max_num_seqs
         spec = engine_config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # return_hidden_states: layers captured per token (the static width; 0 = none)
+        self.max_hidden_state_layers = engine_config.max_hidden_state_layers
+        # --enable-prompt-embeds: the forward takes [T, H] embeddings beside the token ids
+        self.enable_prompt_embeds = engine_config.enable_prompt_embeds
+        self._zero_embeds: dict[int, jax.Array] = {}
         # method "mtp": the model's MTP head drafts inside every step (its pages the last layer)
         self.mtp = spec is not None and spec.method == "mtp"
         if self.mtp and model.mtp is None:
             raise ValueError("speculative_config.method 'mtp' needs a model built with its "
                              "multi-token-prediction head (ModelConfig.load_mtp)")
-        self.ladder = token_ladder(sched.max_num_batched_tokens, sched.min_token_bucket,
+        min_bucket = sched.min_token_bucket
+        if engine_config.batch_invariant:  # below it XLA:CPU emits its dots another way
+            min_bucket = max(min_bucket, batch_invariant.MIN_TOKEN_BUCKET)
+        self.ladder = token_ladder(sched.max_num_batched_tokens, min_bucket,
                                    sched.token_bucket_growth)
         self.mesh = mesh  # tensor parallel (jaxserve.sharding); None: single device
         self.lora = None  # jaxserve.lora.slots.LoRASlots when LoRA is on (set before warm-up)
@@ -575,8 +613,11 @@ class ModelRunner:
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        # --batch-invariant: reductions in a fixed order (models.batch_invariant)
+        self.batch_invariant = engine_config.batch_invariant
         self._forward = _forward_fn(self.graphdef, treedef, mesh, self.state_layers,
-                                    len(self.cache_specs), self.snapshots)
+                                    len(self.cache_specs), self.snapshots,
+                                    self.batch_invariant)
         self._rollback = (None if self.snapshots is None
                           else _rollback_fn(*self.snapshots, mesh))
         self._mtp = (_mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
@@ -584,8 +625,10 @@ class ModelRunner:
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
         self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef,
-                                                    self.num_top_logprobs)
-        self._sample = _sample_fn(mesh, self.num_top_logprobs)
+                                                    self.num_top_logprobs, self.batch_invariant)
+        # custom logits processors (worker.logits_processors; set before warm-up)
+        self.logits_processors = None
+        self._sample = _sample_fn(mesh, self.num_top_logprobs, (), self.batch_invariant)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
         self.enforce_eager = engine_config.enforce_eager
@@ -597,6 +640,7 @@ class ModelRunner:
         self._ones_bitmasks: dict[int, jax.Array] = {}  # all-ones masks per sequence bucket
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
+        self._captured = None  # the last step's hidden-state capture, when a row asked
         if self.state_layers:
             self._log_hybrid_cache(max_model_len, tp)
         else:
@@ -645,7 +689,7 @@ class ModelRunner:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
-    def _run(self, plan: StepPlan, mm: dict | None = None):
+    def _run(self, plan: StepPlan, mm: dict | None = None, host_logits=None):
         prompt_next_ids = plan.prompt_next_ids
         if self._warmup is not None:  # a bucket still compiling: wait, never compile here
             self._warmup.wait(plan)
@@ -654,9 +698,12 @@ class ModelRunner:
             inputs, sampler_inputs = self._step_inputs(plan)
             packed = pack(inputs)
             prev_tokens = self._last_tokens
-            logits, self.kv_pages, hidden = self._forward(
+            logits, self.kv_pages, hidden, captured = self._forward(
                 self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
-                packed[1], mm=self.mm_arrays(plan) if mm is None else mm)
+                packed[1], embeds=self.embeds_arg(plan),
+                mm=self.mm_arrays(plan) if mm is None else mm)
+            if host_logits is not None:  # host logits processors: a round trip of [S, V]
+                logits = self._host_logits(logits, plan.num_seqs, host_logits)
             out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
                                                  self._bitmask(plan))
             drafts = self.after_verify(inputs, packed, hidden, out, prev_tokens)
@@ -664,12 +711,45 @@ class ModelRunner:
                 out = (*out, drafts)
             if prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
+            self._captured = captured if _captures(plan) else None
             if _TRACES.n != before:
                 self._add_compiles(_TRACES.n - before)
                 if self._warmup is not None:
                     logger.warning("compile caused by a step (token bucket %d): this is a bug",
                                    plan.token_bucket)
         return out
+
+    def set_logits_processors(self, procs) -> None:
+        """The engine's custom processors (before warm-up): their jax halves become part of
+        the sampler's trace, their state rows part of its inputs."""
+        self.logits_processors = procs
+        self._sample = _sample_fn(self.mesh, self.num_top_logprobs, procs.sampler_spec(),
+                                  self.batch_invariant)
+
+    def processor_template(self, s: int) -> tuple:
+        return () if self.logits_processors is None else self.logits_processors.template(s)
+
+    def embeds_arg(self, plan: StepPlan):
+        """The forward's ``[T, H]`` prompt embeddings (``--enable-prompt-embeds``): the plan's
+        when a row reads some, else zeros kept on the device per token bucket (nothing copied);
+        None when the engine takes no prompt embeddings."""
+        if not self.enable_prompt_embeds:
+            return None
+        if plan.prompt_embeds is not None:
+            return jax.device_put(plan.prompt_embeds,
+                                  sharding.replicated(self.mesh or sharding.default_mesh()))
+        t = plan.token_bucket
+        zeros = self._zero_embeds.get(t)
+        if zeros is None:
+            zeros = self._zero_embeds[t] = self._device_zeros(
+                (t, self.model_config.hidden_size), jnp.float32)
+        return zeros
+
+    def _host_logits(self, logits, n: int, fn):
+        """``fn`` on the real rows' logits, on the host; the result back where they were."""
+        arr = np.array(jax.device_get(logits), dtype=np.float32)
+        arr[:n] = fn(arr[:n])
+        return jax.device_put(arr, logits.sharding)
 
     def sample(self, logits, inputs: SamplerInputs, prev_tokens, token_bitmask):
         """The sampler on a step's logits: ``(output, the last-token buffer with this step's
@@ -710,7 +790,8 @@ class ModelRunner:
     def _step_inputs(self, plan: StepPlan) -> tuple[StepInputs, SamplerInputs]:
         """The step's two device-side views (every step of a speculating engine has the
         verify shapes: logits at ``[S, k+1]`` positions)."""
-        return StepInputs.from_plan(plan), SamplerInputs.from_plan(plan, self.num_spec_tokens)
+        return StepInputs.from_plan(plan), SamplerInputs.from_plan(
+            plan, self.num_spec_tokens, self.processor_template(plan.seq_bucket))
 
     def mm_arrays(self, plan: StepPlan):
         """A vision-language model's image inputs with their off values (no image in the
@@ -755,11 +836,12 @@ class ModelRunner:
                 np.full((s, self.bitmask_width()), -1, np.int32))
         return ones
 
-    def dispatch(self, plan: StepPlan, mm=None) -> StepHandle:
+    def dispatch(self, plan: StepPlan, mm=None, host_logits=None) -> StepHandle:
         """Enqueue the step and start copying its results to the host; returns at once.
         A plan with ``prompt_next_ids`` also computes the prompt logprobs; ``mm``: the step's
-        image arrays (``EncoderRunner.prepare``)."""
-        out = self._run(plan) if mm is None else self._run(plan, mm)
+        image arrays (``EncoderRunner.prepare``); ``host_logits``: the host logits processors'
+        function on ``[num_seqs, V]`` numpy logits (the step then waits for its logits)."""
+        out = self._run(plan, mm, host_logits)
         prompt_lp = verify = drafts = None
         if plan.prompt_next_ids is not None:
             out, prompt_lp = out
@@ -767,7 +849,7 @@ class ModelRunner:
             out, verify, *rest = out
             drafts = rest[0] if rest else None
         h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)),
-                       verify, drafts)
+                       verify, drafts, self._captured)
         for x in self._handle_arrays(h):
             x.copy_to_host_async()
         return h
@@ -783,6 +865,8 @@ class ModelRunner:
             xs += list(h.verify)
         if h.drafts is not None:
             xs.append(h.drafts)
+        if h.hidden_states is not None:
+            xs.append(h.hidden_states)
         return xs
 
     def fetch(self, h: StepHandle) -> StepOutput:
@@ -799,6 +883,8 @@ class ModelRunner:
             res.spec_token_ids, res.num_emitted = map(np.asarray, jax.device_get(tuple(h.verify)))
         if h.drafts is not None:
             res.draft_ids = np.asarray(jax.device_get(h.drafts))
+        if h.hidden_states is not None:
+            res.hidden_states = np.asarray(jax.device_get(h.hidden_states))[:h.plan.num_tokens]
         return res
 
     def execute(self, plan: StepPlan) -> StepOutput:

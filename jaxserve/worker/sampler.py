@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SAMPLING_EPS
+from jaxserve.models import batch_invariant
 
 _NEG_INF = float("-inf")
 
@@ -140,10 +141,21 @@ def _row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(one)(seeds, steps)
 
 
-def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy_rows: jax.Array) -> jax.Array:
+def apply_processors(logits: jax.Array, processors, argmax_invariant: bool) -> jax.Array:
+    """The custom jax logits processors of one kind (``core.logits_processor``), in order:
+    ``processors`` holds ``(apply_jax, argmax invariant, state rows)``."""
+    for fn, invariant, state in processors:
+        if invariant == argmax_invariant:
+            logits = fn(logits, state).astype(jnp.float32)
+    return logits
+
+
+def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy_rows: jax.Array,
+                   processors=()) -> jax.Array:
     S, V = logits.shape
     temp = jnp.where(greedy_rows, 1.0, md.temperature)
     x = logits / temp[:, None]
+    x = apply_processors(x, processors, argmax_invariant=True)
     # min_p: drop tokens with prob < min_p * max prob, i.e. logit < max + log(min_p).
     floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(md.min_p)[:, None]
     x = jnp.where(x < floor, _NEG_INF, x)
@@ -155,8 +167,13 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy_rows: jax.Arr
     return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
 
 
+def _log_softmax(x: jax.Array) -> jax.Array:
+    return batch_invariant.log_softmax(x) if batch_invariant.enabled() else \
+        jax.nn.log_softmax(x, axis=-1)
+
+
 def _logprob_details(raw: jax.Array, token_ids: jax.Array, k: int):
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    logprobs = _log_softmax(raw)
     tok_lp = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)
     ranks = jnp.sum(logprobs >= tok_lp, axis=-1).astype(jnp.int32)
     topk_ids, topk_lp = _top_k_padded(logprobs, k)
@@ -174,32 +191,39 @@ def _top_k_padded(logprobs: jax.Array, k: int):
 
 def sample(logits: jax.Array, md: SamplingMetadata,
            num_top_logprobs: int = DEFAULT_MAX_LOGPROBS,
-           token_bitmask: jax.Array | None = None) -> SamplerOutput:
+           token_bitmask: jax.Array | None = None, processors=()) -> SamplerOutput:
     """Sample one token per row. ``logits`` [S, V] (any float dtype; computed in float32).
     ``num_top_logprobs`` is the static width K of the top-k logprobs (the engine's
     ``max_logprobs``, at most V).
     ``token_bitmask`` [S, ceil(V/32)] int32 (structured outputs) masks the logits before
-    everything else, logprobs included (as vLLM applies it to the logits); all ones = off."""
+    everything else, logprobs included (as vLLM applies it to the logits); all ones = off.
+    ``processors``: custom jax logits processors ``(apply_jax, argmax invariant, state)``; the
+    others edit the logits with logit_bias and min_tokens, the invariant ones random rows after
+    the temperature (vLLM's order); the returned logprobs stay raw."""
     raw = logits.astype(jnp.float32)
     if token_bitmask is not None:
         raw = jax.lax.cond(jnp.any(token_bitmask != -1),
                            lambda r: apply_token_bitmask(r, token_bitmask), lambda r: r, raw)
     S, V = raw.shape
-    lse = jax.nn.logsumexp(raw, axis=-1)
+    lse = (batch_invariant.logsumexp(raw) if batch_invariant.enabled()
+           else jax.nn.logsumexp(raw, axis=-1))
 
     greedy_rows = is_greedy(md)
     any_penalty = jnp.any((md.presence_penalty != 0.0) | (md.frequency_penalty != 0.0)
                           | (md.repetition_penalty != 1.0))
     any_edit = (any_penalty | jnp.any(md.bias_ids >= 0)
-                | jnp.any(md.mask_stop[:, None] & (md.stop_ids >= 0)))
+                | jnp.any(md.mask_stop[:, None] & (md.stop_ids >= 0))
+                | any(not inv for _, inv, _ in processors))
 
     def processed(raw):
         x = apply_logit_bias_and_min_tokens(raw, md)
+        x = apply_processors(x, processors, argmax_invariant=False)
         x = jax.lax.cond(any_penalty, lambda x: apply_penalties(x, md), lambda x: x, x)
         greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
         return jax.lax.cond(
             jnp.all(greedy_rows), lambda x: greedy,
-            lambda x: jnp.where(greedy_rows, greedy, _random_sample(x, md, greedy_rows)), x)
+            lambda x: jnp.where(greedy_rows, greedy,
+                                _random_sample(x, md, greedy_rows, processors)), x)
 
     # The common step (all greedy, nothing to edit) is a bare argmax: no [S, V] copies.
     token_ids = jax.lax.cond(jnp.all(greedy_rows) & ~any_edit,
@@ -222,7 +246,7 @@ def compute_prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array,
     token that follows each position). Returns (logprob of that token [T], top-k ids [T, k],
     top-k logprobs [T, k], rank of that token [T], 1 = most likely). Raw distribution."""
     raw = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(raw, axis=-1)
+    logprobs = _log_softmax(raw)
     tok_lp = jnp.take_along_axis(logprobs, next_token_ids[:, None].astype(jnp.int32), axis=-1)
     ranks = jnp.sum(logprobs >= tok_lp, axis=-1).astype(jnp.int32)
     topk_ids, topk_lp = _top_k_padded(logprobs, k)

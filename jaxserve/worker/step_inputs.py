@@ -42,6 +42,12 @@ class StepInputs:
     num_draft: np.ndarray  # [S] int32 draft tokens verified in each row; 0 = none
     next_token_ids: np.ndarray  # [S] int32 the known token after a row (MTP head); -1
     num_seqs: np.ndarray  # [] int32 real rows
+    # [S, K] int32 layers whose residual stream each row's tokens return (-1: none); K is
+    # the engine's max_hidden_state_layers, [S, 0] when it captures nothing
+    hidden_layers: np.ndarray
+    # [T] bool tokens that read the step's prompt embeddings (a forward argument of its own)
+    # instead of their id's embedding; [0] when the engine takes none
+    embed_mask: np.ndarray
 
     @classmethod
     def from_plan(cls, plan: StepPlan) -> StepInputs:
@@ -58,7 +64,11 @@ class StepInputs:
             prev_ref=plan.prev_ref, state_slots=plan.state_slots, lora_slots=plan.lora_slots,
             num_draft=plan.num_draft if plan.num_draft is not None else np.zeros(s, np.int32),
             next_token_ids=plan.next_token_ids if plan.next_token_ids is not None else off,
-            num_seqs=np.asarray(plan.num_seqs, np.int32))
+            num_seqs=np.asarray(plan.num_seqs, np.int32),
+            hidden_layers=(plan.hidden_layers if plan.hidden_layers is not None
+                           else np.zeros((s, 0), np.int32)),
+            embed_mask=(plan.embed_mask if plan.embed_mask is not None
+                        else np.zeros(0, np.bool_)))
 
     def replace(self, **changes) -> StepInputs:
         return dataclasses.replace(self, **changes)
@@ -73,9 +83,12 @@ class SamplerInputs:
     token_rows: np.ndarray  # [S] int32 the buffer row each sampled id is kept in; -1: not kept
     draft_token_ids: np.ndarray  # [S, k] int32 (k = 0: the engine does not speculate)
     num_draft: np.ndarray  # [S] int32
+    # custom jax logits processors' state rows, one dict of [S, ...] arrays each; () = none
+    processors: tuple = ()
 
     @classmethod
-    def from_plan(cls, plan: StepPlan, num_spec_tokens: int = 0) -> SamplerInputs:
+    def from_plan(cls, plan: StepPlan, num_spec_tokens: int = 0,
+                  processors: tuple = ()) -> SamplerInputs:
         s = plan.seq_bucket
         if plan.draft_token_ids is not None:
             drafts, num_draft = plan.draft_token_ids, plan.num_draft
@@ -83,7 +96,9 @@ class SamplerInputs:
             drafts = np.zeros((s, num_spec_tokens), np.int32)
             num_draft = np.zeros(s, np.int32)
         return cls(sampling=plan.sampling, history_ref=plan.history_ref,
-                   token_rows=plan.token_rows, draft_token_ids=drafts, num_draft=num_draft)
+                   token_rows=plan.token_rows, draft_token_ids=drafts, num_draft=num_draft,
+                   processors=(plan.processor_state if plan.processor_state is not None
+                               else processors))
 
     @property
     def speculating(self) -> bool:

@@ -200,7 +200,7 @@ class BucketWarmup:
         with TRACE_LOCK:
             buf, layout = pack(r._step_inputs(plans[0])[0])
             lowered = r._forward.lower(r._state_leaves, kv, buf, last, r._lora_arrays(), layout,
-                                       mm=r.mm_arrays(plans[0]))
+                                       embeds=r.embeds_arg(plans[0]), mm=r.mm_arrays(plans[0]))
         t1 = time.perf_counter()
         fwd = lowered.compile()  # or a load from the persistent cache
         t2 = time.perf_counter()
@@ -221,9 +221,9 @@ class BucketWarmup:
             for plan in plans:
                 inputs, sampler_inputs = r._step_inputs(plan)
                 packed = pack(inputs)
-                logits, r.kv_pages, hidden = r._forward(r._state_leaves, r.kv_pages, packed[0],
-                                                        last, r._lora_arrays(), packed[1],
-                                                        mm=r.mm_arrays(plan))
+                logits, r.kv_pages, hidden, _ = r._forward(
+                    r._state_leaves, r.kv_pages, packed[0], last, r._lora_arrays(), packed[1],
+                    embeds=r.embeds_arg(plan), mm=r.mm_arrays(plan))
                 sampled = r.sample(logits, sampler_inputs, last, ones)
                 if r.num_spec_tokens:  # the rollback and the MTP head's drafts
                     with TRACE_LOCK:
@@ -291,7 +291,8 @@ def sampler_variant(runner, sampling: dict, s: int) -> SamplerInputs:
     return SamplerInputs(sampling=sampling, history_ref=np.full((s, 2), -1, np.int32),
                          token_rows=np.full(s, -1, np.int32),
                          draft_token_ids=np.zeros((s, k), np.int32),
-                         num_draft=np.full(s, k, np.int32))
+                         num_draft=np.full(s, k, np.int32),
+                         processors=runner.processor_template(s))
 
 
 def warmup_bitmask(runner, s: int) -> jax.Array:

@@ -47,7 +47,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     **{name: _inert() for name in (
         "guided_decoding_backend", "guided_whitespace_pattern",
         "logits_processors", "prompt_embeds",
-        "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "vllm_xargs", "documents",
+        "mm_processor_kwargs", "cache_salt", "kv_transfer_params", "documents",
         "chat_template", "audio", "prediction", "reasoning_effort", "web_search_options",
         "length_penalty", "thinking_token_budget")},
     "functions": _inert([]),
@@ -298,9 +298,16 @@ class _SamplingFields(RequestModel):
     guided_grammar: str | None = None
     # jaxserve's extra: this request is never speculated on (see SamplingParams)
     disable_speculative_decoding: bool = False
+    # vLLM's per-request arguments for custom logits processors (SamplingParams.extra_args)
+    vllm_xargs: dict[str, Union[str, int, float, bool, list[Union[str, int, float]]]] | None \
+        = None
 
     @model_validator(mode="after")
     def _check_common(self):
+        if self.vllm_xargs and "return_hidden_states" in self.vllm_xargs:
+            raise InvalidRequestError("return_hidden_states is not served over HTTP (the "
+                                      "responses do not carry hidden states; use the Python "
+                                      "API)", param="vllm_xargs")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must be unset or equal n)",
                                       param="best_of")
@@ -333,7 +340,8 @@ class _SamplingFields(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=_structured_spec(self),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
-            disable_speculative_decoding=self.disable_speculative_decoding)
+            disable_speculative_decoding=self.disable_speculative_decoding,
+            extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None)
         # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -384,7 +392,11 @@ class MultiModalPrompt(RequestModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[list[int], list[list[int]], str, list[str], MultiModalPrompt]
+    prompt: Union[list[int], list[list[int]], str, list[str], MultiModalPrompt,
+                   None] = None
+    # --enable-prompt-embeds: base64 of a torch.save'd float tensor [tokens, hidden] (vLLM's
+    # format) or of a .npy array; run before the prompts, as vLLM orders them
+    prompt_embeds: Union[str, list[str], None] = None
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1: whole vocabulary
     suffix: str | None = None
@@ -397,6 +409,14 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, MultiModalPrompt):
             p.check()
+            return self
+        if p is None:
+            if self.prompt_embeds is None:
+                raise InvalidRequestError("prompt (or prompt_embeds) is required",
+                                          param="prompt")
+            if not self.prompt_embeds:
+                raise InvalidRequestError("prompt_embeds must not be empty",
+                                          param="prompt_embeds")
             return self
         if isinstance(p, str):
             return self
@@ -413,6 +433,8 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, MultiModalPrompt):
             return [p.prompt if p.prompt is not None else list(p.prompt_token_ids)]
+        if p is None:
+            return []
         if isinstance(p, str):
             return [p]
         if all(isinstance(t, int) for t in p):

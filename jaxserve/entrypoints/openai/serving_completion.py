@@ -7,7 +7,9 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jaxserve.core.prompt_embeds import as_embeds, decode_base64
 from jaxserve.entrypoints.openai import protocol as P
+from jaxserve.errors import InvalidRequestError
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.tokenizer import stop_buffer_length
 from jaxserve.entrypoints.openai.logprobs import legacy_logprobs, prompt_logprobs
@@ -23,7 +25,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def completions(self, request: Request) -> Response:
         req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await self._body(request))
         model = self._model_name(req.model)
-        prompts, echo_texts = [], []
+        prompts, echo_texts = self._embeds_prompts(req), []
+        echo_texts += [""] * len(prompts)
         for p in req.prompt_list():
             if isinstance(p, str):
                 self._check_prompt_bytes(len(p.encode()), "prompt")
@@ -38,7 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 echo_texts.append("")
         self._check_logprobs(req)
-        params = [req.to_sampling_params(self.engine.max_model_len, len(ids), self.defaults)
+        params = [req.to_sampling_params(self.engine.max_model_len, _prompt_len(ids),
+                                         self.defaults)
                   for ids in prompts]
         # One SamplingParams serves all prompts; the tightest max_tokens default applies.
         sp = min(params, key=lambda s: s.max_tokens if s.max_tokens is not None else 1 << 62)
@@ -60,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = P.UsageInfo()
         for i, ids in enumerate(prompts):
             out = finals[i]
-            usage.prompt_tokens += len(out.prompt_token_ids or ids)  # images expanded
+            usage.prompt_tokens += len(out.prompt_token_ids or []) or _prompt_len(ids)
             usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
             for c in out.outputs:
                 logprobs = None
@@ -74,6 +78,26 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda ch: ch.index)
         return JSONModel(P.CompletionResponse(id=request_id, model=model, choices=choices,
                                           usage=usage))
+
+    def _embeds_prompts(self, req: P.CompletionRequest) -> list[dict]:
+        """``prompt_embeds`` decoded: one ``{"prompt_embeds": [n, hidden]}`` prompt each (the
+        engine checks the hidden size)."""
+        if req.prompt_embeds is None:
+            return []
+        if not self.engine.config.enable_prompt_embeds:
+            raise InvalidRequestError("prompt_embeds needs a server started with "
+                                      "--enable-prompt-embeds", param="prompt_embeds")
+        items = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else req.prompt_embeds
+        out = []
+        for text in items:
+            arr = decode_base64(text)
+            arr = as_embeds(arr, arr.shape[-1] if arr.ndim else 0)
+            if len(arr) > self.engine.max_model_len:
+                raise InvalidRequestError(f"prompt_embeds has {len(arr)} rows, more than "
+                                          f"max_model_len={self.engine.max_model_len}",
+                                          param="prompt_embeds")
+            out.append({"prompt_embeds": arr})
+        return out
 
     def _completion_choice_logprobs(self, req, out: RequestOutput, c: CompletionOutput,
                                     echo_text: str) -> P.CompletionLogProbs:
@@ -142,3 +166,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=c.stop_reason if done else None,
                         prompt_logprobs=prompt_lps)]))
 
+
+def _prompt_len(prompt) -> int:
+    """Prompt tokens of a token-id prompt, an embeddings prompt or a prompt with images."""
+    if isinstance(prompt, dict):
+        return len(prompt["prompt_embeds"] if "prompt_embeds" in prompt
+                   else prompt["prompt_token_ids"])
+    return len(prompt)

@@ -248,11 +248,14 @@ class OpenAIServing:
         if self.log_requests:
             for i, (ids, sp) in enumerate(zip(prompts, params if isinstance(params, list)
                                                else [params] * len(prompts))):
-                if isinstance(ids, dict):  # with images
-                    ids = ids["prompt_token_ids"]
-                shown = ids if self.max_log_len is None else ids[:self.max_log_len]
+                if isinstance(ids, dict) and "prompt_embeds" in ids:
+                    n, shown = len(ids["prompt_embeds"]), "(embeddings)"
+                else:
+                    if isinstance(ids, dict):  # with images
+                        ids = ids["prompt_token_ids"]
+                    n, shown = len(ids), ids if self.max_log_len is None else ids[:self.max_log_len]
                 logger.info("received request %s-%d (response id %r): %d prompt tokens %s, "
-                            "params %r", fanin.internal_id, i, request_id, len(ids), shown, sp)
+                            "params %r", fanin.internal_id, i, request_id, n, shown, sp)
         return fanin
 
     async def _stream_tail(self, chunks: AsyncIterator[str], fanin: FanIn, include_usage: bool,
