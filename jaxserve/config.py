@@ -236,12 +236,15 @@ class MultiModalConfig:
     """vLLM's multimodal flags: images per prompt (``--limit-mm-per-prompt '{"image": N}'``),
     settings laid over the checkpoint's image processor (``--mm-processor-kwargs``), whether
     processed images are cached by content (``--disable-mm-preprocessor-cache``) and the
-    directory ``file://`` image URLs may read (``--allowed-local-media-path``)."""
+    directory ``file://`` image URLs may read (``--allowed-local-media-path``) and the hosts
+    http(s) image URLs may be fetched from (``--allowed-media-domains``)."""
 
     limit_mm_per_prompt: dict = field(default_factory=dict)
     mm_processor_kwargs: dict | None = None
     disable_mm_preprocessor_cache: bool = False
     allowed_local_media_path: str | None = None
+    # hosts http(s) image URLs may be fetched from ("*": any); empty: http(s) URLs refused
+    allowed_media_domains: tuple[str, ...] = ()
 
     MODALITIES = ("image", "video", "audio")
     DEFAULT_LIMIT = 999  # vLLM's default per modality
@@ -565,7 +568,8 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
                               structured_outputs_compile_timeout=5.0, runner="auto", task=None,
                               pooler_config=None, limit_mm_per_prompt=None,
                               mm_processor_kwargs=None, disable_mm_preprocessor_cache=False,
-                              allowed_local_media_path=None, max_hidden_state_layers=0,
+                              allowed_local_media_path=None, allowed_media_domains=None,
+                              max_hidden_state_layers=0,
                               enable_prompt_embeds=False, logits_processors=None,
                               batch_invariant=None) -> EngineConfig:
     """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
@@ -623,8 +627,23 @@ def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_m
             mm_processor_kwargs=_json_object(mm_processor_kwargs, "mm_processor_kwargs"),
             disable_mm_preprocessor_cache=bool(disable_mm_preprocessor_cache),
             allowed_local_media_path=(None if allowed_local_media_path is None
-                                      else str(allowed_local_media_path))),
+                                      else str(allowed_local_media_path)),
+            allowed_media_domains=_media_domains(allowed_media_domains)),
     )
+
+
+def _media_domains(value) -> tuple[str, ...]:
+    """``--allowed-media-domains``: host names (lower-cased), ``*`` for any."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    out = []
+    for d in value:
+        if not isinstance(d, str) or not d.strip() or "/" in d:
+            raise ValueError(f"allowed_media_domains: {d!r} is not a host name")
+        out.append(d.strip().lower())
+    return tuple(out)
 
 
 def _runner_and_task(runner, task) -> tuple[str, str | None]:

@@ -125,6 +125,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="file:// image URLs may read files under this directory "
                         "(default: file:// URLs refused)")
+    m.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="http(s) image URLs are fetched from these hosts only ('*': any), "
+                        "with a size limit and $VLLM_IMAGE_FETCH_TIMEOUT (5 s) "
+                        "(default: http(s) URLs refused)")
     m.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help='keys laid over the model\'s config.json, e.g. '
                         '\'{"max_position_embeddings": 4096}\'')
@@ -537,6 +541,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
         mm_processor_kwargs=args.mm_processor_kwargs,
         disable_mm_preprocessor_cache=args.disable_mm_preprocessor_cache,
         allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=args.allowed_media_domains,
         max_hidden_state_layers=args.max_hidden_state_layers,
         enable_prompt_embeds=args.enable_prompt_embeds,
         logits_processors=args.logits_processors,

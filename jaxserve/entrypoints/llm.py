@@ -166,7 +166,8 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in convs:  # image parts (image_url, image_pil) travel as multi_modal_data
-            c, images = chat_images(c, self.config.multimodal.allowed_local_media_path)
+            mmc = self.config.multimodal
+            c, images = chat_images(c, mmc.allowed_local_media_path, mmc.allowed_media_domains)
             ids = apply_chat_template(self.llm_engine.tokenizer, c, add_generation_prompt,
                                       chat_template)
             prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}

@@ -127,8 +127,8 @@ def text_only_error(where: str = "multi_modal_data") -> InvalidRequestError:
                                "--limit-mm-per-prompt image 0)", param=where)
 
 
-def chat_images(messages: list[dict], allowed_local_media_path: str | None = None
-                ) -> tuple[list[dict], list]:
+def chat_images(messages: list[dict], allowed_local_media_path: str | None = None,
+                allowed_media_domains: tuple[str, ...] = ()) -> tuple[list[dict], list]:
     """A conversation's image parts (vLLM's ``image_url`` and ``image_pil``) loaded, in order,
     and the messages with each one as the template's ``{"type": "image"}``."""
     from jaxserve.multimodal.media import load_image_url
@@ -145,8 +145,9 @@ def chat_images(messages: list[dict], allowed_local_media_path: str | None = Non
             where = f"messages.{i}.content.{j}"
             if kind == "image_url":
                 url = (part.get("image_url") or {}).get("url")
-                images.append(load_image_url(url, where,
-                                             allowed_local_media_path=allowed_local_media_path))
+                images.append(load_image_url(
+                    url, where, allowed_local_media_path=allowed_local_media_path,
+                    allowed_media_domains=allowed_media_domains))
                 parts.append({"type": "image"})
             elif kind == "image_pil":
                 images.append(_images_of({"image": part.get("image_pil")}, where)[0])

@@ -1,6 +1,8 @@
 """Images from where clients put them: a PIL image (Python API), a ``data:`` URL with base64
 PNG / JPEG / WebP, a ``file://`` path under ``--allowed-local-media-path``, or an http(s) URL
-(fetched with a size and time limit; off unless ``--allow-remote-media``-style opt-in).
+from a host ``--allowed-media-domains`` names (fetched with a size limit and a timeout,
+``$VLLM_IMAGE_FETCH_TIMEOUT`` / ``$JAXSERVE_IMAGE_FETCH_TIMEOUT`` seconds, 5 by default;
+redirects must stay on allowed hosts).
 Every failure is an ``InvalidRequestError`` naming the field that carried the image."""
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def decode_image(data: bytes, where: str):
 
 
 def load_image_url(url: str, where: str, *, allowed_local_media_path: str | None = None,
-                   allow_http: bool = False, timeout_s: float = 10.0):
+                   allowed_media_domains: tuple[str, ...] = (), timeout_s: float | None = None):
     """The image an ``image_url.url`` names."""
     if not isinstance(url, str) or not url:
         raise InvalidRequestError(f"{where}: an image URL is required", param=where)
@@ -62,10 +64,13 @@ def load_image_url(url: str, where: str, *, allowed_local_media_path: str | None
     if scheme == "file":
         return decode_image(_read_local(url, where, allowed_local_media_path), where)
     if scheme in ("http", "https"):
-        if not allow_http:
+        if not allowed_media_domains:
             raise InvalidRequestError(f"{where}: http(s) image URLs are disabled on this "
-                                      "server; send the image as a data URL", param=where)
-        return decode_image(_fetch(url, where, timeout_s), where)
+                                      "server (--allowed-media-domains); send the image as a "
+                                      "data URL", param=where)
+        _check_host(url, where, allowed_media_domains)
+        return decode_image(_fetch(url, where, fetch_timeout() if timeout_s is None
+                                   else timeout_s, allowed_media_domains), where)
     raise InvalidRequestError(f"{where}: unsupported image URL scheme {scheme!r} (data:, "
                               "file:// or http(s))", param=where)
 
@@ -90,12 +95,40 @@ def _read_local(url: str, where: str, allowed: str | None) -> bytes:
                                   param=where) from None
 
 
-def _fetch(url: str, where: str, timeout_s: float) -> bytes:
+def fetch_timeout() -> float:
+    """Seconds an http(s) image fetch may take (vLLM's ``VLLM_IMAGE_FETCH_TIMEOUT``)."""
+    for key in ("JAXSERVE_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT"):
+        if os.environ.get(key):
+            try:
+                value = float(os.environ[key])
+            except ValueError:
+                raise ValueError(f"{key} must be a number of seconds") from None
+            if value <= 0:
+                raise ValueError(f"{key} must be > 0 seconds")
+            return value
+    return 5.0
+
+
+def _check_host(url: str, where: str, allowed: tuple[str, ...]) -> None:
+    host = (urlparse(url).hostname or "").lower()
+    if "*" not in allowed and host not in allowed:
+        raise InvalidRequestError(f"{where}: host {host!r} is not in --allowed-media-domains",
+                                  param=where)
+
+
+def _fetch(url: str, where: str, timeout_s: float, allowed: tuple[str, ...]) -> bytes:
     import urllib.request
 
+    class _Redirects(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            _check_host(newurl, where, allowed)  # a redirect leaves no allowed host
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - opt-in
+        with urllib.request.build_opener(_Redirects).open(url, timeout=timeout_s) as r:
             data = r.read(MAX_IMAGE_BYTES + 1)
+    except InvalidRequestError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise InvalidRequestError(f"{where}: fetching the image failed ({e})",
                                   param=where) from None

@@ -91,3 +91,60 @@ def test_media_urls(tmp_path):
         with pytest.raises(InvalidRequestError) as e:
             load_image_url(url, "messages.0.content.1", **kw)
         assert e.value.param == "messages.0.content.1"
+
+
+def test_http_image_urls_only_from_allowed_domains(tmp_path):
+    """--allowed-media-domains: fetched from a listed host, refused elsewhere (also when a
+    listed host redirects away), and bounded in size."""
+    import http.server
+    import io
+    import threading
+
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.multimodal import media
+
+    buf = io.BytesIO()
+    make_image(12, 7, 3).save(buf, format="PNG")
+    png = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", "http://localhost:1/a.png")
+                self.end_headers()
+                return
+            body = png if self.path == "/a.png" else b"x" * (media.MAX_IMAGE_BYTES + 10)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        im = media.load_image_url(f"{base}/a.png", "x", allowed_media_domains=("127.0.0.1",))
+        assert im.size == (12, 7)
+        assert media.load_image_url(f"{base}/a.png", "x", allowed_media_domains=("*",)).size \
+            == (12, 7)
+        for path, domains, why in [("/a.png", (), "disabled"),
+                                   ("/a.png", ("example.com",), "not in"),
+                                   ("/away", ("127.0.0.1",), "not in"),
+                                   ("/big", ("127.0.0.1",), "larger")]:
+            with pytest.raises(InvalidRequestError, match=why) as e:
+                media.load_image_url(base + path, "messages.0.content.1",
+                                     allowed_media_domains=domains)
+            assert e.value.param == "messages.0.content.1"
+    finally:
+        server.shutdown()
+
+
+def test_allowed_media_domains_flag_reaches_the_config():
+    from jaxserve.config import engine_config_from_kwargs
+
+    with pytest.raises(ValueError, match="allowed_media_domains"):
+        engine_config_from_kwargs("m", allowed_media_domains=["http://a/b"])

@@ -204,7 +204,8 @@ class OpenAIServing:
         from jaxserve.multimodal.media import load_image_url
 
         def load(url, where):
-            return load_image_url(url, where, allowed_local_media_path=mmc.allowed_local_media_path)
+            return load_image_url(url, where, allowed_local_media_path=mmc.allowed_local_media_path,
+                                  allowed_media_domains=mmc.allowed_media_domains)
 
         images = [await self._off_loop(load, url, where) for where, url in urls]
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
