@@ -40,7 +40,7 @@ def shadow(model, name: str, fn):
 
 
 def _check_pieces(model, what: str) -> None:
-    if not getattr(model, "supports_pipeline", False):
+    if not model.supports_pipeline:
         raise ValueError(f"{type(model).__name__} does not give its forward in pieces "
                          f"(embed, run_layer): {what} is not supported for it")
 

@@ -482,6 +482,13 @@ class PipelineRunner(runner_lib.ModelRunner):
         self._prompt_logprobs = runner_lib._prompt_logprobs_fn(self.graphdef, last_treedef,
                                                                self.num_top_logprobs)
         self._sample = runner_lib._sample_fn(self.mesh, self.num_top_logprobs)
+        # the research features are refused under pp (builder): their switches stay off
+        self.logits_processors = None
+        self.max_hidden_state_layers = 0
+        self.enable_prompt_embeds = False
+        self.batch_invariant = False
+        self._captured = None
+        self.mm = None
         self.num_compiles = 0
         self.enforce_eager = engine_config.enforce_eager
         self._pool_lock = threading.RLock()
@@ -684,7 +691,9 @@ class PipelineRunner(runner_lib.ModelRunner):
                 for v, a in zip(vals, flat)]
         return jax.tree_util.tree_unflatten(treedef, sent)
 
-    def _run(self, plan: StepPlan):
+    def _run(self, plan: StepPlan, mm=None, host_logits=None):
+        if mm is not None or host_logits is not None:
+            raise ValueError("pipeline stages take no image arrays or host logits processors")
         self._wait_bucket(plan.token_bucket)
         with self._pool_lock:
             before = runner_lib._TRACES.n

@@ -20,6 +20,7 @@ from jaxserve.worker.kv_cache import allocate_kv_pages
 from jaxserve.loaders.model_loader import load_model
 from jaxserve.worker.runner import _forward_fn
 from jaxserve.testing.paged import step_inputs
+from jaxserve.worker.step_inputs import StepInputs, pack
 
 BLOCK = 16
 NUM_PAGES = 48
@@ -68,7 +69,8 @@ def _step(path, backend, pool_seed=1):
     assert plan.token_bucket == 32 and plan.num_seqs == 6 < plan.seq_bucket  # padding rows too
     pool = _random_pool(cfg, np.random.default_rng(pool_seed))
     prev_tokens = jnp.zeros((plan.seq_bucket,), jnp.int32)  # no row refers to a pending token
-    logits, pool, _ = forward(leaves, pool, plan.forward_arrays(), prev_tokens)
+    buf, layout = pack(StepInputs.from_plan(plan))
+    logits, pool, _, _ = forward(leaves, pool, buf, prev_tokens, None, layout)
     return np.asarray(logits)[: plan.num_seqs], [np.asarray(a) for kv in pool for a in kv]
 
 
@@ -121,15 +123,17 @@ def _export_step(path, dtype, tokens, seqs):
     state = [sds(x.shape, x.dtype) for x in leaves]
     pool_shape = (cfg.num_kv_heads, 64, BLOCK, cfg.head_dim)
     pool = [(sds(pool_shape, dtype), sds(pool_shape, dtype)) for _ in range(cfg.num_layers)]
-    i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
-    arrays = dict(token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(1, tokens),
-                  query_start=i32(seqs + 1), seq_lens=i32(seqs), block_tables=i32(1, seqs, 16),
-                  logits_indices=i32(seqs), num_seqs=i32(), prev_ref=i32(tokens),
-                  state_slots=i32(seqs))
+    # the bucket's inputs as the engine packs them: decode rows, or one long row and decodes
+    lens = [1] * seqs if tokens == seqs else [tokens - seqs + 1] + [1] * (seqs - 1)
+    rows = [([3] * n, 20 if n == 1 else 0, list(range(1 + 5 * i, 6 + 5 * i)))
+            for i, n in enumerate(lens)]
+    plan = step_inputs(rows, block_size=BLOCK, max_pages=16, ladder=(tokens,), max_num_seqs=seqs)
+    assert (plan.token_bucket, plan.seq_bucket) == (tokens, seqs)
+    buf, layout = pack(StepInputs.from_plan(plan))
     exp = export.export(forward, platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
-        state, pool, arrays, i32(seqs))
-    return exp, cfg, len(state), sorted(arrays)  # the plan's arrays in pytree order
+        state, pool, sds(buf.shape, buf.dtype), sds((seqs,), jnp.int32), None, layout)
+    return exp, cfg, len(state)
 
 
 @pytest.mark.skipif(not _HAS_PLUGIN, reason="jax CUDA plugin not installed")
@@ -138,7 +142,7 @@ def _export_step(path, dtype, tokens, seqs):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_step_lowers_for_cuda(tiny_model_factory, lower_as_gpu, dtype, tokens, seqs, kind):
     path = tiny_model_factory("llama", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64)
-    exp, cfg, n_state, plan_keys = _export_step(path, dtype, tokens, seqs)
+    exp, cfg, n_state = _export_step(path, dtype, tokens, seqs)
     text = exp.mlir_module()
     # Every layer calls the kernel; its decode call (and, with long rows, its prefill call)
     # lowers to Triton. Each layer calls one private function (the KV write and the jitted
@@ -152,10 +156,8 @@ def test_model_step_lowers_for_cuda(tiny_model_factory, lower_as_gpu, dtype, tok
     assert ("rpa_prefill" in text) == (kind == "mixed")
     # The pool (args after the params) is donated and aliased to the returned pool.
     n_pool = 2 * cfg.num_layers
-    # every plan array and prev_tokens is an input, except state_slots: no LinearState layers
-    unused = n_state + n_pool + plan_keys.index("state_slots")
-    assert exp.module_kept_var_idx == tuple(i for i in range(n_state + n_pool + len(plan_keys) + 1)
-                                            if i != unused)
+    # the params, the pool, the packed step inputs and prev_tokens are all inputs
+    assert exp.module_kept_var_idx == tuple(range(n_state + n_pool + 2))
     aliases = {int(a): int(o) for a, o in re.findall(
         r"%arg(\d+): tensor<[^>]*> \{[^}]*tf\.aliasing_output = (\d+)", text)}
     assert aliases == {n_state + i: 1 + i for i in range(n_pool)}, aliases
