@@ -111,7 +111,7 @@ def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...
                 model, inputs.hidden_layers, inputs.query_start, token_ids, positions,
                 kv_pages, md, **kwargs)
         else:
-            hidden, kv_pages = model(token_ids, inputs.positions, kv_pages, md, **kwargs)
+            hidden, kv_pages = model(token_ids, positions, kv_pages, md, **kwargs)
         # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
         # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
         idx = inputs.logits_indices

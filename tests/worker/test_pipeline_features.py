@@ -440,9 +440,10 @@ def test_speculation_on_a_state_pool_model_under_pp_is_a_start_up_error(report):
 
 def test_a_family_without_stage_pieces_is_a_start_up_error():
     from jaxserve.errors import InvalidRequestError
+    from jaxserve.models.contract import ModelBase
     from jaxserve.worker.pipeline import check_model
 
-    class OtherForCausalLM:
+    class OtherForCausalLM(ModelBase):  # the contract's defaults: no stage pieces
         pass
 
     with pytest.raises(InvalidRequestError) as e:
