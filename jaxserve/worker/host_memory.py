@@ -73,11 +73,13 @@ def _cpu_buffers(arrays):
     import jax
 
     for x in jax.tree_util.tree_leaves(arrays):
-        if not isinstance(x, jax.Array) or len(x.devices()) != 1:
+        if not isinstance(x, jax.Array):
             continue
-        if next(iter(x.devices())).platform != "cpu":
-            continue
-        try:
+        try:  # another thread may donate it meanwhile (warm-up runs beside serving)
+            if x.is_deleted() or len(x.devices()) != 1:
+                continue
+            if next(iter(x.devices())).platform != "cpu":
+                continue
             yield x.unsafe_buffer_pointer(), x.nbytes
         except Exception:  # noqa: BLE001 - a donated or deleted buffer: nothing to do
             continue
@@ -161,14 +163,19 @@ def memory_report(weight_bytes: int, kv_pages) -> dict:
     kv_resident: the runtime, compiled programs, Python). None for what cannot be measured."""
     import jax
 
-    reserved = sum(x.nbytes for x in jax.tree_util.tree_leaves(kv_pages)
-                   if hasattr(x, "nbytes"))
+    reserved = sum(_nbytes(x) for x in jax.tree_util.tree_leaves(kv_pages))
     rss = rss_bytes()
     resident = resident_bytes(kv_pages)
     kv_in_rss = reserved if resident is None else resident
     rest = None if rss is None else rss - weight_bytes - kv_in_rss
     return dict(rss=rss, weights=weight_bytes, kv_reserved=reserved, kv_resident=resident,
                 rest=rest)
+
+
+def _nbytes(x) -> int:
+    """An array's size in bytes, from its shape and dtype (readable after donation too)."""
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    return 0 if shape is None or dtype is None else int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
 def format_report(report: dict) -> str:
@@ -193,22 +200,30 @@ def memory_by_part(runner) -> dict:
     bytes."""
     import time
 
-    import jax
-
     now = time.monotonic()
     if now - _REPORT_AT[0] >= REPORT_MAX_AGE_S or not LAST_REPORT:
-        weights = sum(x.nbytes for x in runner.weight_leaves() if hasattr(x, "nbytes"))
-        if jax.default_backend() == "cpu":
-            report = memory_report(weights, runner.kv_pages)
-        else:
-            reserved = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv_pages)
-                           if hasattr(x, "nbytes"))
-            report = dict(rss=rss_bytes(), weights=weights, kv_reserved=reserved,
-                          kv_resident=None, rest=None)
-        LAST_REPORT.clear()
-        LAST_REPORT.update(report)
+        try:
+            _measure(runner)
+        except Exception:  # noqa: BLE001 - stats never stop the engine; the next call retries
+            logger.debug("memory report skipped", exc_info=True)
         _REPORT_AT[0] = now
     return {k: v for k, v in LAST_REPORT.items() if v is not None}
+
+
+def _measure(runner) -> None:
+    """One report into :data:`LAST_REPORT`. Runs beside a warm-up that may donate the pool:
+    it reads shapes, and skips buffers deleted meanwhile."""
+    import jax
+
+    weights = sum(_nbytes(x) for x in runner.weight_leaves())
+    if jax.default_backend() == "cpu":
+        report = memory_report(weights, runner.kv_pages)
+    else:
+        reserved = sum(_nbytes(x) for x in jax.tree_util.tree_leaves(runner.kv_pages))
+        report = dict(rss=rss_bytes(), weights=weights, kv_reserved=reserved, kv_resident=None,
+                      rest=None)
+    LAST_REPORT.clear()
+    LAST_REPORT.update(report)
 
 
 def log_memory(runner, when: str = "after warm-up") -> dict | None:

@@ -130,3 +130,24 @@ def test_core_malloc_arena_limit_unless_the_variable_says():
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, MALLOC_ARENA_MAX="4"), **run)
     assert out.stdout.split() == ["False", "False"], out.stderr
 
+
+
+def test_memory_report_survives_a_pool_donated_meanwhile():
+    """/metrics reads the pool beside a warm-up that donates it: a deleted buffer is skipped,
+    never an error in the engine's loop."""
+    import jax.numpy as jnp
+
+    from jaxserve.worker import host_memory
+
+    class Runner:
+        def __init__(self):
+            self.kv_pages = [(jnp.zeros((4, 8), jnp.float32), jnp.zeros((4, 8), jnp.float32))]
+
+        def weight_leaves(self):
+            return [jnp.ones((16,), jnp.float32)]
+
+    r = Runner()
+    r.kv_pages[0][0].delete()  # donated by another thread's step
+    host_memory._REPORT_AT[0] = float("-inf")
+    parts = host_memory.memory_by_part(r)
+    assert parts["weights"] == 64 and parts["kv_reserved"] == 2 * 4 * 8 * 4
