@@ -17,24 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import Embedding, Linear
-
-
-class LayerNorm(nnx.Module):
-    """BERT's LayerNorm (``weight``, ``bias``; eps from the config, 1e-12 by default)."""
-
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        mean = xf.mean(-1, keepdims=True)
-        var = jnp.square(xf - mean).mean(-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight[...].astype(jnp.float32)
-                + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+from jaxserve.models.layers import Embedding, LayerNorm, Linear
 
 
 def _act(name: str):

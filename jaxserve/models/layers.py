@@ -56,6 +56,24 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], ids, axis=0)
 
 
+class LayerNorm(nnx.Module):
+    """LayerNorm with ``weight`` and ``bias`` (BERT, vision towers), in float32, the result in
+    the input's dtype."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)
+                + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     """HF's RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
 

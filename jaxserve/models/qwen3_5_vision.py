@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.layers import ACTIVATIONS, Embedding, Linear, _normal
+from jaxserve.models.layers import ACTIVATIONS, Embedding, LayerNorm, Linear, _normal
 
 
 class VisionInputs(NamedTuple):
@@ -101,21 +101,6 @@ def merge_image_embeddings(x, embeds, rows):
     """``x[T, H]`` with token ``t`` replaced by ``embeds[rows[t]]`` where ``rows[t] >= 0``."""
     picked = jnp.take(embeds.astype(x.dtype), jnp.maximum(rows, 0), axis=0)
     return jnp.where((rows >= 0)[:, None], picked, x)
-
-
-class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        mu = jnp.mean(xf, axis=-1, keepdims=True)
-        var = jnp.mean((xf - mu) ** 2, axis=-1, keepdims=True)
-        y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
-        return (y * self.weight[...].astype(jnp.float32)
-                + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class PatchEmbed(nnx.Module):
