@@ -61,7 +61,7 @@ class NgramProposer:
 
 class MtpProposer:
     """Method ``mtp``: the drafts the model's multi-token-prediction head made on the device
-    in the step just read (``StepOutput.draft_ids``, see ``jaxserve.worker.runner._mtp_fn``),
+    in the step just read (``StepOutput.draft_ids``, see ``jaxserve.worker.step_functions.mtp_fn``),
     handed out per request. A speculating request runs synchronously, so the step just read is
     always its latest and its row's drafts follow its last token.
 

@@ -13,7 +13,7 @@ from jaxserve.core.batch_diff import BatchDiff, NewRequestData
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.step_plan import StepPlan, token_ladder
 from jaxserve.worker.input_batch import InputBatch
-from jaxserve.worker.runner import attention_metadata
+from jaxserve.worker.step_functions import attention_metadata
 from jaxserve.worker.step_inputs import StepInputs
 
 _GREEDY = SamplingParams(temperature=0.0)

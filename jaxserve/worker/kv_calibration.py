@@ -26,7 +26,8 @@ from jaxserve.worker.kv_cache import allocate_hybrid_caches, allocate_kv_pages
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.worker.input_batch import InputBatch
-from jaxserve.worker.runner import attention_metadata, model_cache_specs
+from jaxserve.worker.kv_cache_config import model_cache_specs
+from jaxserve.worker.step_functions import attention_metadata
 from jaxserve.worker.step_inputs import StepInputs
 from pallas_kernels.reference import is_fp8
 

@@ -58,7 +58,9 @@ from jaxserve.core.kv_cache_spec import (LinearState, SharedKV, group_layers, gr
 from jaxserve.core.step_plan import StepPlan, seq_bucket
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models.lora import LoRABatch
+from jaxserve.worker import kv_cache_config
 from jaxserve.worker import runner as runner_lib
+from jaxserve.worker import step_functions as step_fns
 from jaxserve.worker.step_inputs import StepInputs
 from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool, fork_copy,
                                       fork_pairs, kv_cache_dtype, specs_page_bytes)
@@ -238,11 +240,11 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
     LinearState layers (stage-local indices), whose caches are state-pool arrays."""
 
     def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens):
-        runner_lib._TRACES.n += 1
+        step_fns.TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         family = stage.family
-        md = runner_lib.attention_metadata(
-            step, state_slots=runner_lib._state_slots(step.state_slots, kv_pages,
+        md = step_fns.attention_metadata(
+            step, state_slots=step_fns.trash_state_slots(step.state_slots, kv_pages,
                                                       state_layers))
         if stage.first:
             ref = step.prev_ref
@@ -404,7 +406,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.act_dtype = jnp.dtype(dtype)
         self.partition = layer_partition(model_config.num_layers, pp)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
-        specs = runner_lib.model_cache_specs(model, model_config, self.kv_dtype)
+        specs = kv_cache_config.model_cache_specs(model, model_config, self.kv_dtype)
         check_shared_kv(specs, self.partition, pp)
         self.cache_specs = specs
         self.cache_groups = group_layers(specs)
@@ -415,7 +417,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         # a pool per cache group (Gemma 4's sliding and global layers) as on one device, or
         # one pool: a page id indexes every layer; either way every stage holds its own
         # layers' part of each pool under the same page ids
-        self.grouped = not self.state_layers and runner_lib.use_group_pools(
+        self.grouped = not self.state_layers and kv_cache_config.use_group_pools(
             model, self.cache_groups, engine_config, extra_page_bytes)
         self.pools = (group_pools(self.cache_groups) if self.grouped
                       else page_pools(self.cache_groups))
@@ -435,15 +437,15 @@ class PipelineRunner(runner_lib.ModelRunner):
         stage_pools = page_pools(group_layers(_stage_specs(specs, lo, hi)))
         stage_cfg = dataclasses.replace(model_config, num_layers=hi - lo)
         if self.grouped:  # each group's pages from the whole model's (an upper bound)
-            sizes = runner_lib.group_pool_sizes(self.pools, stage_cfg, engine_config,
+            sizes = kv_cache_config.group_pool_sizes(self.pools, stage_cfg, engine_config,
                                                 max_model_len, param_bytes // (tp * pp), tp)
         elif self.state_layers:
-            slots, sizes = runner_lib.state_pool_sizes(
+            slots, sizes = kv_cache_config.state_pool_sizes(
                 stage_pools, self.cache_groups, stage_cfg, engine_config, max_model_len,
                 param_bytes // (tp * pp), tp)
             self.num_state_slots = sharding.agree_across_hosts(slots)
         else:
-            sizes = runner_lib.pool_sizes(stage_pools, stage_cfg, engine_config, max_model_len,
+            sizes = kv_cache_config.pool_sizes(stage_pools, stage_cfg, engine_config, max_model_len,
                                           param_bytes // (tp * pp), tp, extra_page_bytes)
         self.pool_pages = tuple(sharding.agree_across_hosts(n) for n in sizes)
         self.num_pages = self.pool_pages[0]
@@ -477,11 +479,11 @@ class PipelineRunner(runner_lib.ModelRunner):
         self._carry_shapes: dict[int, object] = {}
         _release_unused(model, [x for leaves in self._stage_leaves for x in leaves])
         self._state_leaves = self._stage_leaves[-1]  # prompt logprobs run on the last stage
-        self.num_top_logprobs = runner_lib.top_logprobs_width(engine_config.max_logprobs,
+        self.num_top_logprobs = step_fns.top_logprobs_width(engine_config.max_logprobs,
                                                               model_config.vocab_size)
-        self._prompt_logprobs = runner_lib._prompt_logprobs_fn(self.graphdef, last_treedef,
+        self._prompt_logprobs = step_fns.prompt_logprobs_fn(self.graphdef, last_treedef,
                                                                self.num_top_logprobs)
-        self._sample = runner_lib._sample_fn(self.mesh, self.num_top_logprobs)
+        self._sample = step_fns.sample_fn(self.mesh, self.num_top_logprobs)
         # the research features are refused under pp (builder): their switches stay off
         self.logits_processors = None
         self.max_hidden_state_layers = 0
@@ -634,7 +636,7 @@ class PipelineRunner(runner_lib.ModelRunner):
             if plan is None:
                 self._finish_pending()
                 return None
-            before = runner_lib._TRACES.n
+            before = step_fns.TRACES.n
             raw = self._forward_stages(plan, before_last=self._finish_pending, gather=False)
             h = runner_lib.StepHandle(plan, None, None,
                                       bool(np.any(plan.sampling["num_logprobs"] >= 0)), None)
@@ -648,7 +650,7 @@ class PipelineRunner(runner_lib.ModelRunner):
             return
         h, (logits, hidden) = pending
         plan = h.plan
-        before = runner_lib._TRACES.n
+        before = step_fns.TRACES.n
         logits, _, hidden = self._gather_logits(plan, logits, hidden)
         out, self._last_tokens = self.sample(logits, self._step_inputs(plan)[1],
                                              self._last_tokens, self._bitmask(plan))
@@ -665,8 +667,8 @@ class PipelineRunner(runner_lib.ModelRunner):
         return super().fetch(h)
 
     def _count_step_compiles(self, before: int, plan: StepPlan) -> None:
-        if runner_lib._TRACES.n != before:
-            self._add_compiles(runner_lib._TRACES.n - before)
+        if step_fns.TRACES.n != before:
+            self._add_compiles(step_fns.TRACES.n - before)
             if self._warm:
                 logger.warning("compile caused by a step (token bucket %d): this is a bug",
                                plan.token_bucket)
@@ -696,7 +698,7 @@ class PipelineRunner(runner_lib.ModelRunner):
             raise ValueError("pipeline stages take no image arrays or host logits processors")
         self._wait_bucket(plan.token_bucket)
         with self._pool_lock:
-            before = runner_lib._TRACES.n
+            before = step_fns.TRACES.n
             logits, _, hidden = self._forward_stages(plan)
             out, self._last_tokens = self.sample(logits, self._step_inputs(plan)[1],
                                                  self._last_tokens, self._bitmask(plan))
@@ -762,9 +764,9 @@ class PipelineRunner(runner_lib.ModelRunner):
             for t in self.ladder:
                 if self._warm_stop:
                     return
-                before = runner_lib._TRACES.n
+                before = step_fns.TRACES.n
                 self._warm_bucket(t)
-                self._add_compiles(runner_lib._TRACES.n - before)
+                self._add_compiles(step_fns.TRACES.n - before)
                 with self._ready_cv:
                     self._ready.append(t)
                     self._warm = len(self._ready) == len(self.ladder)

@@ -19,9 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -29,28 +27,22 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.worker import forward_hooks, memory_budget
-from jaxserve.worker import rejection_sampler
-from jaxserve.worker import sampler as sampler_lib
+from jaxserve.models import batch_invariant
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
-from jaxserve.worker.host_memory import cpu_kv_cache_bytes
 from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
                                       allocate_layer_pages, fork_copy, fork_pairs,
                                       kv_cache_dtype)
-from jaxserve.models import batch_invariant
-from jaxserve.models.layers import AttentionMetadata
-from jaxserve.models.lora import LoRABatch
-from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
-from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
-from jaxserve.core.kv_cache_spec import (attention_spec, group_layers, group_pools,
-                                         kv_bytes_per_token, page_pools,
-                                         pooled_kv_bytes_per_token, split_budget,
-                                         split_budget_with_state, state_bytes_per_slot,
-                                         state_groups)
-from jaxserve.core.step_plan import ARRAY_FIELDS, TRASH_PAGE, StepPlan, seq_bucket, token_ladder
-from jaxserve.worker.step_inputs import SamplerInputs, StepInputs, pack, unpack
+from jaxserve.worker.kv_cache_config import (group_pool_sizes, model_cache_specs, pool_sizes,
+                                             state_pool_sizes, use_group_pools)
+from jaxserve.worker.step_functions import (TRACES, forward_fn, mtp_fn, prompt_logprobs_fn,
+                                            rollback_fn, sample_fn, top_logprobs_width)
+from jaxserve.core.kv_cache_spec import (group_layers, group_pools, kv_bytes_per_token,
+                                         page_pools, pooled_kv_bytes_per_token,
+                                         state_bytes_per_slot, state_groups)
+from jaxserve.core.step_plan import ARRAY_FIELDS, StepPlan, seq_bucket, token_ladder
+from jaxserve.worker.step_inputs import SamplerInputs, StepInputs, pack
 
 logger = logging.getLogger(__name__)
 
@@ -60,292 +52,9 @@ jax.tree_util.register_dataclass(StepPlan, data_fields=list(ARRAY_FIELDS),
 
 
 
-class _TraceCount(threading.local):
-    """Traces of the step's jitted functions (a trace is a compile), per thread: a runner
-    traces in the thread that drives it, so another engine in another thread (an ``LLM`` next
-    to a serving ``AsyncLLM``) never shows up in this runner's count."""
-
-    n = 0
-
-
-_TRACES = _TraceCount()
-
-
-@lru_cache(maxsize=None)
-def _forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...] = (),
-                num_layers: int = 0, snapshots: tuple[int, int] | None = None,
-                invariant: bool = False):
-    """The model half of the step (write K/V, attend, logits of each row's last token), jitted
-    for one model graph. ``snapshots`` (first scratch slot, k): the state pool keeps each
-    verify row's state after each of its tokens (:func:`snapshot_slots`).
-
-    Cached on the graph, so runners of the same model shape share executables; the graph is
-    hashed once here rather than on every call (a static jit argument is hashed per dispatch,
-    which cost milliseconds per step), and params travel as a flat list of leaves.
-    """
-
-    def forward(state_leaves, kv_pages, buf, prev_tokens, lora, layout, embeds=None, mm=None):
-        _TRACES.n += 1
-        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
-        with (forward_hooks.prompt_embeds(model, unpack(buf, layout).embed_mask, embeds)
-              if embeds is not None else nullcontext()), batch_invariant.mode(invariant):
-            return model_half(model, buf, prev_tokens, kv_pages, lora, layout, mm)
-
-    def model_half(model, buf, prev_tokens, kv_pages, lora, layout, mm):
-        inputs: StepInputs = unpack(buf, layout)
-        ref = inputs.prev_ref
-        token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
-        md = attention_metadata(
-            inputs, state_slots=_state_slots(inputs.state_slots, kv_pages, state_layers),
-            snapshot_slots=(None if snapshots is None
-                            else snapshot_slots(inputs.num_draft, *snapshots)))
-        kwargs = {} if lora is None else {  # (scale [L], per-layer A/B) of the device slots
-            "lora": LoRABatch(inputs.lora_slots, *lora)}
-        positions = inputs.positions
-        if mm is not None:  # a vision-language model (worker.mm_step.EncoderRunner)
-            positions, mm_rows, mm_embeds = mm
-            kwargs["mm"] = (mm_embeds, mm_rows)
-        captured = None
-        if inputs.hidden_layers.shape[1]:  # return_hidden_states: K layers a token
-            hidden, kv_pages, captured = forward_hooks.forward_with_capture(
-                model, inputs.hidden_layers, inputs.query_start, token_ids, positions,
-                kv_pages, md, **kwargs)
-        else:
-            hidden, kv_pages = model(token_ids, positions, kv_pages, md, **kwargs)
-        # hidden stays on device; only prompt_logprobs reads it (see _prompt_logprobs_fn).
-        # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
-        idx = inputs.logits_indices
-        if idx.size > hidden.shape[0]:
-            # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
-            # mostly padding): the vocabulary projection runs once per token, then is gathered
-            return model.compute_logits(hidden)[idx], kv_pages, hidden, captured
-        logits = model.compute_logits(hidden[idx.reshape(-1)])
-        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden, captured
-
-    if mesh is None:
-        return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,))
-    # Tensor parallel: logits leave replicated (an on-device all-gather over the vocabulary
-    # shards) and the donated pool keeps its head sharding, so every step reuses one program.
-    pool = sharding.kv_pool_sharding(mesh)
-    if state_layers:  # the state pools split over their channel/head axis, the pages over heads
-        pool = [sharding.state_pool_sharding(mesh) if i in state_layers else pool
-                for i in range(num_layers)]
-    return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,), out_shardings=(
-        sharding.replicated(mesh), pool, sharding.replicated(mesh), sharding.replicated(mesh)))
-
-
-def attention_metadata(inputs: StepInputs, state_slots=None, snapshot_slots=None,
-                       group: int | None = None) -> AttentionMetadata:
-    """What the attention kernels read of a step's inputs, the one place that makes it: with
-    one page pool (or ``group`` named), that group's slot mapping and block tables; with a
-    pool per cache group, every group's (``[G, ...]``), and the model picks each layer's
-    (``cache_groups_supported``)."""
-    grouped = group is None and inputs.block_tables.shape[0] > 1
-    g = group or 0
-    return AttentionMetadata(
-        slot_mapping=inputs.slot_mapping if grouped else inputs.slot_mapping[g],
-        query_start=inputs.query_start, seq_lens=inputs.seq_lens,
-        block_tables=inputs.block_tables if grouped else inputs.block_tables[g],
-        num_seqs=inputs.num_seqs, state_slots=state_slots, snapshot_slots=snapshot_slots)
-
-
-def snapshot_slots(num_draft, base: int, k: int):
-    """``[S, k+1]``: where row ``b`` keeps its state after its token ``i`` (``i < num_draft``,
-    the tokens a rejection may roll back to): scratch slot ``base + b * k + i``; -1 elsewhere.
-    The state after a row's last token is its own slot's, as for any row."""
-    S = num_draft.shape[0]
-    i = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    b = jnp.arange(S, dtype=jnp.int32)[:, None]
-    return jnp.where(i < num_draft[:, None], base + b * k + i, -1).astype(jnp.int32)
-
-
-@lru_cache(maxsize=None)
-def _rollback_fn(base: int, k: int, mesh=None):
-    """Speculative decoding's rollback of the recurrent state, after the verifier: a row that
-    kept ``a < num_draft`` drafts copies its snapshot after token ``a`` (the last accepted
-    one, :func:`snapshot_slots`) into its own slot, which the verify step left holding the
-    state after every draft. Rows that kept all their drafts, and rows without, are untouched.
-    Per-position snapshots rather than snapshot + recompute: k small copies per row in the
-    verify step and one copy here, never a second forward. ``state_pools``: the LinearState
-    layers' arrays (donated)."""
-
-    def rollback(state_pools, slots, num_draft, num_emitted):
-        _TRACES.n += 1
-        a = num_emitted - 1
-        rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
-        src = base + rows * k + jnp.clip(a, 0, k - 1)
-        trash = state_pools[0][0].shape[0] - 1
-        dst = jnp.where((a < num_draft) & (slots >= 0), slots, trash)
-        return [tuple(p.at[dst].set(p[src]) for p in layer) for layer in state_pools]
-
-    if mesh is None:
-        return jax.jit(rollback, donate_argnums=(0,))
-    return jax.jit(rollback, donate_argnums=(0,),
-                   out_shardings=sharding.state_pool_sharding(mesh))
-
-
-@lru_cache(maxsize=None)
-def _mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None):
-    """The MTP head's drafts for the next step, run right after the verifier (vLLM's
-    ``qwen3_5_mtp`` flow), jitted per token bucket.
-
-    1. Over every token of the step: the head at position ``t`` reads the target's hidden
-       state of ``t`` and token ``t + 1`` (the next token of the row; for the position a row
-       samples from, the token it emitted there: the sampled one, or a verify row's token
-       after its last accepted draft; for a prefill chunk's last token the next prompt token,
-       ``next_token_ids``), writing its K/V for every position the target wrote (rejected
-       positions are rewritten by the next step). Its logits at each row's sampling position
-       are draft 1.
-    2. ``k - 1`` more single-token steps per row, one position on each, on the head's own
-       hidden state and the draft just made. Their K/V lands where the next step's pass 1
-       rewrites it, or on the trash page past the row's pages.
-
-    Returns (drafts ``[S, k]``, the head's pages)."""
-
-    def propose(state_leaves, mtp_kv, buf, hidden, prev_tokens, emitted, num_emitted, layout):
-        _TRACES.n += 1
-        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
-        inputs: StepInputs = unpack(buf, layout)
-        T = hidden.shape[0]
-        ref = inputs.prev_ref
-        tok = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
-        qs, seq_lens, nd = inputs.query_start, inputs.seq_lens, inputs.num_draft
-        S = seq_lens.shape[0]
-        rows = jnp.arange(S, dtype=jnp.int32)
-        real = seq_lens > 0
-        a = num_emitted - 1
-        src = jnp.clip(qs[1:] - 1 - nd + a, 0, T - 1)  # each row's sampling position
-        nxt_row = jnp.where(inputs.next_token_ids >= 0, inputs.next_token_ids,
-                            emitted[rows, jnp.clip(a, 0, k)])
-        nxt = jnp.concatenate([tok[1:], jnp.zeros((1,), tok.dtype)])
-        nxt = nxt.at[jnp.where(real, src, T)].set(nxt_row, mode="drop")
-        h, mtp_kv = model.mtp_forward(nxt, inputs.positions, hidden, mtp_kv,
-                                      attention_metadata(inputs, group=0))
-        h = h[src]
-        draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
-        drafts = [draft]
-        pos = inputs.positions[src]
-        bt = inputs.block_tables[:1]
-        max_pos = bt.shape[2] * block_size - 1
-        for j in range(1, k):  # one position a row: the row's own single-token step
-            p = jnp.minimum(pos + j, max_pos)
-            page = bt[0, rows, p // block_size]
-            one = inputs.replace(
-                slot_mapping=jnp.where(real, page * block_size + p % block_size,
-                                       TRASH_PAGE * block_size)[None],
-                query_start=jnp.arange(S + 1, dtype=jnp.int32),
-                seq_lens=jnp.where(real, p + 1, 1), block_tables=bt, num_seqs=jnp.int32(S))
-            h, mtp_kv = model.mtp_forward(draft, p, h, mtp_kv, attention_metadata(one, group=0))
-            draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
-            drafts.append(draft)
-        return jnp.stack(drafts, axis=1), mtp_kv
-
-    if mesh is None:
-        return jax.jit(propose, donate_argnums=(1,), static_argnums=(7,))
-    return jax.jit(propose, donate_argnums=(1,), static_argnums=(7,), out_shardings=(
-        sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)))
-
-
-def _state_slots(slots, kv_pages, state_layers: tuple[int, ...]):
-    """The plan's slots with -1 (no slot: padding and warm-up rows) sent to the trash slot,
-    the last one of the state pool; None for a model without LinearState layers."""
-    if not state_layers:
-        return None
-    trash = kv_pages[state_layers[0]][0].shape[0] - 1
-    return jnp.where(slots < 0, trash, slots)
-
-
-PROMPT_LOGPROBS_CHUNK = 256  # tokens per chunk: bounds the [chunk, V] logits in memory
-
-
-@lru_cache(maxsize=None)
-def _prompt_logprobs_fn(graphdef, state_treedef, num_top_logprobs: int,
-                        invariant: bool = False):
-    """Logprobs of each prompt token under the step's hidden states (``prompt_logprobs``),
-    with the top ``num_top_logprobs`` of each position.
-
-    A separate jit per token bucket, run only in steps that carry such a request; logits are
-    made ``PROMPT_LOGPROBS_CHUNK`` tokens at a time so a long bucket never holds ``[T, V]``.
-    """
-
-    def prompt_logprobs(state_leaves, hidden, next_ids):
-        _TRACES.n += 1
-        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
-        t = hidden.shape[0]
-        c = max(d for d in range(1, min(t, PROMPT_LOGPROBS_CHUNK) + 1) if t % d == 0)
-
-        def chunk(args):
-            h, ids = args
-            return sampler_lib.compute_prompt_logprobs(model.compute_logits(h), ids,
-                                                       num_top_logprobs)
-
-        with batch_invariant.mode(invariant):
-            outs = jax.lax.map(chunk, (hidden.reshape(t // c, c, -1),
-                                       next_ids.reshape(t // c, c)))
-        return jax.tree_util.tree_map(lambda x: x.reshape((t,) + x.shape[2:]), outs)
-
-    return jax.jit(prompt_logprobs)
-
-
-@lru_cache(maxsize=None)
-def _sample_fn(mesh=None, num_top_logprobs: int = DEFAULT_MAX_LOGPROBS,
-               processors: tuple = (), invariant: bool = False):
-    """The sampler half: its own jit, so the model graph compiles once per token bucket while
-    the (cheap) sampler compiles once per sequence bucket and sampling-array layout. The top
-    logprobs have the static width ``num_top_logprobs`` (see :func:`top_logprobs_width`).
-
-    Takes a packed :class:`SamplerInputs`; its ``history_ref[S, 2]`` (buffer row, history
-    index) fills a penalty row's pending token from ``prev_tokens``. Returns the sampler output and the ``[max_num_seqs]`` buffer of each row's
-    last sampled id with this step's ids written at ``token_rows`` (-1: not kept), which later
-    steps read; under a mesh everything
-    leaves replicated (on the parameters' 1-device mesh without tensor parallelism), so the
-    buffer keeps one sharding from step to step."""
-
-    def sample(logits, buf, prev_tokens, token_bitmask, layout):
-        with batch_invariant.mode(invariant):
-            return sample_rows(logits, buf, prev_tokens, token_bitmask, layout)
-
-    def sample_rows(logits, buf, prev_tokens, token_bitmask, layout):
-        _TRACES.n += 1
-        inputs: SamplerInputs = unpack(buf, layout)
-        fields = {k: inputs.sampling[k] for k in SAMPLING_FIELDS}
-        hist = fields["history"]
-        rows = jnp.arange(hist.shape[0])
-        history_ref = inputs.history_ref
-        src, pos = history_ref[:, 0], jnp.clip(history_ref[:, 1], 0, hist.shape[1] - 1)
-        pending = prev_tokens[jnp.maximum(src, 0)]
-        fields["history"] = hist.at[rows, pos].set(jnp.where(src >= 0, pending, hist[rows, pos]))
-        md = sampler_lib.SamplingMetadata(**fields)
-        procs = tuple((fn, inv, st) for (fn, inv), st in zip(processors, inputs.processors))
-        if not inputs.speculating:
-            out = sampler_lib.sample(logits, md, num_top_logprobs, token_bitmask=token_bitmask,
-                                     processors=procs)
-            ids = out.token_ids
-        else:  # [S, k+1, V]: column 0 is what a row without drafts samples
-            out = sampler_lib.sample(logits[:, 0], md, num_top_logprobs,
-                                     token_bitmask=token_bitmask)
-            ids = out.token_ids
-            out = (out, rejection_sampler.verify(logits, md, inputs.draft_token_ids,
-                                                 inputs.num_draft, out.token_ids))
-        R = prev_tokens.shape[0]
-        token_rows = inputs.token_rows
-        return out, prev_tokens.at[jnp.where(token_rows >= 0, token_rows, R)].set(
-            ids, mode="drop")
-
-    return jax.jit(sample, static_argnums=(4,),
-                   out_shardings=sharding.replicated(mesh or sharding.default_mesh()))
-
-
 def _captures(plan: StepPlan) -> bool:
     """Whether a row of the step asked for hidden states (only then are they copied back)."""
     return plan.hidden_layers is not None and bool((plan.hidden_layers[:plan.num_seqs] >= 0).any())
-
-
-def top_logprobs_width(max_logprobs: int, vocab_size: int) -> int:
-    """The static top-k width of the sampler's logprobs: ``max_logprobs`` (-1: the vocabulary),
-    at most the vocabulary, at least 1."""
-    k = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
-    return max(1, k)
 
 
 @dataclass
@@ -393,143 +102,6 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-def model_cache_specs(model, model_config: ModelConfig, kv_dtype) -> list:
-    """Each layer's cache spec: the family declares them (``model=None``: attention layers
-    over ``model_config``'s KV heads, full or sliding as its config says)."""
-    name = np.dtype(kv_dtype).name
-    if model is not None:
-        return model.cache_specs(name)
-    return [attention_spec(model_config.num_kv_heads, model_config.head_dim, name,
-                           model_config.layer_sliding_window(i))
-            for i in range(model_config.num_layers)]
-
-
-def pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig, max_model_len,
-               param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> tuple[int, ...]:
-    """Pages of each pool from one budget: free device memory (or the override), after the
-    weights. ``extra_page_bytes``: what a page costs elsewhere too (a draft model's pool
-    shares the ids)."""
-    cache = engine_config.cache
-    block = cache.block_size
-    if cache.num_gpu_blocks_override is not None:
-        return (int(cache.num_gpu_blocks_override),) * len(pools)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    sched = engine_config.scheduler
-    split = partial(split_budget, pools, block_size=block, max_model_len=max_model_len, tp=tp,
-                    extra_page_bytes=extra_page_bytes)
-    if not limit:
-        # CPU: enough for every sequence at full length, capped by host_memory's budget.
-        full = -(-max_model_len // block)
-        want = sched.max_num_seqs * full + 1
-        return tuple(int(max(2, min(want, max(n, 2 * full + 1))))
-                     for n in split(cpu_kv_cache_bytes()))
-    t_max = sched.max_num_batched_tokens
-    act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
-    act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
-    reserve = 2 * act + (256 << 20)
-    free, total, in_use = memory_budget.kv_cache_budget_from_stats(
-        stats, cache.gpu_memory_utilization, reserve, param_bytes)
-    sizes = split(free)
-    if min(sizes) < 2:
-        raise ValueError(
-            f"no room for the KV cache: {total / 2**30:.1f} GiB device, "
-            f"gpu_memory_utilization {cache.gpu_memory_utilization}, {in_use / 2**30:.1f} GiB in "
-            f"use; raise gpu_memory_utilization or lower max_num_batched_tokens"
-        )
-    return sizes
-
-
-def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes: int) -> bool:
-    """A page pool per cache group when the model reads per-group block tables and the groups
-    differ; one pool (every layer's array indexed by the same page ids) when
-    ``--disable-hybrid-kv-cache-manager``, swap preemption or a draft model's pool (which
-    shares the target's page ids) needs it."""
-    return (model.cache_groups_supported
-            and sum(g.paged for g in groups) > 1
-            and not engine_config.scheduler.disable_hybrid_kv_cache_manager
-            and engine_config.scheduler.preemption_mode != "swap"
-            and not extra_page_bytes)
-
-
-def group_pool_sizes(pools, model_config: ModelConfig, engine_config: EngineConfig,
-                     max_model_len, param_bytes: int, tp: int = 1) -> tuple[int, ...]:
-    """Pages of each group's pool from one budget, in proportion to what a full-length request
-    holds in each; a sliding group also gets the pages one step's prefill chunks span past the
-    windows (``max_num_batched_tokens / block_size + max_num_seqs``)."""
-    cache, sched = engine_config.cache, engine_config.scheduler
-    block = cache.block_size
-    if cache.num_gpu_blocks_override is not None:
-        return (int(cache.num_gpu_blocks_override),) * len(pools)
-    headroom = [(-(-sched.max_num_batched_tokens // block) + sched.max_num_seqs)
-                if p.window is not None else 0 for p in pools]
-    per_page = [p.page_bytes(block, tp) // tp for p in pools]
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:  # CPU: every sequence at full length, capped by host_memory's budget
-        want = [sched.max_num_seqs * p.max_pages(max_model_len, block) + h + 1
-                for p, h in zip(pools, headroom)]
-        fit = split_budget(pools, cpu_kv_cache_bytes(), block_size=block,
-                           max_model_len=max_model_len, tp=tp)
-        return tuple(int(max(2, min(w, f + h))) for w, f, h in zip(want, fit, headroom))
-    t_max = sched.max_num_batched_tokens
-    act = 4 * t_max * (4 * model_config.hidden_size + 3 * model_config.intermediate_size)
-    act += 4 * 3 * min(t_max, sched.max_num_seqs) * model_config.vocab_size
-    free, total, in_use = memory_budget.kv_cache_budget_from_stats(
-        stats, cache.gpu_memory_utilization, 2 * act + (256 << 20), param_bytes)
-    free -= sum(h * b for h, b in zip(headroom, per_page))
-    sizes = tuple(n + h for n, h in zip(
-        split_budget(pools, max(free, 0), block_size=block, max_model_len=max_model_len,
-                     tp=tp), headroom))
-    if min(sizes) < 2 or free <= 0:
-        raise ValueError(
-            f"no room for the KV cache: {total / 2**30:.1f} GiB device, "
-            f"gpu_memory_utilization {cache.gpu_memory_utilization}, {in_use / 2**30:.1f} GiB in "
-            f"use; raise gpu_memory_utilization or lower max_num_batched_tokens")
-    return sizes
-
-
-def state_pool_sizes(pools, cache_groups, model_config: ModelConfig,
-                     engine_config: EngineConfig, max_model_len, param_bytes: int, tp: int = 1,
-                     scratch_slots: int = 0, extra_page_bytes: int = 0
-                     ) -> tuple[int, tuple[int, ...]]:
-    """(state slots, pages of each pool) of a model with LinearState layers, from the same
-    budget as :func:`pool_sizes`: a slot and a full-length request's pages per request, at most
-    ``max_num_seqs`` slots, after ``scratch_slots`` fixed slots (speculative snapshots). With
-    ``num_gpu_blocks_override`` or on CPU (no memory limit) every ``max_num_seqs`` request gets
-    a slot and the pages are sized as for any model. ``extra_page_bytes`` (a draft model's
-    pool on the same page ids): the budget re-split is the target's share of the pages
-    :func:`pool_sizes` leaves room for beside the draft's."""
-    max_num_seqs = engine_config.scheduler.max_num_seqs
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if engine_config.cache.num_gpu_blocks_override is not None or not stats.get("bytes_limit"):
-        return max_num_seqs, pool_sizes(pools, model_config, engine_config, max_model_len,
-                                        param_bytes, tp, extra_page_bytes)
-    # the page budget pool_sizes would give, re-split between slots and pages
-    sizes = pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp,
-                       extra_page_bytes)
-    budget = sum(n * p.page_bytes(engine_config.cache.block_size, tp) // tp
-                 for n, p in zip(sizes, pools))
-    budget -= scratch_slots * state_bytes_per_slot(cache_groups) // tp
-    slots, sizes = split_budget_with_state(
-        pools, state_bytes_per_slot(cache_groups) // tp, budget,
-        block_size=engine_config.cache.block_size, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, tp=tp)
-    if slots < 1 or min(sizes) < 2:
-        raise ValueError("no room for the state pool and the KV cache: raise "
-                         "--gpu-memory-utilization or lower --max-model-len")
-    return slots, sizes
-
-
-def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len,
-                  param_bytes: int, tp: int = 1, extra_page_bytes: int = 0) -> int:
-    """Pages of the one pool of a model whose layers are all attention over ``model_config``'s
-    KV heads (see :func:`pool_sizes`)."""
-    pools = page_pools(group_layers(model_cache_specs(None, model_config, dtype)))
-    return pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp,
-                      extra_page_bytes)[0]
-
-
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
                  max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None,
@@ -572,7 +144,7 @@ class ModelRunner:
                                          for i in g.layers))
         self.num_state_slots = None  # slots of the state pool (None: no LinearState layers)
         # speculating with LinearState layers: k scratch slots per row after the requests'
-        # slots hold the verify rows' per-token snapshots (rollback: _rollback_fn)
+        # slots hold the verify rows' per-token snapshots (rollback: rollback_fn)
         self.snapshots = None  # (first scratch slot, k)
         self.grouped = not self.state_layers and use_group_pools(
             model, self.cache_groups, engine_config, extra_page_bytes)
@@ -615,20 +187,20 @@ class ModelRunner:
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         # --batch-invariant: reductions in a fixed order (models.batch_invariant)
         self.batch_invariant = engine_config.batch_invariant
-        self._forward = _forward_fn(self.graphdef, treedef, mesh, self.state_layers,
+        self._forward = forward_fn(self.graphdef, treedef, mesh, self.state_layers,
                                     len(self.cache_specs), self.snapshots,
                                     self.batch_invariant)
         self._rollback = (None if self.snapshots is None
-                          else _rollback_fn(*self.snapshots, mesh))
-        self._mtp = (_mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
+                          else rollback_fn(*self.snapshots, mesh))
+        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
                      if self.mtp else None)
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
-        self._prompt_logprobs = _prompt_logprobs_fn(self.graphdef, treedef,
+        self._prompt_logprobs = prompt_logprobs_fn(self.graphdef, treedef,
                                                     self.num_top_logprobs, self.batch_invariant)
         # custom logits processors (worker.logits_processors; set before warm-up)
         self.logits_processors = None
-        self._sample = _sample_fn(mesh, self.num_top_logprobs, (), self.batch_invariant)
+        self._sample = sample_fn(mesh, self.num_top_logprobs, (), self.batch_invariant)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
         self.enforce_eager = engine_config.enforce_eager
@@ -694,7 +266,7 @@ class ModelRunner:
         if self._warmup is not None:  # a bucket still compiling: wait, never compile here
             self._warmup.wait(plan)
         with self._pool_lock:
-            before = _TRACES.n
+            before = TRACES.n
             inputs, sampler_inputs = self._step_inputs(plan)
             packed = pack(inputs)
             prev_tokens = self._last_tokens
@@ -712,8 +284,8 @@ class ModelRunner:
             if prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
             self._captured = captured if _captures(plan) else None
-            if _TRACES.n != before:
-                self._add_compiles(_TRACES.n - before)
+            if TRACES.n != before:
+                self._add_compiles(TRACES.n - before)
                 if self._warmup is not None:
                     logger.warning("compile caused by a step (token bucket %d): this is a bug",
                                    plan.token_bucket)
@@ -723,7 +295,7 @@ class ModelRunner:
         """The engine's custom processors (before warm-up): their jax halves become part of
         the sampler's trace, their state rows part of its inputs."""
         self.logits_processors = procs
-        self._sample = _sample_fn(self.mesh, self.num_top_logprobs, procs.sampler_spec(),
+        self._sample = sample_fn(self.mesh, self.num_top_logprobs, procs.sampler_spec(),
                                   self.batch_invariant)
 
     def processor_template(self, s: int) -> tuple:
@@ -953,9 +525,9 @@ class ModelRunner:
         return self._warmup.progress()
 
     @staticmethod
-    def trace_counter() -> _TraceCount:
+    def trace_counter():
         """This thread's count of traces of the step's jitted functions."""
-        return _TRACES
+        return TRACES
 
     # ---- swap (preemption to host memory) ------------------------------------------------
     def _paged_layers(self) -> list[int]:

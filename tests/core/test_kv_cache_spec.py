@@ -95,5 +95,5 @@ def test_every_family_declares_a_spec_per_layer(tiny_model_factory):
     assert len(group_layers(specs)) == 2 and len(page_pools(group_layers(specs))) == 1
     mc = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
                      num_heads=2, num_kv_heads=1, head_dim=4)
-    from jaxserve.worker.runner import model_cache_specs
+    from jaxserve.worker.kv_cache_config import model_cache_specs
     assert model_cache_specs(None, mc, "float32") == [FullAttention(1, 4, "float32")] * 2

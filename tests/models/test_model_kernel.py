@@ -1,7 +1,7 @@
 """The Pallas kernel inside the model's jitted step: same logits as the other backends on CPU,
 and the whole step lowers for CUDA with the pool donated.
 
-The forward is the runner's own (``jaxserve.worker.runner._forward_fn``): params as a flat list of
+The forward is the runner's own (``jaxserve.worker.step_functions.forward_fn``): params as a flat list of
 leaves, the KV pool donated, logits of each row's last token.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jax import export
 
 from jaxserve.worker.kv_cache import allocate_kv_pages
 from jaxserve.loaders.model_loader import load_model
-from jaxserve.worker.runner import _forward_fn
+from jaxserve.worker.step_functions import forward_fn
 from jaxserve.testing.paged import step_inputs
 from jaxserve.worker.step_inputs import StepInputs, pack
 
@@ -34,7 +34,7 @@ def _model(path, backend, dtype="float32"):
     model, cfg, _ = load_model(str(path), dtype=dtype, attention_backend=backend)
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    return _forward_fn(graphdef, treedef), leaves, cfg
+    return forward_fn(graphdef, treedef), leaves, cfg
 
 
 def _mixed_rows(rng, vocab):

@@ -538,7 +538,7 @@ def test_smollm2_fp8_kv_calculated_scales_perplexity(smol_runs):
 def test_fp8_kv_pool_holds_twice_the_pages_in_the_same_budget():
     from jaxserve.config import EngineConfig, ModelConfig, SchedulerConfig
     from jaxserve.worker.kv_cache import kv_cache_dtype
-    from jaxserve.worker.runner import num_pages_for
+    from jaxserve.worker.kv_cache_config import num_pages_for
 
     mc = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                      num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M

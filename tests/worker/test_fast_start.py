@@ -87,7 +87,7 @@ def _run_all(engine, prompts, params):
 
 def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
     from jaxserve.core.sampling_params import SamplingParams
-    from jaxserve.worker import runner as runner_lib
+    from jaxserve.worker import step_functions as step_fns
 
     # shapes no other test uses (vocab, MLP width): the jitted graphs, shared by engines of
     # one model shape, are compiled here for the first time whatever ran before
@@ -100,9 +100,9 @@ def test_background_warmup_never_compiles_in_the_step(tiny_model_factory):
     runner = eng.runner
     ready, k, n = eng.startup_progress()
     assert n == len(runner.ladder) == 4 and k < n  # ladder 4, 8, 16, 32: still compiling
-    traces = runner_lib._TRACES.n  # this thread's traces: the steps run here
+    traces = step_fns.TRACES.n  # this thread's traces: the steps run here
     outs = _run_all(eng, prompts, params)
-    assert runner_lib._TRACES.n == traces  # no step compiled: they waited for the pool
+    assert step_fns.TRACES.n == traces  # no step compiled: they waited for the pool
     runner._compiles.wait_all()
     assert runner.warmed_up and eng.startup_progress() == (True, n, n)
     assert runner.num_compiles == runner.num_graphs  # every graph once, all in the pool
@@ -281,7 +281,7 @@ def test_first_answer_needs_no_full_sampler_layout_and_penalties_wait(tiny_model
     token buckets: greedy requests complete while those jobs are held; a request with a
     penalty then waits for them (its step compiles nothing) and matches a warmed-up engine."""
     from jaxserve.core.sampling_params import SamplingParams
-    from jaxserve.worker import runner as runner_lib
+    from jaxserve.worker import step_functions as step_fns
     from jaxserve.worker.warmup import BucketWarmup
 
     gate = threading.Event()
@@ -308,9 +308,9 @@ def test_first_answer_needs_no_full_sampler_layout_and_penalties_wait(tiny_model
         assert len(held_jobs) == 1 and not eng.runner.warmed_up  # still held
     finally:
         gate.set()
-    traces = runner_lib._TRACES.n
+    traces = step_fns.TRACES.n
     pen = _run_all(eng, [[7, 8, 9, 7, 8]], penalty)
-    assert runner_lib._TRACES.n == traces  # the step waited for the pool's full layout
+    assert step_fns.TRACES.n == traces  # the step waited for the pool's full layout
     eng.runner._compiles.wait_all()
     assert eng.runner.num_compiles == eng.runner.num_graphs
     monkeypatch.undo()

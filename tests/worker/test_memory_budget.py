@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.config import ModelConfig, engine_config_from_kwargs
-from jaxserve.worker import memory_budget, runner
+from jaxserve.worker import kv_cache_config, memory_budget
 from jaxserve.worker.kv_cache import page_bytes
 
 GiB = 2**30
@@ -55,9 +55,9 @@ def test_pages_sized_from_total_memory(monkeypatch, fraction):
                                    max_num_batched_tokens=64)
     limit, in_use = int(fraction * 80 * GiB), 10 * GiB
     monkeypatch.setenv(memory_budget.ALLOCATOR_FRACTION_ENV, str(fraction))
-    monkeypatch.setattr(runner.jax, "local_devices", lambda: [
+    monkeypatch.setattr(kv_cache_config.jax, "local_devices", lambda: [
         _FakeDevice({"bytes_limit": limit, "bytes_in_use": in_use})])
-    n = runner.num_pages_for(mc, ec, "bfloat16", 1024, param_bytes=in_use)
+    n = kv_cache_config.num_pages_for(mc, ec, "bfloat16", 1024, param_bytes=in_use)
     per_page = page_bytes(mc, ec.cache.block_size, "bfloat16")
     kv_bytes = n * per_page
     usable = min(0.9 * 80 * GiB, limit)

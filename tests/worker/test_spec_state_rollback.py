@@ -12,7 +12,7 @@ def test_snapshot_slots_and_rollback_copy_the_last_accepted_tokens_state():
     and leaves every other slot as it was."""
     import jax.numpy as jnp
 
-    from jaxserve.worker.runner import _rollback_fn, snapshot_slots
+    from jaxserve.worker.step_functions import rollback_fn, snapshot_slots
 
     base, k = 5, 3  # 5 request slots, then 4 rows x 3 scratch slots, then the trash slot
     nd = jnp.asarray([3, 0, 2, 3], jnp.int32)
@@ -22,7 +22,7 @@ def test_snapshot_slots_and_rollback_copy_the_last_accepted_tokens_state():
     pool = np.arange(n, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
     slots = jnp.asarray([2, 0, 4, -1], jnp.int32)  # row 3: padding
     emitted = jnp.asarray([2, 1, 3, 1], jnp.int32)  # accepted 1, -, all 2, 0
-    [(out,)] = _rollback_fn(base, k)([(jnp.asarray(pool),)], slots, nd, emitted)
+    [(out,)] = rollback_fn(base, k)([(jnp.asarray(pool),)], slots, nd, emitted)
     want = pool.copy()
     want[2] = pool[base + 0 * k + 1]  # row 0 kept 1 of 3 drafts: its snapshot after token 1
     want[-1] = out[-1]  # the trash slot takes whatever
