@@ -118,20 +118,6 @@ def specs_page_bytes(specs, block_size: int, tp: int = 1) -> int:
     return sum(s.page_bytes(block_size, tp) for s in specs if hasattr(s, "page_bytes"))
 
 
-def allocate_group_pages(specs, groups, pool_pages, block_size: int, dtype, sharding=None,
-                         tp: int = 1) -> list[tuple]:
-    """Zeroed pages when each cache group has its own pool: a layer's arrays hold its group's
-    ``pool_pages[g]`` pages; ``()`` for a ``SharedKV`` layer."""
-    for n in pool_pages:
-        _check_num_pages(n)
-    zeros = _zeros(dtype, sharding)
-    out = [()] * len(specs)
-    for g, grp in enumerate(groups):
-        for i in grp.layers:
-            out[i] = _layer_pages(specs[i], pool_pages[g], block_size, tp, zeros)
-    return out
-
-
 # -- the state pool (LinearState layers) ---------------------------------------------------------
 
 def allocate_state_pool(spec, num_slots: int, sharding=None) -> tuple[jax.Array, ...]:
@@ -188,3 +174,27 @@ def fork_pairs(pairs: list[tuple[int, int]], trash: int) -> tuple[np.ndarray, np
     if pairs:
         idx[:, :len(pairs)] = np.asarray(pairs, np.int32).T
     return idx[0], idx[1]
+
+
+# -- the one allocation --------------------------------------------------------------------------
+
+def allocate_kv_cache(config, dtype, kv_sharding=None, state_sharding=None, tp: int = 1
+                      ) -> list[tuple]:
+    """Every cache layer's arrays from a ``core.kv_cache_config.KVCacheConfig``: a paged
+    layer's ``(k, v)`` at its spec's shape with its pool's pages, ``()`` for a layer reading
+    another's pages (``SharedKV``), a LinearState layer's state arrays with the requests' slots,
+    the scratch slots and the trash slot."""
+    from jaxserve.core.kv_cache_spec import LinearState
+
+    for p in config.pools:
+        _check_num_pages(p.num_pages)
+    zeros = _zeros(dtype, kv_sharding)
+    out: list = []
+    for spec, name in zip(config.specs, config.pool_of_layer):
+        if isinstance(spec, LinearState):
+            out.append(allocate_state_pool(spec, config.num_state_slots + config.scratch_slots,
+                                           state_sharding))
+        else:
+            pages = 0 if name is None else config.pool(name).num_pages
+            out.append(_layer_pages(spec, pages, config.block_size, tp, zeros))
+    return out

@@ -21,8 +21,9 @@ from flax import nnx
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.models import kv_scales
 from jaxserve import sharding
-from jaxserve.core.kv_cache_spec import LinearState, group_layers, state_groups
-from jaxserve.worker.kv_cache import allocate_hybrid_caches, allocate_kv_pages
+from jaxserve.core.kv_cache_config import Budget, size_kv_cache
+from jaxserve.core.kv_cache_spec import LinearState
+from jaxserve.worker.kv_cache import allocate_kv_cache
 from jaxserve.core.batch_diff import BatchDiff, NewRequestData
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.worker.input_batch import InputBatch
@@ -47,16 +48,14 @@ def kv_amax(model, model_config: ModelConfig, token_ids, *, block_size: int, dty
     pages = -(-n // block_size)
     pool_sharding = sharding.kv_pool_sharding(mesh) if mesh is not None else None
     specs = model_cache_specs(model, model_config, dtype)
-    groups = group_layers(specs)
-    if state_groups(groups):  # a state pool of one slot beside the pages
-        pool = allocate_hybrid_caches(
-            model_config, groups, pages + 1, 1, block_size, dtype, kv_sharding=pool_sharding,
-            state_sharding=sharding.state_pool_sharding(mesh) if mesh is not None else None,
-            tp=tp)
-    else:
-        pool = allocate_kv_pages(model_config, pages + 1, block_size, dtype,
-                                 sharding=pool_sharding, tp=tp)
-    paged = [not isinstance(spec, LinearState) for spec in specs]
+    # one pool of the prompt's pages (and one state slot), every layer at its spec's shape
+    config = size_kv_cache(specs, Budget(0, num_pages_override=pages + 1),
+                           block_size=block_size, max_model_len=n, max_num_seqs=1,
+                           max_num_batched_tokens=n, per_group_pools=False, tp=tp)
+    pool = allocate_kv_cache(
+        config, dtype, kv_sharding=pool_sharding, tp=tp,
+        state_sharding=sharding.state_pool_sharding(mesh) if mesh is not None else None)
+    paged = [i in config.paged_layers for i in range(len(specs))]
     # the prefill is built as the engine builds its steps: a one-row batch, one diff
     batch = InputBatch(max_rows=1, num_groups=1, max_pages=pages, block_size=block_size,
                        max_model_len=n, max_num_seqs=1)

@@ -31,16 +31,10 @@ from jaxserve.models import batch_invariant
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
-from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
-                                      allocate_layer_pages, fork_copy, fork_pairs,
-                                      kv_cache_dtype)
-from jaxserve.worker.kv_cache_config import (group_pool_sizes, model_cache_specs, pool_sizes,
-                                             state_pool_sizes, use_group_pools)
+from jaxserve.worker.kv_cache import allocate_kv_cache, fork_copy, fork_pairs, kv_cache_dtype
+from jaxserve.worker.kv_cache_config import agree_across_hosts, kv_cache_config
 from jaxserve.worker.step_functions import (TRACES, forward_fn, mtp_fn, prompt_logprobs_fn,
                                             rollback_fn, sample_fn, top_logprobs_width)
-from jaxserve.core.kv_cache_spec import (group_layers, group_pools, kv_bytes_per_token,
-                                         page_pools, pooled_kv_bytes_per_token,
-                                         state_bytes_per_slot, state_groups)
 from jaxserve.core.step_plan import ARRAY_FIELDS, StepPlan, seq_bucket, token_ladder
 from jaxserve.worker.step_inputs import SamplerInputs, StepInputs, pack
 
@@ -137,52 +131,26 @@ class ModelRunner:
         if mesh is not None:
             kv_sharding = sharding.kv_pool_sharding(mesh)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
-        # layers grouped by cache spec; one page pool today (core.kv_cache_spec.page_pools)
-        self.cache_specs = model_cache_specs(model, model_config, self.kv_dtype)
-        self.cache_groups = group_layers(self.cache_specs)
-        self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
-                                         for i in g.layers))
-        self.num_state_slots = None  # slots of the state pool (None: no LinearState layers)
+        # one KVCacheConfig (pools named by group, pages, state slots) and one allocation
+        self.kv_config = agree_across_hosts(kv_cache_config(
+            model, model_config, engine_config, max_model_len, self.kv_dtype, param_bytes // tp,
+            tp, extra_page_bytes))
+        self.kv_pages = allocate_kv_cache(
+            self.kv_config, self.kv_dtype, kv_sharding=kv_sharding, tp=tp,
+            state_sharding=sharding.state_pool_sharding(mesh) if mesh is not None else None)
+        self.cache_specs, self.cache_groups = self.kv_config.specs, self.kv_config.groups
+        self.state_layers = self.kv_config.state_layers
+        self.num_state_slots = self.kv_config.num_state_slots  # None: no LinearState layers
         # speculating with LinearState layers: k scratch slots per row after the requests'
         # slots hold the verify rows' per-token snapshots (rollback: rollback_fn)
-        self.snapshots = None  # (first scratch slot, k)
-        self.grouped = not self.state_layers and use_group_pools(
-            model, self.cache_groups, engine_config, extra_page_bytes)
-        if self.grouped:  # a pool per group (core.kv_cache_groups)
-            self.pools = group_pools(self.cache_groups)
-            sizes = group_pool_sizes(self.pools, model_config, engine_config, max_model_len,
-                                     param_bytes // tp, tp)
-            self.pool_pages = tuple(sharding.agree_across_hosts(n) for n in sizes)
-            self.kv_pages = allocate_group_pages(self.cache_specs, self.cache_groups,
-                                                 self.pool_pages, self.block_size, self.kv_dtype,
-                                                 sharding=kv_sharding, tp=tp)
-        elif self.state_layers:  # one page pool beside the state pool
-            self.pools = page_pools(self.cache_groups)
-            scratch = self.max_num_seqs * self.num_spec_tokens
-            slots, sizes = state_pool_sizes(self.pools, self.cache_groups, model_config,
-                                            engine_config, max_model_len, param_bytes // tp, tp,
-                                            scratch, extra_page_bytes)
-            self.num_state_slots = sharding.agree_across_hosts(slots)
-            self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
-            if scratch:
-                self.snapshots = (self.num_state_slots, self.num_spec_tokens)
-            self.kv_pages = allocate_hybrid_caches(
-                model_config, self.cache_groups, self.pool_pages[0], self.num_state_slots,
-                self.block_size, self.kv_dtype, kv_sharding=kv_sharding,
-                state_sharding=(sharding.state_pool_sharding(mesh) if mesh is not None
-                                else None), tp=tp, scratch_slots=scratch)
-        else:  # one pool: a page id indexes every layer's array (core.kv_cache_spec.page_pools)
-            self.pools = page_pools(self.cache_groups)
-            sizes = pool_sizes(self.pools, model_config, engine_config, max_model_len,
-                               param_bytes // tp, tp, extra_page_bytes)
-            self.pool_pages = (sharding.agree_across_hosts(sizes[0]),)
-            # one (k, v) per layer at its spec's shape, () for a layer reading another's pages
-            self.kv_pages = allocate_layer_pages(self.cache_specs, self.pool_pages[0],
-                                                 self.block_size, self.kv_dtype,
-                                                 sharding=kv_sharding, tp=tp)
+        self.snapshots = ((self.num_state_slots, self.num_spec_tokens)
+                          if self.kv_config.scratch_slots else None)
+        self.pools = tuple(p.pool for p in self.kv_config.pools)
+        self.pool_pages = self.kv_config.pool_pages
+        self.grouped = self.kv_config.per_group_pools
         self.num_pages = self.pool_pages[0]
         self.num_cache_groups = len(self.pools)  # block tables per plan row
-        self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)
+        self.page_bytes = self.kv_config.page_bytes()
         self.graphdef, self.state = nnx.split(model)
         self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
         # --batch-invariant: reductions in a fixed order (models.batch_invariant)
@@ -192,7 +160,8 @@ class ModelRunner:
                                     self.batch_invariant)
         self._rollback = (None if self.snapshots is None
                           else rollback_fn(*self.snapshots, mesh))
-        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
+        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh,
+                            self.kv_config.row(self.kv_config.mtp_pool))
                      if self.mtp else None)
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
@@ -213,46 +182,26 @@ class ModelRunner:
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         self._captured = None  # the last step's hidden-state capture, when a row asked
-        if self.state_layers:
-            self._log_hybrid_cache(max_model_len, tp)
-        else:
-            self._log_kv_cache(max_model_len)
+        self._log_kv_cache(max_model_len, tp)
 
-    def _log_kv_cache(self, max_model_len: int) -> None:
-        """The pools and vLLM's figures: KV bytes a max_model_len request holds per context
-        token, and how many such requests the pools hold at once."""
-        per_token = kv_bytes_per_token if self.grouped else pooled_kv_bytes_per_token
-        self.kv_bytes_per_token = per_token(self.cache_groups, block_size=self.block_size,
-                                            max_model_len=max_model_len)
-        self.max_concurrency = min(
-            (n - 1) / p.max_pages(max_model_len, self.block_size)
-            for n, p in zip(self.pool_pages, self.pools))
-        total = sum(n * p.page_bytes(self.block_size) for n, p in zip(self.pool_pages,
-                                                                       self.pools))
-        logger.info("KV cache: %s pages of %d tokens in %d pool(s) (%.1f MiB, %s); KV bytes "
-                    "per context token: %.0f; Maximum concurrency for %d tokens per request: "
-                    "%.2fx", "+".join(map(str, self.pool_pages)), self.block_size,
-                    len(self.pools), total / 2**20, np.dtype(self.kv_dtype).name,
-                    self.kv_bytes_per_token, max_model_len, self.max_concurrency)
-
-    def _log_hybrid_cache(self, max_model_len: int, tp: int) -> None:
-        """What the page pool and the state pool hold: requests and context tokens."""
-        page = self.pools[0].page_bytes(self.block_size, tp) // tp
-        slot = state_bytes_per_slot(self.cache_groups) // tp
-        tokens = (self.num_pages - 1) * self.block_size
-        logger.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB, %d attention layers, %.0f bytes per "
-            "context token); state pool: %d slots of %.2f MiB a device (%d LinearState layers, "
-            "float32): %d requests at once, %d context tokens in all (%.1f requests at max_model_len %d)",
-            self.num_pages, self.block_size, self.num_pages * page / 2**20,
-            len(self.pools[0].layers), page / self.block_size, self.num_state_slots,
-            slot / 2**20, len(self.state_layers), self.num_state_slots, tokens,
-            min(self.num_state_slots, tokens / max_model_len), max_model_len)
-        if self.snapshots is not None:
-            n = self.max_num_seqs * self.num_spec_tokens
-            logger.info("state pool: %d more slots (%.1f MiB) for the per-token snapshots of "
-                        "speculative verify rows (%d per row)", n, n * slot / 2**20,
-                        self.num_spec_tokens)
+    def _log_kv_cache(self, max_model_len: int, tp: int) -> None:
+        """The pools (and state pool) and vLLM's figures: KV bytes a max_model_len request
+        holds per context token, and how many such requests the cache holds at once."""
+        c = self.kv_config
+        self.kv_bytes_per_token = c.kv_bytes_per_token(max_model_len)
+        self.max_concurrency = c.max_concurrency(max_model_len)
+        total = sum(p.num_pages * p.page_bytes(self.block_size) for p in c.pools)
+        logger.info("KV cache: %s (pages of %d tokens; %.1f MiB, %s); KV bytes per context "
+                    "token: %.0f; Maximum concurrency for %d tokens per request: %.2fx",
+                    ", ".join(f"{p.name} {p.num_pages}" for p in c.pools), self.block_size,
+                    total / 2**20, np.dtype(self.kv_dtype).name, self.kv_bytes_per_token,
+                    max_model_len, self.max_concurrency)
+        if c.num_state_slots is not None:
+            slot = c.state_slot_bytes() // tp
+            logger.info("state pool: %d slots of %.2f MiB a device (%d LinearState layers)%s",
+                        c.num_state_slots, slot / 2**20, len(self.state_layers),
+                        f" + {c.scratch_slots} for speculative verify rows' snapshots"
+                        if c.scratch_slots else "")
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
@@ -353,7 +302,8 @@ class ModelRunner:
                 pool[i] = st
         drafts = None
         if self._mtp is not None:
-            drafts, pool[-1] = self._mtp(self._state_leaves, pool[-1], packed[0], hidden,
+            m = self.kv_config.mtp_layer  # the MTP head's cache layer
+            drafts, pool[m] = self._mtp(self._state_leaves, pool[m], packed[0], hidden,
                                          prev_tokens, verify.token_ids, verify.num_emitted,
                                          packed[1])
         self.kv_pages = pool

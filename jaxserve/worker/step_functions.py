@@ -152,7 +152,7 @@ def rollback_fn(base: int, k: int, mesh=None):
 
 
 @lru_cache(maxsize=None)
-def mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None):
+def mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None, group: int = 0):
     """The MTP head's drafts for the next step, run right after the verifier (vLLM's
     ``qwen3_5_mtp`` flow), jitted per token bucket.
 
@@ -187,12 +187,12 @@ def mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None):
         nxt = jnp.concatenate([tok[1:], jnp.zeros((1,), tok.dtype)])
         nxt = nxt.at[jnp.where(real, src, T)].set(nxt_row, mode="drop")
         h, mtp_kv = model.mtp_forward(nxt, inputs.positions, hidden, mtp_kv,
-                                      attention_metadata(inputs, group=0))
+                                      attention_metadata(inputs, group=group))
         h = h[src]
         draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
         drafts = [draft]
         pos = inputs.positions[src]
-        bt = inputs.block_tables[:1]
+        bt = inputs.block_tables[group:group + 1]  # the head's pool's row
         max_pos = bt.shape[2] * block_size - 1
         for j in range(1, k):  # one position a row: the row's own single-token step
             p = jnp.minimum(pos + j, max_pos)
