@@ -52,7 +52,7 @@ def cdiv(a: int, b: int) -> int:
 class BlockManager:
     def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, record_events: bool = False,
-                 num_state_slots: int | None = None):
+                 num_state_slots: int | None = None, group: int = 0):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
         if block_size < 1:
@@ -61,6 +61,9 @@ class BlockManager:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.num_pages = num_pages
         self.block_size = block_size
+        # the block-table row this pool fills: a request's pages here are
+        # ``request.group_block_ids[group]`` (``request.block_ids`` for row 0)
+        self.group = group
         # every layer's window (the largest); None: some layer attends to the whole context
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
@@ -193,12 +196,13 @@ class BlockManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         if known // self.block_size <= start:  # no page filled since the last call: most steps
             return
-        n_full = min(known // self.block_size, len(request.block_ids))
+        pages = self.pages(request)
+        n_full = min(known // self.block_size, len(pages))
         if n_full <= start:
             return
         hashes = self._ensure_hashes(request, n_full)
         for i in range(start, n_full):
-            page = request.block_ids[i]
+            page = pages[i]
             if page == NULL_PAGE:  # released before its tokens were known: not registered
                 continue
             h = hashes[i]
@@ -225,6 +229,27 @@ class BlockManager:
             self._events.append(AllBlocksCleared())
         return True
 
+    # -- a request's pages in this pool ---------------------------------------------------------
+    def pages(self, request: Request) -> list[int]:
+        """The request's page list of this pool (its block-table row), position order."""
+        if self.group == 0:
+            return request.block_ids
+        return request.group_block_ids[self.group]
+
+    def _set_pages(self, request: Request, pages: list[int]) -> None:
+        if self.group == 0:
+            request.block_ids = pages
+        if request.group_block_ids is not None:
+            request.group_block_ids[self.group] = pages
+
+    def swap_pages(self, request: Request) -> list[list[int]]:
+        """Per pool (one here), the pages of the request's computed tokens that a later step
+        reads: what swap preemption copies to host memory and back."""
+        pages = self.pages(request)
+        end = min(cdiv(request.num_computed_tokens, self.block_size), len(pages))
+        dead = min(self.num_dead_pages(request.num_computed_tokens), end)
+        return [list(pages[dead:end])]
+
     # -- sliding window -----------------------------------------------------------------------
     def num_dead_pages(self, first_pos: int) -> int:
         """Leading pages no query at position >= ``first_pos`` reads (0 without a window): a
@@ -236,11 +261,11 @@ class BlockManager:
     def release_out_of_window(self, request: Request) -> int:
         """Release the request's pages that fell out of every layer's window (their entries become
         ``NULL_PAGE``). Returns how many leading entries are dead now."""
-        dead = min(self.num_dead_pages(request.num_computed_tokens), len(request.block_ids))
+        pages = self.pages(request)
+        dead = min(self.num_dead_pages(request.num_computed_tokens), len(pages))
         start = self._num_released.get(request.request_id, 0)
         if dead <= start:
             return start
-        pages = request.block_ids
         for i in range(dead - 1, start - 1, -1):  # tail first, like free()
             p = pages[i]
             if p != NULL_PAGE:
@@ -269,7 +294,7 @@ class BlockManager:
         if (new_computed_blocks is None and self.sliding_window is None
                 and (self.state_slots is None or request.state_slot >= 0)
                 and request.num_computed_tokens + num_new_tokens
-                <= len(request.block_ids) * self.block_size):
+                <= len(self.pages(request)) * self.block_size):
             return True  # a decode inside its last page (most rows of most steps): nothing to do
         computed = list(new_computed_blocks) if new_computed_blocks else []
         needs_slot = self.state_slots is not None and request.state_slot < 0
@@ -299,7 +324,7 @@ class BlockManager:
             self.ref_counts[p] += 1
         if computed:
             self._num_cached_blocks[request.request_id] = len(computed)
-        pages = request.block_ids
+        pages = self.pages(request)
         pages.extend([NULL_PAGE] * (len(computed) - len(live_hits) + n_null))
         pages.extend(live_hits)
         if dead:
@@ -324,16 +349,17 @@ class BlockManager:
         """What ``allocate_slots`` would do: (dead columns, pages to allocate, null columns to
         add, live hits, hit pages to take out of the free queue). Releases the pages already
         out of the window first (no later step needs them)."""
-        if computed and request.block_ids:
+        held = len(self.pages(request))
+        if computed and held:
             raise ValueError("prefix-cache hits can only be added to a request without pages")
         bs = self.block_size
         dead = self.num_dead_pages(request.num_computed_tokens + len(computed) * bs)
         if dead and not computed:
             self.release_out_of_window(request)
         total = request.num_computed_tokens + len(computed) * bs + num_new_tokens
-        n_alloc = -(-total // bs) - len(request.block_ids) - len(computed)
+        n_alloc = -(-total // bs) - held - len(computed)
         # columns before the window (dead) get NULL_PAGE: no page, and hits there are not taken
-        n_null = max(0, dead - len(request.block_ids) - len(computed))
+        n_null = max(0, dead - held - len(computed))
         live_hits = computed[dead:]
         # Hit pages nobody holds are in the free queue; touching them takes them out of it.
         n_touch_free = sum(1 for p in live_hits if self.ref_counts[p] == 0)
@@ -365,10 +391,10 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Release a request's pages, tail first, so the tail of a cached prefix is evicted first."""
-        for p in reversed(request.block_ids):
+        for p in reversed(self.pages(request)):
             if p != NULL_PAGE:
                 self._unref(p)
-        request.block_ids = []
+        self._set_pages(request, [])
         if request.state_slot >= 0 and self.state_slots is not None:
             self.state_slots.free(request.state_slot)
             request.state_slot = -1
@@ -379,13 +405,13 @@ class BlockManager:
         """Assert the pool's bookkeeping is consistent with the given live requests (tests)."""
         owners = [0] * self.num_pages
         for r in requests:
-            n_null = next((i for i, p in enumerate(r.block_ids) if p != NULL_PAGE),
-                          len(r.block_ids))
-            assert NULL_PAGE not in r.block_ids[n_null:], \
+            pages = self.pages(r)
+            n_null = next((i for i, p in enumerate(pages) if p != NULL_PAGE), len(pages))
+            assert NULL_PAGE not in pages[n_null:], \
                 f"{r.request_id}: a null page after a live one"
             assert n_null <= self.num_dead_pages(r.num_computed_tokens), \
                 f"{r.request_id}: a page released inside the window"
-            for p in r.block_ids[n_null:]:
+            for p in pages[n_null:]:
                 owners[p] += 1
         assert self.ref_counts[TRASH_PAGE] == 0, "trash page handed out"
         assert TRASH_PAGE not in self._free

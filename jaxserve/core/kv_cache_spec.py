@@ -10,7 +10,7 @@ request, so every group holds the same number of full-length requests.
 Two layouts for the paged groups. ``page_pools``: one pool whose page ids index every owning
 layer's array (each at its own spec's KV heads and head dim), freeing a request's early pages
 only when every layer is windowed. ``group_pools``: a pool per paged group
-(``core.kv_cache_groups``), each with its own free list and window, for models that read
+(``core.kv_cache_coordinator``), each with its own free list and window, for models that read
 per-group block tables. ``LinearState`` groups live in the **state pool** beside them (one slot
 per running request, :func:`split_budget_with_state`).
 """
@@ -162,7 +162,7 @@ def page_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
 
 
 def group_pools(groups: Sequence[CacheGroup]) -> tuple[PagePool, ...]:
-    """One page pool per paged group, each with its own page ids (``core.kv_cache_groups``):
+    """One page pool per paged group, each with its own page ids (``core.kv_cache_coordinator``):
     a sliding group's pool frees the pages out of its own window."""
     return tuple(PagePool((g,), g.spec.kv_heads, g.spec.head_dim, g.spec.dtype,
                           g.spec.window if isinstance(g.spec, SlidingWindow) else None)

@@ -96,7 +96,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []  # KV pages owned, in position order
         # one page list per KV cache group when the groups have pools of their own
-        # (core.kv_cache_groups); block_ids is then group 0's. None: one pool.
+        # (core.kv_cache_coordinator); block_ids is then group 0's. None: one pool.
         self.group_block_ids: list[list[int]] | None = None
         self.state_slot = -1  # recurrent-state pool slot (LinearState layers); -1: none
         # what the worker's persistent batch holds of it (core.batch_diff): whether it has a

@@ -33,11 +33,12 @@ class SchedulerOutput:
     # and the engine's host-side extras: grammars, adapters, drafts); never sent to a worker
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # preempted this step (both modes)
-    # (request_id, page ids): copy these pages device -> host BEFORE running the step (the
-    # pages are already free and may be reused by this very step).
-    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
-    # (request_id, page ids): copy the host copy back into these pages BEFORE running the step.
-    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # (request_id, page ids per pool): copy these pages device -> host BEFORE running the step
+    # (the pages are already free and may be reused by this very step).
+    swap_out: list[tuple[str, list[list[int]]]] = field(default_factory=list)
+    # (request_id, page ids per pool): copy the host copy back into these pages BEFORE running
+    # the step.
+    swap_in: list[tuple[str, list[list[int]]]] = field(default_factory=list)
     # (request_id, state slot): the recurrent state of a swapped request, copied out of its old
     # slot / back into its new one, beside its pages (LinearState models)
     swap_out_state: list[tuple[str, int]] = field(default_factory=list)

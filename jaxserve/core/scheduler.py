@@ -235,15 +235,16 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         # only the computed pages inside the window are copied (the rest are never read again)
-        dead = self.block_manager.release_out_of_window(victim)
-        n_pages = cdiv(victim.num_computed_tokens, self.block_size) - dead
+        self.block_manager.release_out_of_window(victim)
+        pages = self.block_manager.swap_pages(victim)  # per pool
+        n_pages = max(len(p) for p in pages)
         swap = (
             self.preemption_mode == "swap"
             and n_pages > 0
             and self.swap_used_pages + n_pages <= self.swap_capacity_pages
         )
         if swap:
-            out.swap_out.append((victim.request_id, list(victim.block_ids[dead:dead + n_pages])))
+            out.swap_out.append((victim.request_id, pages))
             self._swapped_pages[victim.request_id] = n_pages
             if victim.state_slot >= 0:  # its slot is freed below; the state goes to host too
                 out.swap_out_state.append((victim.request_id, victim.state_slot))
@@ -448,9 +449,8 @@ class Scheduler:
                 out.fork_pages += pages
                 out.fork_states += states
             elif resumed_swap:
-                n_pages = self._swapped_pages.pop(req.request_id)
-                dead = bm.num_dead_pages(req.num_computed_tokens)
-                out.swap_in.append((req.request_id, list(req.block_ids[dead:dead + n_pages])))
+                self._swapped_pages.pop(req.request_id)
+                out.swap_in.append((req.request_id, bm.swap_pages(req)))
                 if req.state_slot >= 0:  # a fresh slot: the saved state goes there
                     out.swap_in_state.append((req.request_id, req.state_slot))
             elif hits is not None:

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.kv_cache_groups import GroupedBlockManager
+from jaxserve.core.kv_cache_coordinator import make_kv_cache_manager
 from jaxserve.core.kv_cache_spec import LinearState
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.spec_decode import MtpProposer, NgramProposer
@@ -161,28 +160,19 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                              mesh=mesh, extra_page_bytes=extra_page_bytes)
     lora_manager = _lora_manager(config, model, mc, runner, dtype) \
         if config.lora is not None else None
-    # pages out of every layer's window are freed, unless a draft model (which lags behind
-    # and may attend globally) reads the same page ids
-    window = None if (config.scheduler.disable_hybrid_kv_cache_manager or draft is not None) \
-        else runner.pools[0].window
     prefix_caching = config.cache.enable_prefix_caching
-    if runner.num_state_slots is not None:
-        if prefix_caching:
-            logger.info("prefix caching is off: %s has LinearState (recurrent-state) layers, "
-                        "whose state a cached attention prefix does not restore",
-                        mc.architecture)
-            prefix_caching = False
-    record = config.kv_events is not None and config.kv_events.enabled
-    if runner.grouped:  # a pool per cache group, each freeing out of its own window
-        block_manager = GroupedBlockManager([
-            BlockManager(n, config.cache.block_size, enable_prefix_caching=prefix_caching,
-                         sliding_window=pool.window, record_events=record)
-            for n, pool in zip(runner.pool_pages, runner.pools)])
-    else:
-        block_manager = BlockManager(runner.num_pages, config.cache.block_size,
-                                     enable_prefix_caching=prefix_caching,
-                                     sliding_window=window, record_events=record,
-                                     num_state_slots=runner.num_state_slots)
+    if runner.num_state_slots is not None and prefix_caching:
+        logger.info("prefix caching is off: %s has LinearState (recurrent-state) layers, "
+                    "whose state a cached attention prefix does not restore", mc.architecture)
+        prefix_caching = False
+    # one manager per pool and the state slots, combined (core.kv_cache_coordinator); pages
+    # out of a window are freed unless a draft model (which lags behind and may attend
+    # globally) reads the same page ids, or --disable-hybrid-kv-cache-manager
+    block_manager = make_kv_cache_manager(
+        runner.kv_config, enable_prefix_caching=prefix_caching,
+        record_events=config.kv_events is not None and config.kv_events.enabled,
+        free_out_of_window=(not config.scheduler.disable_hybrid_kv_cache_manager
+                            and draft is None))
     scheduler = Scheduler(config.scheduler, config.cache, block_manager, max_model_len,
                           page_bytes=runner.page_bytes,
                           eos_token_ids=eos,

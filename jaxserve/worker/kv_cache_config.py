@@ -53,15 +53,18 @@ def kv_budget(model_config: ModelConfig, engine_config: EngineConfig, param_byte
         f"gpu_memory_utilization or lower max_num_batched_tokens / max_model_len")
 
 
-def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes: int) -> bool:
+def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes: int,
+                    per_pool_swap: bool = False) -> bool:
     """A page pool per cache group when the model reads per-group block tables and its paged
-    groups differ; one pool (every layer's array indexed by the same page ids) under
-    ``--disable-hybrid-kv-cache-manager`` or beside a draft model's pool (which shares the
-    target's page ids)."""
+    groups differ (swap preemption copies each pool's pages); one pool (every layer's array
+    indexed by the same page ids) under ``--disable-hybrid-kv-cache-manager`` or beside a
+    draft model's pool (which shares the target's page ids). ``per_pool_swap`` False (a
+    runner whose swap copies one page list: the pipeline stages): one pool under swap
+    preemption too."""
     return (model is not None and model.cache_groups_supported
             and sum(g.paged for g in groups) > 1
             and not engine_config.scheduler.disable_hybrid_kv_cache_manager
-            and engine_config.scheduler.preemption_mode != "swap"
+            and (per_pool_swap or engine_config.scheduler.preemption_mode != "swap")
             and not extra_page_bytes)
 
 
@@ -82,7 +85,7 @@ def kv_cache_config(model, model_config: ModelConfig, engine_config: EngineConfi
             max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             per_group_pools=use_group_pools(model, group_layers(specs), engine_config,
-                                            extra_page_bytes),
+                                            extra_page_bytes, per_pool_swap=True),
             tp=tp, extra_page_bytes=extra_page_bytes, scratch_slots=sched.max_num_seqs * k,
             mtp_layer=len(specs) - 1 if mtp else None)
     except ValueError as e:

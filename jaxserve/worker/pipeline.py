@@ -888,6 +888,7 @@ class PipelineRunner(runner_lib.ModelRunner):
     # ---- swap ----------------------------------------------------------------------------
     def swap_in(self, page_ids: list[int], saved) -> None:
         """Write a swapped request's pages back, stage by stage (paged layers only)."""
+        page_ids, = page_ids  # one pool: every stage's layers index the same page ids
         idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
         saved = iter(saved)
         with self._pool_lock:

@@ -97,6 +97,8 @@ def enable_compilation_cache(path: str | None = None) -> None:
 
 
 class ModelRunner:
+    kv_config = None  # core.kv_cache_config.KVCacheConfig (set by __init__)
+
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
                  max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None,
                  extra_page_bytes: int = 0):
@@ -483,22 +485,35 @@ class ModelRunner:
     def _paged_layers(self) -> list[int]:
         return [i for i in range(len(self.kv_pages)) if i not in self.state_layers]
 
-    def swap_out(self, page_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per paged
-        layer (LinearState layers hold slots, not pages: ``swap_out_state``)."""
-        idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
-        with self._pool_lock:
-            return jax.device_get([tuple(a[:, idx] for a in self.kv_pages[i])
-                                   for i in self._paged_layers()])
+    def _pool_rows(self) -> list[tuple[int, int]]:
+        """(layer, block-table row of its pool) of every layer that owns pages."""
+        c = self.kv_config
+        if c is None:  # one pool (worker.pipeline's stages)
+            return [(i, 0) for i in self._paged_layers()]
+        return [(i, c.row(c.pool_of_layer[i])) for i in c.paged_layers]
 
-    def swap_in(self, page_ids: list[int], saved) -> None:
-        idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
+    def swap_out(self, pages: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Copy pages to host memory (page ids per pool), one (k, v) pair of
+        ``[Hkv, n, block, D]`` per layer that owns pages (LinearState layers hold slots, not
+        pages: ``swap_out_state``)."""
+        idx = [jnp.asarray(np.asarray(p, dtype=np.int32)) for p in pages]
         with self._pool_lock:
-            layers = self._paged_layers()
-            written = _write_pages([self.kv_pages[i] for i in layers], idx, saved)
+            return jax.device_get([tuple(a[:, idx[g]] for a in self.kv_pages[i])
+                                   for i, g in self._pool_rows()])
+
+    def swap_in(self, pages: list[list[int]], saved) -> None:
+        rows = self._pool_rows()
+        with self._pool_lock:
             pool = list(self.kv_pages)
-            for i, kv in zip(layers, written):
-                pool[i] = kv
+            for g, ids in enumerate(pages):  # one scatter per pool
+                mine = [k for k, (_, r) in enumerate(rows) if r == g]
+                if not mine or not ids:
+                    continue
+                idx = jnp.asarray(np.asarray(ids, dtype=np.int32))
+                written = _write_pages([pool[rows[k][0]] for k in mine], idx,
+                                       [saved[k] for k in mine])
+                for k, kv in zip(mine, written):
+                    pool[rows[k][0]] = kv
             self._set_pool(pool)
 
     def swap_out_state(self, slot: int) -> list[tuple[np.ndarray, ...]]:

@@ -1,9 +1,9 @@
 """Pools per KV cache group: the capacity arithmetic of a Gemma-4-31B-shaped config and the
-grouped block manager (allocation all-or-nothing, per-group windows, prefix hits)."""
+KV cache coordinator (allocation all-or-nothing, per-group windows, prefix hits)."""
 from __future__ import annotations
 
 from jaxserve.core.block_manager import NULL_PAGE, BlockManager
-from jaxserve.core.kv_cache_groups import GroupedBlockManager
+from jaxserve.core.kv_cache_coordinator import KVCacheCoordinator
 from jaxserve.core.kv_cache_spec import (group_layers, group_pools, kv_bytes_per_token,
                                          pooled_kv_bytes_per_token, uniform_kv_bytes_per_token)
 from jaxserve.core.request import Request
@@ -39,8 +39,8 @@ def _req(rid, n, seed=0):
 
 def test_grouped_manager_frees_out_of_window_pages_and_serves_prefix_hits():
     sliding = BlockManager(12, 4, sliding_window=8)
-    full = BlockManager(40, 4)
-    bm = GroupedBlockManager([sliding, full])
+    full = BlockManager(40, 4, group=1)
+    bm = KVCacheCoordinator([sliding, full])
     a = _req("a", 30)
     assert bm.allocate_slots(a, 30, [[], []])
     a.num_computed_tokens = 30
@@ -73,8 +73,8 @@ def test_grouped_manager_frees_out_of_window_pages_and_serves_prefix_hits():
 def test_grouped_cached_page_counts_are_the_fewest_of_any_group():
     """The scheduler skips ``cache_full_blocks`` while a request's computed pages are no more
     than ``cached_page_counts``: grouped, that must be the group furthest behind."""
-    sliding, full = BlockManager(40, 4, sliding_window=8), BlockManager(40, 4)
-    bm = GroupedBlockManager([sliding, full])
+    sliding, full = BlockManager(40, 4, sliding_window=8), BlockManager(40, 4, group=1)
+    bm = KVCacheCoordinator([sliding, full])
     a = _req("a", 20)
     assert bm.allocate_slots(a, 20, [[], []])
     a.num_computed_tokens = 20

@@ -75,9 +75,9 @@ class FakeDevice:
         bs = self.s.block_size
         for rid in out.finished_req_ids:
             self.host.pop(rid, None)
-        for rid, pages in out.swap_out:  # before the step: the pages may be reused by it
+        for rid, (pages,) in out.swap_out:  # before the step: the pages may be reused by it
             self.host[rid] = np.stack([self.kv[p * bs:(p + 1) * bs] for p in pages])
-        for rid, pages in out.swap_in:
+        for rid, (pages,) in out.swap_in:
             data = self.host.pop(rid)
             assert len(data) == len(pages)
             for p, d in zip(pages, data):
@@ -409,7 +409,7 @@ def test_swap_output_lists_pages_then_swaps_back_in():
                 s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
     assert swap_outs and swap_outs[0][0] == "b"  # the later request is the victim
     assert [x[0] for x in swap_ins] == [x[0] for x in swap_outs]
-    assert all(len(o[1]) == len(i[1]) for o, i in zip(swap_outs, swap_ins))
+    assert all(len(o[1][0]) == len(i[1][0]) for o, i in zip(swap_outs, swap_ins))
     assert a.num_preemptions == 0 and b.num_preemptions >= 1
     assert len(a.output_token_ids) == len(b.output_token_ids) == 12
 

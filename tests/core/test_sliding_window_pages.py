@@ -59,10 +59,10 @@ class WindowDevice:
         bs = self.s.block_size
         for rid in out.finished_req_ids:
             self.host.pop(rid, None)
-        for rid, pages in out.swap_out:
+        for rid, (pages,) in out.swap_out:
             assert NULL_PAGE not in pages
             self.host[rid] = np.stack([self.kv[p * bs:(p + 1) * bs] for p in pages])
-        for rid, pages in out.swap_in:
+        for rid, (pages,) in out.swap_in:
             data = self.host.pop(rid)
             assert len(data) == len(pages) and NULL_PAGE not in pages
             for p, d in zip(pages, data):
@@ -195,7 +195,7 @@ def test_swap_out_copies_only_the_pages_inside_the_window():
     s = make_sched(w, num_pages=12, budget=16, mode="swap")
     swapped = []
     specs = [(f"r{i}", rng.integers(0, VOCAB, 30).tolist(), 30, i) for i in range(3)]
-    got = run(s, w, specs, on_step=lambda sc, o: swapped.extend(len(p) for _, p in o.swap_out))
+    got = run(s, w, specs, on_step=lambda sc, o: swapped.extend(len(p) for _, (p,) in o.swap_out))
     assert swapped and max(swapped) <= cdiv(w, bs) + 1
     want = run(make_sched(None, num_pages=64, budget=16), w, specs)
     assert got == want

@@ -268,13 +268,13 @@ def test_sliding_group_returns_its_pages_during_a_long_generation(gemma4_dirs):
     """A pool per cache group: over 80 generated tokens the sliding group's pages in use stay
     flat (its window's) while the global group's grow with the context; the start-up figures
     are the grouped ones."""
-    from jaxserve.core.kv_cache_groups import GroupedBlockManager
+    from jaxserve.core.kv_cache_coordinator import KVCacheCoordinator
     from jaxserve.core.sampling_params import SamplingParams
 
     llm = _llm(gemma4_dirs("dense"))
     eng = llm.llm_engine
     bm = eng.scheduler.block_manager
-    assert isinstance(bm, GroupedBlockManager) and len(bm.managers) == 2
+    assert isinstance(bm, KVCacheCoordinator) and len(bm.managers) == 2
     assert [m.sliding_window for m in bm.managers] == [16, None]
     eng.add_request("long", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=80,
                                                                 ignore_eos=True))
