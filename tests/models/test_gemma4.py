@@ -311,9 +311,29 @@ def test_engine_greedy_equals_hf_under_preemption(gemma4_dirs, engine_refs, mode
     """A pool of 14 pages for three requests of 6-8 pages each: requests are preempted and
     resumed (recomputed, or swapped out and back), tokens still equal HF's."""
     llm = _llm(gemma4_dirs("dense"), num_gpu_blocks_override=14, preemption_mode=mode)
+    sched = llm.llm_engine.scheduler
+    assert llm.llm_engine.runner.grouped  # a pool per group under either mode
+    seen, schedule = [], sched.schedule
+
+    def counting_schedule(*a, **k):  # pages in use per pool, and each swap's pages per pool
+        out = schedule(*a, **k)
+        seen.append((sched.block_manager.group_used_pages(),
+                     [[len(p) for p in pages] for _, pages in out.swap_out]))
+        return out
+    sched.schedule = counting_schedule
     got = _generate(llm, _engine_prompts())
-    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert sched.num_preemptions_total > 0
     assert got == engine_refs["dense"]
+    window_pages = 16 // 8 + 1
+    # the sliding pool holds each running request's window (plus a chunk's pages), however
+    # long the contexts grow; the full pool holds every page
+    sliding = [used[0] for used, _ in seen]
+    assert max(sliding) <= 3 * (window_pages + 32 // 8)
+    if mode == "swap":
+        swaps = [p for _, outs in seen for p in outs]
+        assert swaps and sched.num_swap_outs_total > 0
+        assert all(s <= window_pages for s, _ in swaps)  # only the window's pages move
+        assert max(f for _, f in swaps) > window_pages
 
 
 # ----------------------------------------------------------------------------- tensor parallel
