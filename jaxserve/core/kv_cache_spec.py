@@ -12,7 +12,7 @@ layer's array (each at its own spec's KV heads and head dim), freeing a request'
 only when every layer is windowed. ``group_pools``: a pool per paged group
 (``core.kv_cache_coordinator``), each with its own free list and window, for models that read
 per-group block tables. ``LinearState`` groups live in the **state pool** beside them (one slot
-per running request, :func:`split_budget_with_state`).
+per running request; ``core.kv_cache_config`` sizes them all).
 """
 from __future__ import annotations
 
@@ -194,21 +194,6 @@ def state_bytes_per_slot(groups: Sequence[CacheGroup]) -> int:
     """One slot across every LinearState layer, all devices together (under tensor parallelism
     each device holds ``1/tp`` of it: the pool splits over heads)."""
     return sum(g.spec.slot_bytes() * len(g.layers) for g in state_groups(groups))
-
-
-def split_budget_with_state(pools: Sequence[PagePool], slot_bytes: int, budget_bytes: int, *,
-                            block_size: int, max_model_len: int, max_num_seqs: int, tp: int = 1
-                            ) -> tuple[int, tuple[int, ...]]:
-    """(state slots, pages per pool) from one byte budget: as many full-length requests as fit
-    (each a slot plus its pages), at most ``max_num_seqs`` slots; what the slots leave goes to
-    pages. ``slot_bytes`` and ``budget_bytes`` are one device's."""
-    page = [p.page_bytes(block_size, tp) // tp for p in pools]
-    need = [p.max_pages(max_model_len, block_size) for p in pools]
-    per_request = slot_bytes + sum(n * b for n, b in zip(need, page))
-    slots = int(max(0, min(max_num_seqs, budget_bytes // per_request)))
-    left = budget_bytes - slots * slot_bytes
-    return slots, split_budget(pools, left, block_size=block_size, max_model_len=max_model_len,
-                               tp=tp)
 
 
 # ----------------------------------------------------------------------------- capacity arithmetic

@@ -8,7 +8,7 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import (FullAttention, LinearState, PagePool, SharedKV,
                                          group_pools,
-                                         split_budget_with_state, state_bytes_per_slot,
+                                         state_bytes_per_slot,
                                          state_groups,
                                          SlidingWindow, group_layers, page_pools, split_budget)
 
@@ -45,19 +45,6 @@ def test_linear_state_layers_go_to_the_state_pool_not_a_page_pool():
     assert state_bytes_per_slot(groups) == 3 * (4 * 8 + 2 * 8 * 8) * 4
     with pytest.raises(NotImplementedError, match="no page pool"):
         page_pools(group_layers([state]))
-
-
-def test_state_budget_gives_each_full_length_request_a_slot_and_its_pages():
-    groups = group_layers([LinearState(((4, 8), (2, 8, 8)), "float32"), FULL])
-    pools, slot = page_pools(groups), state_bytes_per_slot(groups)
-    per_request = slot + 256 * pools[0].page_bytes(16)  # max_model_len 4096 / 16
-    slots, (pages,) = split_budget_with_state(pools, slot, 10 * per_request, block_size=16,
-                                              max_model_len=4096, max_num_seqs=64)
-    assert slots == 10 and pages == 10 * 256
-    # max_num_seqs caps the slots; the rest of the budget goes to pages
-    slots, (pages,) = split_budget_with_state(pools, slot, 10 * per_request, block_size=16,
-                                              max_model_len=4096, max_num_seqs=4)
-    assert slots == 4 and pages == (10 * per_request - 4 * slot) // pools[0].page_bytes(16)
 
 
 def test_page_shapes_may_differ_in_one_pool_or_a_pool_per_group():
