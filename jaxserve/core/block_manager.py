@@ -29,7 +29,6 @@ import xxhash
 from jaxserve.core.kv_events import (MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored,
                                      block_hash_bytes)
 from jaxserve.core.request import Request
-from jaxserve.core.state_slots import StateSlots
 from jaxserve.core.step_plan import TRASH_PAGE
 
 NULL_PAGE = TRASH_PAGE  # the block-table entry of a page released out of the window
@@ -52,7 +51,7 @@ def cdiv(a: int, b: int) -> int:
 class BlockManager:
     def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window: int | None = None, record_events: bool = False,
-                 num_state_slots: int | None = None, group: int = 0):
+                 group: int = 0):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the trash page), got {num_pages}")
         if block_size < 1:
@@ -82,11 +81,7 @@ class BlockManager:
         self.prefix_cache_requests = 0
         # KV-cache events since the last take_events() (None: not recorded)
         self._events: list | None = [] if record_events else None
-        # LinearState models: a request holds one state slot with its pages (None: no such layers)
-        self.state_slots = None if num_state_slots is None else StateSlots(num_state_slots)
-        if self.state_slots is not None and enable_prefix_caching:
-            raise ValueError("prefix caching serves no recurrent state: turn it off for models "
-                             "with LinearState layers")
+        self.state_slots = None  # a pool holds pages only (state slots: the coordinator)
 
     # -- pool state -------------------------------------------------------------------------
     @property
@@ -292,19 +287,10 @@ class BlockManager:
         the free queue is too short.
         """
         if (new_computed_blocks is None and self.sliding_window is None
-                and (self.state_slots is None or request.state_slot >= 0)
                 and request.num_computed_tokens + num_new_tokens
                 <= len(self.pages(request)) * self.block_size):
             return True  # a decode inside its last page (most rows of most steps): nothing to do
         computed = list(new_computed_blocks) if new_computed_blocks else []
-        needs_slot = self.state_slots is not None and request.state_slot < 0
-        if needs_slot and not self.state_slots.num_free:
-            return False
-        if needs_slot:  # pages first: a refusal below changes nothing
-            ok = self._allocate_pages(request, num_new_tokens, new_computed_blocks, computed)
-            if ok:
-                request.state_slot = self.state_slots.allocate(request.request_id)
-            return ok
         return self._allocate_pages(request, num_new_tokens, new_computed_blocks, computed)
 
     def _allocate_pages(self, request: Request, num_new_tokens: int,
@@ -395,9 +381,6 @@ class BlockManager:
             if p != NULL_PAGE:
                 self._unref(p)
         self._set_pages(request, [])
-        if request.state_slot >= 0 and self.state_slots is not None:
-            self.state_slots.free(request.state_slot)
-            request.state_slot = -1
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_released.pop(request.request_id, None)
 
@@ -423,7 +406,3 @@ class BlockManager:
         for h, p in self._cached.items():
             assert self.page_hash[p] == h
         assert sum(h is not None for h in self.page_hash) == len(self._cached)
-        if self.state_slots is not None:
-            held = {r.state_slot: r.request_id for r in requests if r.state_slot >= 0}
-            assert held == self.state_slots.owners(), \
-                f"state slots {self.state_slots.owners()} != held by requests {held}"

@@ -95,8 +95,8 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []  # KV pages owned, in position order
-        # one page list per KV cache group when the groups have pools of their own
-        # (core.kv_cache_coordinator); block_ids is then group 0's. None: one pool.
+        # one page list per pool (block-table row) when there are several
+        # (core.kv_cache_coordinator); block_ids is row 0's, the same list. None: one pool.
         self.group_block_ids: list[list[int]] | None = None
         self.state_slot = -1  # recurrent-state pool slot (LinearState layers); -1: none
         # what the worker's persistent batch holds of it (core.batch_diff): whether it has a

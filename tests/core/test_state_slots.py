@@ -7,6 +7,7 @@ import pytest
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.kv_cache_coordinator import KVCacheCoordinator
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.state_slots import StateSlots
@@ -22,7 +23,8 @@ class Params:
 def make(num_pages=64, slots=2, max_seqs=4, budget=64):
     cc = CacheConfig(block_size=4, enable_prefix_caching=False)
     sc = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
-    bm = BlockManager(num_pages, 4, enable_prefix_caching=False, num_state_slots=slots)
+    bm = KVCacheCoordinator([BlockManager(num_pages, 4, enable_prefix_caching=False)],
+                            StateSlots(slots))
     return Scheduler(sc, cc, bm, 128)
 
 
@@ -40,7 +42,7 @@ def test_slots_are_handed_out_and_taken_back():
 
 def test_prefix_caching_with_a_state_pool_is_refused():
     with pytest.raises(ValueError, match="prefix caching"):
-        BlockManager(16, 4, enable_prefix_caching=True, num_state_slots=2)
+        KVCacheCoordinator([BlockManager(16, 4, enable_prefix_caching=True)], StateSlots(2))
 
 
 def test_admission_waits_for_a_free_slot_and_the_plan_carries_it():
@@ -80,7 +82,7 @@ def test_recompute_preemption_drops_the_slot():
     for rid in list(sched.requests):
         sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
     assert sched.block_manager.state_slots.num_free == 2
-    assert np.all(np.asarray(sched.block_manager.ref_counts) == 0)
+    assert np.all(np.asarray(sched.block_manager.managers[0].ref_counts) == 0)
 
 
 def test_n_siblings_fork_one_token_before_the_prompt_end():
