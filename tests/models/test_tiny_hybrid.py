@@ -90,6 +90,13 @@ def test_greedy_equals_the_dense_reference_under_preemption(hybrid_dir, referenc
         assert sched.num_swap_outs_total > 0
     # the sliding pool keeps each running request's window (and a chunk), the full pool all
     assert max(s for s, _ in peak) <= 3 * (WINDOW // BLOCK + 1 + 32 // BLOCK)
+    if mode == "recompute":  # n > 1: with several pools each child computes its own prompt
+        from jaxserve.core.sampling_params import SamplingParams
+
+        res = llm.generate([{"prompt_token_ids": _prompts()[0]}],
+                           SamplingParams(n=2, temperature=0.0, max_tokens=NEW,
+                                          ignore_eos=True), use_tqdm=False)[0]
+        assert [list(c.token_ids) for c in res.outputs] == [reference[0]] * 2
     assert bm.group_used_pages() == [0, 0]
     assert bm.state_slots.num_free == bm.state_slots.num_slots
     bm.check_invariants()
