@@ -66,6 +66,10 @@ class KVCacheConfig:
         """The pool whose page ids the MTP head's layer uses."""
         return None if self.mtp_layer is None else self.pool_of_layer[self.mtp_layer]
 
+    def manager_pools(self) -> list[tuple[str, int, int | None]]:
+        """(name, pages, window) of each pool, in row order: what the host managers need."""
+        return [(p.name, p.num_pages, p.window) for p in self.pools]
+
     @property
     def pool_pages(self) -> tuple[int, ...]:
         return tuple(p.num_pages for p in self.pools)

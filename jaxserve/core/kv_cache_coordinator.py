@@ -1,5 +1,5 @@
 """One manager per cache kind, combined (vLLM's ``KVCacheCoordinator``): the scheduler's one
-KV cache manager, built from a :class:`~jaxserve.core.kv_cache_config.KVCacheConfig`.
+KV cache manager, built from the pools of a ``core.kv_cache_config.KVCacheConfig``.
 
 - a page pool per block-table row: a ``BlockManager`` (free list, ref counts, prefix cache;
   full attention keeps every page, a sliding window frees the pages out of its window). A
@@ -22,27 +22,27 @@ from __future__ import annotations
 from typing import Sequence
 
 from jaxserve.core.block_manager import NULL_PAGE, BlockManager
-from jaxserve.core.kv_cache_config import KVCacheConfig
 from jaxserve.core.request import Request
 from jaxserve.core.state_slots import StateSlots
 
 
-def make_kv_cache_manager(config: KVCacheConfig, *, enable_prefix_caching: bool,
+def make_kv_cache_manager(pools: Sequence[tuple[str, int, int | None]], *, block_size: int,
+                          num_state_slots: int | None, enable_prefix_caching: bool,
                           record_events: bool = False, free_out_of_window: bool = True):
-    """The scheduler's KV cache manager for ``config``. ``free_out_of_window`` False: no pool
-    frees a page early (a draft model, which lags behind and may attend globally, reads the
-    same page ids)."""
-    if config.num_state_slots is not None:
+    """The scheduler's KV cache manager: ``pools`` (name, pages, window) in block-table row
+    order (``KVCacheConfig.manager_pools``), ``num_state_slots`` None without LinearState
+    layers. ``free_out_of_window`` False: no pool frees a page early (a draft model, which
+    lags behind and may attend globally, reads the same page ids)."""
+    if num_state_slots is not None:
         enable_prefix_caching = False
-    managers = [BlockManager(p.num_pages, config.block_size,
-                             enable_prefix_caching=enable_prefix_caching,
-                             sliding_window=p.window if free_out_of_window else None,
+    managers = [BlockManager(pages, block_size, enable_prefix_caching=enable_prefix_caching,
+                             sliding_window=window if free_out_of_window else None,
                              record_events=record_events, group=g)
-                for g, p in enumerate(config.pools)]
-    if len(managers) == 1 and config.num_state_slots is None:
+                for g, (_, pages, window) in enumerate(pools)]
+    if len(managers) == 1 and num_state_slots is None:
         return managers[0]
-    state = None if config.num_state_slots is None else StateSlots(config.num_state_slots)
-    return KVCacheCoordinator(managers, state, names=[p.name for p in config.pools])
+    state = None if num_state_slots is None else StateSlots(num_state_slots)
+    return KVCacheCoordinator(managers, state, names=[name for name, _, _ in pools])
 
 
 class KVCacheCoordinator:
