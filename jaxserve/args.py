@@ -290,6 +290,7 @@ class EngineArgs:
         help="vLLM's older spelling: embed / score / classify / reward select --runner pooling")
     pooler_config: Any = arg(
         group="ModelConfig", target="pooler_config", convert=PoolerConfig.parse, metavar="JSON",
+        aliases=("--override-pooler-config",),
         help='override the checkpoint\'s pooling, e.g. \'{"pooling_type": "MEAN", "normalize": '
              'true}\' (pooling_type CLS|MEAN|LAST|ALL|STEP, normalize, dimensions, step_tag_id, '
              'returned_token_ids, use_activation)')

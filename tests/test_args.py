@@ -223,6 +223,21 @@ def test_vllm_spellings_parse_to_the_same_config_as_ours(method):
                                                            "num_speculative_tokens": 1})
 
 
+def test_vllm_underscore_and_older_spellings(capsys):
+    from jaxserve.entrypoints.cli import parse_args
+
+    ours = parse_args(["serve", "m", "--max-model-len", "64", "--no-enable-prefix-caching",
+                       "--tensor-parallel-size=2", "--pooler-config", '{"pooling_type": "MEAN"}'])
+    theirs = parse_args(["serve", "m", "--max_model_len", "64", "--no_enable_prefix_caching",
+                         "--tensor_parallel_size=2", "--override-pooler-config",
+                         '{"pooling_type": "MEAN"}'])
+    assert engine_config_from_args(theirs) == engine_config_from_args(ours)
+    assert engine_config_from_args(ours).scheduler.max_model_len == 64
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--no_such_flag", "1"])
+    assert "--no_such_flag" in capsys.readouterr().err
+
+
 def test_llm_refuses_an_unknown_keyword_naming_it():
     from jaxserve.entrypoints.llm import LLM
 

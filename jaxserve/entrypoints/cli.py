@@ -251,10 +251,25 @@ def config_file_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
     return list(argv) + extra
 
 
+def underscore_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """vLLM's parser takes ``--max_model_len`` for ``--max-model-len``: a flag written with
+    underscores is the parser's dashed flag when that one exists (else argparse names it)."""
+    known = {o for a in parser._actions for o in a.option_strings}
+    out = []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        dashed = "--" + key[2:].replace("_", "-")
+        out.append(dashed + eq + value if a.startswith("--") and "_" in key
+                   and dashed in known else a)
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The ``jaxserve`` command line, ``--config FILE.yaml`` expanded into flags."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("serve", "generate"):
+        argv = underscore_flags(_subparser(parser, argv[0]), argv)
     if argv and argv[0] == "serve":
         try:
             argv = config_file_args(_subparser(parser, "serve"), argv)
