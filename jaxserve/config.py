@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
-from jaxserve.core.pooling_params import RUNNERS, TASK_ALIASES, PoolerConfig
+from jaxserve.core.pooling_params import RUNNERS, PoolerConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")

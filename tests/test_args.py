@@ -247,6 +247,9 @@ def test_llm_refuses_an_unknown_keyword_naming_it():
         engine_config_from_kwargs("m", max_num_seq=4)
     with pytest.raises(ValueError, match="'num_hosts' is a `jaxserve serve` flag \\(--num-hosts"):
         engine_config_from_kwargs("m", num_hosts=2)
+    import jaxserve
+
+    assert jaxserve.EngineArgs is EngineArgs  # vLLM's `from vllm import EngineArgs`
     # the older speculative flags are LLM keywords too, as in vLLM's EngineArgs
     c = engine_config_from_kwargs("m", speculative_model="[ngram]", num_speculative_tokens=2)
     assert (c.speculative.method, c.speculative.num_speculative_tokens) == ("ngram", 2)
