@@ -8,7 +8,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import engine_config_from_kwargs
+from jaxserve.args import engine_config_from_kwargs
 from jaxserve.engine.builder import build_engine
 from jaxserve.worker.memory_budget import set_allocator_fraction
 from jaxserve.errors import InvalidRequestError
