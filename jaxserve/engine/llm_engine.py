@@ -50,6 +50,8 @@ from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
 from jaxserve.engine import multimodal
 from jaxserve.engine.tokenizer import prompt_ids
 from jaxserve.engine.weight_sync import WeightControl
+from jaxserve.engine.decoder_pooling import DecoderPooling, decoder_pooling_info
+from jaxserve.core.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,12 @@ class LLMEngine(WeightControl):
         # the outputs of requests a failing processor ended, reported with the next step
         self.logits_processors = None
         self._failed: list[CoreOutput] = []
+        # embeddings from this decoder (LAST pooling of the final hidden state) beside its
+        # generation; None where a stage or host other than this one holds the last layer
+        self.pooling = (DecoderPooling(self, decoder_pooling_info(model_config,
+                                                                  config.pooler_config))
+                        if config.parallel.pipeline_parallel_size == 1
+                        and config.parallel.num_hosts == 1 else None)
 
     @property
     def attention_backend(self) -> str:
@@ -126,10 +134,20 @@ class LLMEngine(WeightControl):
     # ---- requests: the front end ---------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, final_only: bool = False, lora_request=None) -> None:
+                    priority: int = 0, final_only: bool = False, lora_request=None,
+                    **kw) -> None:
         """Tokenize, register with the output processor and add its core requests (one per
         sequence; ``final_only``: offline use, no output until the request finishes;
         ``lora_request``: the adapter to run)."""
+        if isinstance(params, PoolingParams):
+            if self.pooling is None:
+                raise InvalidRequestError("embeddings from a generative model need its last "
+                                          "layer on this host (no pipeline parallelism)",
+                                          param="model")
+            return self.pooling.add(request_id, prompt, params, arrival_time=arrival_time,
+                                    priority=priority, lora_request=lora_request, **kw)
+        if kw:
+            raise TypeError(f"unexpected arguments {sorted(kw)}")
         params = params or SamplingParams()
         embeds = images = None
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
@@ -161,24 +179,30 @@ class LLMEngine(WeightControl):
         """Abort front-end requests: every core request of each."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.abort_core_requests(self.output_processor.abort_requests(request_ids))
+        pooled = self.pooling.abort(request_ids) if self.pooling is not None else []
+        self.abort_core_requests(pooled + self.output_processor.abort_requests(request_ids))
 
     def get_num_unfinished_requests(self) -> int:
-        return self.output_processor.num_requests
+        pooling = len(self.pooling.pending) if self.pooling is not None else 0
+        return self.output_processor.num_requests + pooling
 
     def step(self) -> list[RequestOutput]:
         """One step of the core, then its ids through the output processor."""
-        outputs, stops = self.output_processor.process(self.core_step())
+        core = self.core_step()
+        pooled = []
+        if self.pooling is not None and self.pooling.pending:
+            pooled, core = self.pooling.outputs(core)
+        outputs, stops = self.output_processor.process(core)
         if stops:
             self.finish_sequences(stops)
-        return outputs
+        return pooled + outputs
 
     # ---- requests: the core ------------------------------------------------------------
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
                          prefix_parent: str | None = None, final_only: bool = False,
-                         mm=None, prompt_embeds=None) -> None:
+                         mm=None, prompt_embeds=None, pooling=None) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
         request whose prompt this one repeats, an n > 1 sibling's child 0; ``final_only``: no
         output until it finishes, for a front end that shows nothing before and checks no
@@ -217,6 +241,7 @@ class LLMEngine(WeightControl):
         req = Request(request_id, ids, params, arrival_time=arrival_time, priority=priority,
                       prefix_parent=prefix_parent, lora_request=lora_request, cache_salt=salt)
         req.prompt_embeds = prompt_embeds
+        req.pooling_params = pooling
         if mm is not None:
             if getattr(self.runner, "mm", None) is None:
                 raise multimodal.text_only_error()
@@ -235,6 +260,8 @@ class LLMEngine(WeightControl):
 
     def abort_core_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
+        if self.pooling is not None:
+            self.pooling.abort(request_ids)
         for rid in request_ids:
             self._swapped.pop(rid, None)
             self._swapped_state.pop(rid, None)
@@ -382,6 +409,11 @@ class LLMEngine(WeightControl):
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
         mm = None if encoder is None else encoder.prepare(sched.batch, plan.positions)
+        pool_rows = [s.sample and s.request.pooling_params is not None for s in sched.scheduled]
+        if any(pool_rows):  # pooling requests' last prompt chunks: their final hidden states
+            mask = np.zeros(plan.seq_bucket, bool)
+            mask[:len(pool_rows)] = pool_rows
+            plan = dataclasses.replace(plan, pool_rows=mask)
         if self.logits_processors is not None:
             try:
                 handle = self._dispatch_with_processors(sched, plan, mm)

@@ -490,6 +490,7 @@ class PipelineRunner(runner_lib.ModelRunner):
         self.enable_prompt_embeds = False
         self.batch_invariant = False
         self._captured = None
+        self._final_hidden = None
         self.mm = None
         self.num_compiles = 0
         self.enforce_eager = engine_config.enforce_eager

@@ -68,6 +68,7 @@ class StepHandle:
     verify: object = None  # rejection_sampler.VerifyOutput on device (speculative decoding)
     drafts: object = None  # [S, k] the MTP head's drafts for each row's next step, on device
     hidden_states: object = None  # [T, K, H] captured residual streams (a row asked), on device
+    final_hidden: object = None  # [T, H] the final hidden states (a row pools), on device
 
 
 @dataclass
@@ -87,6 +88,8 @@ class StepOutput:
     draft_ids: np.ndarray | None = None  # [S, k] the MTP head's drafts (method "mtp")
     # [num_tokens, K, H] float32 the residual stream at each token's row's asked layers
     hidden_states: np.ndarray | None = None
+    # [S, H] float32 each row's final hidden state at its last token (plan.pool_rows)
+    final_hidden: np.ndarray | None = None
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -213,6 +216,7 @@ class ModelRunner:
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         self._captured = None  # the last step's hidden-state capture, when a row asked
+        self._final_hidden = None  # the last step's final hidden states, when a row pools
         if self.state_layers:
             self._log_hybrid_cache(max_model_len, tp)
         else:
@@ -284,6 +288,7 @@ class ModelRunner:
             if prompt_next_ids is not None:
                 out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
             self._captured = captured if _captures(plan) else None
+            self._final_hidden = hidden if plan.pool_rows is not None else None
             if TRACES.n != before:
                 self._add_compiles(TRACES.n - before)
                 if self._warmup is not None:
@@ -421,7 +426,7 @@ class ModelRunner:
             out, verify, *rest = out
             drafts = rest[0] if rest else None
         h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)),
-                       verify, drafts, self._captured)
+                       verify, drafts, self._captured, self._final_hidden)
         for x in self._handle_arrays(h):
             x.copy_to_host_async()
         return h
@@ -439,6 +444,8 @@ class ModelRunner:
             xs.append(h.drafts)
         if h.hidden_states is not None:
             xs.append(h.hidden_states)
+        if h.final_hidden is not None:
+            xs.append(h.final_hidden)
         return xs
 
     def fetch(self, h: StepHandle) -> StepOutput:
@@ -457,6 +464,9 @@ class ModelRunner:
             res.draft_ids = np.asarray(jax.device_get(h.drafts))
         if h.hidden_states is not None:
             res.hidden_states = np.asarray(jax.device_get(h.hidden_states))[:h.plan.num_tokens]
+        if h.final_hidden is not None:
+            rows = h.plan.logits_indices[:h.plan.num_seqs]
+            res.final_hidden = np.asarray(jax.device_get(h.final_hidden), np.float32)[rows]
         return res
 
     def execute(self, plan: StepPlan) -> StepOutput:
