@@ -32,6 +32,14 @@ class MultiModalInputProcessor:
         self.config = config
         self.image_token_id = int(hf_config["image_token_id"])
         self.processor = ImageProcessor(model_dir, config.mm_processor_kwargs)
+        # Gemma 4: begin- and end-of-image tokens around each image's soft tokens
+        self.wrap = ((int(hf_config["boi_token_id"]), int(hf_config["eoi_token_id"]))
+                     if self.processor.family == "gemma4" else (None, None))
+        # bidirectional attention over an image's tokens is not in the paged attention path
+        self.refusal = (None if hf_config.get("use_bidirectional_attention") != "vision" else
+                        "this checkpoint asks for bidirectional attention over image tokens "
+                        "(use_bidirectional_attention='vision'), which jaxserve does not run: "
+                        "it serves text only")
         self._cache: OrderedDict[str, ProcessedImage] | None = (
             None if config.disable_mm_preprocessor_cache else OrderedDict())
 
@@ -57,10 +65,12 @@ class MultiModalInputProcessor:
                 raise InvalidRequestError("the prompt has image placeholders but no image was "
                                           "given", param=where)
             return token_ids, None
+        if self.refusal is not None:
+            raise InvalidRequestError(f"{where}.image: {self.refusal}", param=f"{where}.image")
         processed = [self._process_one(im, f"{where}.image[{i}]")
                      for i, im in enumerate(images)]
         try:
-            ids = expand_placeholders(token_ids, self.image_token_id, processed)
+            ids = expand_placeholders(token_ids, self.image_token_id, processed, *self.wrap)
         except ValueError as e:
             raise InvalidRequestError(str(e), param=f"{where}.image") from None
         items, k = [], 0
