@@ -339,9 +339,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
 
     def embed_images(self, token_ids, embeds, rows):
         """HF's merge: a placeholder token (image, video, audio; generated ones too) embeds as
-        the pad token (scaled, and in the per-layer
-        inputs' token part), then its soft token (unscaled) replaces the row; the per-layer
-        inputs' context projection reads the merged rows."""
+        the pad token (scaled, and in the per-layer inputs' token part), then its soft token
+        (unscaled) replaces the row; the per-layer inputs' context projection reads the merged
+        rows."""
         placeholder = rows >= 0
         for t in self.placeholder_ids:
             placeholder = placeholder | (token_ids == t)
