@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 
 from jaxserve.config import MultiModalConfig
 from jaxserve.core.mm_inputs import ImageItem, MultiModalInputs
 from jaxserve.errors import InvalidRequestError
-from jaxserve.multimodal.processor import ImageProcessor, ProcessedImage, expand_placeholders
+from jaxserve.multimodal.processor import (
+    ImageProcessor,
+    ProcessedImage,
+    expand_placeholders,
+    image_processor_settings,
+)
 
 CACHE_ITEMS = 256
 
@@ -47,7 +51,7 @@ class MultiModalInputProcessor:
     def for_model(cls, model_dir, hf_config: dict, config: MultiModalConfig):
         if model_dir is None or not model_takes_images(hf_config):
             return None
-        if not (Path(model_dir) / "preprocessor_config.json").is_file():
+        if image_processor_settings(model_dir) is None:
             return None
         return cls(model_dir, hf_config, config)
 

@@ -1,6 +1,7 @@
 """The checkpoint's own HF image processor, run in the front-end process.
 
-A checkpoint names its processor class in ``preprocessor_config.json``
+A checkpoint names its processor class in ``preprocessor_config.json`` (or in the
+``image_processor`` entry of ``processor_config.json``, transformers 5's layout)
 (``image_processor_type``); the fast (torchvision) variants are swapped for transformers' PIL
 backend of the same family (``Qwen2VLImageProcessorFast`` -> ``Qwen2VLImageProcessorPil``,
 ``Gemma4ImageProcessor`` -> ``Gemma4ImageProcessorPil``), so a machine without torchvision still
@@ -35,12 +36,25 @@ class ProcessedImage:
     hash: str                  # sha256 of the pixels and grid: same picture, same hash
 
 
-def image_processor_class_name(model_dir) -> str:
+def image_processor_settings(model_dir) -> dict | None:
+    """The image processor's saved settings, None when the checkpoint ships none."""
     path = Path(model_dir) / "preprocessor_config.json"
-    if not path.is_file():
+    if path.is_file():
+        return json.loads(path.read_text())
+    path = Path(model_dir) / "processor_config.json"
+    if path.is_file():
+        nested = json.loads(path.read_text()).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    return None
+
+
+def image_processor_class_name(model_dir) -> str:
+    cfg = image_processor_settings(model_dir)
+    if cfg is None:
         raise ValueError(f"{model_dir} has no preprocessor_config.json: the checkpoint ships no "
                          "image processor")
-    name = json.loads(path.read_text()).get("image_processor_type") or ""
+    name = cfg.get("image_processor_type") or ""
     for stem in _SUPPORTED:
         if name.startswith(stem):
             return stem + "Pil"
@@ -56,7 +70,7 @@ class ImageProcessor:
         import transformers
 
         cls = getattr(transformers, image_processor_class_name(model_dir))
-        cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        cfg = image_processor_settings(model_dir)
         kwargs = dict(mm_processor_kwargs or {})
         size = dict(cfg.get("size") or {})
         # vLLM's names for Qwen's pixel bounds
