@@ -150,8 +150,9 @@ def test_greedy_with_images_equals_hf_generate_with_chunked_prefill(llm, hf, ref
 
 
 def test_prefix_cache_hits_the_same_image_only(llm, hf, reference):
-    """The 1-image prompt again: its pages (image included) hit; the same text with another
-    picture hits only the pages before the image, and its tokens are HF's for that picture."""
+    """The 1-image prompt again: its pages (image included) hit; right after, the same text
+    with another picture hits none of the image's pages, and its tokens are HF's for that
+    picture."""
     prompt, images = _cases()[1]
     ids, _ = hf.ids(prompt, images)
     before_image = ids.index(hf.boi) + 1  # the begin-of-image token is text
@@ -160,7 +161,9 @@ def test_prefix_cache_hits_the_same_image_only(llm, hf, reference):
     assert out[0].num_cached_tokens >= before_image + ids.count(hf.image) - 8
     other = [make_image(128, 128, 5)]
     got, out = _generate(llm, [(prompt, other)])
-    assert 0 < out[0].num_cached_tokens <= before_image  # the text pages before it hit
+    # at most the text pages before it (whether those hit depends on the sliding-window
+    # layers' pages still being held)
+    assert out[0].num_cached_tokens <= before_image
     assert got == [hf.greedy(prompt, other)]
 
 
