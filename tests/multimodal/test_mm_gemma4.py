@@ -167,6 +167,21 @@ def test_prefix_cache_hits_the_same_image_only(llm, hf, reference):
     assert got == [hf.greedy(prompt, other)]
 
 
+@pytest.mark.slow  # a second engine
+def test_preemption_with_images_equals_hf_generate(tiny_gemma4_vlm, hf, reference):
+    """A page pool too small for the four prompts at once: they preempt each other and
+    recompute, reading the encoder outputs they left behind (two pictures, 128 rows: the
+    encoder cache's 140 hold both)."""
+    text, one = _cases()[:2]
+    other = (one[0], [make_image(128, 128, 5)])
+    llm = _llm(tiny_gemma4_vlm, num_gpu_blocks_override=30, enable_prefix_caching=False)
+    got, _ = _generate(llm, [text, one, one, other])
+    assert got == reference[:2] + [reference[1], hf.greedy(*other)]
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert llm.llm_engine.runner.mm.capacity == 140
+    assert llm.llm_engine.runner.mm.num_encoded == 2
+
+
 @pytest.mark.slow  # warm-up compiles the token buckets and the encoder's patch buckets
 def test_nothing_compiles_after_warmup_with_images(tiny_gemma4_vlm, reference):
     llm = _llm(tiny_gemma4_vlm, enforce_eager=False, max_num_seqs=2)
