@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from jaxserve.testing.multimodal import data_url, make_image
