@@ -38,7 +38,8 @@ VL_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 PREPROCESSOR = {"image_processor_type": "Gemma4ImageProcessor",
-                "processor_class": "Gemma4Processor", "patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 3,
+                "processor_class": "Gemma4Processor", "patch_size": 16, "max_soft_tokens": 70,
+                "pooling_kernel_size": 3,
                 "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
                 "do_normalize": False, "do_convert_rgb": True}
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
