@@ -55,7 +55,7 @@ def _generate(llm, lora=None):
     stats = eng.stats()
     return dict(tokens=[list(r.outputs[0].token_ids) for r in res],
                 compiles_after_warmup=stats["num_compiles"] - warm,
-                max_in_flight=getattr(eng, "max_in_flight", 1),
+                max_in_flight=eng.max_in_flight,
                 drafts=stats.get("spec_decode_num_draft_tokens"),
                 accepted=stats.get("spec_decode_num_accepted_tokens"))
 
@@ -86,7 +86,7 @@ def _data_parallel(model: str) -> dict:
     tokens = asyncio.run(main())
     return dict(tokens=tokens, requests_per_replica=llm.requests_per_replica,
                 stage_devices=[[sorted(str(d) for d in m.devices.flat)
-                                for m in r.engine.runner.stage_meshes] for r in llm.replicas],
+                                for m in r.engine.runner.stages.stage_meshes] for r in llm.replicas],
                 max_in_flight=[r.engine.max_in_flight for r in llm.replicas])
 
 
@@ -102,7 +102,7 @@ def _background(model: str) -> dict:
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.builder import build_engine
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.worker.pipeline import PipelineRunner
+    from jaxserve.worker.warmup import BucketWarmup
 
     single = _generate(LLM(model, **BG_KW))["tokens"]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -120,14 +120,14 @@ def _background(model: str) -> dict:
 
     # the buckets above the smallest wait until the first requests are served (a gate on the
     # warm-up thread, so the test does not race the compiles)
-    gate, warm_bucket = threading.Event(), PipelineRunner._warm_bucket
+    gate, warm_bucket = threading.Event(), BucketWarmup._compile_bucket
 
     def gated(self, t):
-        if t > self.ladder[0]:
+        if t > self.runner.ladder[0]:
             gate.wait(600)
         warm_bucket(self, t)
 
-    PipelineRunner._warm_bucket = gated
+    BucketWarmup._compile_bucket = gated
     try:
         eng = build_engine(engine_config_from_kwargs(model, pipeline_parallel_size=2, **BG_KW),
                            background_warmup=True)
@@ -137,7 +137,7 @@ def _background(model: str) -> dict:
         out["tokens"], out["progress_at_first_finish"] = run(eng)
     finally:
         gate.set()
-        PipelineRunner._warm_bucket = warm_bucket
+        BucketWarmup._compile_bucket = warm_bucket
     deadline = time.monotonic() + 600
     while not runner.warmed_up and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -186,7 +186,7 @@ def _child(paths: dict) -> dict:
                 sorted({d for x in jax.tree_util.tree_leaves(s.arrays) for d in _devices(x)})
                 for s in slots]
             runs[name]["stage_devices"] = [sorted(str(d) for d in m.devices.flat)
-                                           for m in llm.llm_engine.runner.stage_meshes]
+                                           for m in llm.llm_engine.runner.stages.stage_meshes]
         del llm
     # adapters and n-gram speculation together: verify rows carry their adapter's slot
     runs["pp2-ngram"] = _generate(LLM(paths["llama"], pipeline_parallel_size=2,
@@ -211,7 +211,7 @@ def _child(paths: dict) -> dict:
                 {d for k, v in draft.kv_pages for d in _devices(k)}
                 | {d for x in draft._state_leaves for d in _devices(x)})
             runs[name]["last_stage_devices"] = sorted(
-                str(d) for d in eng.runner.stage_meshes[-1].devices.flat)
+                str(d) for d in eng.runner.stages.stage_meshes[-1].devices.flat)
         del llm
     out["spec"] = runs
 
@@ -249,7 +249,7 @@ def _child(paths: dict) -> dict:
                     stage_attention_layers=[
                         # (k, v) pages are [Hkv, pages, block, D]; a state's conv part is 3-D
                         sum(len(c) == 2 and c[0].ndim == 4 for c in pages) for pages in
-                        llm.llm_engine.runner.stage_pages])
+                        llm.llm_engine.runner.stages.stage_pages])
                 del llm
         out["families"][family] = runs
 
@@ -441,7 +441,7 @@ def test_speculation_on_a_state_pool_model_under_pp_is_a_start_up_error(report):
 def test_a_family_without_stage_pieces_is_a_start_up_error():
     from jaxserve.errors import InvalidRequestError
     from jaxserve.models.contract import ModelBase
-    from jaxserve.worker.pipeline import check_model
+    from jaxserve.worker.stages import check_model
 
     class OtherForCausalLM(ModelBase):  # the contract's defaults: no stage pieces
         pass
