@@ -92,9 +92,6 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     local = Path(str(config.model)).expanduser()
     spec = config.speculative
     mtp = spec is not None and spec.method == "mtp"
-    if mtp and pp_mesh is not None:
-        raise InvalidRequestError("speculative_config: method 'mtp' does not run with "
-                                  "pipeline parallelism", param="speculative_config")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # a local model's tokenizer loads beside its weights (transformers' import and the
         # vocabulary overlap the dequantization and placement)

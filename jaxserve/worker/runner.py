@@ -32,10 +32,9 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
-                                      allocate_layer_pages, fork_copy, fork_pairs,
-                                      kv_cache_dtype)
+                                      allocate_layer_pages, kv_cache_dtype)
 from jaxserve.worker.kv_cache_log import log_hybrid_cache, log_kv_cache
-from jaxserve.worker.kv_moves import write_pages, write_slot
+from jaxserve.worker.kv_moves import PoolMoves
 from jaxserve.worker.stage_pipeline import PipelineStages
 from jaxserve.worker.kv_cache_config import (group_pool_sizes, model_cache_specs, pool_sizes,
                                              state_pool_sizes, use_group_pools)
@@ -103,7 +102,7 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-class ModelRunner:
+class ModelRunner(PoolMoves):
     """The one runner: tensor parallel on ``mesh``, or pipeline stages on ``pipeline_mesh``
     (a ``(pp, tp)`` mesh; ``self.stages``), each stage a layer range with its share of the
     weights and of the pools; the sampler, warm-up and handles are the same either way."""
@@ -204,10 +203,10 @@ class ModelRunner:
         self._forward = None if self.stages is not None else forward_fn(
             self.graphdef, treedef, mesh, self.state_layers, len(self.cache_specs),
             self.snapshots, self.batch_invariant)
-        self._rollback = (None if self.snapshots is None
+        self._rollback = (None if self.snapshots is None or self.stages is not None
                           else rollback_fn(*self.snapshots, mesh))
-        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
-                     if self.mtp else None)
+        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size,
+                            self.mesh) if self.mtp else None)
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
         self._prompt_logprobs = prompt_logprobs_fn(self.graphdef, treedef,
@@ -349,9 +348,12 @@ class ModelRunner:
         nothing waits for the host): the recurrent state's rollback to each verify row's last
         accepted token, then the MTP head's drafts for the next step (None without it).
         ``packed``: the forward's ``pack(inputs)``."""
-        if self._rollback is None and self._mtp is None:
+        if self.snapshots is None and self._mtp is None:
             return None
         verify = out[1]
+        if self.stages is not None:
+            return self.stages.after_verify(inputs, packed, hidden, verify, prev_tokens,
+                                            self._mtp)
         pool = list(self.kv_pages)
         if self._rollback is not None:
             states = self._rollback([pool[i] for i in self.state_layers],
@@ -545,63 +547,6 @@ class ModelRunner:
         """This thread's count of traces of the step's jitted functions."""
         return TRACES
 
-    # ---- swap (preemption to host memory) ------------------------------------------------
-    def _paged_layers(self) -> list[int]:
-        return [i for i in range(len(self.kv_pages)) if i not in self.state_layers]
-
-    def swap_out(self, page_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per paged
-        layer (LinearState layers hold slots, not pages: ``swap_out_state``)."""
-        idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
-        with self._pool_lock:
-            return jax.device_get([tuple(a[:, idx] for a in self.kv_pages[i])
-                                   for i in self._paged_layers()])
-
-    def swap_in(self, page_ids: list[int], saved) -> None:
-        idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
-        with self._pool_lock:
-            if self.stages is not None:
-                return self.stages.swap_in(idx, saved)
-            layers = self._paged_layers()
-            written = write_pages([self.kv_pages[i] for i in layers], idx, saved)
-            pool = list(self.kv_pages)
-            for i, kv in zip(layers, written):
-                pool[i] = kv
-            self._set_pool(pool)
-
-    def swap_out_state(self, slot: int) -> list[tuple[np.ndarray, ...]]:
-        """Copy one request's recurrent state (every LinearState layer's arrays at ``slot``)
-        to host memory."""
-        with self._pool_lock:
-            return jax.device_get([tuple(a[slot] for a in self.kv_pages[i])
-                                   for i in self.state_layers])
-
-    def swap_in_state(self, slot: int, saved) -> None:
-        """Write a swapped request's state into its (new) ``slot``."""
-        with self._pool_lock:
-            if self.stages is not None:
-                return self.stages.swap_in_state(slot, saved)
-            written = write_slot([self.kv_pages[i] for i in self.state_layers], jnp.int32(slot),
-                                 [tuple(jnp.asarray(a) for a in arrs) for arrs in saved])
-            pool = list(self.kv_pages)
-            for i, arrs in zip(self.state_layers, written):
-                pool[i] = arrs
-            self._set_pool(pool)
-
-    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
-        """n > 1 siblings start from their first child's computed prompt: its pages and
-        recurrent state copied into theirs, on the device, in step order."""
-        if self.stages is not None:
-            with self._pool_lock:
-                return self.stages.fork(pages, slots)
-        src, dst = fork_pairs(pages, 0)  # page 0: the trash page
-        trash_slot = self.kv_pages[self.state_layers[0]][0].shape[0] - 1 if self.state_layers \
-            else 0
-        ssrc, sdst = fork_pairs(slots, trash_slot)
-        with self._pool_lock:
-            self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
-                                     tuple(self.state_layers), src, dst, ssrc, sdst))
-
     # ---- weights in place, sleep (jaxserve.worker.weight_update, jaxserve.worker.sleep) ----
     def param_names(self) -> list[str]:
         """The state path (HF name) of each param leaf, in leaf order."""
@@ -623,14 +568,3 @@ class ModelRunner:
                 return self.stages.set_params(leaves)
             self._state_leaves = list(leaves)
             self.state = jax.tree_util.tree_unflatten(treedef, self._state_leaves)
-
-    def _set_pool(self, pool) -> None:
-        """Keep the step's input sharding (no recompile under tp): page pools split over KV
-        heads, state pools over their channel/head axis."""
-        if self.mesh is not None:
-            kv = sharding.kv_pool_sharding(self.mesh)
-            state = sharding.state_pool_sharding(self.mesh)
-            pool = jax.device_put(pool, [state if i in self.state_layers else kv
-                                         for i in range(len(pool))])
-        self.kv_pages = pool
-

@@ -64,15 +64,21 @@ class PipelineStages:
         self.partition = layer_partition(mc.num_layers, pp)
         specs = r.cache_specs
         check_shared_kv(specs, self.partition, pp)
-        if r.state_layers and r.num_spec_tokens:  # no per-token state snapshots here
+        if r.state_layers and r.num_spec_tokens and self.link is not None:
             raise InvalidRequestError(
-                f"--speculative-config with {FLAG} > 1 on {type(model).__name__} (LinearState "
-                "layers) is not supported yet: the stages keep no per-token state snapshots to "
-                "roll rejected drafts back", param="speculative_config")
+                f"--speculative-config with {FLAG} > 1 across hosts on {type(model).__name__} "
+                "(LinearState layers) is not supported yet: each stage's rollback reads the "
+                "last stage's verification (one host: supported)", param="speculative_config")
+        # speculating with LinearState layers: k scratch slots per row after the requests'
+        # slots on every stage hold the verify rows' per-token snapshots (the rollback's)
+        self.scratch = r.max_num_seqs * r.num_spec_tokens if r.state_layers else 0
+        num_layers = mc.num_layers
+        self.mtp_pages = None  # the MTP head's pages (its cache spec after the layers'), last stage
         r.pools = group_pools(r.cache_groups) if r.grouped else page_pools(r.cache_groups)
         # every stage holds the same page ids for its own layers: size by the stage with the
         # most paged layers (the state pool: by the whole model's state, an upper bound)
-        paged = [sum(not isinstance(sp, LinearState) for sp in specs[lo:hi])
+        paged = [sum(not isinstance(sp, LinearState)
+                     for sp in specs[lo:hi] + (specs[num_layers:] if hi == num_layers else []))
                  for lo, hi in self.partition]
         lo, hi = self.partition[int(np.argmax(paged))]
         stage_pools = page_pools(group_layers(stage_specs(specs, lo, hi)))
@@ -83,8 +89,11 @@ class PipelineStages:
                                                      r.max_model_len, share, tp)
         elif r.state_layers:
             slots, sizes = kv_cache_config.state_pool_sizes(
-                stage_pools, r.cache_groups, stage_cfg, config, r.max_model_len, share, tp)
+                stage_pools, r.cache_groups, stage_cfg, config, r.max_model_len, share, tp,
+                self.scratch)
             r.num_state_slots = sharding.agree_across_hosts(slots)
+            if self.scratch:
+                r.snapshots = (r.num_state_slots, r.num_spec_tokens)
         else:
             sizes = kv_cache_config.pool_sizes(stage_pools, stage_cfg, config, r.max_model_len,
                                                share, tp, extra_page_bytes)
@@ -109,8 +118,12 @@ class PipelineStages:
             self.stage_leaves.append(leaves)
             local_state = tuple(j - lo for j in r.state_layers if lo <= j < hi)
             self.stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1,
-                                                   local_state, hi - lo))
+                                                   local_state, hi - lo, r.snapshots))
             self.stage_pages.append(self._stage_caches(lo, hi, smesh, tp))
+        if len(specs) > num_layers and self.local[-1]:  # the MTP head's layer
+            self.mtp_pages = allocate_layer_pages(
+                specs[num_layers:], r.pool_pages[0], r.block_size, r.kv_dtype,
+                sharding=sharding.kv_pool_sharding(self.stage_meshes[-1]), tp=tp)[0]
         # token bucket -> what a stage hands on (the hidden states; with Gemma 4's PLE, and
         # the per-layer inputs), as shapes: the cross-host hand-off sends each part
         self._carry_shapes: dict[int, object] = {}
@@ -151,7 +164,8 @@ class PipelineStages:
         pages = iter(allocate_layer_pages(
             [sp for sp in specs if not isinstance(sp, LinearState)], r.pool_pages[0],
             r.block_size, r.kv_dtype, sharding=kv, tp=tp))
-        return [allocate_state_pool(sp, r.num_state_slots, state_sharding(smesh, tp))
+        return [allocate_state_pool(sp, r.num_state_slots + self.scratch,
+                                    state_sharding(smesh, tp))
                 if isinstance(sp, LinearState) else next(pages) for sp in specs]
 
     def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
@@ -173,8 +187,9 @@ class PipelineStages:
 
     @property
     def kv_pages(self) -> list:
-        """Every layer's caches, stage by stage (model layer order)."""
-        return [kv for pages in self.stage_pages for kv in pages]
+        """Every layer's caches, stage by stage (model layer order), then the MTP head's."""
+        mtp = [] if self.mtp_pages is None else [self.mtp_pages]
+        return [kv for pages in self.stage_pages for kv in pages] + mtp
 
     # ---- the step ----------------------------------------------------------------------
     def prev_tokens(self, plan: StepPlan):
@@ -362,6 +377,10 @@ class PipelineStages:
                 written = write_pages([self.stage_pages[i][j] for j in layers], idx,
                                       [next(saved) for _ in layers])
                 self._put(i, layers, jax.device_put(written, sharding.kv_pool_sharding(smesh)))
+        if self.mtp_pages is not None:
+            (self.mtp_pages,) = jax.device_put(
+                write_pages([self.mtp_pages], idx, [next(saved)]),
+                sharding.kv_pool_sharding(self.stage_meshes[-1]))
 
     def swap_in_state(self, slot: int, saved) -> None:
         """Write a swapped request's recurrent state into its (new) slot on every stage."""
@@ -385,7 +404,7 @@ class PipelineStages:
         """n > 1 siblings start from their first child's computed prompt: on every stage its
         layers' pages and recurrent states copied into theirs, in step order."""
         src, dst = fork_pairs(pages, 0)  # page 0: the trash page
-        trash_slot = self.runner.num_state_slots or 0  # the state pool's last slot
+        trash_slot = (self.runner.num_state_slots or 0) + self.scratch  # the pool's last slot
         ssrc, sdst = fork_pairs(slots, trash_slot)
         for i, smesh in enumerate(self.stage_meshes):
             if not self.local[i]:
@@ -398,3 +417,33 @@ class PipelineStages:
             kv, st = sharding.kv_pool_sharding(smesh), state_sharding(smesh, tp)
             self.stage_pages[i] = [jax.device_put(c, st if j in state else kv)
                                    for j, c in enumerate(pool)]
+        if self.mtp_pages is not None:
+            (self.mtp_pages,) = jax.device_put(
+                fork_copy([self.mtp_pages], (0,), (), src, dst, ssrc, sdst),
+                sharding.kv_pool_sharding(self.stage_meshes[-1]))
+
+    # ---- after the verifier: the rollback on every stage, the MTP head on the last ----------
+    def after_verify(self, inputs, packed, hidden, verify, prev_tokens, mtp):
+        """Each stage's LinearState layers rolled back to each verify row's last accepted
+        token (the stage reads the last stage's verification), then the MTP head's drafts for
+        the next step on the last stage (None without it)."""
+        r = self.runner
+        if r.snapshots is not None:
+            for i, smesh in enumerate(self.stage_meshes):
+                layers = self._stage_layers(i, state=True)
+                if not layers:
+                    continue
+                tp = sharding.tp_size(smesh)
+                rep = sharding.replicated(smesh)
+                rollback = step_fns.rollback_fn(*r.snapshots, smesh if tp > 1 else None)
+                states = rollback([self.stage_pages[i][j] for j in layers],
+                                  jax.device_put(inputs.state_slots, rep),
+                                  jax.device_put(inputs.num_draft, rep),
+                                  jax.device_put(verify.num_emitted, rep))
+                self._put(i, layers, jax.device_put(states, state_sharding(smesh, tp)))
+        if mtp is None:
+            return None
+        drafts, self.mtp_pages = mtp(r._state_leaves, self.mtp_pages, packed[0], hidden,
+                                     prev_tokens, verify.token_ids, verify.num_emitted,
+                                     packed[1])
+        return drafts

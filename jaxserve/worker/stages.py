@@ -85,10 +85,6 @@ def check_config(config: EngineConfig) -> None:
         raise InvalidRequestError(
             f"speculative_config method 'draft_model' with {FLAG} > 1 runs on one host "
             "('ngram' works across hosts)", param="pipeline_parallel_size")
-    if config.speculative is not None and config.speculative.method == "mtp":
-        raise InvalidRequestError(
-            f"speculative_config method 'mtp' with {FLAG} > 1 is not supported yet ('ngram' "
-            "and 'draft_model' are)", param="speculative_config")
 
 
 def check_model(model) -> None:
@@ -141,9 +137,9 @@ class StageLayers(nnx.Module):
     """A stage's share of the model's ``model`` submodule (same attribute names): its layers;
     on the first stage the embedding side (``embed_tokens`` and any other submodule but the
     layers and the norm, e.g. Gemma 4's per-layer embeddings); on the last the norm (and the
-    embedding again when it is the tied LM head)."""
+    embedding again when it is the tied LM head or the MTP head embeds its next tokens)."""
 
-    def __init__(self, inner, lo: int, hi: int, first: bool, last: bool, tied: bool):
+    def __init__(self, inner, lo: int, hi: int, first: bool, last: bool, embeds: bool):
         for name, value in vars(inner).items():
             if name.startswith("_") or name in ("layers", "norm", "embed_tokens"):
                 continue
@@ -151,14 +147,14 @@ class StageLayers(nnx.Module):
                 setattr(self, name, nnx.data(value if first else None))
             else:
                 setattr(self, name, value)
-        self.embed_tokens = inner.embed_tokens if first or (last and tied) else None
+        self.embed_tokens = inner.embed_tokens if first or (last and embeds) else None
         self.layers = nnx.List(list(inner.layers[lo:hi]))
         self.norm = inner.norm if last else None
 
 
 class Stage(nnx.Module):
     """One stage's part of a model: its layers, plus the embedding on the first stage and the
-    final norm and LM head on the last (a tied head is the embedding, copied). It runs the
+    final norm, LM head and MTP head on the last (a tied head is the embedding, copied). It runs the
     family's own forward pieces (``embed``, ``layer_inputs``, ``run_layer``,
     ``compute_logits``) on its part: a stage is the model with the other stages' weights left
     out, the family's static settings copied."""
@@ -175,8 +171,10 @@ class Stage(nnx.Module):
         self.layer_offset = lo  # the model layer of this stage's first layer
         # per stage layer: the stage layer whose pages it reads (KV sharing), or None
         self.shared_from = shared_from or (None,) * (hi - lo)
-        self.model = StageLayers(model.model, lo, hi, first, last, model.lm_head is None)
+        self.model = StageLayers(model.model, lo, hi, first, last,
+                                 model.lm_head is None or model.mtp is not None)
         self.lm_head = model.lm_head if last else None
+        self.mtp = model.mtp if last else None  # drafts from the last stage's hidden states
 
     def compute_logits(self, hidden):
         """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (last stage)."""
@@ -206,13 +204,16 @@ def state_sharding(mesh, tp: int):
 
 @lru_cache(maxsize=None)
 def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
-                     state_layers: tuple[int, ...] = (), num_layers: int = 0):
+                     state_layers: tuple[int, ...] = (), num_layers: int = 0,
+                     snapshots: tuple[int, int] | None = None):
     """One stage's program, jitted on its mesh:
     ``(leaves, kv_pages, inputs, lora, x, prev_tokens) -> (x, kv_pages)``, on the last stage
     ``(logits, kv_pages, hidden)`` as the single-program forward returns them. The first stage
     takes token ids (``x`` unused), the others the previous stage's hidden states. ``inputs``:
     the step's ``StepInputs``; ``lora``: this stage's layers' adapter slots (None: no LoRA). ``state_layers``: the stage's
-    LinearState layers (stage-local indices), whose caches are state-pool arrays."""
+    LinearState layers (stage-local indices), whose caches are state-pool arrays;
+    ``snapshots`` (first scratch slot, k): they keep each verify row's state after each of its
+    tokens (``step_functions.snapshot_slots``), for the rollback after verification."""
 
     def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens):
         step_fns.TRACES.n += 1
@@ -220,7 +221,9 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
         family = stage.family
         md = step_fns.attention_metadata(
             step, state_slots=step_fns.trash_state_slots(step.state_slots, kv_pages,
-                                                      state_layers))
+                                                         state_layers),
+            snapshot_slots=(None if snapshots is None or not state_layers
+                            else step_fns.snapshot_slots(step.num_draft, *snapshots)))
         if stage.first:
             ref = step.prev_ref
             token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], step.token_ids)
