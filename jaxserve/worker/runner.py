@@ -250,10 +250,11 @@ class ModelRunner(PoolMoves):
     def forward(self, plan: StepPlan, inputs: StepInputs, prev_tokens, mm=None):
         """The model half of a step on the device: ``(logits, hidden, captured, packed)``
         (through the stages in order under pipeline parallelism). Caller holds the pool lock."""
+        if self.stages is not None:  # (the MTP head reads the packed inputs)
+            packed = pack(inputs) if self._mtp is not None else None
+            logits, hidden, captured = self.stages.forward(plan, inputs)
+            return logits, hidden, captured, packed
         packed = pack(inputs)
-        if self.stages is not None:
-            logits, hidden = self.stages.forward(plan, inputs)
-            return logits, hidden, None, packed
         logits, self.kv_pages, hidden, captured = self._forward(
             self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
             packed[1], embeds=self.embeds_arg(plan),

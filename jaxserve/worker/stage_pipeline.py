@@ -118,7 +118,8 @@ class PipelineStages:
             self.stage_leaves.append(leaves)
             local_state = tuple(j - lo for j in r.state_layers if lo <= j < hi)
             self.stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1,
-                                                   local_state, hi - lo, r.snapshots))
+                                                   local_state, hi - lo, r.snapshots,
+                                                   config.batch_invariant))
             self.stage_pages.append(self._stage_caches(lo, hi, smesh, tp))
         if len(specs) > num_layers and self.local[-1]:  # the MTP head's layer
             self.mtp_pages = allocate_layer_pages(
@@ -134,6 +135,12 @@ class PipelineStages:
         self._prompt_logprobs_shapes: dict[int, object] = {}  # token bucket -> outputs (link)
         self._pending = None  # across hosts: (handle, last stage's raw outputs) of one plan
         self._names = None
+        self._zero_embeds: dict[int, jax.Array] = {}  # token bucket -> zeros on stage 0
+        if self.link is not None and (config.max_hidden_state_layers
+                                      or config.enable_prompt_embeds):
+            raise InvalidRequestError(
+                f"return_hidden_states / prompt_embeds with {FLAG} > 1 run on one host",
+                param="pipeline_parallel_size")
         logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %s pages of %d tokens "
                     "(%.1f MiB per stage at most)", pp, tp, self.partition,
                     "+".join(map(str, r.pool_pages)), r.block_size, max(
@@ -200,15 +207,31 @@ class PipelineStages:
                                   sharding.replicated(self.stage_meshes[0]))
         return self.no_tokens
 
+    def embeds(self, plan: StepPlan):
+        """Stage 0's ``[T, H]`` prompt embeddings (``--enable-prompt-embeds``; zeros kept per
+        token bucket when no row reads any); None when the engine takes none."""
+        if not self.runner.enable_prompt_embeds:
+            return None
+        rep = sharding.replicated(self.stage_meshes[0])
+        if plan.prompt_embeds is not None:
+            return jax.device_put(plan.prompt_embeds, rep)
+        t = plan.token_bucket
+        if t not in self._zero_embeds:
+            self._zero_embeds[t] = jax.jit(
+                lambda: jnp.zeros((t, self.runner.model_config.hidden_size), jnp.float32),
+                out_shardings=rep)()
+        return self._zero_embeds[t]
+
     def forward(self, plan: StepPlan, inputs=None, before_last=None, gather: bool = True):
-        """The stages in order; returns the last stage's (logits, hidden). Across hosts: the
+        """The stages in order; returns the last stage's (logits, hidden, captured hidden
+        states or None). Across hosts: the
         logits on the sampling stage, hidden on the last stage or None; with ``gather=False``
         the last stage's (logits, hidden) as they are (None on other hosts).
         ``before_last()`` runs after the hand-off into the last stage, before its program."""
         if inputs is None:
             inputs = self.runner._step_inputs(plan)[0]
         prev = self.prev_tokens(plan)
-        x, out = None, None
+        x, out, caps = None, None, []
         t = plan.token_bucket
         last = len(self.stage_fns) - 1
         for i, fn in enumerate(self.stage_fns):
@@ -220,14 +243,23 @@ class PipelineStages:
                 before_last()
             if fn is not None:
                 out = fn(self.stage_leaves[i], self.stage_pages[i], inputs, self._lora(i), x,
-                         prev if i == 0 else None)
+                         prev if i == 0 else None, self.embeds(plan) if i == 0 else None)
                 x, self.stage_pages[i] = out[0], out[1]
+                caps.append(out[-1])
             else:
                 x = None
         logits, hidden = (out[0], out[2]) if self.local[last] else (None, None)
         if self.link is None or not gather:
-            return logits, hidden
-        return self._gather_logits(plan, logits), hidden
+            return logits, hidden, self._sum_captured(caps)
+        return self._gather_logits(plan, logits), hidden, None
+
+    def _sum_captured(self, caps: list):
+        """Every stage's capture on the sampling stage, added (each token's asked layer is in
+        one stage; the others hold zeros there)."""
+        if caps[0] is None:
+            return None
+        rep = sharding.replicated(self.mesh)
+        return sum(jax.device_put(c, rep) for c in caps)
 
     def lower(self, plan: StepPlan):
         """Lower and compile bucket ``plan.token_bucket``'s stage programs (no run; the
@@ -246,7 +278,8 @@ class PipelineStages:
         for i, fn in enumerate(self.stage_fns):
             with TRACE_LOCK:
                 lowered = fn.lower(leaves[i], pages[i], inputs, loras[i], x,
-                                   self.no_tokens if i == 0 else None)
+                                   self.no_tokens if i == 0 else None,
+                                   self.embeds(plan) if i == 0 else None)
             out = lowered.compile().out_info[0]
             if i + 1 < len(self.stage_fns):
                 rep = sharding.replicated(self.stage_meshes[i + 1])
@@ -321,7 +354,7 @@ class PipelineStages:
                 self._finish_pending()
                 return None
             before = step_fns.TRACES.n
-            raw = self.forward(plan, before_last=self._finish_pending, gather=False)
+            raw = self.forward(plan, before_last=self._finish_pending, gather=False)[:2]
             h = handle_cls(plan, None, None, bool(np.any(plan.sampling["num_logprobs"] >= 0)))
             self._pending = (h, raw)
             r._count_step_compiles(before, plan)

@@ -25,6 +25,7 @@ import inspect
 import os
 import re
 import types
+from contextlib import nullcontext
 from functools import lru_cache
 
 import jax
@@ -37,7 +38,9 @@ from jaxserve import sharding
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_spec import SharedKV
 from jaxserve.errors import InvalidRequestError
+from jaxserve.models import batch_invariant
 from jaxserve.models.lora import LoRABatch
+from jaxserve.worker import forward_hooks
 from jaxserve.worker import step_functions as step_fns
 from jaxserve.worker.step_inputs import StepInputs
 
@@ -159,6 +162,8 @@ class Stage(nnx.Module):
     ``compute_logits``) on its part: a stage is the model with the other stages' weights left
     out, the family's static settings copied."""
 
+    supports_pipeline = True  # cut from a family that gives its forward in pieces
+
     def __init__(self, model, lo: int, hi: int, first: bool, last: bool, mesh,
                  shared_from: tuple = ()):
         for name, value in vars(model).items():  # static settings (rope, backend, caps ...)
@@ -205,54 +210,85 @@ def state_sharding(mesh, tp: int):
 @lru_cache(maxsize=None)
 def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
                      state_layers: tuple[int, ...] = (), num_layers: int = 0,
-                     snapshots: tuple[int, int] | None = None):
+                     snapshots: tuple[int, int] | None = None, invariant: bool = False):
     """One stage's program, jitted on its mesh:
-    ``(leaves, kv_pages, inputs, lora, x, prev_tokens) -> (x, kv_pages)``, on the last stage
-    ``(logits, kv_pages, hidden)`` as the single-program forward returns them. The first stage
-    takes token ids (``x`` unused), the others the previous stage's hidden states. ``inputs``:
-    the step's ``StepInputs``; ``lora``: this stage's layers' adapter slots (None: no LoRA). ``state_layers``: the stage's
-    LinearState layers (stage-local indices), whose caches are state-pool arrays;
-    ``snapshots`` (first scratch slot, k): they keep each verify row's state after each of its
-    tokens (``step_functions.snapshot_slots``), for the rollback after verification."""
+    ``(leaves, kv_pages, inputs, lora, x, prev_tokens, embeds) -> (x, kv_pages, captured)``,
+    on the last stage ``(logits, kv_pages, hidden, captured)`` as the single-program forward
+    returns them. The first stage takes token ids (``x`` unused) and, with
+    ``--enable-prompt-embeds``, the ``[T, H]`` prompt embeddings; the others the previous
+    stage's hidden states. ``inputs``: the step's ``StepInputs``; ``lora``: this stage's
+    layers' adapter slots (None: no LoRA). ``captured``: ``[T, K, H]`` float32 of the residual
+    stream at the asked layers this stage runs (zeros elsewhere; None when the engine captures
+    none: ``worker.forward_hooks``). ``state_layers``: the stage's LinearState layers
+    (stage-local indices), whose caches are state-pool arrays; ``snapshots`` (first scratch
+    slot, k): they keep each verify row's state after each of its tokens
+    (``step_functions.snapshot_slots``), for the rollback after verification; ``invariant``:
+    batch-invariant reductions (``models.batch_invariant``)."""
 
-    def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens):
+    def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens, embeds=None):
         step_fns.TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
-        family = stage.family
+        with batch_invariant.mode(invariant):
+            return stage_half(stage, kv_pages, step, lora, x, prev_tokens, embeds)
+
+    def stage_half(stage, kv_pages, step, lora, x, prev_tokens, embeds):
         md = step_fns.attention_metadata(
             step, state_slots=step_fns.trash_state_slots(step.state_slots, kv_pages,
                                                          state_layers),
             snapshot_slots=(None if snapshots is None or not state_layers
                             else step_fns.snapshot_slots(step.num_draft, *snapshots)))
+        T = step.positions.shape[0]
+        capture = step.hidden_layers.shape[1] > 0  # return_hidden_states: K layers a token
+        want = (forward_hooks.token_layers(step.hidden_layers, step.query_start, T)[..., None]
+                if capture else None)
+        cap = None
+
+        def keep(i, h):
+            nonlocal cap
+            if capture:
+                h = forward_hooks.residual(h).astype(jnp.float32)
+                cap = jnp.zeros((T, want.shape[1], h.shape[-1]), jnp.float32) if cap is None \
+                    else cap
+                cap = jnp.where(want == i, h[:, None, :], cap)
+
         if stage.first:
             ref = step.prev_ref
             token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], step.token_ids)
-            x = family.embed(stage, token_ids)
+            with (forward_hooks.prompt_embeds(stage, step.embed_mask, embeds)
+                  if embeds is not None else nullcontext()):
+                x = stage.embed(token_ids)
+            keep(0, x)
         lora = LoRABatch(step.lora_slots, *lora) if lora is not None else None
-        inputs = family.layer_inputs(stage, step.positions, md, step.positions.shape[0])
+        inputs = stage.layer_inputs(step.positions, md, T)
         new_pages = []
         for j, (layer, kv) in enumerate(zip(stage.model.layers, kv_pages)):
             if stage.shared_from[j] is not None:  # KV sharing: the producer's pages
                 kv = new_pages[stage.shared_from[j]]
-            x, kv = family.run_layer(stage, j, layer, x, inputs, kv, md, lora)
+            x, kv = stage.run_layer(j, layer, x, inputs, kv, md, lora)
             new_pages.append(kv)
+            if stage.layer_offset + j + 1 < stage.num_layers:  # the last: after the norm
+                keep(stage.layer_offset + j + 1, x)
         new_pages = [() if src is not None else kv
                      for src, kv in zip(stage.shared_from, new_pages)]
+        if capture and cap is None:  # a stage of no asked layer adds zeros
+            cap = jnp.zeros((T, want.shape[1], forward_hooks.residual(x).shape[-1]),
+                            jnp.float32)
         if not stage.last:
-            return x, new_pages  # the hidden states (with PLE: and the per-layer inputs)
-        hidden = family.final_hidden(stage, x)
+            return x, new_pages, cap  # the hidden states (with PLE: and the per-layer inputs)
+        hidden = stage.final_hidden(x)
+        keep(stage.num_layers, hidden)
         idx = step.logits_indices
         if idx.size > hidden.shape[0]:
-            return stage.compute_logits(hidden)[idx], new_pages, hidden
+            return stage.compute_logits(hidden)[idx], new_pages, hidden, cap
         logits = stage.compute_logits(hidden[idx.reshape(-1)])
-        return logits.reshape(idx.shape + logits.shape[-1:]), new_pages, hidden
+        return logits.reshape(idx.shape + logits.shape[-1:]), new_pages, hidden, cap
 
     rep, pool = sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)
     if state_layers:
         state = state_sharding(mesh, sharding.tp_size(mesh))
         pool = [state if j in state_layers else pool for j in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,),
-                   out_shardings=(rep, pool, rep) if last else (rep, pool))
+                   out_shardings=(rep, pool, rep, rep) if last else (rep, pool, rep))
 
 
 def place(state, mesh):
