@@ -34,8 +34,8 @@ from jaxserve.worker import step_functions as step_fns
 from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool, fork_copy,
                                       fork_pairs, specs_page_bytes)
 from jaxserve.worker.kv_moves import write_pages, write_slot
-from jaxserve.worker.stages import (FLAG, Stage, StageLink, StageLoRASlots, abstract,
-                                    check_model, check_shared_kv, layer_partition, model_path,
+from jaxserve.worker.stages import (FLAG, StageLink, StageLoRASlots, abstract, check_model,
+                                    check_shared_kv, layer_partition, make_stage, model_path,
                                     place, release_unused, stage_forward_fn, stage_is_local,
                                     stage_specs, state_sharding)
 
@@ -103,8 +103,8 @@ class PipelineStages:
         for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
             shared = tuple(sp.producer_layer - lo if isinstance(sp, SharedKV) else None
                            for sp in specs[lo:hi])
-            stage = Stage(model, lo, hi, first=i == 0, last=i == pp - 1,
-                          mesh=smesh if tp > 1 else None, shared_from=shared)
+            stage = make_stage(model, lo, hi, first=i == 0, last=i == pp - 1,
+                               mesh=smesh if tp > 1 else None, shared_from=shared)
             graphdef, state = nnx.split(stage)
             if not self.local[i]:  # another host's stage: its shapes only
                 leaves, treedef = jax.tree_util.tree_flatten(abstract(state))

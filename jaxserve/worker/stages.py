@@ -21,10 +21,8 @@ The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION
 """
 from __future__ import annotations
 
-import inspect
 import os
 import re
-import types
 from contextlib import nullcontext
 from functools import lru_cache
 
@@ -157,10 +155,11 @@ class StageLayers(nnx.Module):
 
 class Stage(nnx.Module):
     """One stage's part of a model: its layers, plus the embedding on the first stage and the
-    final norm, LM head and MTP head on the last (a tied head is the embedding, copied). It runs the
-    family's own forward pieces (``embed``, ``layer_inputs``, ``run_layer``,
-    ``compute_logits``) on its part: a stage is the model with the other stages' weights left
-    out, the family's static settings copied."""
+    final norm, LM head and MTP head on the last (a tied head is the embedding, copied). Made as
+    a subclass of the family (:func:`make_stage`), it runs the family's own contract pieces
+    (``embed``, ``layer_inputs``, ``run_layer``, ``final_hidden``, ``compute_logits``) on its
+    part: a stage is the model with the other stages' weights left out, the family's static
+    settings copied."""
 
     supports_pipeline = True  # cut from a family that gives its forward in pieces
 
@@ -181,18 +180,18 @@ class Stage(nnx.Module):
         self.lm_head = model.lm_head if last else None
         self.mtp = model.mtp if last else None  # drafts from the last stage's hidden states
 
-    def compute_logits(self, hidden):
-        """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (last stage)."""
-        return self.family.compute_logits(self, hidden)
 
-    def __getattr__(self, name: str):
-        """The family's other methods, run on this stage (a family's pieces call helpers
-        of their own, e.g. Gemma 4's per-layer inputs)."""
-        family = self.__dict__.get("family")
-        fn = inspect.getattr_static(family, name, None) if family is not None else None
-        if isinstance(fn, types.FunctionType) and not name.startswith("__"):
-            return types.MethodType(fn, self)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+@lru_cache(maxsize=None)
+def stage_class(family: type) -> type:
+    """``Stage`` over ``family``: the family's own methods (its forward pieces and the helpers
+    they call, e.g. Gemma 4's per-layer inputs) run on a stage as on the whole model."""
+    return type(f"{family.__name__}Stage", (Stage, family), {})
+
+
+def make_stage(model, lo: int, hi: int, first: bool, last: bool, mesh,
+               shared_from: tuple = ()) -> Stage:
+    """Layers ``[lo, hi)`` of ``model`` as a stage of its family's stage class."""
+    return stage_class(type(model))(model, lo, hi, first, last, mesh, shared_from)
 
 
 def stage_specs(specs, lo: int, hi: int) -> list:
