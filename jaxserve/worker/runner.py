@@ -494,8 +494,7 @@ class ModelRunner(PoolMoves):
             self._skip_warmup()
             return 0.0
         self.start_warmup(workers=max(1, min(4, os.cpu_count() or 1)))
-        if self._warmup is not None:
-            self._warmup.pool.wait_all()
+        self._warmup.pool.wait_all()
         return self._warmup.seconds
 
     def start_warmup(self, workers: int | None = None, on_token_limit=None) -> None:
