@@ -391,7 +391,7 @@ class LLMEngine(WeightControl):
         self._move_pages(sched)
         batch = self.input_batch
         batch.apply(sched.batch)
-        encoder = getattr(self.runner, "mm", None)  # pipeline runners have none
+        encoder = self.runner.mm  # a vision-language model's encoder step, or None
         if encoder is not None:
             encoder.apply(sched.batch)
         if not sched.scheduled:
@@ -406,7 +406,7 @@ class LLMEngine(WeightControl):
             except LogitsProcessorError as e:
                 self._fail_step(sched, str(e))
                 return None
-        elif mm is None:  # (a pipeline runner takes no image arrays)
+        elif mm is None:
             handle = self.runner.dispatch(plan)
         else:
             handle = self.runner.dispatch(plan, mm)

@@ -559,12 +559,13 @@ class ModelRunner(PoolMoves):
 
     def set_params(self, leaves: list) -> None:
         """Swap every param leaf between steps. Each has its old leaf's shape, dtype and
-        sharding (``weight_update.prepare_leaves``), so no step recompiles."""
+        sharding (``weight_update.prepare_leaves``), so no step recompiles; with stages, a
+        list of leaves per stage."""
+        if self.stages is not None:
+            return self.stages.set_params(leaves)
         treedef = getattr(self, "_state_treedef", None)
         if treedef is None:
             treedef = self._state_treedef = jax.tree_util.tree_structure(self.state)
         with self._pool_lock:
-            if self.stages is not None:  # leaves per stage
-                return self.stages.set_params(leaves)
             self._state_leaves = list(leaves)
             self.state = jax.tree_util.tree_unflatten(treedef, self._state_leaves)
