@@ -349,22 +349,10 @@ class EngineConfig:
         if m and self.speculative is not None:
             raise ValueError("max_hidden_state_layers > 0 with speculative decoding is not "
                              "supported (a verify step reads tokens it may reject)")
-        if m and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("max_hidden_state_layers > 0 with pipeline_parallel_size > 1 is "
-                             "not supported yet")
-        if self.batch_invariant and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("batch_invariant with pipeline_parallel_size > 1 is not "
-                             "supported yet")
         if self.logits_processors and self.speculative is not None:
             raise ValueError("logits_processors with speculative decoding is not supported")
-        if self.logits_processors and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("logits_processors with pipeline_parallel_size > 1 is not "
-                             "supported yet")
         if self.enable_prompt_embeds and self.speculative is not None:
             raise ValueError("enable_prompt_embeds with speculative decoding is not supported")
-        if self.enable_prompt_embeds and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("enable_prompt_embeds with pipeline_parallel_size > 1 is not "
-                             "supported yet")
         if self.attention_backend == "mosaic" and self.cache.cache_dtype != "auto":
             # Its GPU test (tests/kernels/test_mosaic_gpu_attention.py) disagrees with the
             # reference on float8 pages under jax 0.11, so the engine does not serve them.

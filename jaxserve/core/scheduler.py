@@ -84,7 +84,7 @@ class Scheduler:
         # while the runner's buckets compile: the largest compiled token bucket (limit_tokens)
         self.token_limit: int | None = None
         # pipeline parallel: a request whose sampled token is still in flight waits for it, so
-        # the steps in flight are micro-batches of different requests (engine/pipelined.py);
+        # the steps in flight are micro-batches of different requests (the engine core's batch queue, engine/llm_engine.py);
         # and a step holds at most max_seqs_per_step of them, so the running requests spread
         # over the micro-batches instead of travelling in one
         self.skip_pending = False

@@ -7,9 +7,15 @@
       -> (one step later with async scheduling) runner.fetch -> Scheduler.update_from_output
       -> CoreOutputs -> OutputProcessor.process -> RequestOutputs
 
-Built by ``jaxserve.engine.builder.build_engine``. Async scheduling (on by default): ``step()``
-schedules and dispatches step N+1, then reads step N's sampled ids, so the host work of one
-step runs while the device computes the next. The scheduler appends a placeholder for each
+Built by ``jaxserve.engine.builder.build_engine``. The core keeps a **batch queue** of
+dispatched steps (vLLM's ``step_with_batch_queue``) and reads the oldest once the queue holds
+``batch_queue_size`` of them or nothing new was scheduled. Async scheduling (on by default):
+two, so ``step()`` schedules and dispatches step N+1, then reads step N's sampled ids and the
+host work of one step runs while the device computes the next. With P pipeline stages: P, each
+step a micro-batch of other requests (the scheduler skips a request whose token is in flight
+and spreads the running ones over the micro-batches), so stage 0 runs step N+1 while stage 1
+runs step N; prefill chunks of one request may be in flight together, since every stage runs
+the steps in order. The scheduler appends a placeholder for each
 token in flight; the step that consumes it reads the real id on the device. Stopping on ids
 and building each request's ``CoreOutput`` is the scheduler's ``update_from_output``, run when
 the ids arrive, one step behind; a token sampled after a stop is dropped. Without async
@@ -23,6 +29,7 @@ process and the front end in the API process (engine/core_process.py, engine/cor
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -104,7 +111,14 @@ class LLMEngine(WeightControl):
         self.async_scheduling = config.async_scheduling
         self._swapped: dict[str, object] = {}  # host copies of swapped pages, by request
         self._swapped_state: dict[str, object] = {}  # host copies of swapped recurrent states
-        self._inflight: _InFlight | None = None
+        # dispatched steps whose ids are not read yet, oldest first (the batch queue)
+        self._queue: collections.deque[_InFlight] = collections.deque()
+        pp = config.parallel.pipeline_parallel_size
+        self.batch_queue_size = max(2, pp) if self.async_scheduling else 1
+        if pp > 1 and self.async_scheduling:  # micro-batches of different requests
+            scheduler.skip_pending = True
+            scheduler.max_seqs_per_step = -(-scheduler.max_num_seqs // self.batch_queue_size)
+        self.max_in_flight = 0  # the most steps ever in flight
         # the worker's persistent rows: the scheduler's diffs in, each step's inputs out
         self.input_batch = InputBatch.for_runner(runner, self._eos_list, seed=config.seed)
         # images: the front end's processor and the runner's encoder step (engine.multimodal)
@@ -288,9 +302,13 @@ class LLMEngine(WeightControl):
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._weights_busy()
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queue)
+
     def _drop_inflight_if_idle(self) -> None:
         if not self.scheduler.has_unfinished():
-            self._inflight = None  # only tokens nobody waits for are in flight
+            self._queue.clear()  # only tokens nobody waits for are in flight
 
     # ---- checks, adapters, grammars --------------------------------------------------
     def _check_lora(self, lora_request) -> None:
@@ -370,16 +388,16 @@ class LLMEngine(WeightControl):
         """Schedule -> execute -> update: what each request gained from the step read now (the
         previous one with async scheduling)."""
         outputs = self._weight_step()  # aborted by an update; a waiting swap once idle
-        if self._inflight is not None and self._inflight.constrained:
+        while any(d.constrained for d in self._queue):
             # a grammar's next mask needs the token in flight: read that step first
-            done, self._inflight = self._inflight, None
-            outputs += self._update(done)
+            outputs += self._update(self._queue.popleft())
         sched = self.scheduler.schedule()
-        done = self._execute(sched)
-        if self.async_scheduling:
-            done, self._inflight = self._inflight, done
-        if done is not None:
-            outputs += self._update(done)
+        step = self._execute(sched)
+        if step is not None:
+            self._queue.append(step)
+            self.max_in_flight = max(self.max_in_flight, len(self._queue))
+        if self._queue and (len(self._queue) >= self.batch_queue_size or step is None):
+            outputs += self._update(self._queue.popleft())
         return self._end_step(sched, outputs)
 
     def _end_step(self, sched, outputs: list[CoreOutput]) -> list[CoreOutput]:
@@ -400,7 +418,7 @@ class LLMEngine(WeightControl):
         self._move_pages(sched)
         batch = self.input_batch
         batch.apply(sched.batch)
-        encoder = getattr(self.runner, "mm", None)  # pipeline runners have none
+        encoder = self.runner.mm  # a vision-language model's encoder step, or None
         if encoder is not None:
             encoder.apply(sched.batch)
         if not sched.scheduled:
@@ -420,7 +438,7 @@ class LLMEngine(WeightControl):
             except LogitsProcessorError as e:
                 self._fail_step(sched, str(e))
                 return None
-        elif mm is None:  # (a pipeline runner takes no image arrays)
+        elif mm is None:
             handle = self.runner.dispatch(plan)
         else:
             handle = self.runner.dispatch(plan, mm)

@@ -32,15 +32,15 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import (allocate_group_pages, allocate_hybrid_caches,
-                                      allocate_layer_pages, fork_copy, fork_pairs,
-                                      kv_cache_dtype)
+                                      allocate_layer_pages, kv_cache_dtype)
+from jaxserve.worker.kv_cache_log import log_hybrid_cache, log_kv_cache
+from jaxserve.worker.kv_moves import PoolMoves
+from jaxserve.worker.stage_pipeline import PipelineStages
 from jaxserve.worker.kv_cache_config import (group_pool_sizes, model_cache_specs, pool_sizes,
                                              state_pool_sizes, use_group_pools)
 from jaxserve.worker.step_functions import (TRACES, forward_fn, mtp_fn, prompt_logprobs_fn,
                                             rollback_fn, sample_fn, top_logprobs_width)
-from jaxserve.core.kv_cache_spec import (group_layers, group_pools, kv_bytes_per_token,
-                                         page_pools, pooled_kv_bytes_per_token,
-                                         state_bytes_per_slot, state_groups)
+from jaxserve.core.kv_cache_spec import group_layers, group_pools, page_pools, state_groups
 from jaxserve.core.step_plan import ARRAY_FIELDS, StepPlan, seq_bucket, token_ladder
 from jaxserve.worker.step_inputs import SamplerInputs, StepInputs, pack
 
@@ -105,10 +105,14 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-class ModelRunner:
+class ModelRunner(PoolMoves):
+    """The one runner: tensor parallel on ``mesh``, or pipeline stages on ``pipeline_mesh``
+    (a ``(pp, tp)`` mesh; ``self.stages``), each stage a layer range with its share of the
+    weights and of the pools; the sampler, warm-up and handles are the same either way."""
+
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
                  max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None,
-                 extra_page_bytes: int = 0):
+                 extra_page_bytes: int = 0, pipeline_mesh=None):
         self.model_config = model_config
         self.config = engine_config
         self.max_model_len = max_model_len
@@ -151,7 +155,12 @@ class ModelRunner:
         self.snapshots = None  # (first scratch slot, k)
         self.grouped = not self.state_layers and use_group_pools(
             model, self.cache_groups, engine_config, extra_page_bytes)
-        if self.grouped:  # a pool per group (core.kv_cache_groups)
+        self.stages: PipelineStages | None = None
+        if pipeline_mesh is not None:  # per stage: its layers' share of each pool, same ids
+            self.stages = PipelineStages(self, model, pipeline_mesh, dtype, param_bytes,
+                                         extra_page_bytes)
+            self.mesh, tp = self.stages.mesh, sharding.tp_size(self.stages.mesh)
+        elif self.grouped:  # a pool per group (core.kv_cache_groups)
             self.pools = group_pools(self.cache_groups)
             sizes = group_pool_sizes(self.pools, model_config, engine_config, max_model_len,
                                      param_bytes // tp, tp)
@@ -186,24 +195,28 @@ class ModelRunner:
         self.num_pages = self.pool_pages[0]
         self.num_cache_groups = len(self.pools)  # block tables per plan row
         self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)
-        self.graphdef, self.state = nnx.split(model)
-        self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        if self.stages is None:
+            self.graphdef, self.state = nnx.split(model)
+            self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        else:  # prompt logprobs (and the MTP head) run on the last stage's weights
+            self.graphdef, treedef = self.stages.last_graph
+            self._state_leaves = self.stages.stage_leaves[-1]
         # --batch-invariant: reductions in a fixed order (models.batch_invariant)
         self.batch_invariant = engine_config.batch_invariant
-        self._forward = forward_fn(self.graphdef, treedef, mesh, self.state_layers,
-                                    len(self.cache_specs), self.snapshots,
-                                    self.batch_invariant)
-        self._rollback = (None if self.snapshots is None
+        self._forward = None if self.stages is not None else forward_fn(
+            self.graphdef, treedef, mesh, self.state_layers, len(self.cache_specs),
+            self.snapshots, self.batch_invariant)
+        self._rollback = (None if self.snapshots is None or self.stages is not None
                           else rollback_fn(*self.snapshots, mesh))
-        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh)
-                     if self.mtp else None)
+        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size,
+                            self.mesh) if self.mtp else None)
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
         self._prompt_logprobs = prompt_logprobs_fn(self.graphdef, treedef,
                                                     self.num_top_logprobs, self.batch_invariant)
         # custom logits processors (worker.logits_processors; set before warm-up)
         self.logits_processors = None
-        self._sample = sample_fn(mesh, self.num_top_logprobs, (), self.batch_invariant)
+        self._sample = sample_fn(self.mesh, self.num_top_logprobs, (), self.batch_invariant)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
         self.enforce_eager = engine_config.enforce_eager
@@ -218,45 +231,9 @@ class ModelRunner:
         self._captured = None  # the last step's hidden-state capture, when a row asked
         self._final_hidden = None  # the last step's final hidden states, when a row pools
         if self.state_layers:
-            self._log_hybrid_cache(max_model_len, tp)
+            log_hybrid_cache(self, max_model_len, tp)
         else:
-            self._log_kv_cache(max_model_len)
-
-    def _log_kv_cache(self, max_model_len: int) -> None:
-        """The pools and vLLM's figures: KV bytes a max_model_len request holds per context
-        token, and how many such requests the pools hold at once."""
-        per_token = kv_bytes_per_token if self.grouped else pooled_kv_bytes_per_token
-        self.kv_bytes_per_token = per_token(self.cache_groups, block_size=self.block_size,
-                                            max_model_len=max_model_len)
-        self.max_concurrency = min(
-            (n - 1) / p.max_pages(max_model_len, self.block_size)
-            for n, p in zip(self.pool_pages, self.pools))
-        total = sum(n * p.page_bytes(self.block_size) for n, p in zip(self.pool_pages,
-                                                                       self.pools))
-        logger.info("KV cache: %s pages of %d tokens in %d pool(s) (%.1f MiB, %s); KV bytes "
-                    "per context token: %.0f; Maximum concurrency for %d tokens per request: "
-                    "%.2fx", "+".join(map(str, self.pool_pages)), self.block_size,
-                    len(self.pools), total / 2**20, np.dtype(self.kv_dtype).name,
-                    self.kv_bytes_per_token, max_model_len, self.max_concurrency)
-
-    def _log_hybrid_cache(self, max_model_len: int, tp: int) -> None:
-        """What the page pool and the state pool hold: requests and context tokens."""
-        page = self.pools[0].page_bytes(self.block_size, tp) // tp
-        slot = state_bytes_per_slot(self.cache_groups) // tp
-        tokens = (self.num_pages - 1) * self.block_size
-        logger.info(
-            "KV cache: %d pages of %d tokens (%.1f MiB, %d attention layers, %.0f bytes per "
-            "context token); state pool: %d slots of %.2f MiB a device (%d LinearState layers, "
-            "float32): %d requests at once, %d context tokens in all (%.1f requests at max_model_len %d)",
-            self.num_pages, self.block_size, self.num_pages * page / 2**20,
-            len(self.pools[0].layers), page / self.block_size, self.num_state_slots,
-            slot / 2**20, len(self.state_layers), self.num_state_slots, tokens,
-            min(self.num_state_slots, tokens / max_model_len), max_model_len)
-        if self.snapshots is not None:
-            n = self.max_num_seqs * self.num_spec_tokens
-            logger.info("state pool: %d more slots (%.1f MiB) for the per-token snapshots of "
-                        "speculative verify rows (%d per row)", n, n * slot / 2**20,
-                        self.num_spec_tokens)
+            log_kv_cache(self, max_model_len)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
@@ -265,6 +242,29 @@ class ModelRunner:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
+    @property
+    def kv_pages(self) -> list:
+        """Every layer's caches (with stages: stage by stage, in model layer order)."""
+        return self._kv_pages if self.stages is None else self.stages.kv_pages
+
+    @kv_pages.setter
+    def kv_pages(self, pool) -> None:
+        self._kv_pages = pool
+
+    def forward(self, plan: StepPlan, inputs: StepInputs, prev_tokens, mm=None):
+        """The model half of a step on the device: ``(logits, hidden, captured, packed)``
+        (through the stages in order under pipeline parallelism). Caller holds the pool lock."""
+        if self.stages is not None:  # (the MTP head reads the packed inputs)
+            packed = pack(inputs) if self._mtp is not None else None
+            logits, hidden, captured = self.stages.forward(plan, inputs)
+            return logits, hidden, captured, packed
+        packed = pack(inputs)
+        logits, self.kv_pages, hidden, captured = self._forward(
+            self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
+            packed[1], embeds=self.embeds_arg(plan),
+            mm=self.mm_arrays(plan) if mm is None else mm)
+        return logits, hidden, captured, packed
+
     def _run(self, plan: StepPlan, mm: dict | None = None, host_logits=None):
         prompt_next_ids = plan.prompt_next_ids
         if self._warmup is not None:  # a bucket still compiling: wait, never compile here
@@ -272,12 +272,8 @@ class ModelRunner:
         with self._pool_lock:
             before = TRACES.n
             inputs, sampler_inputs = self._step_inputs(plan)
-            packed = pack(inputs)
             prev_tokens = self._last_tokens
-            logits, self.kv_pages, hidden, captured = self._forward(
-                self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
-                packed[1], embeds=self.embeds_arg(plan),
-                mm=self.mm_arrays(plan) if mm is None else mm)
+            logits, hidden, captured, packed = self.forward(plan, inputs, prev_tokens, mm)
             if host_logits is not None:  # host logits processors: a round trip of [S, V]
                 logits = self._host_logits(logits, plan.num_seqs, host_logits)
             out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
@@ -286,15 +282,24 @@ class ModelRunner:
             if drafts is not None:
                 out = (*out, drafts)
             if prompt_next_ids is not None:
-                out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
+                out = (out, self.prompt_logprobs(hidden, prompt_next_ids))
             self._captured = captured if _captures(plan) else None
             self._final_hidden = hidden if plan.pool_rows is not None else None
-            if TRACES.n != before:
-                self._add_compiles(TRACES.n - before)
-                if self._warmup is not None:
-                    logger.warning("compile caused by a step (token bucket %d): this is a bug",
-                                   plan.token_bucket)
+            self._count_step_compiles(before, plan)
         return out
+
+    def prompt_logprobs(self, hidden, next_ids):
+        """Each prompt token's logprobs under the step's hidden states (the last stage's)."""
+        if self.stages is not None:
+            return self.stages.prompt_logprobs(hidden, next_ids)
+        return self._prompt_logprobs(self._state_leaves, hidden, next_ids)
+
+    def _count_step_compiles(self, before: int, plan: StepPlan) -> None:
+        if TRACES.n != before:
+            self._add_compiles(TRACES.n - before)
+            if self._warmup is not None:
+                logger.warning("compile caused by a step (token bucket %d): this is a bug",
+                               plan.token_bucket)
 
     def set_logits_processors(self, procs) -> None:
         """The engine's custom processors (before warm-up): their jax halves become part of
@@ -335,7 +340,9 @@ class ModelRunner:
         return self._sample(logits, buf, prev_tokens, token_bitmask, layout)
 
     def weight_leaves(self) -> list:
-        """The model's parameter arrays (what the step reads as weights)."""
+        """The model's parameter arrays (what the step reads as weights; every stage's)."""
+        if self.stages is not None:
+            return self.stages.weight_leaves()
         return list(self._state_leaves)
 
     def _lora_arrays(self):
@@ -347,9 +354,12 @@ class ModelRunner:
         nothing waits for the host): the recurrent state's rollback to each verify row's last
         accepted token, then the MTP head's drafts for the next step (None without it).
         ``packed``: the forward's ``pack(inputs)``."""
-        if not self.num_spec_tokens:
+        if self.snapshots is None and self._mtp is None:
             return None
         verify = out[1]
+        if self.stages is not None:
+            return self.stages.after_verify(inputs, packed, hidden, verify, prev_tokens,
+                                            self._mtp)
         pool = list(self.kv_pages)
         if self._rollback is not None:
             states = self._rollback([pool[i] for i in self.state_layers],
@@ -379,6 +389,8 @@ class ModelRunner:
         """The device slots of every layer's adapters, placed like the weights they adapt."""
         from jaxserve.lora.slots import LoRASlots
 
+        if self.stages is not None:  # each stage its own layers' adapters
+            return self.stages.make_lora_slots(targets, max_loras, max_rank, dtype)
         return LoRASlots(targets, self.model_config.num_layers, max_loras, max_rank, dtype,
                          mesh=self.mesh, weight_specs=targets.specs)
 
@@ -418,6 +430,8 @@ class ModelRunner:
         A plan with ``prompt_next_ids`` also computes the prompt logprobs; ``mm``: the step's
         image arrays (``EncoderRunner.prepare``); ``host_logits``: the host logits processors'
         function on ``[num_seqs, V]`` numpy logits (the step then waits for its logits)."""
+        if self.stages is not None and self.stages.link is not None:
+            return self.stages.dispatch_linked(plan, StepHandle)
         out = self._run(plan, mm, host_logits)
         prompt_lp = verify = drafts = None
         if plan.prompt_next_ids is not None:
@@ -450,6 +464,8 @@ class ModelRunner:
 
     def fetch(self, h: StepHandle) -> StepOutput:
         """Wait for a dispatched step's results on the host."""
+        if h.sampled is None:  # across hosts, still pending: through the leader's broadcast
+            self.dispatch(None)
         out = h.sampled
         token_ids, logprobs = jax.device_get((out.token_ids, out.logprobs))
         res = StepOutput(token_ids=np.asarray(token_ids), logprobs=np.asarray(logprobs))
@@ -498,6 +514,8 @@ class ModelRunner:
             self._skip_warmup()
         elif self._warmup is None:
             self._warmup = BucketWarmup(self, workers, on_token_limit).start()
+            if self.stages is not None and self.stages.link is not None:
+                self._warmup.pool.wait_all()  # across hosts: in lockstep with the others
 
     @property
     def warmed_up(self) -> bool:
@@ -539,57 +557,6 @@ class ModelRunner:
         """This thread's count of traces of the step's jitted functions."""
         return TRACES
 
-    # ---- swap (preemption to host memory) ------------------------------------------------
-    def _paged_layers(self) -> list[int]:
-        return [i for i in range(len(self.kv_pages)) if i not in self.state_layers]
-
-    def swap_out(self, page_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Copy pages to host memory, one (k, v) pair of ``[Hkv, n, block, D]`` per paged
-        layer (LinearState layers hold slots, not pages: ``swap_out_state``)."""
-        idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
-        with self._pool_lock:
-            return jax.device_get([tuple(a[:, idx] for a in self.kv_pages[i])
-                                   for i in self._paged_layers()])
-
-    def swap_in(self, page_ids: list[int], saved) -> None:
-        idx = jnp.asarray(np.asarray(page_ids, dtype=np.int32))
-        with self._pool_lock:
-            layers = self._paged_layers()
-            written = _write_pages([self.kv_pages[i] for i in layers], idx, saved)
-            pool = list(self.kv_pages)
-            for i, kv in zip(layers, written):
-                pool[i] = kv
-            self._set_pool(pool)
-
-    def swap_out_state(self, slot: int) -> list[tuple[np.ndarray, ...]]:
-        """Copy one request's recurrent state (every LinearState layer's arrays at ``slot``)
-        to host memory."""
-        with self._pool_lock:
-            return jax.device_get([tuple(a[slot] for a in self.kv_pages[i])
-                                   for i in self.state_layers])
-
-    def swap_in_state(self, slot: int, saved) -> None:
-        """Write a swapped request's state into its (new) ``slot``."""
-        with self._pool_lock:
-            written = _write_slot([self.kv_pages[i] for i in self.state_layers],
-                                  jnp.int32(slot),
-                                  [tuple(jnp.asarray(a) for a in arrs) for arrs in saved])
-            pool = list(self.kv_pages)
-            for i, arrs in zip(self.state_layers, written):
-                pool[i] = arrs
-            self._set_pool(pool)
-
-    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
-        """n > 1 siblings start from their first child's computed prompt: its pages and
-        recurrent state copied into theirs, on the device, in step order."""
-        src, dst = fork_pairs(pages, 0)  # page 0: the trash page
-        trash_slot = self.kv_pages[self.state_layers[0]][0].shape[0] - 1 if self.state_layers \
-            else 0
-        ssrc, sdst = fork_pairs(slots, trash_slot)
-        with self._pool_lock:
-            self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
-                                     tuple(self.state_layers), src, dst, ssrc, sdst))
-
     # ---- weights in place, sleep (jaxserve.worker.weight_update, jaxserve.worker.sleep) ----
     def param_names(self) -> list[str]:
         """The state path (HF name) of each param leaf, in leaf order."""
@@ -602,37 +569,13 @@ class ModelRunner:
 
     def set_params(self, leaves: list) -> None:
         """Swap every param leaf between steps. Each has its old leaf's shape, dtype and
-        sharding (``weight_update.prepare_leaves``), so no step recompiles."""
+        sharding (``weight_update.prepare_leaves``), so no step recompiles; with stages, a
+        list of leaves per stage."""
+        if self.stages is not None:
+            return self.stages.set_params(leaves)
         treedef = getattr(self, "_state_treedef", None)
         if treedef is None:
             treedef = self._state_treedef = jax.tree_util.tree_structure(self.state)
         with self._pool_lock:
             self._state_leaves = list(leaves)
             self.state = jax.tree_util.tree_unflatten(treedef, self._state_leaves)
-
-    def _set_pool(self, pool) -> None:
-        """Keep the step's input sharding (no recompile under tp): page pools split over KV
-        heads, state pools over their channel/head axis."""
-        if self.mesh is not None:
-            kv = sharding.kv_pool_sharding(self.mesh)
-            state = sharding.state_pool_sharding(self.mesh)
-            pool = jax.device_put(pool, [state if i in self.state_layers else kv
-                                         for i in range(len(pool))])
-        self.kv_pages = pool
-
-
-@jax.jit
-def _write_slot(state_pools, slot, saved):
-    return [tuple(a.at[slot].set(sa) for a, sa in zip(arrs, s)) for arrs, s in
-            zip(state_pools, saved)]
-
-
-@jax.jit
-def _scatter_pages(kv_pages, idx, saved):
-    return [tuple(a.at[:, idx].set(sa) for a, sa in zip(kv, s)) for kv, s in
-            zip(kv_pages, saved)]
-
-
-def _write_pages(kv_pages, idx, saved):
-    saved = [tuple(jnp.asarray(a) for a in kv) for kv in saved]
-    return _scatter_pages(kv_pages, idx, saved)
