@@ -230,6 +230,9 @@ class ModelRunner(PoolMoves):
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         self._captured = None  # the last step's hidden-state capture, when a row asked
         self._final_hidden = None  # the last step's final hidden states, when a row pools
+        # a multi-host leader's hook (worker.multihost.Leader): a context manager entered with
+        # each step's arguments around its dispatch; None on one host and on followers
+        self.step_broadcast = None
         if self.state_layers:
             log_hybrid_cache(self, max_model_len, tp)
         else:
@@ -430,6 +433,12 @@ class ModelRunner(PoolMoves):
         A plan with ``prompt_next_ids`` also computes the prompt logprobs; ``mm``: the step's
         image arrays (``EncoderRunner.prepare``); ``host_logits``: the host logits processors'
         function on ``[num_seqs, V]`` numpy logits (the step then waits for its logits)."""
+        if self.step_broadcast is not None:  # a multi-host leader: followers replay the step
+            with self.step_broadcast(plan, mm, host_logits):
+                return self._dispatch(plan, mm, host_logits)
+        return self._dispatch(plan, mm, host_logits)
+
+    def _dispatch(self, plan: StepPlan, mm=None, host_logits=None) -> StepHandle:
         if self.stages is not None and self.stages.link is not None:
             return self.stages.dispatch_linked(plan, StepHandle)
         out = self._run(plan, mm, host_logits)
