@@ -82,8 +82,8 @@ def _case(model: str, stages: int, in_flight: int, args) -> dict:
                          total_token_throughput=total / dt, cpu_seconds_per_second=cores))
     best = max(runs, key=lambda r: r["output_throughput"])
     return dict(stages=stages, plans_in_flight=in_flight, devices=len(jax.devices()),
-                engine_depth=eng.depth, max_in_flight=eng.max_in_flight,
-                partition=eng.runner.partition, runs=runs, **best)
+                engine_depth=eng.batch_queue_size, max_in_flight=eng.max_in_flight,
+                partition=eng.runner.stages.partition, runs=runs, **best)
 
 
 def _spawn(model: str, stages: int, in_flight: int, args) -> dict:

@@ -1,7 +1,7 @@
 """jaxserve: LLM inference and serving in JAX and Pallas."""
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "AsyncLLM", "LLMEngine", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "AsyncLLM", "LLMEngine", "LoRARequest", "EngineArgs"]
 
 
 def __getattr__(name):  # lazy, so host-side modules never pull in jax
@@ -20,6 +20,9 @@ def __getattr__(name):  # lazy, so host-side modules never pull in jax
     if name == "LoRARequest":
         from jaxserve.lora.request import LoRARequest
         return LoRARequest
+    if name == "EngineArgs":
+        from jaxserve.args import EngineArgs
+        return EngineArgs
     if name == "LLMEngine":
         from jaxserve.engine.llm_engine import LLMEngine
         return LLMEngine

@@ -1,15 +1,15 @@
-"""Configuration dataclasses: the one place that maps CLI flags / ``LLM(...)`` kwargs to fields.
+"""Configuration dataclasses, resolved once: what the engine runs with.
 
-Names and defaults follow vLLM. ``ModelConfig`` (HF config.json -> our fields) lives here too.
+Names and defaults follow vLLM. Flags and ``LLM(...)`` keywords become these through
+``jaxserve.args.EngineArgs``. ``ModelConfig`` (HF config.json -> our fields) lives here too.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
-from jaxserve.core.pooling_params import RUNNERS, TASK_ALIASES, PoolerConfig
+from jaxserve.core.pooling_params import RUNNERS, PoolerConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -128,6 +128,10 @@ class ParallelConfig:
 QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq", "gguf")
 
 SPEC_METHODS = ("ngram", "draft_model", "mtp")
+# vLLM's per-family names for a checkpoint's own multi-token-prediction head (model cards write
+# them): all are our "mtp", the head found in the target checkpoint.
+MTP_METHOD_ALIASES = ("deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "qwen3_next_mtp",
+                      "qwen3_5_mtp", "longcat_flash_mtp", "pangu_ultra_moe_mtp")
 _SPEC_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                 "model", "draft_tensor_parallel_size")
 
@@ -140,7 +144,8 @@ class SpeculativeConfig:
     own prompt + output (vLLM's defaults: max 5, min = max when only max is given, else 1).
     ``draft_model`` names a smaller model with the target's tokenizer (``model``), run
     unsharded (``draft_tensor_parallel_size`` 1). ``mtp`` drafts with the target checkpoint's
-    own multi-token-prediction head (``mtp.*``, Qwen 3.5 / 3.6); it takes no other field.
+    own multi-token-prediction head (``mtp.*``, Qwen 3.5 / 3.6); it takes no other field, and
+    vLLM's family spellings (``qwen3_5_mtp``, ``qwen3_next_mtp``, ``deepseek_mtp`` ...) mean it.
     """
 
     method: str = "ngram"
@@ -151,6 +156,8 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):
+        if self.method in MTP_METHOD_ALIASES:
+            self.method = "mtp"
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got"
                              f" {self.method!r}")
@@ -342,22 +349,10 @@ class EngineConfig:
         if m and self.speculative is not None:
             raise ValueError("max_hidden_state_layers > 0 with speculative decoding is not "
                              "supported (a verify step reads tokens it may reject)")
-        if m and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("max_hidden_state_layers > 0 with pipeline_parallel_size > 1 is "
-                             "not supported yet")
-        if self.batch_invariant and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("batch_invariant with pipeline_parallel_size > 1 is not "
-                             "supported yet")
         if self.logits_processors and self.speculative is not None:
             raise ValueError("logits_processors with speculative decoding is not supported")
-        if self.logits_processors and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("logits_processors with pipeline_parallel_size > 1 is not "
-                             "supported yet")
         if self.enable_prompt_embeds and self.speculative is not None:
             raise ValueError("enable_prompt_embeds with speculative decoding is not supported")
-        if self.enable_prompt_embeds and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("enable_prompt_embeds with pipeline_parallel_size > 1 is not "
-                             "supported yet")
         if self.attention_backend == "mosaic" and self.cache.cache_dtype != "auto":
             # Its GPU test (tests/kernels/test_mosaic_gpu_attention.py) disagrees with the
             # reference on float8 pages under jax 0.11, so the engine does not serve them.
@@ -544,161 +539,11 @@ class ModelConfig:
         )
 
 
-def engine_config_from_kwargs(model=None, *, tokenizer=None, dtype="auto", max_model_len=None,
-                              gpu_memory_utilization=0.9, block_size=16, max_num_seqs=None,
-                              max_num_batched_tokens=None, enable_prefix_caching=True,
-                              swap_space=4.0, seed=0, tensor_parallel_size=1,
-                              data_parallel_size=1, enable_expert_parallel=False,
-                              load_format="auto", quantization=None, lm_head_quantized=False,
-                              kv_cache_dtype="auto",
-                              attention_backend="auto", num_gpu_blocks_override=None,
-                              preemption_mode="recompute", served_model_name=None,
-                              min_token_bucket=None, token_bucket_growth=None,
-                              async_scheduling=True, generation_config="auto",
-                              override_generation_config=None,
-                              speculative_config=None, max_logprobs=20,
-                              disable_hybrid_kv_cache_manager=False,
-                              calculate_kv_scales=False, enable_chunked_prefill=None,
-                              scheduling_policy="priority", pipeline_parallel_size=1,
-                              enforce_eager=False, revision=None, download_dir=None,
-                              hf_overrides=None, trust_remote_code=False,
-                              tokenizer_mode="auto", kv_events_config=None,
-                              enable_lora=False, max_loras=1, max_lora_rank=16,
-                              max_cpu_loras=None, lora_allowed_paths=None,
-                              structured_outputs_compile_timeout=5.0, runner="auto", task=None,
-                              pooler_config=None, limit_mm_per_prompt=None,
-                              mm_processor_kwargs=None, disable_mm_preprocessor_cache=False,
-                              allowed_local_media_path=None, allowed_media_domains=None,
-                              max_hidden_state_layers=0,
-                              enable_prompt_embeds=False, logits_processors=None,
-                              batch_invariant=None) -> EngineConfig:
-    """The one mapping from ``LLM(...)`` keyword arguments (and, through the CLI, flags) to an
-    ``EngineConfig``. Needs no jax: limits left unset are named in
-    ``scheduler.backend_defaults`` and resolved by ``EngineConfig.for_platform``."""
-    if enable_chunked_prefill is False and max_num_batched_tokens is None and max_model_len:
-        # vLLM: without chunked prefill the step budget holds a whole prompt
-        max_num_batched_tokens = max(int(max_model_len), SchedulerConfig.max_num_batched_tokens)
-    given = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                 min_token_bucket=min_token_bucket, token_bucket_growth=token_bucket_growth)
-    unset = tuple(k for k, v in given.items() if v is None)
-    fallback = SchedulerConfig()
-    runner, pooling_task = _runner_and_task(runner, task)
-    return EngineConfig(
-        runner=runner, pooling_task=pooling_task, pooler_config=PoolerConfig.parse(pooler_config),
-        model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, load_format=load_format,
-        quantization=quantization, lm_head_quantized=lm_head_quantized,
-        attention_backend=attention_backend, served_model_name=served_model_name,
-        async_scheduling=bool(async_scheduling),
-        generation_config=_generation_config_source(generation_config),
-        override_generation_config=_override_generation_config(override_generation_config),
-        speculative=SpeculativeConfig.from_dict(speculative_config),
-        max_logprobs=max_logprobs, enforce_eager=bool(enforce_eager), revision=revision,
-        max_hidden_state_layers=max_hidden_state_layers,
-        enable_prompt_embeds=bool(enable_prompt_embeds),
-        logits_processors=tuple(logits_processors or ()),
-        batch_invariant=_batch_invariant(batch_invariant),
-        download_dir=download_dir, hf_overrides=_json_object(hf_overrides, "hf_overrides"),
-        trust_remote_code=bool(trust_remote_code), tokenizer_mode=tokenizer_mode,
-        kv_events=KVEventsConfig.parse(kv_events_config),
-        lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank,
-                        max_cpu_loras=max_cpu_loras,
-                        allowed_paths=tuple(str(p) for p in lora_allowed_paths or ()))
-        if enable_lora else None,
-        structured_outputs_compile_timeout=_positive_seconds(
-            structured_outputs_compile_timeout, "structured_outputs_compile_timeout"),
-        cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                          num_gpu_blocks_override=num_gpu_blocks_override,
-                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
-                          cache_dtype=kv_cache_dtype,
-                          calculate_kv_scales=bool(calculate_kv_scales)),
-        scheduler=SchedulerConfig(
-            **{k: getattr(fallback, k) if v is None else v for k, v in given.items()},
-            max_model_len=max_model_len, preemption_mode=preemption_mode,
-            disable_hybrid_kv_cache_manager=bool(disable_hybrid_kv_cache_manager),
-            enable_chunked_prefill=True if enable_chunked_prefill is None
-            else bool(enable_chunked_prefill),
-            policy=scheduling_policy, backend_defaults=unset),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                pipeline_parallel_size=pipeline_parallel_size,
-                                data_parallel_size=data_parallel_size,
-                                enable_expert_parallel=enable_expert_parallel),
-        multimodal=MultiModalConfig(
-            limit_mm_per_prompt=_json_object(limit_mm_per_prompt, "limit_mm_per_prompt") or {},
-            mm_processor_kwargs=_json_object(mm_processor_kwargs, "mm_processor_kwargs"),
-            disable_mm_preprocessor_cache=bool(disable_mm_preprocessor_cache),
-            allowed_local_media_path=(None if allowed_local_media_path is None
-                                      else str(allowed_local_media_path)),
-            allowed_media_domains=_media_domains(allowed_media_domains)),
-    )
+def __getattr__(name: str):
+    """``jaxserve.config.engine_config_from_kwargs``: the name's earlier home, kept for callers;
+    the mapping itself is ``jaxserve.args.EngineArgs``."""
+    if name == "engine_config_from_kwargs":
+        from jaxserve.args import engine_config_from_kwargs
 
-
-def _media_domains(value) -> tuple[str, ...]:
-    """``--allowed-media-domains``: host names (lower-cased), ``*`` for any."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    out = []
-    for d in value:
-        if not isinstance(d, str) or not d.strip() or "/" in d:
-            raise ValueError(f"allowed_media_domains: {d!r} is not a host name")
-        out.append(d.strip().lower())
-    return tuple(out)
-
-
-def _runner_and_task(runner, task) -> tuple[str, str | None]:
-    """``--task`` (vLLM's older spelling): embed / score / classify / reward select the pooling
-    runner; generate (or auto) leaves ``--runner`` as it is."""
-    if task in (None, "auto"):
-        return runner, None
-    if task == "generate":
-        if runner == "pooling":
-            raise ValueError("task 'generate' contradicts runner 'pooling'")
-        return "generate", None
-    if task not in TASK_ALIASES:
-        raise ValueError(f"task must be one of auto, generate, {', '.join(TASK_ALIASES)}, got "
-                         f"{task!r}")
-    if runner == "generate":
-        raise ValueError(f"task {task!r} contradicts runner 'generate'")
-    return "pooling", TASK_ALIASES[task]
-
-
-def _batch_invariant(value) -> bool:
-    """The flag, or (None) ``VLLM_BATCH_INVARIANT`` / ``JAXSERVE_BATCH_INVARIANT`` = 1."""
-    if value is None:
-        return any(os.environ.get(k, "0").strip() not in ("", "0")
-                   for k in ("VLLM_BATCH_INVARIANT", "JAXSERVE_BATCH_INVARIANT"))
-    return bool(value)
-
-
-def _positive_seconds(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-            or value == float("inf"):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def _generation_config_source(value) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {value!r}")
-    return value
-
-
-def _override_generation_config(value) -> dict | None:
-    return _json_object(value, "override_generation_config")
-
-
-def _json_object(value, name: str) -> dict | None:
-    """A dict, or its JSON text (the CLI's form)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        import json
-
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    return dict(value)
+        return engine_config_from_kwargs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

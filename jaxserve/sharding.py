@@ -12,7 +12,7 @@ all-gather on device) and are sampled on device.
 Pipeline parallel: a second axis, ``pp``, stacks ``pipeline_parallel_size`` stages of ``tp``
 devices each (``pipeline_mesh``); stage *i* is the ``tp`` mesh of row *i* (``stage_meshes``) and
 runs its own jitted programs on its own layers, KV pages and weights
-(``jaxserve.worker.pipeline``).
+(``jaxserve.worker.stages``).
 
 KV pool: ``[Hkv_pool, pages, block, D]`` sharded over its head axis. When ``tp`` exceeds the
 model's KV heads, each KV head is repeated ``tp // Hkv`` times (``Hkv_pool = tp``) so every

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -97,6 +98,9 @@ class CoreOutput:
     # return_hidden_states: [n, K, H] float32 arrays of the positions computed since (offline
     # and in-process engines only: the core process's wire format carries ids and floats)
     new_hidden_states: list | None = None
+    # a pooling request on the generative engine: [H] float32, the final (normed) hidden state
+    # of its prompt's last token (LAST pooling), once, with its finish
+    pooled: Any = None
 
     @property
     def finished(self) -> bool:

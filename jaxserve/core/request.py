@@ -77,6 +77,10 @@ class Request:
         # [n, hidden] float32 numpy: the prompt given as embeddings (prompt ids placeholders);
         # its digest is in cache_salt, so its pages are never shared with a token prompt
         self.prompt_embeds = None
+        # a pooling request (core.pooling_params.PoolingParams) on the generative engine: its
+        # prompt runs as a prefill and it ends with its last token's final hidden state
+        self.pooling_params: Any = None
+        self.pooled: Any = None
         # prompt_logprobs need every prompt position computed, so no prefix-cache reads (vLLM)
         # so do hidden states (return_hidden_states), of every prompt token
         self.hidden_layers = getattr(sampling_params, "return_hidden_states", None)
@@ -235,6 +239,7 @@ class Request:
                          prompt_lps, self.metrics, self.num_cached_tokens)
         if self.new_hidden_states:
             out.new_hidden_states, self.new_hidden_states = self.new_hidden_states, []
+        out.pooled = self.pooled
         return out
 
     def pages_per_group(self) -> list[list[int]]:

@@ -84,7 +84,7 @@ class Scheduler:
         # while the runner's buckets compile: the largest compiled token bucket (limit_tokens)
         self.token_limit: int | None = None
         # pipeline parallel: a request whose sampled token is still in flight waits for it, so
-        # the steps in flight are micro-batches of different requests (engine/pipelined.py);
+        # the steps in flight are micro-batches of different requests (the engine core's batch queue, engine/llm_engine.py);
         # and a step holds at most max_seqs_per_step of them, so the running requests spread
         # over the micro-batches instead of travelling in one
         self.skip_pending = False
@@ -551,6 +551,10 @@ class Scheduler:
             if (not s.sample or req.status in FINISHED_STATUSES
                     or requests.get(req.request_id) is not req):
                 continue  # no token, or stopped / aborted since: its token is dropped
+            if req.pooling_params is not None:  # its prompt is computed: pooled, not sampled
+                self._finish_pooled(req, out.final_hidden[i], now)
+                outputs.append(req.take_output())
+                continue
             if s.num_draft:
                 self._accept_verified(req, s.num_draft, out, i, now)
                 if not req.final_only or req.status in FINISHED_STATUSES:
@@ -621,6 +625,15 @@ class Scheduler:
                 TokenLogprobs.of_row(tok, out, row, req.sampling_params.logprobs))
         if self.check_stop(req, tok):
             m.finished_time = now
+
+    def _finish_pooled(self, req: Request, final_hidden, now: float) -> None:
+        """A pooling request's prompt is computed: it ends with its last token's final hidden
+        state (no output token); its full pages stay in the prefix cache."""
+        req.pooled = final_hidden
+        req.drop_pending()
+        self.block_manager.cache_full_blocks(req)
+        req.metrics.first_token_time = req.metrics.finished_time = now
+        self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def check_stop(self, req: Request, token: int) -> bool:
         """``token`` became known as ``req``'s latest output id: finish the request (True) when

@@ -127,6 +127,9 @@ class StepPlan:
     # custom jax logits processors' state rows (one dict of [S, ...] arrays each); None:
     # their zero template (core.logits_processor)
     processor_state: tuple | None = None
+    # [S] bool rows whose final hidden state at their last token reaches the host (pooling
+    # requests' last prompt chunk); None: no row of the step pools
+    pool_rows: np.ndarray | None = None
 
     @property
     def token_bucket(self) -> int:

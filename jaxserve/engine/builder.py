@@ -86,14 +86,11 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     if pp_mesh is None:
         mesh = engine_mesh(config.parallel, devices)  # None: plain single-device path
     else:  # weights load onto this host's first stage, then each stage takes its part
-        from jaxserve.worker.pipeline import load_mesh
+        from jaxserve.worker.stages import load_mesh
         mesh = load_mesh(pp_mesh, config.parallel.tensor_parallel_size)
     local = Path(str(config.model)).expanduser()
     spec = config.speculative
     mtp = spec is not None and spec.method == "mtp"
-    if mtp and pp_mesh is not None:
-        raise InvalidRequestError("speculative_config: method 'mtp' does not run with "
-                                  "pipeline parallelism", param="speculative_config")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # a local model's tokenizer loads beside its weights (transformers' import and the
         # vocabulary overlap the dequantization and placement)
@@ -132,7 +129,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                                       " host", param="speculative_config")
         from jaxserve.worker.draft_proposer import DraftModelProposer
         if pp_mesh is not None:  # the draft runs on the last stage (see draft_mesh)
-            from jaxserve.worker.pipeline import draft_mesh
+            from jaxserve.worker.stages import draft_mesh
             draft_on = draft_mesh(pp_mesh)
         draft = DraftModelProposer.load_model(spec, config, config.attention_backend,
                                               mc.vocab_size, mesh=draft_on)
@@ -151,13 +148,9 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     prepare_kv_scales(model, mc, config.cache, kv_cache_dtype(config.cache.cache_dtype, dtype),
                       serving_dtype=dtype, tokenizer=tokenizer, max_model_len=max_model_len,
                       mesh=mesh)
-    if pp_mesh is not None:
-        from jaxserve.worker.pipeline import PipelineRunner
-        runner = PipelineRunner(model, mc, config, max_model_len, dtype, pp_mesh,
-                                param_bytes=param_bytes, extra_page_bytes=extra_page_bytes)
-    else:
-        runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
-                             mesh=mesh, extra_page_bytes=extra_page_bytes)
+    runner = ModelRunner(model, mc, config, max_model_len, dtype, param_bytes=param_bytes,
+                         mesh=None if pp_mesh is not None else mesh,
+                         extra_page_bytes=extra_page_bytes, pipeline_mesh=pp_mesh)
     lora_manager = _lora_manager(config, model, mc, runner, dtype) \
         if config.lora is not None else None
     prefix_caching = config.cache.enable_prefix_caching
@@ -169,7 +162,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     # out of a window are freed unless a draft model (which lags behind and may attend
     # globally) reads the same page ids, or --disable-hybrid-kv-cache-manager
     pools = (runner.kv_config.manager_pools() if runner.kv_config is not None
-             else [(str(g), n, p.window)  # worker.pipeline's stages (no KVCacheConfig yet)
+             else [(str(g), n, p.window)  # pipeline stages (worker.stage_pipeline)
                    for g, (n, p) in enumerate(zip(runner.pool_pages, runner.pools))])
     block_manager = make_kv_cache_manager(
         pools, block_size=config.cache.block_size, num_state_slots=runner.num_state_slots,
@@ -195,15 +188,11 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     if config.kv_events is not None and config.kv_events.enabled:
         from jaxserve.engine.kv_event_publisher import KVEventPublisher
         publisher = KVEventPublisher(config.kv_events)
-    engine_cls, extra = LLMEngine, {}
-    if pp_mesh is not None:
-        from jaxserve.engine.pipelined import PipelinedEngine
-        engine_cls, extra = PipelinedEngine, dict(depth=runner.num_stages)
-    engine = engine_cls(config, model=model, model_config=mc, model_dir=model_dir,
+    engine = LLMEngine(config, model=model, model_config=mc, model_dir=model_dir,
                        tokenizer=tokenizer, dtype=dtype, mesh=mesh, max_model_len=max_model_len,
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
                        block_manager=block_manager, scheduler=scheduler, proposer=proposer,
-                       kv_event_publisher=publisher, lora_manager=lora_manager, **extra)
+                       kv_event_publisher=publisher, lora_manager=lora_manager)
     if str(config.model).endswith(".gguf"):
         from jaxserve.loaders.gguf import release_readers
         release_readers()
@@ -225,7 +214,7 @@ def _pipeline_mesh(config: EngineConfig, devices):
     pipelining lacks, is a start-up error here, before any weight is read)."""
     if config.parallel.pipeline_parallel_size == 1:
         return None
-    from jaxserve.worker.pipeline import check_config
+    from jaxserve.worker.stages import check_config
     check_config(config)
     return pipeline_mesh(config.parallel.pipeline_parallel_size,
                          config.parallel.tensor_parallel_size, devices)

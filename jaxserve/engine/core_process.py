@@ -226,7 +226,12 @@ def _loop(engine, preparer, poller, inbox, outbox, parent_pid: int, last_stats: 
                     outbox.send(_pickled(("pooled", outs, stats)))
                 elif stats is not None:
                     outbox.send(encode_outputs([], stats))
-            elif outs or stats is not None:
+                continue
+            if engine.pooling is not None and engine.pooling.pending:  # a decoder's embeddings
+                pooled, outs = engine.pooling.outputs(outs)
+                if pooled:
+                    outbox.send(_pickled(("pooled", pooled, None)))
+            if outs or stats is not None:
                 outbox.send(encode_outputs(outs, stats))
         else:
             if os.getppid() != parent_pid:
@@ -260,6 +265,9 @@ def _handle(engine, msg: CoreRequest, outbox, preparer: Preparer | None = None) 
             add()
     elif isinstance(msg, PoolRequest):
         def add_pool():
+            if not getattr(engine, "is_pooling", False) and engine.pooling is not None:
+                engine.pooling.add_core(msg.request_id, msg.prompt_token_ids, msg.params)
+                return
             if not getattr(engine, "is_pooling", False):
                 raise InvalidRequestError(
                     "this server runs a generative model (--runner generate): it does not "
@@ -341,7 +349,9 @@ def _ready_info(engine) -> dict:
         served_model_name=engine.config.served_model_name,
         default_sampling=engine.default_sampling,
         runner="pooling" if getattr(engine, "is_pooling", False) else "generate",
-        pooling_info=getattr(engine, "pooling_info", None),
+        # a pooling runner's model, or a generative decoder's own embeddings
+        pooling_info=(engine.pooling_info if getattr(engine, "is_pooling", False) else
+                      engine.pooling.info if engine.pooling is not None else None),
         pooling_task=engine.config.pooling_task,
         # images are processed in the API process: where the checkpoint's processor lives
         model_dir=(str(engine.model_dir) if getattr(getattr(engine, "runner", None), "mm", None)

@@ -49,7 +49,8 @@ def replica_device_names(engine) -> list[str]:
     """The devices a replica's engine runs on (every stage's under pipelining)."""
     import jax
 
-    mesh = getattr(engine.runner, "pipeline_mesh", None) or engine.mesh
+    stages = getattr(engine.runner, "stages", None)  # a pooling runner has none
+    mesh = stages.pipeline_mesh if stages is not None else engine.mesh
     return [str(d) for d in (mesh.devices.flat if mesh is not None else jax.devices()[:1])]
 
 

@@ -7,9 +7,15 @@
       -> (one step later with async scheduling) runner.fetch -> Scheduler.update_from_output
       -> CoreOutputs -> OutputProcessor.process -> RequestOutputs
 
-Built by ``jaxserve.engine.builder.build_engine``. Async scheduling (on by default): ``step()``
-schedules and dispatches step N+1, then reads step N's sampled ids, so the host work of one
-step runs while the device computes the next. The scheduler appends a placeholder for each
+Built by ``jaxserve.engine.builder.build_engine``. The core keeps a **batch queue** of
+dispatched steps (vLLM's ``step_with_batch_queue``) and reads the oldest once the queue holds
+``batch_queue_size`` of them or nothing new was scheduled. Async scheduling (on by default):
+two, so ``step()`` schedules and dispatches step N+1, then reads step N's sampled ids and the
+host work of one step runs while the device computes the next. With P pipeline stages: P, each
+step a micro-batch of other requests (the scheduler skips a request whose token is in flight
+and spreads the running ones over the micro-batches), so stage 0 runs step N+1 while stage 1
+runs step N; prefill chunks of one request may be in flight together, since every stage runs
+the steps in order. The scheduler appends a placeholder for each
 token in flight; the step that consumes it reads the real id on the device. Stopping on ids
 and building each request's ``CoreOutput`` is the scheduler's ``update_from_output``, run when
 the ids arrive, one step behind; a token sampled after a stop is dropped. Without async
@@ -23,6 +29,7 @@ process and the front end in the API process (engine/core_process.py, engine/cor
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -50,6 +57,8 @@ from jaxserve.engine.output_processor import OutputProcessor, SequenceStop
 from jaxserve.engine import multimodal
 from jaxserve.engine.tokenizer import prompt_ids
 from jaxserve.engine.weight_sync import WeightControl
+from jaxserve.engine.decoder_pooling import DecoderPooling, decoder_pooling_info
+from jaxserve.core.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +111,14 @@ class LLMEngine(WeightControl):
         self.async_scheduling = config.async_scheduling
         self._swapped: dict[str, object] = {}  # host copies of swapped pages, by request
         self._swapped_state: dict[str, object] = {}  # host copies of swapped recurrent states
-        self._inflight: _InFlight | None = None
+        # dispatched steps whose ids are not read yet, oldest first (the batch queue)
+        self._queue: collections.deque[_InFlight] = collections.deque()
+        pp = config.parallel.pipeline_parallel_size
+        self.batch_queue_size = max(2, pp) if self.async_scheduling else 1
+        if pp > 1 and self.async_scheduling:  # micro-batches of different requests
+            scheduler.skip_pending = True
+            scheduler.max_seqs_per_step = -(-scheduler.max_num_seqs // self.batch_queue_size)
+        self.max_in_flight = 0  # the most steps ever in flight
         # the worker's persistent rows: the scheduler's diffs in, each step's inputs out
         self.input_batch = InputBatch.for_runner(runner, self._eos_list, seed=config.seed)
         # images: the front end's processor and the runner's encoder step (engine.multimodal)
@@ -114,6 +130,12 @@ class LLMEngine(WeightControl):
         # the outputs of requests a failing processor ended, reported with the next step
         self.logits_processors = None
         self._failed: list[CoreOutput] = []
+        # embeddings from this decoder (LAST pooling of the final hidden state) beside its
+        # generation; None where a stage or host other than this one holds the last layer
+        self.pooling = (DecoderPooling(self, decoder_pooling_info(model_config,
+                                                                  config.pooler_config))
+                        if config.parallel.pipeline_parallel_size == 1
+                        and config.parallel.num_hosts == 1 else None)
 
     @property
     def attention_backend(self) -> str:
@@ -126,10 +148,20 @@ class LLMEngine(WeightControl):
     # ---- requests: the front end ---------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, final_only: bool = False, lora_request=None) -> None:
+                    priority: int = 0, final_only: bool = False, lora_request=None,
+                    **kw) -> None:
         """Tokenize, register with the output processor and add its core requests (one per
         sequence; ``final_only``: offline use, no output until the request finishes;
         ``lora_request``: the adapter to run)."""
+        if isinstance(params, PoolingParams):
+            if self.pooling is None:
+                raise InvalidRequestError("embeddings from a generative model need its last "
+                                          "layer on this host (no pipeline parallelism)",
+                                          param="model")
+            return self.pooling.add(request_id, prompt, params, arrival_time=arrival_time,
+                                    priority=priority, lora_request=lora_request, **kw)
+        if kw:
+            raise TypeError(f"unexpected arguments {sorted(kw)}")
         params = params or SamplingParams()
         embeds = images = None
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
@@ -161,24 +193,30 @@ class LLMEngine(WeightControl):
         """Abort front-end requests: every core request of each."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.abort_core_requests(self.output_processor.abort_requests(request_ids))
+        pooled = self.pooling.abort(request_ids) if self.pooling is not None else []
+        self.abort_core_requests(pooled + self.output_processor.abort_requests(request_ids))
 
     def get_num_unfinished_requests(self) -> int:
-        return self.output_processor.num_requests
+        pooling = len(self.pooling.pending) if self.pooling is not None else 0
+        return self.output_processor.num_requests + pooling
 
     def step(self) -> list[RequestOutput]:
         """One step of the core, then its ids through the output processor."""
-        outputs, stops = self.output_processor.process(self.core_step())
+        core = self.core_step()
+        pooled = []
+        if self.pooling is not None and self.pooling.pending:
+            pooled, core = self.pooling.outputs(core)
+        outputs, stops = self.output_processor.process(core)
         if stops:
             self.finish_sequences(stops)
-        return outputs
+        return pooled + outputs
 
     # ---- requests: the core ------------------------------------------------------------
     def add_core_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, *, arrival_time: float | None = None,
                          priority: int = 0, lora_request=None,
                          prefix_parent: str | None = None, final_only: bool = False,
-                         mm=None, prompt_embeds=None) -> None:
+                         mm=None, prompt_embeds=None, pooling=None) -> None:
         """Checked token ids of one sequence into the scheduler (``prefix_parent``: the core
         request whose prompt this one repeats, an n > 1 sibling's child 0; ``final_only``: no
         output until it finishes, for a front end that shows nothing before and checks no
@@ -217,6 +255,7 @@ class LLMEngine(WeightControl):
         req = Request(request_id, ids, params, arrival_time=arrival_time, priority=priority,
                       prefix_parent=prefix_parent, lora_request=lora_request, cache_salt=salt)
         req.prompt_embeds = prompt_embeds
+        req.pooling_params = pooling
         if mm is not None:
             if getattr(self.runner, "mm", None) is None:
                 raise multimodal.text_only_error()
@@ -235,6 +274,8 @@ class LLMEngine(WeightControl):
 
     def abort_core_requests(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
+        if self.pooling is not None:
+            self.pooling.abort(request_ids)
         for rid in request_ids:
             self._swapped.pop(rid, None)
             self._swapped_state.pop(rid, None)
@@ -261,9 +302,13 @@ class LLMEngine(WeightControl):
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._weights_busy()
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queue)
+
     def _drop_inflight_if_idle(self) -> None:
         if not self.scheduler.has_unfinished():
-            self._inflight = None  # only tokens nobody waits for are in flight
+            self._queue.clear()  # only tokens nobody waits for are in flight
 
     # ---- checks, adapters, grammars --------------------------------------------------
     def _check_lora(self, lora_request) -> None:
@@ -343,16 +388,16 @@ class LLMEngine(WeightControl):
         """Schedule -> execute -> update: what each request gained from the step read now (the
         previous one with async scheduling)."""
         outputs = self._weight_step()  # aborted by an update; a waiting swap once idle
-        if self._inflight is not None and self._inflight.constrained:
+        while any(d.constrained for d in self._queue):
             # a grammar's next mask needs the token in flight: read that step first
-            done, self._inflight = self._inflight, None
-            outputs += self._update(done)
+            outputs += self._update(self._queue.popleft())
         sched = self.scheduler.schedule()
-        done = self._execute(sched)
-        if self.async_scheduling:
-            done, self._inflight = self._inflight, done
-        if done is not None:
-            outputs += self._update(done)
+        step = self._execute(sched)
+        if step is not None:
+            self._queue.append(step)
+            self.max_in_flight = max(self.max_in_flight, len(self._queue))
+        if self._queue and (len(self._queue) >= self.batch_queue_size or step is None):
+            outputs += self._update(self._queue.popleft())
         return self._end_step(sched, outputs)
 
     def _end_step(self, sched, outputs: list[CoreOutput]) -> list[CoreOutput]:
@@ -373,7 +418,7 @@ class LLMEngine(WeightControl):
         self._move_pages(sched)
         batch = self.input_batch
         batch.apply(sched.batch)
-        encoder = getattr(self.runner, "mm", None)  # pipeline runners have none
+        encoder = self.runner.mm  # a vision-language model's encoder step, or None
         if encoder is not None:
             encoder.apply(sched.batch)
         if not sched.scheduled:
@@ -382,13 +427,18 @@ class LLMEngine(WeightControl):
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
         mm = None if encoder is None else encoder.prepare(sched.batch, plan.positions)
+        pool_rows = [s.sample and s.request.pooling_params is not None for s in sched.scheduled]
+        if any(pool_rows):  # pooling requests' last prompt chunks: their final hidden states
+            mask = np.zeros(plan.seq_bucket, bool)
+            mask[:len(pool_rows)] = pool_rows
+            plan = dataclasses.replace(plan, pool_rows=mask)
         if self.logits_processors is not None:
             try:
                 handle = self._dispatch_with_processors(sched, plan, mm)
             except LogitsProcessorError as e:
                 self._fail_step(sched, str(e))
                 return None
-        elif mm is None:  # (a pipeline runner takes no image arrays)
+        elif mm is None:
             handle = self.runner.dispatch(plan)
         else:
             handle = self.runner.dispatch(plan, mm)

@@ -58,8 +58,8 @@ class WeightControl:
 
             kw = dict(model_cls=get_model_class(self.model_config.architecture),
                       model_config=self.model_config)
-            if hasattr(runner, "stage_param_names"):  # pipeline stages: leaves per stage
-                leaves = _stage_leaves(runner, weight_update.flat_source(weights), kw)
+            if runner.stages is not None:  # pipeline stages: leaves per stage
+                leaves = _stage_leaves(runner.stages, weight_update.flat_source(weights), kw)
             else:
                 leaves = weight_update.prepare_leaves(
                     runner.param_names(), current, weight_update.flat_source(weights), **kw)
@@ -91,8 +91,8 @@ class WeightControl:
         return dict(zip(self.runner.param_names(), self.runner._state_leaves))
 
     def _swap(self, leaves: list, path: str | None) -> None:
-        if hasattr(self.runner, "stage_param_names"):
-            self.runner.set_stage_params(leaves)  # the module keeps names only (pipeline.py)
+        if self.runner.stages is not None:
+            self.runner.set_params(leaves)  # the module keeps names only (worker.stages)
         else:
             self.runner.set_params(leaves)
             self._sync_model()
@@ -132,7 +132,7 @@ class WeightControl:
         engine is idle (then the requests held meanwhile go in)."""
         out, self._weight_outputs = self._weight_outputs or [], None
         if self._pending_swap is not None and not self.scheduler.has_unfinished():
-            self._inflight = None
+            self._queue.clear()
             leaves, path = self._pending_swap
             self._pending_swap = None
             self._swap(leaves, path)
@@ -234,8 +234,8 @@ class WeightControl:
     def _check_runner(self, what: str, pipeline_ok: bool = False) -> None:
         from jaxserve.worker.runner import ModelRunner
 
-        if type(self.runner) is not ModelRunner and not (
-                pipeline_ok and hasattr(self.runner, "stage_param_names")):
+        if type(self.runner) is not ModelRunner or (self.runner.stages is not None
+                                                    and not pipeline_ok):
             raise InvalidRequestError(f"{what} is not supported with pipeline parallelism yet",
                                       param="pipeline_parallel_size")
         if self.config.parallel.num_hosts > 1:  # followers replay steps, not weight swaps
@@ -251,15 +251,15 @@ def _resolve(model, name: str):
     return obj
 
 
-def _stage_leaves(runner, source, kw: dict) -> list[list]:
+def _stage_leaves(stages, source, kw: dict) -> list[list]:
     """Each pipeline stage's new leaves: every tensor checked and placed once (on the first
     stage holding it), then on each other stage holding it too (a tied LM head's copy)."""
     names, current = [], []
-    for stage_names, leaves in zip(runner.stage_param_names(), runner._stage_leaves):
+    for stage_names, leaves in zip(stages.param_names(), stages.stage_leaves):
         for n, x in zip(stage_names, leaves):
             if n not in names:
                 names.append(n)
                 current.append(x)
     placed = dict(zip(names, weight_update.prepare_leaves(names, current, source, **kw)))
     return [[weight_update.place(placed[n], x) for n, x in zip(stage_names, leaves)]
-            for stage_names, leaves in zip(runner.stage_param_names(), runner._stage_leaves)]
+            for stage_names, leaves in zip(stages.param_names(), stages.stage_leaves)]

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import engine_config_from_kwargs
+from jaxserve.args import engine_config_from_kwargs
 from jaxserve.engine.builder import build_engine
 from jaxserve.worker.memory_budget import set_allocator_fraction
 from jaxserve.errors import InvalidRequestError
@@ -68,6 +68,16 @@ class LLM:
     def runner_type(self) -> str:
         return "pooling" if getattr(self.llm_engine, "is_pooling", False) else "generate"
 
+    def _pooling_info(self, method: str):
+        """What the engine pools: a pooling runner's model, or a generative decoder's
+        embeddings (LAST pooling of its final hidden state) for ``embed`` and ``score``."""
+        engine = self.llm_engine
+        if self.runner_type == "pooling":
+            return engine.pooling_info
+        if method in ("embed", "score") and getattr(engine, "pooling", None) is not None:
+            return engine.pooling.info
+        self._require_runner("pooling", method)
+
     def _require_runner(self, want: str, method: str) -> None:
         if self.runner_type != want:
             raise InvalidRequestError(
@@ -104,10 +114,9 @@ class LLM:
         """vLLM's ``LLM.score``: one query against many documents (or pairwise lists). A
         cross-encoder reads each pair together; an embedder scores by cosine similarity.
         ``out.outputs.score``."""
-        self._require_runner("pooling", "score")
+        info = self._pooling_info("score")
         pairs = score_pairs(text_1, text_2)
-        engine = self.llm_engine
-        if engine.pooling_info.num_labels:
+        if info.num_labels:
             params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
             items = [(a, params, b) for a, b in pairs]
             return self._pool(items, use_tqdm)
@@ -120,7 +129,7 @@ class LLM:
     def encode(self, prompts, pooling_params: PoolingParams | None = None, *,
                use_tqdm: bool = False, method: str = "encode") -> list[PoolingOutput]:
         """The pooled output of each prompt, in input order."""
-        self._require_runner("pooling", method)
+        self._pooling_info(method)
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]

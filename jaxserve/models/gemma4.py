@@ -114,7 +114,8 @@ def cache_specs_of(hf: dict, dtype: str) -> list:
 
 
 def _check_supported(hf: dict) -> None:
-    if hf.get("use_bidirectional_attention"):
+    # "vision" (bidirectional over an image's tokens) loads; image requests refuse it
+    if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise ValueError("use_bidirectional_attention "
                          f"{hf['use_bidirectional_attention']!r} is not supported for Gemma 4")
     if hf.get("attention_bias"):
@@ -404,11 +405,13 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
     def final_hidden(self, x):
         return self.model.norm(x[0] if self.ple else x)
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
+    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata, mm=None):
+        """``mm`` = (image soft tokens ``[E, H]``, row of each token ``[T]``, -1 for text):
+        the vision-language model's ``embed_images`` merges them (gemma4_vision)."""
         if len(kv_pages) != self.num_layers:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
         inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids)
+        x = self.embed(token_ids) if mm is None else self.embed_images(token_ids, *mm)
         new_pages = []
         for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
             if layer.self_attn.producer is not None:

@@ -19,12 +19,17 @@ the processor's padded patch count (``max_soft_tokens * k^2``), one shape for ev
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
+from jaxserve.models.gemma4 import Gemma4ForCausalLM
 from jaxserve.models.layers import ACTIVATIONS, _normal
+from jaxserve.models.qwen3_5_vision import merge_image_embeddings
 
 
 def vision_config(hf: dict) -> dict:
@@ -135,6 +140,7 @@ class VisionAttention(nnx.Module):
         self.k_norm = RMSNorm(d, eps=self.eps, dtype=dtype)
 
     def __call__(self, x, pos, valid):
+        """``valid``: the keys each query sees, ``[B, P]`` (all queries alike) or ``[B, P, P]``."""
         b, p, _ = x.shape
         d = self.head_dim
         q = _rope_2d(self.q_norm(self.q_proj(x).reshape(b, p, self.heads, d)), pos, self.theta)
@@ -144,7 +150,8 @@ class VisionAttention(nnx.Module):
         rep = self.heads // self.kv_heads
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32))
-        s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+        mask = valid[:, None, None, :] if valid.ndim == 2 else valid[:, None]
+        s = jnp.where(mask, s, -jnp.inf)
         pr = jax.nn.softmax(s, axis=-1)
         o = jnp.einsum("bhqk,bkhd->bqhd", pr, v.astype(jnp.float32)).astype(x.dtype)
         return self.o_proj(o.reshape(b, p, -1))
@@ -255,3 +262,108 @@ class Gemma4Vision(nnx.Module):
     def checkpoint_name(param: str) -> str:
         """Our state path -> the conditional checkpoint's tensor name."""
         return "model." + param
+
+    def encode_packed(self, inp: "PackedInputs"):
+        """Soft tokens ``[L, H_text]`` of several images packed into one patch row (the encoder
+        step's bucket): attention stays within an image (``segment``), each patch's pooled row
+        comes from the host (``pool``, ``L`` for padding), so an image's tokens are its own
+        ``get_image_features`` rows, in order, at its offset."""
+        tower = self.vision_tower
+        seg, pos = inp.segment, inp.positions
+        pad = seg < 0
+        x = tower.patch_embedder(inp.pixels[None], pos[None], pad[None])
+        sees = ((seg[:, None] == seg[None, :]) & ~pad[None, :]) | pad[:, None]
+        for layer in tower.encoder.layers:
+            x = layer(x, pos[None], sees[None])
+        x = jnp.where(pad[None, :, None], 0.0, x)[0]
+        length = x.shape[0] // (tower.k * tower.k)
+        w = jax.nn.one_hot(inp.pool, length, dtype=jnp.float32) / (tower.k * tower.k)
+        x = jnp.einsum("pl,ph->lh", w, x.astype(jnp.float32)) * tower.hidden ** 0.5
+        if tower.standardize:
+            x = (x - tower.std_bias[...]) * tower.std_scale[...]
+        dtype = self.embed_vision.embedding_projection.weight.dtype
+        return self.embed_vision(x.astype(dtype))
+
+
+class PackedInputs(NamedTuple):
+    """Images packed into one row of ``P`` patches (a multiple of ``k^2``)."""
+
+    pixels: jax.Array     # [P, 3*ps*ps] float32 in [0, 1]
+    positions: jax.Array  # [P, 2] int32 (x, y) within its image; 0 at padding
+    segment: jax.Array    # [P] int32 image index, -1 = padding
+    pool: jax.Array       # [P] int32 output row of the patch, L = P / k^2 at padding
+
+
+def packed_inputs(pixels: list[np.ndarray], grids, *, k: int, num_patches: int) -> PackedInputs:
+    """Host side of :meth:`Gemma4Vision.encode_packed`: each image's real patches (grid
+    ``(1, ph, pw)``, row-major as the processor writes them) one after another, its soft tokens
+    ``(x // k) + (pw // k) * (y // k)`` past the earlier images' (HF's pooling order)."""
+    length = num_patches // (k * k)
+    px = np.zeros((num_patches, pixels[0].shape[1]), np.float32)
+    pos = np.zeros((num_patches, 2), np.int32)
+    seg = np.full(num_patches, -1, np.int32)
+    pool = np.full(num_patches, length, np.int32)
+    at, out = 0, 0
+    for i, (p, (_, ph, pw)) in enumerate(zip(pixels, grids)):
+        n = ph * pw
+        y, x = np.divmod(np.arange(n), pw)
+        px[at:at + n] = p
+        pos[at:at + n, 0], pos[at:at + n, 1] = x, y
+        seg[at:at + n] = i
+        pool[at:at + n] = out + x // k + (pw // k) * (y // k)
+        at += n
+        out += n // (k * k)
+    if at > num_patches:
+        raise ValueError(f"{at} patches do not fit the bucket of {num_patches}")
+    return PackedInputs(px, pos, seg, pool)
+
+
+class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
+    """``Gemma4ForConditionalGeneration``: the Gemma 4 text model with the vision tower and
+    projector beside it (``visual``, replicated under tensor parallelism, unquantized); the
+    audio tower stays unloaded."""
+
+    def __init__(self, cfg, *, dtype=jnp.float32, rngs, **kw):
+        super().__init__(cfg, dtype=dtype, rngs=rngs, **kw)
+        self.pad_token_id = int(cfg.hf.get("pad_token_id") or 0)
+        # HF embeds every multimodal placeholder id as the pad token, a generated one too
+        self.placeholder_ids = tuple(int(cfg.hf[k]) for k in (
+            "image_token_id", "video_token_id", "audio_token_id") if cfg.hf.get(k) is not None)
+        self.visual = nnx.data(Gemma4Vision(cfg.hf, cfg.hidden_size, dtype=dtype, rngs=rngs)
+                               if cfg.hf.get("vision_config") else None)
+
+    def encode_images(self, inp: PackedInputs):
+        if self.visual is None:
+            raise ValueError("this checkpoint has no vision tower (text-only model)")
+        return self.visual.encode_packed(inp)
+
+    def embed_images(self, token_ids, embeds, rows):
+        """HF's merge: a placeholder token (image, video, audio; generated ones too) embeds as
+        the pad token (scaled, and in the per-layer inputs' token part), then its soft token
+        (unscaled) replaces the row; the per-layer inputs' context projection reads the merged
+        rows."""
+        placeholder = rows >= 0
+        for t in self.placeholder_ids:
+            placeholder = placeholder | (token_ids == t)
+        ids = jnp.where(placeholder, self.pad_token_id, token_ids)
+        x = self.model.embed_tokens(ids)
+        x = x * jnp.asarray(float(self.hidden_size) ** 0.5, x.dtype)
+        x = merge_image_embeddings(x, embeds, rows)
+        return (x, self._per_layer_inputs(ids, x)) if self.ple else x
+
+    @classmethod
+    def param_partition_spec(cls, name, cfg):
+        if name.startswith("visual."):
+            return PartitionSpec()  # small: every device holds it
+        return super().param_partition_spec(name, cfg)
+
+    @classmethod
+    def checkpoint_tensors(cls, cfg, tensors):
+        """The text model's tensors as :class:`Gemma4ForCausalLM` reads them, and
+        ``model.vision_tower.*`` / ``model.embed_vision.*`` as ``visual.*``."""
+        out = super().checkpoint_tensors(cfg, tensors)
+        if cfg.hf.get("vision_config"):
+            for name, load in tensors.items():
+                if name.startswith(("model.vision_tower.", "model.embed_vision.")):
+                    out["visual." + name[len("model."):]] = load
+        return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.gemma4 import Gemma4ForCausalLM
+from jaxserve.models.gemma4_vision import Gemma4ForConditionalGeneration
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.moe import MoeForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
@@ -16,7 +17,7 @@ MODEL_REGISTRY = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
-    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its language model; towers skipped
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # + vision tower
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,

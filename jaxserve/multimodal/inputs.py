@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 
 from jaxserve.config import MultiModalConfig
 from jaxserve.core.mm_inputs import ImageItem, MultiModalInputs
 from jaxserve.errors import InvalidRequestError
-from jaxserve.multimodal.processor import ImageProcessor, ProcessedImage, expand_placeholders
+from jaxserve.multimodal.processor import (
+    ImageProcessor,
+    ProcessedImage,
+    expand_placeholders,
+    image_processor_settings,
+)
 
 CACHE_ITEMS = 256
 
@@ -32,6 +36,14 @@ class MultiModalInputProcessor:
         self.config = config
         self.image_token_id = int(hf_config["image_token_id"])
         self.processor = ImageProcessor(model_dir, config.mm_processor_kwargs)
+        # Gemma 4: begin- and end-of-image tokens around each image's soft tokens
+        self.wrap = ((int(hf_config["boi_token_id"]), int(hf_config["eoi_token_id"]))
+                     if self.processor.family == "gemma4" else (None, None))
+        # bidirectional attention over an image's tokens is not in the paged attention path
+        self.refusal = (None if hf_config.get("use_bidirectional_attention") != "vision" else
+                        "this checkpoint asks for bidirectional attention over image tokens "
+                        "(use_bidirectional_attention='vision'), which jaxserve does not run: "
+                        "it serves text only")
         self._cache: OrderedDict[str, ProcessedImage] | None = (
             None if config.disable_mm_preprocessor_cache else OrderedDict())
 
@@ -39,7 +51,7 @@ class MultiModalInputProcessor:
     def for_model(cls, model_dir, hf_config: dict, config: MultiModalConfig):
         if model_dir is None or not model_takes_images(hf_config):
             return None
-        if not (Path(model_dir) / "preprocessor_config.json").is_file():
+        if image_processor_settings(model_dir) is None:
             return None
         return cls(model_dir, hf_config, config)
 
@@ -57,10 +69,12 @@ class MultiModalInputProcessor:
                 raise InvalidRequestError("the prompt has image placeholders but no image was "
                                           "given", param=where)
             return token_ids, None
+        if self.refusal is not None:
+            raise InvalidRequestError(f"{where}.image: {self.refusal}", param=f"{where}.image")
         processed = [self._process_one(im, f"{where}.image[{i}]")
                      for i, im in enumerate(images)]
         try:
-            ids = expand_placeholders(token_ids, self.image_token_id, processed)
+            ids = expand_placeholders(token_ids, self.image_token_id, processed, *self.wrap)
         except ValueError as e:
             raise InvalidRequestError(str(e), param=f"{where}.image") from None
         items, k = [], 0

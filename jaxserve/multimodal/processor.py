@@ -1,11 +1,17 @@
 """The checkpoint's own HF image processor, run in the front-end process.
 
-A checkpoint names its processor class in ``preprocessor_config.json``
+A checkpoint names its processor class in ``preprocessor_config.json`` (or in the
+``image_processor`` entry of ``processor_config.json``, transformers 5's layout)
 (``image_processor_type``); the fast (torchvision) variants are swapped for transformers' PIL
-backend of the same family (``Qwen2VLImageProcessorFast`` -> ``Qwen2VLImageProcessorPil``), so
-a machine without torchvision still loads the checkpoint with the same settings. Each image
-becomes pixel rows, its patch grid, the number of placeholder tokens it takes in the prompt
-and a content hash (the key of the encoder-output and prefix caches).
+backend of the same family (``Qwen2VLImageProcessorFast`` -> ``Qwen2VLImageProcessorPil``,
+``Gemma4ImageProcessor`` -> ``Gemma4ImageProcessorPil``), so a machine without torchvision still
+loads the checkpoint with the same settings. Each image becomes pixel rows, its patch grid, the
+number of placeholder tokens it takes in the prompt and a content hash (the key of the
+encoder-output and prefix caches).
+
+Qwen's processor gives patch rows and ``image_grid_thw``; Gemma 4's pads every image to
+``max_soft_tokens * k^2`` patches with ``image_position_ids`` (-1 = padding) and counts its soft
+tokens: its real patches (row-major) are kept, as the grid ``(1, rows, cols)``.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 # processor families served, by the class name's stem
-_SUPPORTED = ("Qwen2VLImageProcessor",)
+_SUPPORTED = ("Qwen2VLImageProcessor", "Gemma4ImageProcessor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +36,25 @@ class ProcessedImage:
     hash: str                  # sha256 of the pixels and grid: same picture, same hash
 
 
-def image_processor_class_name(model_dir) -> str:
+def image_processor_settings(model_dir) -> dict | None:
+    """The image processor's saved settings, None when the checkpoint ships none."""
     path = Path(model_dir) / "preprocessor_config.json"
-    if not path.is_file():
+    if path.is_file():
+        return json.loads(path.read_text())
+    path = Path(model_dir) / "processor_config.json"
+    if path.is_file():
+        nested = json.loads(path.read_text()).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    return None
+
+
+def image_processor_class_name(model_dir) -> str:
+    cfg = image_processor_settings(model_dir)
+    if cfg is None:
         raise ValueError(f"{model_dir} has no preprocessor_config.json: the checkpoint ships no "
                          "image processor")
-    name = json.loads(path.read_text()).get("image_processor_type") or ""
+    name = cfg.get("image_processor_type") or ""
     for stem in _SUPPORTED:
         if name.startswith(stem):
             return stem + "Pil"
@@ -51,7 +70,7 @@ class ImageProcessor:
         import transformers
 
         cls = getattr(transformers, image_processor_class_name(model_dir))
-        cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        cfg = image_processor_settings(model_dir)
         kwargs = dict(mm_processor_kwargs or {})
         size = dict(cfg.get("size") or {})
         # vLLM's names for Qwen's pixel bounds
@@ -70,6 +89,12 @@ class ImageProcessor:
         if size:
             cfg["size"] = size
         self.hf = cls(**cfg)
+        self.family = "gemma4" if cls.__name__.startswith("Gemma4") else "qwen2vl"
+        if self.family == "gemma4":
+            k = int(self.hf.pooling_kernel_size)
+            self.merge = k  # k x k patches pool into one soft token
+            self.max_patches = int(self.hf.max_soft_tokens) * k * k
+            return
         self.merge = int(getattr(self.hf, "merge_size", 2))
         hf_size = getattr(self.hf, "size", None) or {}
         lo, hi = hf_size.get("shortest_edge"), hf_size.get("longest_edge")
@@ -84,6 +109,8 @@ class ImageProcessor:
         if not images:
             return []
         out = self.hf(images=list(images), return_tensors="np")
+        if self.family == "gemma4":
+            return self._gemma4(out)
         pixels = np.asarray(out["pixel_values"], np.float32)
         grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])]
         result, start = [], 0
@@ -95,11 +122,29 @@ class ImageProcessor:
             result.append(ProcessedImage(px, g, n // (self.merge * self.merge), h))
         return result
 
+    def _gemma4(self, out) -> list[ProcessedImage]:
+        result = []
+        counts = np.asarray(out["num_soft_tokens_per_image"]).reshape(-1)
+        for px, pos, n_tok in zip(np.asarray(out["pixel_values"], np.float32),
+                                  np.asarray(out["image_position_ids"]), counts):
+            real = np.all(pos != -1, axis=-1)
+            n = int(real.sum())
+            cols, rows = int(pos[real, 0].max()) + 1, int(pos[real, 1].max()) + 1
+            if rows * cols != n or not real[:n].all():
+                raise ValueError(f"image positions are not a {rows}x{cols} grid")
+            px = np.ascontiguousarray(px[:n])
+            g = (1, rows, cols)
+            h = hashlib.sha256(np.asarray(g, np.int64).tobytes() + px.tobytes()).hexdigest()
+            result.append(ProcessedImage(px, g, int(n_tok), h))
+        return result
+
 
 def expand_placeholders(token_ids: list[int], image_token_id: int,
-                        images: list[ProcessedImage]) -> list[int]:
+                        images: list[ProcessedImage], begin: int | None = None,
+                        end: int | None = None) -> list[int]:
     """Each run of ``image_token_id`` (one per image, in order, as the chat template writes
-    them) becomes the image's ``num_tokens`` placeholders."""
+    them) becomes the image's ``num_tokens`` placeholders, between ``begin`` and ``end`` where
+    given (Gemma 4's processor writes begin-of-image, the soft tokens, end-of-image)."""
     out: list[int] = []
     i, k = 0, 0
     while i < len(token_ids):
@@ -112,7 +157,8 @@ def expand_placeholders(token_ids: list[int], image_token_id: int,
         if k >= len(images):
             raise ValueError(f"the prompt has more image placeholders than the {len(images)} "
                              "image(s) given")
-        out.extend([image_token_id] * images[k].num_tokens)
+        out.extend(([] if begin is None else [begin]) + [image_token_id] * images[k].num_tokens
+                   + ([] if end is None else [end]))
         k += 1
     if k != len(images):
         raise ValueError(f"{len(images)} image(s) given but the prompt has {k} image "

@@ -39,8 +39,8 @@ class HFReference:
         from jaxserve.multimodal.processor import ImageProcessor
 
         self.torch = torch
-        self.model = tf.Qwen3_5ForConditionalGeneration.from_pretrained(
-            path, dtype=torch.float32).eval()
+        [arch] = json.loads((path / "config.json").read_text())["architectures"]
+        self.model = getattr(tf, arch).from_pretrained(path, dtype=torch.float32).eval()
         self.tok = tf.AutoTokenizer.from_pretrained(path)
         self.proc = ImageProcessor(path)
         self.image_id = json.loads((path / "config.json").read_text())["image_token_id"]

@@ -71,7 +71,7 @@ def token_layers(hidden_layers, query_start, num_tokens: int):
     return jnp.where(real[:, None], hidden_layers[row], -1)
 
 
-def _residual(x):
+def residual(x):
     """A family's hidden carry may hold more than the residual stream (Gemma 4's per-layer
     inputs ride along as ``(x, pli)``)."""
     return x[0] if isinstance(x, tuple) else x
@@ -89,7 +89,7 @@ def forward_with_capture(model, hidden_layers, query_start, token_ids, positions
     embed, run_layer = model.embed, model.run_layer
 
     def keep(i, x):
-        x = _residual(x).astype(jnp.float32)
+        x = residual(x).astype(jnp.float32)
         cap = box.get("cap")
         if cap is None:
             cap = jnp.zeros((T, want.shape[1], x.shape[-1]), jnp.float32)

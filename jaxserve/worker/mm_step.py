@@ -8,10 +8,15 @@ out per image hash and evicted least recently used; a preempted request, a chunk
 an image's run, or another request with the same picture reads them there, never re-encodes.
 
 The step's model inputs then say, per token, which buffer row replaces its embedding
-(``mm_rows[T]``, -1 for text) and its M-RoPE positions ``[3, T]`` (a request's prompt table,
-``index + delta`` past it; text-only rows and padding have all three rows equal to the
-position). Every step of such a runner carries these arrays (off values when no image is in
-the step), so the forward has one trace per token bucket.
+(``mm_rows[T]``, -1 for text) and, for Qwen, its M-RoPE positions ``[3, T]`` (a request's
+prompt table, ``index + delta`` past it; text-only rows and padding have all three rows equal
+to the position; Gemma 4 keeps its text positions ``[T]``). Every step of such a runner
+carries these arrays (off values when no image is in the step), so the forward has one trace
+per token bucket.
+
+The families differ in the tower's input only (:class:`_QwenTower`, :class:`_Gemma4Tower`):
+Qwen packs images as patch rows merged 2x2 into tokens; Gemma 4 packs them too, attention kept
+within each image and k x k patches pooled into a soft token.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from flax import nnx
 from jaxserve import sharding
 from jaxserve.core.batch_diff import BatchDiff
 from jaxserve.core.mm_inputs import MultiModalInputs
-from jaxserve.models.qwen3_5_vision import VisionInputs, vision_config, vision_inputs
+from jaxserve.models import gemma4_vision, qwen3_5_vision
 from jaxserve.multimodal.mrope import mrope_positions
 
 logger = logging.getLogger(__name__)
@@ -35,7 +40,7 @@ MIN_PATCH_BUCKET = 64
 
 
 def _encode_fn(graphdef, treedef, counter):
-    def encode(state_leaves, buf, inp: VisionInputs, write_rows):
+    def encode(state_leaves, buf, inp, write_rows):
         counter[0] += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, state_leaves))
         emb = model.encode_images(inp)
@@ -45,21 +50,68 @@ def _encode_fn(graphdef, treedef, counter):
 
 
 def patch_ladder(max_patches: int, unit: int) -> list[int]:
+    """Patch buckets: a power of two of tokens (``unit`` patches each) from
+    ``MIN_PATCH_BUCKET`` patches up, and the largest image's."""
     top = -(-max_patches // unit) * unit
-    ladder, b = [], MIN_PATCH_BUCKET
-    while b < top:
-        ladder.append(b)
+    ladder, b = [], max(1, MIN_PATCH_BUCKET // unit)
+    while b * unit < top:
+        ladder.append(b * unit)
         b *= 2
     return ladder + [top] if not ladder or ladder[-1] != top else ladder
+
+
+class _QwenTower:
+    """Qwen 3.5's ViT: merged patch rows, M-RoPE positions for the text model."""
+
+    mrope = True
+
+    def __init__(self, hf: dict):
+        self.cfg = qwen3_5_vision.vision_config(hf)
+        self.merge = int(self.cfg["spatial_merge_size"])
+        self.unit = self.merge * self.merge
+        c = self.cfg
+        self.patch_dim = int(c["in_channels"]) * int(c["temporal_patch_size"]) * int(
+            c["patch_size"]) ** 2
+
+    def warmup_grid(self, bucket: int):
+        side = int(np.sqrt(self.unit))
+        return (1, side, bucket // side)
+
+    def inputs(self, pixels: list[np.ndarray], grids, bucket: int):
+        return qwen3_5_vision.vision_inputs(np.concatenate(pixels), grids, cfg=self.cfg,
+                                            num_patches=bucket)
+
+
+class _Gemma4Tower:
+    """Gemma 4's encoder: images packed, k x k pooling; text positions unchanged."""
+
+    mrope = False
+
+    def __init__(self, hf: dict):
+        self.cfg = gemma4_vision.vision_config(hf)
+        self.merge = int(self.cfg["pooling_kernel_size"])
+        self.unit = self.merge * self.merge
+        self.patch_dim = 3 * int(self.cfg["patch_size"]) ** 2
+
+    def warmup_grid(self, bucket: int):
+        return (1, self.merge, bucket // self.merge)
+
+    def inputs(self, pixels: list[np.ndarray], grids, bucket: int):
+        return gemma4_vision.packed_inputs(pixels, grids, k=self.merge, num_patches=bucket)
+
+
+def tower_of(hf: dict):
+    kind = (hf.get("vision_config") or {}).get("model_type")
+    return _Gemma4Tower(hf) if kind == "gemma4_vision" else _QwenTower(hf)
 
 
 class _Req:
     __slots__ = ("mm", "mrope", "delta")
 
-    def __init__(self, mm: MultiModalInputs, prompt_ids: list[int], merge: int):
+    def __init__(self, mm: MultiModalInputs, prompt_ids: list[int], merge: int | None):
         self.mm = mm
-        self.mrope, self.delta = mrope_positions(prompt_ids, mm.image_token_id,
-                                                 [im.grid_thw for im in mm.images], merge)
+        self.mrope, self.delta = (None, 0) if merge is None else mrope_positions(
+            prompt_ids, mm.image_token_id, [im.grid_thw for im in mm.images], merge)
 
 
 class EncoderRunner:
@@ -67,10 +119,8 @@ class EncoderRunner:
 
     def __init__(self, runner, *, max_image_patches: int, dtype, warmup: bool = True):
         self.runner = runner
-        hf = runner.model_config.hf
-        self.vcfg = vision_config(hf)
-        self.merge = int(self.vcfg["spatial_merge_size"])
-        self.unit = self.merge * self.merge
+        self.tower = tower_of(runner.model_config.hf)
+        self.merge, self.unit = self.tower.merge, self.tower.unit
         self.ladder = patch_ladder(max_image_patches, self.unit)
         max_tokens = self.ladder[-1] // self.unit
         sched = runner.config.scheduler
@@ -95,13 +145,9 @@ class EncoderRunner:
 
     def warmup(self) -> None:
         """Compile every patch bucket (writes go to the trash row)."""
-        dim = int(self.vcfg["in_channels"]) * int(self.vcfg["temporal_patch_size"]) * int(
-            self.vcfg["patch_size"]) ** 2
         for b in self.ladder:
-            side = int(np.sqrt(self.unit))
-            grid = (1, side, b // side)
-            inp = vision_inputs(np.zeros((b, dim), np.float32), [grid], cfg=self.vcfg,
-                                num_patches=b)
+            inp = self.tower.inputs([np.zeros((b, self.tower.patch_dim), np.float32)],
+                                    [self.tower.warmup_grid(b)], b)
             self.buf = self._encode(self.runner._state_leaves, self.buf, inp,
                                     np.full(b // self.unit, self.capacity, np.int32))
         jax.block_until_ready(self.buf)
@@ -115,7 +161,7 @@ class EncoderRunner:
         for new in diff.new_reqs:
             if new.mm is not None:
                 self.reqs[new.req_id] = _Req(new.mm, new.token_ids[:new.num_prompt_tokens],
-                                             self.merge)
+                                             self.merge if self.tower.mrope else None)
 
     # ---- a step's inputs ---------------------------------------------------------------
     def off_arrays(self, positions: np.ndarray) -> tuple:
@@ -125,24 +171,28 @@ class EncoderRunner:
         rows = self._off_rows.get(t)
         if rows is None:
             rows = self._off_rows[t] = np.full(t, -1, np.int32)
+        if not self.tower.mrope:
+            return positions, rows, self.buf
         return np.broadcast_to(positions, (3, t)).astype(np.int32), rows, self.buf
 
     def prepare(self, diff: BatchDiff, positions: np.ndarray) -> tuple:
         """The step's multimodal arrays (as :meth:`off_arrays`) for the plan's
         ``positions[T]``, encoding what the step's image tokens need first."""
         t = positions.shape[0]
-        mrope = np.broadcast_to(positions, (3, t)).copy()
+        mrope = np.broadcast_to(positions, (3, t)).copy() if self.tower.mrope else positions
         rows = np.full(t, -1, np.int32)
         q0 = 0
         needs = []  # (token slice in the step, request, image, first index in the image)
         for rid, n, start in zip(diff.req_ids, diff.num_tokens, diff.start_pos):
             r = self.reqs.get(rid)
             if r is not None:
-                p = np.arange(start, start + n)
-                L = r.mrope.shape[1]
-                inside = p < L
-                mrope[:, q0:q0 + n] = np.where(inside[None], r.mrope[:, np.minimum(p, L - 1)],
-                                               p[None] + r.delta)
+                if r.mrope is not None:
+                    p = np.arange(start, start + n)
+                    L = r.mrope.shape[1]
+                    inside = p < L
+                    mrope[:, q0:q0 + n] = np.where(inside[None],
+                                                   r.mrope[:, np.minimum(p, L - 1)],
+                                                   p[None] + r.delta)
                 for im in r.mm.images:
                     lo, hi = max(start, im.offset), min(start + n, im.offset + im.num_tokens)
                     if lo < hi:
@@ -189,8 +239,8 @@ class EncoderRunner:
             self.entries[im.hash] = (row, im.num_tokens)
             write[k:k + im.num_tokens] = row + np.arange(im.num_tokens)
             k += im.num_tokens
-        inp = vision_inputs(np.concatenate([im.pixel_array() for im in images]),
-                            [im.grid_thw for im in images], cfg=self.vcfg, num_patches=bucket)
+        inp = self.tower.inputs([im.pixel_array() for im in images],
+                                [im.grid_thw for im in images], bucket)
         before = self._compiles[0]
         self.buf = self._encode(self.runner._state_leaves, self.buf, inp, write)
         if self._compiles[0] != before:

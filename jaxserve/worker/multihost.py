@@ -19,6 +19,7 @@ The payload is pickle: hosts of one deployment trust each other (as with jax.dis
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import threading
@@ -112,26 +113,26 @@ class StepChannel:
 
 
 class Leader:
-    """Wraps the leader engine's ``runner.dispatch`` so each step is broadcast before it runs
-    (followers replay every dispatch, so their on-device last-sampled buffer stays the same)."""
+    """The leader engine's runner broadcasts each step before it runs (``step_broadcast``):
+    followers replay every dispatch, so their on-device last-sampled buffer stays the same."""
 
     def __init__(self, engine):
         self.channel = StepChannel()
-        runner = engine.runner
-        run = runner.dispatch
-
-        def dispatch(*args, **kwargs):
-            with self.channel.lock:
-                self.channel.send(CMD_STEP, pickle.dumps((args, kwargs), protocol=5))
-                self.channel.num_steps += 1
-                return run(*args, **kwargs)
-
-        runner.dispatch = dispatch
+        engine.runner.step_broadcast = self._broadcast_step
         self._stop = threading.Event()
         self._stopped = False
         self._beat = threading.Thread(target=self._heartbeat, name="jaxserve-heartbeat",
                                       daemon=True)
         self._beat.start()
+
+    @contextlib.contextmanager
+    def _broadcast_step(self, plan, mm=None, host_logits=None):
+        """Send the step's arguments, then let it run, under the channel's lock (the
+        heartbeat never interleaves)."""
+        with self.channel.lock:
+            self.channel.send(CMD_STEP, pickle.dumps(((plan, mm, host_logits), {}), protocol=5))
+            self.channel.num_steps += 1
+            yield
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S / 4):

@@ -31,10 +31,15 @@ from jaxserve.models import batch_invariant
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
-from jaxserve.worker.kv_cache import allocate_kv_cache, fork_copy, fork_pairs, kv_cache_dtype
-from jaxserve.worker.kv_cache_config import agree_across_hosts, kv_cache_config
+from jaxserve.worker.kv_cache import allocate_kv_cache, kv_cache_dtype
+from jaxserve.worker.kv_cache_log import log_hybrid_cache, log_kv_cache, log_kv_config
+from jaxserve.worker.kv_moves import PoolMoves
+from jaxserve.worker.stage_pipeline import PipelineStages
+from jaxserve.worker.kv_cache_config import (agree_across_hosts, kv_cache_config,
+                                             model_cache_specs, use_group_pools)
 from jaxserve.worker.step_functions import (TRACES, forward_fn, mtp_fn, prompt_logprobs_fn,
                                             rollback_fn, sample_fn, top_logprobs_width)
+from jaxserve.core.kv_cache_spec import group_layers, state_groups
 from jaxserve.core.step_plan import ARRAY_FIELDS, StepPlan, seq_bucket, token_ladder
 from jaxserve.worker.step_inputs import SamplerInputs, StepInputs, pack
 
@@ -62,6 +67,7 @@ class StepHandle:
     verify: object = None  # rejection_sampler.VerifyOutput on device (speculative decoding)
     drafts: object = None  # [S, k] the MTP head's drafts for each row's next step, on device
     hidden_states: object = None  # [T, K, H] captured residual streams (a row asked), on device
+    final_hidden: object = None  # [T, H] the final hidden states (a row pools), on device
 
 
 @dataclass
@@ -81,6 +87,8 @@ class StepOutput:
     draft_ids: np.ndarray | None = None  # [S, k] the MTP head's drafts (method "mtp")
     # [num_tokens, K, H] float32 the residual stream at each token's row's asked layers
     hidden_states: np.ndarray | None = None
+    # [S, H] float32 each row's final hidden state at its last token (plan.pool_rows)
+    final_hidden: np.ndarray | None = None
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -96,12 +104,16 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
 
 
-class ModelRunner:
-    kv_config = None  # core.kv_cache_config.KVCacheConfig (set by __init__)
+class ModelRunner(PoolMoves):
+    """The one runner: tensor parallel on ``mesh``, or pipeline stages on ``pipeline_mesh``
+    (a ``(pp, tp)`` mesh; ``self.stages``), each stage a layer range with its share of the
+    weights and of the pools; the sampler, warm-up and handles are the same either way."""
+
+    kv_config = None  # core.kv_cache_config.KVCacheConfig (None: pipeline stages)
 
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
                  max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None,
-                 extra_page_bytes: int = 0):
+                 extra_page_bytes: int = 0, pipeline_mesh=None):
         self.model_config = model_config
         self.config = engine_config
         self.max_model_len = max_model_len
@@ -133,45 +145,59 @@ class ModelRunner:
         if mesh is not None:
             kv_sharding = sharding.kv_pool_sharding(mesh)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
-        # one KVCacheConfig (pools named by group, pages, state slots) and one allocation
-        self.kv_config = agree_across_hosts(kv_cache_config(
-            model, model_config, engine_config, max_model_len, self.kv_dtype, param_bytes // tp,
-            tp, extra_page_bytes))
-        self.kv_pages = allocate_kv_cache(
-            self.kv_config, self.kv_dtype, kv_sharding=kv_sharding, tp=tp,
-            state_sharding=sharding.state_pool_sharding(mesh) if mesh is not None else None)
-        self.cache_specs, self.cache_groups = self.kv_config.specs, self.kv_config.groups
-        self.state_layers = self.kv_config.state_layers
-        self.num_state_slots = self.kv_config.num_state_slots  # None: no LinearState layers
+        # layers grouped by cache spec (core.kv_cache_spec); the pipeline stages size and
+        # allocate their own share of the pools (worker.stage_pipeline), else kv_config
+        self.cache_specs = model_cache_specs(model, model_config, self.kv_dtype)
+        self.cache_groups = group_layers(self.cache_specs)
+        self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
+                                         for i in g.layers))
+        self.num_state_slots = None  # slots of the state pool (None: no LinearState layers)
         # speculating with LinearState layers: k scratch slots per row after the requests'
         # slots hold the verify rows' per-token snapshots (rollback: rollback_fn)
-        self.snapshots = ((self.num_state_slots, self.num_spec_tokens)
-                          if self.kv_config.scratch_slots else None)
-        self.pools = tuple(p.pool for p in self.kv_config.pools)
-        self.pool_pages = self.kv_config.pool_pages
-        self.grouped = self.kv_config.per_group_pools
+        self.snapshots = None  # (first scratch slot, k)
+        self.grouped = not self.state_layers and use_group_pools(
+            model, self.cache_groups, engine_config, extra_page_bytes)
+        self.stages: PipelineStages | None = None
+        if pipeline_mesh is not None:  # per stage: its layers' share of each pool, same ids
+            self.stages = PipelineStages(self, model, pipeline_mesh, dtype, param_bytes,
+                                         extra_page_bytes)
+            self.mesh, tp = self.stages.mesh, sharding.tp_size(self.stages.mesh)
+        else:  # one KVCacheConfig (pools named by group, pages, state slots), one allocation
+            self.kv_config = c = agree_across_hosts(kv_cache_config(
+                model, model_config, engine_config, max_model_len, self.kv_dtype,
+                param_bytes // tp, tp, extra_page_bytes, specs=self.cache_specs))
+            self.grouped, self.num_state_slots = c.per_group_pools, c.num_state_slots
+            self.pools, self.pool_pages = tuple(p.pool for p in c.pools), c.pool_pages
+            if c.scratch_slots:
+                self.snapshots = (self.num_state_slots, self.num_spec_tokens)
+            self.kv_pages = allocate_kv_cache(
+                c, self.kv_dtype, kv_sharding=kv_sharding, tp=tp,
+                state_sharding=sharding.state_pool_sharding(mesh) if mesh is not None else None)
         self.num_pages = self.pool_pages[0]
         self.num_cache_groups = len(self.pools)  # block tables per plan row
-        self.page_bytes = self.kv_config.page_bytes()
-        self.graphdef, self.state = nnx.split(model)
-        self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        self.page_bytes = sum(p.page_bytes(self.block_size) for p in self.pools)
+        if self.stages is None:
+            self.graphdef, self.state = nnx.split(model)
+            self._state_leaves, treedef = jax.tree_util.tree_flatten(self.state)
+        else:  # prompt logprobs (and the MTP head) run on the last stage's weights
+            self.graphdef, treedef = self.stages.last_graph
+            self._state_leaves = self.stages.stage_leaves[-1]
         # --batch-invariant: reductions in a fixed order (models.batch_invariant)
         self.batch_invariant = engine_config.batch_invariant
-        self._forward = forward_fn(self.graphdef, treedef, mesh, self.state_layers,
-                                    len(self.cache_specs), self.snapshots,
-                                    self.batch_invariant)
-        self._rollback = (None if self.snapshots is None
+        self._forward = None if self.stages is not None else forward_fn(
+            self.graphdef, treedef, mesh, self.state_layers, len(self.cache_specs),
+            self.snapshots, self.batch_invariant)
+        self._rollback = (None if self.snapshots is None or self.stages is not None
                           else rollback_fn(*self.snapshots, mesh))
-        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size, mesh,
-                            self.kv_config.row(self.kv_config.mtp_pool))
-                     if self.mtp else None)
+        self._mtp = (mtp_fn(self.graphdef, treedef, self.num_spec_tokens, self.block_size,
+                            self.mesh, self._mtp_row()) if self.mtp else None)
         self.num_top_logprobs = top_logprobs_width(engine_config.max_logprobs,
                                                    model_config.vocab_size)
         self._prompt_logprobs = prompt_logprobs_fn(self.graphdef, treedef,
                                                     self.num_top_logprobs, self.batch_invariant)
         # custom logits processors (worker.logits_processors; set before warm-up)
         self.logits_processors = None
-        self._sample = sample_fn(mesh, self.num_top_logprobs, (), self.batch_invariant)
+        self._sample = sample_fn(self.mesh, self.num_top_logprobs, (), self.batch_invariant)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
         self.enforce_eager = engine_config.enforce_eager
@@ -184,26 +210,21 @@ class ModelRunner:
         # the last step's sampled ids, on device: the next step's placeholder tokens read them
         self._last_tokens = self._device_zeros((self.max_num_seqs,), jnp.int32)
         self._captured = None  # the last step's hidden-state capture, when a row asked
-        self._log_kv_cache(max_model_len, tp)
+        self._final_hidden = None  # the last step's final hidden states, when a row pools
+        # a multi-host leader's hook (worker.multihost.Leader): a context manager entered with
+        # each step's arguments around its dispatch; None on one host and on followers
+        self.step_broadcast = None
+        if self.kv_config is not None:
+            log_kv_config(self, max_model_len, tp)
+        elif self.state_layers:
+            log_hybrid_cache(self, max_model_len, tp)
+        else:
+            log_kv_cache(self, max_model_len)
 
-    def _log_kv_cache(self, max_model_len: int, tp: int) -> None:
-        """The pools (and state pool) and vLLM's figures: KV bytes a max_model_len request
-        holds per context token, and how many such requests the cache holds at once."""
+    def _mtp_row(self) -> int:
+        """The block-table row of the pool the MTP head's layer uses."""
         c = self.kv_config
-        self.kv_bytes_per_token = c.kv_bytes_per_token(max_model_len)
-        self.max_concurrency = c.max_concurrency(max_model_len)
-        total = sum(p.num_pages * p.page_bytes(self.block_size) for p in c.pools)
-        logger.info("KV cache: %s (pages of %d tokens; %.1f MiB, %s); KV bytes per context "
-                    "token: %.0f; Maximum concurrency for %d tokens per request: %.2fx",
-                    ", ".join(f"{p.name} {p.num_pages}" for p in c.pools), self.block_size,
-                    total / 2**20, np.dtype(self.kv_dtype).name, self.kv_bytes_per_token,
-                    max_model_len, self.max_concurrency)
-        if c.num_state_slots is not None:
-            slot = c.state_slot_bytes() // tp
-            logger.info("state pool: %d slots of %.2f MiB a device (%d LinearState layers)%s",
-                        c.num_state_slots, slot / 2**20, len(self.state_layers),
-                        f" + {c.scratch_slots} for speculative verify rows' snapshots"
-                        if c.scratch_slots else "")
+        return 0 if c is None else c.row(c.mtp_pool)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so
@@ -212,6 +233,29 @@ class ModelRunner:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding.replicated(mesh))()
 
     # ---- host side ---------------------------------------------------------------------
+    @property
+    def kv_pages(self) -> list:
+        """Every layer's caches (with stages: stage by stage, in model layer order)."""
+        return self._kv_pages if self.stages is None else self.stages.kv_pages
+
+    @kv_pages.setter
+    def kv_pages(self, pool) -> None:
+        self._kv_pages = pool
+
+    def forward(self, plan: StepPlan, inputs: StepInputs, prev_tokens, mm=None):
+        """The model half of a step on the device: ``(logits, hidden, captured, packed)``
+        (through the stages in order under pipeline parallelism). Caller holds the pool lock."""
+        if self.stages is not None:  # (the MTP head reads the packed inputs)
+            packed = pack(inputs) if self._mtp is not None else None
+            logits, hidden, captured = self.stages.forward(plan, inputs)
+            return logits, hidden, captured, packed
+        packed = pack(inputs)
+        logits, self.kv_pages, hidden, captured = self._forward(
+            self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
+            packed[1], embeds=self.embeds_arg(plan),
+            mm=self.mm_arrays(plan) if mm is None else mm)
+        return logits, hidden, captured, packed
+
     def _run(self, plan: StepPlan, mm: dict | None = None, host_logits=None):
         prompt_next_ids = plan.prompt_next_ids
         if self._warmup is not None:  # a bucket still compiling: wait, never compile here
@@ -219,12 +263,8 @@ class ModelRunner:
         with self._pool_lock:
             before = TRACES.n
             inputs, sampler_inputs = self._step_inputs(plan)
-            packed = pack(inputs)
             prev_tokens = self._last_tokens
-            logits, self.kv_pages, hidden, captured = self._forward(
-                self._state_leaves, self.kv_pages, packed[0], prev_tokens, self._lora_arrays(),
-                packed[1], embeds=self.embeds_arg(plan),
-                mm=self.mm_arrays(plan) if mm is None else mm)
+            logits, hidden, captured, packed = self.forward(plan, inputs, prev_tokens, mm)
             if host_logits is not None:  # host logits processors: a round trip of [S, V]
                 logits = self._host_logits(logits, plan.num_seqs, host_logits)
             out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
@@ -233,14 +273,24 @@ class ModelRunner:
             if drafts is not None:
                 out = (*out, drafts)
             if prompt_next_ids is not None:
-                out = (out, self._prompt_logprobs(self._state_leaves, hidden, prompt_next_ids))
+                out = (out, self.prompt_logprobs(hidden, prompt_next_ids))
             self._captured = captured if _captures(plan) else None
-            if TRACES.n != before:
-                self._add_compiles(TRACES.n - before)
-                if self._warmup is not None:
-                    logger.warning("compile caused by a step (token bucket %d): this is a bug",
-                                   plan.token_bucket)
+            self._final_hidden = hidden if plan.pool_rows is not None else None
+            self._count_step_compiles(before, plan)
         return out
+
+    def prompt_logprobs(self, hidden, next_ids):
+        """Each prompt token's logprobs under the step's hidden states (the last stage's)."""
+        if self.stages is not None:
+            return self.stages.prompt_logprobs(hidden, next_ids)
+        return self._prompt_logprobs(self._state_leaves, hidden, next_ids)
+
+    def _count_step_compiles(self, before: int, plan: StepPlan) -> None:
+        if TRACES.n != before:
+            self._add_compiles(TRACES.n - before)
+            if self._warmup is not None:
+                logger.warning("compile caused by a step (token bucket %d): this is a bug",
+                               plan.token_bucket)
 
     def set_logits_processors(self, procs) -> None:
         """The engine's custom processors (before warm-up): their jax halves become part of
@@ -281,7 +331,9 @@ class ModelRunner:
         return self._sample(logits, buf, prev_tokens, token_bitmask, layout)
 
     def weight_leaves(self) -> list:
-        """The model's parameter arrays (what the step reads as weights)."""
+        """The model's parameter arrays (what the step reads as weights; every stage's)."""
+        if self.stages is not None:
+            return self.stages.weight_leaves()
         return list(self._state_leaves)
 
     def _lora_arrays(self):
@@ -293,9 +345,12 @@ class ModelRunner:
         nothing waits for the host): the recurrent state's rollback to each verify row's last
         accepted token, then the MTP head's drafts for the next step (None without it).
         ``packed``: the forward's ``pack(inputs)``."""
-        if not self.num_spec_tokens:
+        if self.snapshots is None and self._mtp is None:
             return None
         verify = out[1]
+        if self.stages is not None:
+            return self.stages.after_verify(inputs, packed, hidden, verify, prev_tokens,
+                                            self._mtp)
         pool = list(self.kv_pages)
         if self._rollback is not None:
             states = self._rollback([pool[i] for i in self.state_layers],
@@ -326,6 +381,8 @@ class ModelRunner:
         """The device slots of every layer's adapters, placed like the weights they adapt."""
         from jaxserve.lora.slots import LoRASlots
 
+        if self.stages is not None:  # each stage its own layers' adapters
+            return self.stages.make_lora_slots(targets, max_loras, max_rank, dtype)
         return LoRASlots(targets, self.model_config.num_layers, max_loras, max_rank, dtype,
                          mesh=self.mesh, weight_specs=targets.specs)
 
@@ -365,6 +422,14 @@ class ModelRunner:
         A plan with ``prompt_next_ids`` also computes the prompt logprobs; ``mm``: the step's
         image arrays (``EncoderRunner.prepare``); ``host_logits``: the host logits processors'
         function on ``[num_seqs, V]`` numpy logits (the step then waits for its logits)."""
+        if self.step_broadcast is not None:  # a multi-host leader: followers replay the step
+            with self.step_broadcast(plan, mm, host_logits):
+                return self._dispatch(plan, mm, host_logits)
+        return self._dispatch(plan, mm, host_logits)
+
+    def _dispatch(self, plan: StepPlan, mm=None, host_logits=None) -> StepHandle:
+        if self.stages is not None and self.stages.link is not None:
+            return self.stages.dispatch_linked(plan, StepHandle)
         out = self._run(plan, mm, host_logits)
         prompt_lp = verify = drafts = None
         if plan.prompt_next_ids is not None:
@@ -373,7 +438,7 @@ class ModelRunner:
             out, verify, *rest = out
             drafts = rest[0] if rest else None
         h = StepHandle(plan, out, prompt_lp, bool(np.any(plan.sampling["num_logprobs"] >= 0)),
-                       verify, drafts, self._captured)
+                       verify, drafts, self._captured, self._final_hidden)
         for x in self._handle_arrays(h):
             x.copy_to_host_async()
         return h
@@ -391,10 +456,14 @@ class ModelRunner:
             xs.append(h.drafts)
         if h.hidden_states is not None:
             xs.append(h.hidden_states)
+        if h.final_hidden is not None:
+            xs.append(h.final_hidden)
         return xs
 
     def fetch(self, h: StepHandle) -> StepOutput:
         """Wait for a dispatched step's results on the host."""
+        if h.sampled is None:  # across hosts, still pending: through the leader's broadcast
+            self.dispatch(None)
         out = h.sampled
         token_ids, logprobs = jax.device_get((out.token_ids, out.logprobs))
         res = StepOutput(token_ids=np.asarray(token_ids), logprobs=np.asarray(logprobs))
@@ -409,6 +478,9 @@ class ModelRunner:
             res.draft_ids = np.asarray(jax.device_get(h.drafts))
         if h.hidden_states is not None:
             res.hidden_states = np.asarray(jax.device_get(h.hidden_states))[:h.plan.num_tokens]
+        if h.final_hidden is not None:
+            rows = h.plan.logits_indices[:h.plan.num_seqs]
+            res.final_hidden = np.asarray(jax.device_get(h.final_hidden), np.float32)[rows]
         return res
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -440,6 +512,8 @@ class ModelRunner:
             self._skip_warmup()
         elif self._warmup is None:
             self._warmup = BucketWarmup(self, workers, on_token_limit).start()
+            if self.stages is not None and self.stages.link is not None:
+                self._warmup.pool.wait_all()  # across hosts: in lockstep with the others
 
     @property
     def warmed_up(self) -> bool:
@@ -481,70 +555,6 @@ class ModelRunner:
         """This thread's count of traces of the step's jitted functions."""
         return TRACES
 
-    # ---- swap (preemption to host memory) ------------------------------------------------
-    def _paged_layers(self) -> list[int]:
-        return [i for i in range(len(self.kv_pages)) if i not in self.state_layers]
-
-    def _pool_rows(self) -> list[tuple[int, int]]:
-        """(layer, block-table row of its pool) of every layer that owns pages."""
-        c = self.kv_config
-        if c is None:  # one pool (worker.pipeline's stages)
-            return [(i, 0) for i in self._paged_layers()]
-        return [(i, c.row(c.pool_of_layer[i])) for i in c.paged_layers]
-
-    def swap_out(self, pages: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Copy pages to host memory (page ids per pool), one (k, v) pair of
-        ``[Hkv, n, block, D]`` per layer that owns pages (LinearState layers hold slots, not
-        pages: ``swap_out_state``)."""
-        idx = [jnp.asarray(np.asarray(p, dtype=np.int32)) for p in pages]
-        with self._pool_lock:
-            return jax.device_get([tuple(a[:, idx[g]] for a in self.kv_pages[i])
-                                   for i, g in self._pool_rows()])
-
-    def swap_in(self, pages: list[list[int]], saved) -> None:
-        rows = self._pool_rows()
-        with self._pool_lock:
-            pool = list(self.kv_pages)
-            for g, ids in enumerate(pages):  # one scatter per pool
-                mine = [k for k, (_, r) in enumerate(rows) if r == g]
-                if not mine or not ids:
-                    continue
-                idx = jnp.asarray(np.asarray(ids, dtype=np.int32))
-                written = _write_pages([pool[rows[k][0]] for k in mine], idx,
-                                       [saved[k] for k in mine])
-                for k, kv in zip(mine, written):
-                    pool[rows[k][0]] = kv
-            self._set_pool(pool)
-
-    def swap_out_state(self, slot: int) -> list[tuple[np.ndarray, ...]]:
-        """Copy one request's recurrent state (every LinearState layer's arrays at ``slot``)
-        to host memory."""
-        with self._pool_lock:
-            return jax.device_get([tuple(a[slot] for a in self.kv_pages[i])
-                                   for i in self.state_layers])
-
-    def swap_in_state(self, slot: int, saved) -> None:
-        """Write a swapped request's state into its (new) ``slot``."""
-        with self._pool_lock:
-            written = _write_slot([self.kv_pages[i] for i in self.state_layers],
-                                  jnp.int32(slot),
-                                  [tuple(jnp.asarray(a) for a in arrs) for arrs in saved])
-            pool = list(self.kv_pages)
-            for i, arrs in zip(self.state_layers, written):
-                pool[i] = arrs
-            self._set_pool(pool)
-
-    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
-        """n > 1 siblings start from their first child's computed prompt: its pages and
-        recurrent state copied into theirs, on the device, in step order."""
-        src, dst = fork_pairs(pages, 0)  # page 0: the trash page
-        trash_slot = self.kv_pages[self.state_layers[0]][0].shape[0] - 1 if self.state_layers \
-            else 0
-        ssrc, sdst = fork_pairs(slots, trash_slot)
-        with self._pool_lock:
-            self._set_pool(fork_copy(list(self.kv_pages), tuple(self._paged_layers()),
-                                     tuple(self.state_layers), src, dst, ssrc, sdst))
-
     # ---- weights in place, sleep (jaxserve.worker.weight_update, jaxserve.worker.sleep) ----
     def param_names(self) -> list[str]:
         """The state path (HF name) of each param leaf, in leaf order."""
@@ -557,37 +567,13 @@ class ModelRunner:
 
     def set_params(self, leaves: list) -> None:
         """Swap every param leaf between steps. Each has its old leaf's shape, dtype and
-        sharding (``weight_update.prepare_leaves``), so no step recompiles."""
+        sharding (``weight_update.prepare_leaves``), so no step recompiles; with stages, a
+        list of leaves per stage."""
+        if self.stages is not None:
+            return self.stages.set_params(leaves)
         treedef = getattr(self, "_state_treedef", None)
         if treedef is None:
             treedef = self._state_treedef = jax.tree_util.tree_structure(self.state)
         with self._pool_lock:
             self._state_leaves = list(leaves)
             self.state = jax.tree_util.tree_unflatten(treedef, self._state_leaves)
-
-    def _set_pool(self, pool) -> None:
-        """Keep the step's input sharding (no recompile under tp): page pools split over KV
-        heads, state pools over their channel/head axis."""
-        if self.mesh is not None:
-            kv = sharding.kv_pool_sharding(self.mesh)
-            state = sharding.state_pool_sharding(self.mesh)
-            pool = jax.device_put(pool, [state if i in self.state_layers else kv
-                                         for i in range(len(pool))])
-        self.kv_pages = pool
-
-
-@jax.jit
-def _write_slot(state_pools, slot, saved):
-    return [tuple(a.at[slot].set(sa) for a, sa in zip(arrs, s)) for arrs, s in
-            zip(state_pools, saved)]
-
-
-@jax.jit
-def _scatter_pages(kv_pages, idx, saved):
-    return [tuple(a.at[:, idx].set(sa) for a, sa in zip(kv, s)) for kv, s in
-            zip(kv_pages, saved)]
-
-
-def _write_pages(kv_pages, idx, saved):
-    saved = [tuple(jnp.asarray(a) for a in kv) for kv in saved]
-    return _scatter_pages(kv_pages, idx, saved)

@@ -194,17 +194,21 @@ class BucketWarmup:
         if r.lora is not None:  # the adapters' side of the LoRA delta's lax.cond runs too
             plans[1] = dataclasses.replace(plans[1],
                                            lora_slots=np.zeros_like(plans[1].lora_slots))
-        with r._pool_lock:
-            kv, last = r.kv_pages, self._scratch_tokens
+        last = self._scratch_tokens
         t0 = time.perf_counter()
-        with TRACE_LOCK:
-            buf, layout = pack(r._step_inputs(plans[0])[0])
-            lowered = r._forward.lower(r._state_leaves, kv, buf, last, r._lora_arrays(), layout,
-                                       embeds=r.embeds_arg(plans[0]), mm=r.mm_arrays(plans[0]))
-        t1 = time.perf_counter()
-        fwd = lowered.compile()  # or a load from the persistent cache
+        if r.stages is not None:  # each stage's program (None: another host's stages)
+            t1, logits = t0, r.stages.lower(plans[0])
+        else:
+            with r._pool_lock:
+                kv = r.kv_pages
+            with TRACE_LOCK:
+                buf, layout = pack(r._step_inputs(plans[0])[0])
+                lowered = r._forward.lower(r._state_leaves, kv, buf, last, r._lora_arrays(),
+                                           layout, embeds=r.embeds_arg(plans[0]),
+                                           mm=r.mm_arrays(plans[0]))
+            t1 = time.perf_counter()
+            logits = lowered.compile().out_info[0]  # or a load from the persistent cache
         t2 = time.perf_counter()
-        logits = fwd.out_info[0]
         # the other side of each sampler lax.cond: other sampling modes, a token mask that
         # forbids half the vocabulary, and drafts in every row (the verifier's random branch)
         ones, half = r._ones_bitmask(s), warmup_bitmask(r, s)
@@ -212,7 +216,7 @@ class BucketWarmup:
                   for p in _WARMUP_OTHER_BRANCHES]
         own = [(r._step_inputs(p)[1], ones) for p in plans]
         with self._sampler_locks.setdefault(s, threading.Lock()):  # once per sequence bucket
-            for sampler_inputs, mask in own + others:
+            for sampler_inputs, mask in (own + others if logits is not None else ()):
                 with TRACE_LOCK:
                     buf, layout = pack(sampler_inputs)
                     lowered = r._sample.lower(logits, buf, last, mask, layout)
@@ -220,10 +224,7 @@ class BucketWarmup:
         with r._pool_lock:  # the runs donate the pool: one step at a time
             for plan in plans:
                 inputs, sampler_inputs = r._step_inputs(plan)
-                packed = pack(inputs)
-                logits, r.kv_pages, hidden, _ = r._forward(
-                    r._state_leaves, r.kv_pages, packed[0], last, r._lora_arrays(), packed[1],
-                    embeds=r.embeds_arg(plan), mm=r.mm_arrays(plan))
+                logits, hidden, _, packed = r.forward(plan, inputs, last)
                 sampled = r.sample(logits, sampler_inputs, last, ones)
                 if r.num_spec_tokens:  # the rollback and the MTP head's drafts
                     with TRACE_LOCK:
@@ -269,10 +270,11 @@ class BucketWarmup:
         before = traces.n
         hidden = self._warm_hidden.pop(t)
         ids = np.zeros(t, np.int32)
-        with TRACE_LOCK:
-            lowered = r._prompt_logprobs.lower(r._state_leaves, hidden, ids)
-        lowered.compile()
-        jax.block_until_ready(r._prompt_logprobs(r._state_leaves, hidden, ids))
+        if hidden is not None:  # (across hosts: the last stage's host only; run below)
+            with TRACE_LOCK:
+                lowered = r._prompt_logprobs.lower(r._state_leaves, hidden, ids)
+            lowered.compile()
+        jax.block_until_ready(r.prompt_logprobs(hidden, ids))
         r._add_compiles(traces.n - before)
 
 

@@ -604,7 +604,7 @@ def test_check_stop_on_ids():
 
 
 def test_pipelined_steps_are_micro_batches_of_different_requests():
-    """Pipeline parallel (engine/pipelined.py): a request whose token is in flight is not
+    """Pipeline parallel (the engine core's batch queue): a request whose token is in flight is not
     scheduled again until it arrives, and a step takes at most ``max_seqs_per_step`` rows, so
     four requests admitted together form two micro-batches that alternate."""
     s = make_sched(max_seqs=4)

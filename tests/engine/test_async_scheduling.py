@@ -71,7 +71,7 @@ def test_async_is_on_by_default_and_overlaps(llama_dir, pair):
     assert eng.async_scheduling
     eng.add_request("a", _prompts(1, seed=3)[0], SamplingParams(max_tokens=6, ignore_eos=True))
     eng.step()  # dispatches the prefill; nothing read yet
-    assert eng._inflight is not None
+    assert eng.num_in_flight == 1
     (req,) = eng.scheduler.requests.values()  # keyed by a core id, never the caller's
     assert req.num_pending == 1 and req.output_token_ids == [-1]
     outs = []

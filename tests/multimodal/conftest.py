@@ -20,3 +20,12 @@ def hf_ref(tiny_vlm):
     from jaxserve.testing.multimodal import HFReference
 
     return HFReference(tiny_vlm)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_vlm(tmp_path_factory) -> Path:
+    """``Qwen3_5MoeForConditionalGeneration``: the same vision tower over the MoE text model."""
+    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
+
+    return make_tiny_qwen3_5(tmp_path_factory.mktemp("moe-vlm") / "qwen3_5-moe-vl", moe=True,
+                             vl=True, mtp=False)

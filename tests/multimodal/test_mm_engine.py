@@ -66,6 +66,20 @@ def test_greedy_with_images_equals_hf_generate_with_chunked_prefill(tiny_vlm, hf
     assert encoder.num_encoded == 3
 
 
+@pytest.mark.slow  # HF's MoE reference runs the slow torch fallbacks
+def test_moe_vlm_with_images_equals_hf_generate(tiny_moe_vlm):
+    """``Qwen3_5MoeForConditionalGeneration`` through the engine: the 0, 1 and 2-image prompts
+    equal HF ``generate`` on the same checkpoint."""
+    from jaxserve.testing.multimodal import HFReference
+
+    hf = HFReference(tiny_moe_vlm)
+    assert type(hf.model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    want = [hf.greedy(p, ims, N) for p, ims in _cases()]
+    llm = _llm(tiny_moe_vlm)
+    assert _generate(llm, _cases()) == want
+    assert llm.llm_engine.runner.mm.num_encoded == 3
+
+
 def test_preemption_with_images_equals_hf_generate(tiny_vlm, hf_ref, reference):
     """20 pages of 8 tokens for 3 image prompts and a text one: they preempt each other and
     recompute; the encoder outputs they left behind serve them again."""

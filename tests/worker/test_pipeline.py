@@ -69,25 +69,26 @@ def _child(models: dict) -> dict:
                        swap_outs=eng.scheduler.num_swap_outs_total,
                        prefix_hits=stats["prefix_cache_hits"],
                        compiles_after_warmup=runner.num_compiles - warm,
-                       max_in_flight=getattr(eng, "max_in_flight", 1))
+                       max_in_flight=eng.max_in_flight)
             if pp > 1:
-                run["partition"] = runner.partition
+                run["partition"] = runner.stages.partition
                 run["stage_devices"] = [sorted(str(d) for d in m.devices.flat)
-                                        for m in runner.stage_meshes]
+                                        for m in runner.stages.stage_meshes]
                 # each stage's layer weights and KV pages live on that stage's devices only
                 run["weight_devices"] = [
                     sorted({d for leaf in leaves for d in _devices(leaf)})
-                    for leaves in runner._stage_leaves]
+                    for leaves in runner.stages.stage_leaves]
                 run["kv_devices"] = [sorted({d for k, v in pages for d in _devices(k)})
-                                     for pages in runner.stage_pages]
-                run["kv_layers"] = [len(pages) for pages in runner.stage_pages]
+                                     for pages in runner.stages.stage_pages]
+                run["kv_layers"] = [len(pages) for pages in runner.stages.stage_pages]
                 # the loaded copy of the last stage's layers (on stage 0) is freed, stage 0's
                 # own weights (the embedding) are kept
                 m = eng.model.model
                 run["freed"] = [m.layers[-1].self_attn.q_proj.weight.get_value().is_deleted(),
                                 m.embed_tokens.weight.get_value().is_deleted()]
                 run["kv_shard_heads"] = sorted({s.data.shape[0] for s in
-                                                runner.stage_pages[0][0][0].addressable_shards})
+                                                runner.stages.stage_pages[0][0][0]
+                                                .addressable_shards})
             out["runs"].append(run)
             del llm, eng, runner
     path = next(iter(models.values()))
@@ -184,7 +185,7 @@ def test_features_pipelining_lacks_are_start_up_errors(tiny_llama_dir, feature, 
 
     from jaxserve.config import engine_config_from_kwargs
     from jaxserve.errors import InvalidRequestError
-    from jaxserve.worker.pipeline import check_config
+    from jaxserve.worker.stages import check_config
 
     if "speculative_config" in feature:
         feature = dict(speculative_config=dict(feature["speculative_config"],
@@ -199,7 +200,7 @@ def test_features_pipelining_lacks_are_start_up_errors(tiny_llama_dir, feature, 
 
 def test_layer_partition():
     from jaxserve.errors import InvalidRequestError
-    from jaxserve.worker.pipeline import layer_partition
+    from jaxserve.worker.stages import layer_partition
 
     assert layer_partition(8, 4, env={}) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert layer_partition(8, 2, env={"VLLM_PP_LAYER_PARTITION": "3,5"}) == [(0, 3), (3, 8)]

@@ -188,7 +188,8 @@ def startup_message(engine: EngineClient, host: str, port: int, names: list[str]
              or engine.config.dtype)
     dtype = getattr(dtype, "__name__", None) or getattr(dtype, "name", None) or str(dtype)
     shown = "localhost" if host in ("127.0.0.1", "::1") else host
-    info = getattr(engine, "pooling_info", None)
+    info = (getattr(engine, "pooling_info", None)
+            if getattr(engine, "runner_type", "generate") == "pooling" else None)
     cache = (f"pooling runner ({info.pooling_type} pooling, {info.hidden_size} dims"
              f"{', normalized' if info.normalize and not info.num_labels else ''}"
              f"{f', {info.num_labels} labels' if info.num_labels else ''})" if info is not None

@@ -78,7 +78,8 @@ class OpenAIServingPooling(OpenAIServing):
 
     # -- /v1/embeddings ------------------------------------------------------------------------
     async def embeddings(self, request: Request) -> Response:
-        self.require_runner("pooling", "/v1/embeddings")
+        if getattr(self.engine, "pooling_info", None) is None:  # a generative decoder embeds too
+            self.require_runner("pooling", "/v1/embeddings")
         req: PP.EmbeddingRequest = P.parse_request(PP.EmbeddingRequest, await self._body(request))
         model = self._model_name(req.model)
         params = self._pooling_params(req, "embed", dimensions=req.dimensions,
