@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import kv_scales
+from jaxserve.models import linear
 from jaxserve.models import quantization as quant_lib
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
@@ -451,7 +452,7 @@ def _gguf_serves_int8(path, quantization, lm_head_quantized, dtype, mesh) -> boo
     from jaxserve.loaders import gguf as gguf_loader
 
     if (quantization is not None or lm_head_quantized or dtype != "auto" or mesh is not None
-            or not quant_lib.int8_kernel_enabled()  # one CPU device, the kernels built
+            or not linear.int8_kernel_enabled()  # one CPU device, the kernels built
             or not gguf_loader.has_quantized_weights(path)):
         return False
     logger.info("%s: quantized GGUF on CPU, serving int8 weights and LM head (W8A8); "

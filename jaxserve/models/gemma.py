@@ -15,17 +15,16 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from jaxserve.models.contract import ModelBase, megatron_partition_spec
-from jaxserve.models.quantization import lm_head_logits
 from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
     apply_rope,
     paged_self_attention,
     rope_cos_sin,
 )
+from jaxserve.models.linear import Linear, lm_head_logits
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 

@@ -30,15 +30,14 @@ from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
     activation,
     apply_rope,
     paged_attention,
     paged_self_attention,
 )
+from jaxserve.models.linear import Linear, lm_head_logits
 from jaxserve.models.moe import Experts, _expert_specs
-from jaxserve.models.quantization import lm_head_logits
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",

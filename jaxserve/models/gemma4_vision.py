@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.layers import ACTIVATIONS, _normal
+from jaxserve.models.layers import ACTIVATIONS
+from jaxserve.models.linear import normal
 
 
 def vision_config(hf: dict) -> dict:
@@ -62,7 +63,7 @@ class RMSNorm(nnx.Module):
 
 class _Linear(nnx.Module):
     def __init__(self, i: int, o: int, *, dtype, rngs):
-        self.weight = nnx.Param(_normal(rngs, (o, i), dtype))
+        self.weight = nnx.Param(normal(rngs, (o, i), dtype))
 
 
 class ClippableLinear(nnx.Module):
@@ -93,7 +94,7 @@ class PatchEmbedder(nnx.Module):
         h, ps = int(c["hidden_size"]), int(c["patch_size"])
         self.input_proj = _Linear(3 * ps * ps, h, dtype=dtype, rngs=rngs)
         self.position_embedding_table = nnx.Param(
-            _normal(rngs, (2, int(c["position_embedding_size"]), h), dtype))
+            normal(rngs, (2, int(c["position_embedding_size"]), h), dtype))
 
     def __call__(self, pixels, pos, pad):
         w = self.input_proj.weight[...]

@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embeddings, SwiGLU MLP, paged attention.
+"""Building blocks of the decoder families: embeddings, norms, rotary embeddings, the gated MLP,
+paged attention (projections: ``jaxserve.models.linear``).
 
 Parameters keep Hugging Face's names and layouts (a linear weight is ``[out, in]``), so a
 checkpoint's tensor names are exactly the model's state paths and loading needs no renaming.
@@ -17,40 +18,14 @@ from flax import nnx
 
 from jaxserve import sharding
 from jaxserve.models import batch_invariant
-from jaxserve.models.lora import project, project_many
+from jaxserve.models.linear import Linear, normal, project, project_many
 from pallas_kernels import reference
 from pallas_kernels.reference import write_kv
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
-    return _normal_values(rngs.params(), tuple(shape), jnp.dtype(dtype), std)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _normal_values(key, shape: tuple, dtype, std: float):
-    """One program per (shape, dtype, std): a model built op by op (dummy weights) compiles
-    each weight shape once, not each of its ops."""
-    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-class Linear(nnx.Module):
-    """``y = x @ weight.T (+ bias)`` with HF's ``[out, in]`` weight layout."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
-
-    def __call__(self, x):
-        w = self.weight[...]
-        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
-
-
 class Embedding(nnx.Module):
     def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (num_embeddings, features), dtype))
+        self.weight = nnx.Param(normal(rngs, (num_embeddings, features), dtype))
 
     def __call__(self, ids):
         return jnp.take(self.weight[...], ids, axis=0)

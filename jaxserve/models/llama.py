@@ -17,16 +17,15 @@ from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
     RMSNorm,
     apply_rope,
     paged_self_attention,
     rope_cos_sin,
 )
+from jaxserve.models.linear import Linear, lm_head_logits, project, project_many
 from jaxserve.models.contract import ModelBase, megatron_partition_spec
-from jaxserve.models.lora import LoRABatch, layer_lora, project, project_many
-from jaxserve.models.quantization import lm_head_logits
+from jaxserve.models.lora import LoRABatch, layer_lora
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from pallas_kernels.reference import token_metadata
 

@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.models.contract import megatron_partition_spec
-from jaxserve.models.layers import ACTIVATIONS, MLP, Linear, RMSNorm, _normal, activation
+from jaxserve.models.layers import ACTIVATIONS, MLP, RMSNorm, activation
+from jaxserve.models.linear import Linear, normal
 from jaxserve.models.llama import Attention, LlamaForCausalLM
 
 TP = sharding.TP_AXIS
@@ -103,9 +104,9 @@ class Experts(nnx.Module):
     """Stacked expert weights ``[E, in, out]``."""
 
     def __init__(self, n: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = nnx.Param(_normal(rngs, (n, hidden, inter), dtype))
-        self.up_proj = nnx.Param(_normal(rngs, (n, hidden, inter), dtype))
-        self.down_proj = nnx.Param(_normal(rngs, (n, inter, hidden), dtype))
+        self.gate_proj = nnx.Param(normal(rngs, (n, hidden, inter), dtype))
+        self.up_proj = nnx.Param(normal(rngs, (n, hidden, inter), dtype))
+        self.down_proj = nnx.Param(normal(rngs, (n, inter, hidden), dtype))
 
     def __call__(self, x, weights, ids, *, act: str, expert_parallel: bool, mesh=None):
         """``x [T, H]`` through each token's routed experts (``ids``, ``weights`` ``[T, k]``),

@@ -42,15 +42,13 @@ from jaxserve.models.layers import (
     ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
-    _normal,
     apply_rope,
     paged_self_attention,
     rope_cos_sin,
 )
+from jaxserve.models.linear import Linear, lm_head_logits, normal
 from jaxserve.models.moe import MoeForCausalLM, SparseMoeBlock
-from jaxserve.models.quantization import lm_head_logits
 from jaxserve.models.qwen3_5_vision import Qwen3_5VisionModel, merge_image_embeddings
 from pallas_kernels import gated_delta_rule as gdn
 
@@ -90,7 +88,7 @@ class Conv1dWeight(nnx.Module):
     """HF's depthwise ``nn.Conv1d`` weight ``[C, 1, K]`` (no bias)."""
 
     def __init__(self, channels: int, kernel: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (channels, 1, kernel), dtype, std=0.2))
+        self.weight = nnx.Param(normal(rngs, (channels, 1, kernel), dtype, std=0.2))
 
 
 class GatedDeltaNet(nnx.Module):
