@@ -25,6 +25,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.core.kv_cache_spec import SharedKV
+from jaxserve.models.attention import AttentionBackend
+from jaxserve.models.linear import lm_head_logits
 from jaxserve.sharding import TP_AXIS
 
 TensorLoaders = Mapping[str, Callable[[], np.ndarray]]  # name -> lazy numpy array
@@ -45,22 +48,94 @@ class ModelBase:
     # the multi-token-prediction head (``mtp_forward``), None without one
     mtp = None
 
+    @property
+    def attention_backend(self) -> str:
+        """The name of the attention backend the model was built with (``self.attention``)."""
+        return self.attention.name
+
+    # A family supplies ``model.layers`` (its layer class), ``embed``, ``layer_inputs`` (what
+    # every layer reads besides the hidden states: rotary tables) and ``run_layer`` (one layer);
+    # the loop over layers below is the only one.
+
+    def __call__(self, token_ids, positions, kv_pages, md, lora=None, mm=None):
+        """``token_ids[T], positions[T]`` (or M-RoPE ``[3, T]``), one cache per layer (then the
+        MTP head's, passed through), ``AttentionMetadata`` -> ``(hidden[T, H], caches)``.
+        ``lora``: a ``LoRABatch``; ``mm``: image embeddings to put at placeholders
+        (:meth:`merge_multimodal`)."""
+        want = self.num_layers + (self.mtp is not None)
+        if len(kv_pages) != want:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {want}")
+        if lora is not None and not self.supports_lora:
+            raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
+        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
+        x = self.embed(token_ids)
+        if mm is not None:
+            x = self.merge_multimodal(x, mm)
+        x, caches = self.run_layers(x, inputs, kv_pages[:self.num_layers], md, lora)
+        return self.final_hidden(x), caches + list(kv_pages[self.num_layers:])
+
+    def run_layers(self, x, inputs, kv_pages, md, lora=None, lo: int = 0, hi: int | None = None):
+        """Model layers ``lo .. hi - 1`` (a pipeline stage's range, or all) on the hidden carry
+        ``x``, ``kv_pages`` one cache per layer of the range -> ``(x, caches)``. A KV-sharing
+        layer (``SharedKV`` spec) reads the pages its producer (in the range) just wrote and
+        hands back ``()``."""
+        hi = self.num_layers if hi is None else hi
+        if len(kv_pages) != hi - lo:
+            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the range {lo}..{hi - 1} "
+                             f"{hi - lo}")
+        producers = self.kv_producers()
+        caches = []
+        for j, i in enumerate(range(lo, hi)):
+            kv = kv_pages[j] if producers[i] is None else caches[producers[i] - lo]
+            x, kv = self.run_layer(i, self.model.layers[i], x, inputs, kv, md, lora)
+            caches.append(kv)
+        return x, [() if producers[i] is not None else kv for i, kv in zip(range(lo, hi), caches)]
+
+    def kv_producers(self) -> tuple:
+        """Per layer: the layer whose pages it reads (its ``SharedKV`` spec), or None."""
+        return tuple(s.producer_layer if isinstance(s, SharedKV) else None
+                     for s in self.cache_specs("float32")[:self.num_layers])
+
+    def merge_multimodal(self, x, mm):
+        """The token embeddings ``x`` with image embeddings put in (vision-language models)."""
+        raise ValueError(f"{type(self).__name__} takes no image inputs")
+
     def final_hidden(self, x):
         """The last layer's output -> the final hidden states (the final norm)."""
         return self.model.norm(x)
+
+    def cache_specs(self, dtype: str) -> list:
+        """One cache spec per layer (``jaxserve.core.kv_cache_spec``), pages of ``dtype``:
+        what each layer's attention declares."""
+        return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
+
+    def compute_logits(self, hidden):
+        """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits (the LM head, or the
+        embedding tied to it)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return lm_head_logits(head, hidden)
+
+    @classmethod
+    def param_partition_spec(cls, name: str, cfg: ModelConfig) -> PartitionSpec:
+        return megatron_partition_spec(name)
+
+    @classmethod
+    def checkpoint_tensors(cls, cfg: ModelConfig, tensors: TensorLoaders) -> TensorLoaders:
+        return tensors
 
 
 @runtime_checkable
 class CausalLM(Protocol):
     """A decoder-only LM over the paged KV pool.
 
-    Construction: ``cls(cfg, dtype=..., rngs=nnx.Rngs(...), attention_backend=...)`` builds random
-    parameters whose state paths (``model.layers.0.self_attn.q_proj.weight``) are the names the
-    loader fills. ``mesh`` is set by the loader after construction (None: single device).
+    Construction: ``cls(cfg, dtype=..., rngs=nnx.Rngs(...), attention_backend=...)`` (a name or
+    an ``AttentionBackend``, resolved once into ``attention``) builds random parameters whose
+    state paths (``model.layers.0.self_attn.q_proj.weight``) are the names the loader fills.
+    ``mesh`` is set by the loader after construction (None: single device).
     """
 
     num_layers: int
-    attention_backend: str
+    attention: AttentionBackend
     mesh: object
     supports_pipeline: bool
     supports_lora: bool

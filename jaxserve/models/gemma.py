@@ -14,9 +14,9 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
-from jaxserve.models.contract import ModelBase, megatron_partition_spec
+from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
+from jaxserve.models.contract import ModelBase
 from jaxserve.models.layers import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
     MLP,
@@ -87,7 +87,8 @@ class GemmaAttention(nnx.Module):
         """What this layer caches, in pages of ``dtype`` (the KV cache dtype's name)."""
         return attention_spec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: AttentionBackend,
+                 mesh=None):
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
@@ -129,15 +130,12 @@ class GemmaModel(nnx.Module):
 
 
 class GemmaForCausalLM(ModelBase, nnx.Module):
-    """Gemma 2 / Gemma 3 text; ``attention_backend`` (static): reference|pallas|xla."""
+    """Gemma 2 / Gemma 3 text; ``attention_backend``: a name or an ``AttentionBackend``."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                 attention_backend: str | AttentionBackend = "reference"):
         self.num_layers = cfg.num_layers
-        self.attention_backend = attention_backend
+        self.attention = resolve_attention_backend(attention_backend)
         self.mesh = None
         self.head_dim, self.max_pos = cfg.head_dim, cfg.max_position_embeddings
         self.ropes = tuple(sorted(_rope_settings(cfg).items()))  # static, hashable
@@ -147,10 +145,6 @@ class GemmaForCausalLM(ModelBase, nnx.Module):
         self.model = GemmaModel(cfg, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
-
-    def cache_specs(self, dtype: str) -> list:
-        """Each layer's cache spec (``jaxserve.core.kv_cache_spec``), pages of ``dtype``."""
-        return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
 
     # The forward in pieces, as in jaxserve.models.llama: one code path for the single
     # program and the pipeline stages.
@@ -176,26 +170,7 @@ class GemmaForCausalLM(ModelBase, nnx.Module):
         if lora is not None:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
         cos, sin = inputs[layer.self_attn.layer_type]
-        return layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
-
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
-        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids)
-        new_pages = []
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
-            x, kv = self.run_layer(i, layer, x, inputs, kv, md)
-            new_pages.append(kv)
-        return self.model.norm(x), new_pages
-
-    @classmethod
-    def param_partition_spec(cls, name, cfg):
-        return megatron_partition_spec(name)
-
-    @classmethod
-    def checkpoint_tensors(cls, cfg, tensors):
-        return tensors
+        return layer(x, cos, sin, kv, md, self.attention, self.mesh)
 
     def compute_logits(self, hidden):
         """``[N, H]`` -> ``[N, V]`` float32 logits, soft-capped by ``final_logit_softcapping``."""

@@ -25,15 +25,14 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SharedKV, SlidingWindow, group_layers
+from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
 from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.layers import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
     MLP,
     activation,
     apply_rope,
-    paged_attention,
     paged_self_attention,
 )
 from jaxserve.models.linear import Linear, lm_head_logits
@@ -191,7 +190,8 @@ class Gemma4Attention(nnx.Module):
             return FullAttention(self.num_kv_heads, self.head_dim, dtype)
         return SlidingWindow(self.sliding_window, self.num_kv_heads, self.head_dim, dtype)
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: AttentionBackend,
+                 mesh=None):
         """``kv``: this layer's pages, or (KV-sharing layer) its producer's, read only."""
         t = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).reshape(t, self.num_heads, self.head_dim)),
@@ -212,17 +212,18 @@ class Gemma4Attention(nnx.Module):
         return self.o_proj(out.reshape(t, -1)), kv
 
 
-def attend_pages(q, kv, md: AttentionMetadata, *, backend: str, mesh, sliding_window):
+def attend_pages(q, kv, md: AttentionMetadata, *, backend: AttentionBackend, mesh,
+                 sliding_window):
     """Attention of ``q [T, Hq, D]`` over pages another layer wrote (no KV write); under a
     mesh, one kernel call per shard of heads."""
     return _attend_only(backend, sliding_window, mesh)(q, kv[0], kv[1], md)
 
 
 @functools.lru_cache(maxsize=None)
-def _attend_only(backend: str, sliding_window: int | None, mesh):
+def _attend_only(backend: AttentionBackend, sliding_window: int | None, mesh):
     def attend(q, k_pages, v_pages, md):
-        return paged_attention(q, k_pages, v_pages, md, backend=backend, sm_scale=1.0,
-                               sliding_window=sliding_window)
+        return backend.attend(q, k_pages, v_pages, md, sm_scale=1.0,
+                              sliding_window=sliding_window)
 
     if mesh is not None:
         heads, pages = PartitionSpec(None, sharding.TP_AXIS, None), PartitionSpec(sharding.TP_AXIS)
@@ -334,17 +335,14 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
     cache_groups_supported = True
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                 attention_backend: str | AttentionBackend = "reference"):
         _check_supported(cfg.hf)
         shapes = layer_shapes(cfg.hf)
         groups = group_layers(cache_specs_of(cfg.hf, "any"))
         of_layer = {i: g for g, grp in enumerate(groups) for i in grp.layers + grp.readers}
         self.layer_group = tuple(of_layer[i] for i in range(len(shapes)))  # static
         self.num_layers = cfg.num_layers
-        self.attention_backend = attention_backend
+        self.attention = resolve_attention_backend(attention_backend)
         self.mesh = None
         self.hidden_size = cfg.hidden_size
         self.ple = int(cfg.hf.get("hidden_size_per_layer_input") or 0)
@@ -357,9 +355,6 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
         self.model = Gemma4Model(cfg, shapes, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
-
-    def cache_specs(self, dtype: str) -> list:
-        return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
 
     def _per_layer_inputs(self, token_ids, x):
         """PLE: (context projection + token embedding) / sqrt 2, ``[T, L, P]``."""
@@ -397,27 +392,11 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
             g = self.layer_group[n]
             md = md._replace(slot_mapping=md.slot_mapping[g], block_tables=md.block_tables[g])
         x, kv = layer(x, None if pli is None else pli[:, n], cos, sin, kv, md,
-                      self.attention_backend, self.mesh)
+                      self.attention, self.mesh)
         return ((x, pli) if self.ple else x), kv
 
     def final_hidden(self, x):
         return self.model.norm(x[0] if self.ple else x)
-
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
-        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids)
-        new_pages = []
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
-            if layer.self_attn.producer is not None:
-                kv = new_pages[layer.self_attn.producer]
-            x, kv = self.run_layer(i, layer, x, inputs, kv, md)
-            new_pages.append(kv)
-        # a KV-sharing layer hands back no pages of its own
-        pages = [() if layer.self_attn.producer is not None else kv
-                 for layer, kv in zip(self.model.layers, new_pages)]
-        return self.final_hidden(x), pages
 
     def compute_logits(self, hidden):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

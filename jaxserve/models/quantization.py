@@ -39,7 +39,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import QUANTIZATION_METHODS
-from jaxserve.models.linear import FP8, FP8_MAX, Fp8Linear, Int4Linear, Int8Linear, Int8Table, Linear
+from jaxserve.models.linear import (FP8, FP8_MAX, Fp8Linear, Int4Linear, Int8Linear, Int8Table,
+                                    Linear)
 
 # AWQ packs eight 4-bit values into an int32 in this column order (nibble i holds column
 # AWQ_ORDER[i] of each group of eight); GPTQ packs them in plain order.

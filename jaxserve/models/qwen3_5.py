@@ -36,10 +36,10 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, LinearState
+from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
 from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.gemma import GemmaRMSNorm  # the (1 + w) RMSNorm Qwen 3.5 shares
 from jaxserve.models.layers import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
     MLP,
@@ -47,7 +47,7 @@ from jaxserve.models.layers import (
     paged_self_attention,
     rope_cos_sin,
 )
-from jaxserve.models.linear import Linear, lm_head_logits, normal
+from jaxserve.models.linear import Linear, normal
 from jaxserve.models.moe import MoeForCausalLM, SparseMoeBlock
 from jaxserve.models.qwen3_5_vision import Qwen3_5VisionModel, merge_image_embeddings
 from pallas_kernels import gated_delta_rule as gdn
@@ -288,17 +288,14 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
     moe = False
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                 attention_backend: str | AttentionBackend = "reference"):
         if cfg.enable_expert_parallel and not self.moe:
             raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
         self.num_layers = cfg.num_layers
         rope = _rope_params(cfg)
         rotary = int(cfg.head_dim * float(rope.get("partial_rotary_factor", 0.25)))
         self.rope = (rotary, cfg.rope_theta, cfg.max_position_embeddings)
-        self.attention_backend = attention_backend
+        self.attention = resolve_attention_backend(attention_backend)
         self.mesh = None
         self.model = Qwen3_5TextModel(cfg, dtype=dtype, rngs=rngs, moe=self.moe)
         self.lm_head = (None if cfg.tie_word_embeddings else
@@ -354,7 +351,7 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
         if lora is not None:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
         cos, sin = inputs
-        return layer(x, cos, sin, cache, md, self.attention_backend, self.mesh)
+        return layer(x, cos, sin, cache, md, self.attention, self.mesh)
 
     def encode_images(self, vision_inputs):
         """The vision tower: merged image embeddings ``[P / 4, hidden]``."""
@@ -362,22 +359,10 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
             raise ValueError("this checkpoint has no vision tower (text-only model)")
         return self.visual(vision_inputs)
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata, mm=None):
-        """The target model; the MTP head's pages (after the layers' own) pass through.
-        ``positions`` is ``[T]`` or M-RoPE ``[3, T]``; ``mm`` = (image embeddings ``[E, H]``,
-        row of each token ``[T]``, -1 for text) puts image embeddings at placeholders."""
-        want = self.num_layers + (self.mtp is not None)
-        if len(kv_pages) != want:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {want}")
-        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids)
-        if mm is not None:
-            x = merge_image_embeddings(x, *mm)
-        caches = []
-        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_pages)):
-            x, cache = self.run_layer(i, layer, x, inputs, cache, md)
-            caches.append(cache)
-        return self.model.norm(x), caches + list(kv_pages[self.num_layers:])
+    def merge_multimodal(self, x, mm):
+        """``mm`` = (image embeddings ``[E, H]``, row of each token ``[T]``, -1 for text): the
+        image embeddings at their placeholders (positions are then M-RoPE ``[3, T]``)."""
+        return merge_image_embeddings(x, *mm)
 
     def mtp_forward(self, next_token_ids, positions, hidden, kv, md: AttentionMetadata):
         """The MTP head over ``T`` tokens: ``hidden[T, H]`` (the target's normed output, or the
@@ -387,12 +372,8 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
         e = m.pre_fc_norm_embedding(self.model.embed_tokens(next_token_ids))
         x = m.fc(jnp.concatenate([e, m.pre_fc_norm_hidden(hidden.astype(e.dtype))], axis=-1))
         cos, sin = self._rope(positions)
-        x, kv = m.layers[0](x, cos, sin, kv, md, self.attention_backend, self.mesh)
+        x, kv = m.layers[0](x, cos, sin, kv, md, self.attention, self.mesh)
         return m.norm(x), kv
-
-    def compute_logits(self, hidden):
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return lm_head_logits(head, hidden)
 
     @classmethod
     def param_partition_spec(cls, name: str, cfg: ModelConfig) -> PartitionSpec:
