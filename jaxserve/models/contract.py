@@ -47,6 +47,8 @@ class ModelBase:
     cache_groups_supported = False
     # the multi-token-prediction head (``mtp_forward``), None without one
     mtp = None
+    # how llama.cpp's GGUF files store the family: one ``GGUFArch`` per GGUF architecture
+    gguf = ()
 
     @property
     def attention_backend(self) -> str:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
 from jaxserve.models.contract import ModelBase
+from jaxserve.models.gguf_table import GGUFArch
 from jaxserve.models.layers import (
     AttentionMetadata,
     Embedding,
@@ -129,8 +131,46 @@ class GemmaModel(nnx.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
+# llama.cpp's Gemma 2 / 3 files: the layer norms' names, each norm stored as 1 + w
+GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's fixed choices for Gemma (not in the file): the local rope base, and the 27B
+# models' query scale of hidden / heads instead of head_dim (recognised by their layer count)
+_GGUF_LOCAL_ROPE_BASE = 10000.0
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def gguf_config(a, cfg: dict, n_experts: int) -> None:
+    """Gemma 2 / 3's HF config fields from llama.cpp's metadata."""
+    cfg["hidden_act"] = cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    big = cfg["num_hidden_layers"] == _GGUF_27B_LAYERS[cfg["model_type"]]
+    cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"] if big
+                                    else cfg["head_dim"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        v = a(key)
+        cfg[key] = float(v) if v else None
+    if cfg["model_type"] == "gemma3_text":
+        cfg["rope_local_base_freq"] = _GGUF_LOCAL_ROPE_BASE
+    pattern = a("attention.sliding_window_pattern")  # absent: the family's own pattern
+    if isinstance(pattern, list) and cfg.get("sliding_window"):  # per layer: True = local
+        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        cfg["sliding_window_pattern"] = int(pattern)
+
+
+def gguf_unshift_norms(name: str, w, cfg: dict):
+    """llama.cpp stores a (1 + w) RMSNorm's weight as 1 + w."""
+    return w - np.float32(1.0) if name.endswith("norm.weight") else w
+
+
 class GemmaForCausalLM(ModelBase, nnx.Module):
     """Gemma 2 / Gemma 3 text; ``attention_backend``: a name or an ``AttentionBackend``."""
+
+    gguf = tuple(GGUFArch(name, arch, model_type, layer_names=GGUF_LAYER_NAMES,
+                          config=gguf_config, to_hf=gguf_unshift_norms)
+                 for name, arch, model_type in (("gemma2", "Gemma2ForCausalLM", "gemma2"),
+                                                ("gemma3", "Gemma3ForCausalLM", "gemma3_text")))
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str | AttentionBackend = "reference"):

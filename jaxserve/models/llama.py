@@ -25,6 +25,7 @@ from jaxserve.models.layers import (
 from jaxserve.models.linear import Linear, project, project_many
 from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
 from jaxserve.models.contract import ModelBase
+from jaxserve.models.gguf_table import GGUFArch
 from jaxserve.models.lora import LoRABatch, layer_lora
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from pallas_kernels.reference import token_metadata
@@ -103,6 +104,13 @@ class LlamaForCausalLM(ModelBase, nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3; ``attention_backend``: a name or an ``AttentionBackend``."""
 
     decoder_layer = DecoderLayer  # a family that differs only in its layers swaps this
+    gguf = (  # llama.cpp's names: the shared ones; a llama file with experts is Mixtral
+        GGUFArch("llama", "LlamaForCausalLM", "llama", llama_converter=True,
+                 with_experts="MixtralForCausalLM"),
+        GGUFArch("mistral", "MistralForCausalLM", "mistral", llama_converter=True),
+        GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2", config=lambda a, cfg, n: _qwen2_gguf(cfg)),
+        GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    )
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str | AttentionBackend = "reference"):
@@ -146,6 +154,11 @@ class LlamaForCausalLM(ModelBase, nnx.Module):
         return layer(x, cos, sin, kv, md, self.attention, self.mesh,
                      lora=layer_lora(lora, i, self.mesh))
 
+
+
+def _qwen2_gguf(cfg: dict) -> None:
+    if cfg.get("sliding_window"):
+        cfg["use_sliding_window"] = True
 
 
 def _freeze(d):

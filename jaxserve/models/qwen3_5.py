@@ -39,6 +39,7 @@ from jaxserve.core.kv_cache_spec import FullAttention, LinearState
 from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
 from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.gemma import GemmaRMSNorm  # the (1 + w) RMSNorm Qwen 3.5 shares
+from jaxserve.models.gguf_table import GGUFArch
 from jaxserve.models.layers import (
     AttentionMetadata,
     Embedding,
@@ -48,7 +49,8 @@ from jaxserve.models.layers import (
     rope_cos_sin,
 )
 from jaxserve.models.linear import Linear, normal
-from jaxserve.models.moe import MoeForCausalLM, SparseMoeBlock
+from jaxserve.models.moe import (GGUF_EXPERTS, GGUF_SHARED_EXPERT_NAMES, MoeForCausalLM,
+                                 SparseMoeBlock)
 from jaxserve.models.qwen3_5_vision import Qwen3_5VisionModel, merge_image_embeddings
 from pallas_kernels import gated_delta_rule as gdn
 
@@ -282,10 +284,90 @@ class MultiTokenPredictor(nnx.Module):
         self.norm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
 
 
+# llama.cpp's Qwen 3.5 names: the Gated DeltaNet layers' fused q/k/v, output gate z, decay (a)
+# and beta inputs; A_log without a suffix
+_GGUF_LAYER_NAMES = {
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj", "post_attention_norm": "post_attention_layernorm",
+}
+_GGUF_WHOLE_NAMES = {("ssm_a", None): "linear_attn.A_log",
+                     ("ssm_dt", "bias"): "linear_attn.dt_bias"}
+
+
+def gguf_config(a, cfg: dict, n_experts: int) -> None:
+    """Qwen 3.5's HF config fields from llama.cpp's metadata. The GDN geometry is in llama.cpp's ``ssm.*`` keys (group count = K
+    heads, time-step rank = V heads, state size = K head dim, inner size = all V channels); a
+    layer is full attention when it has ``attn_q`` (llama.cpp derives the same from
+    ``full_attention_interval``)."""
+    n, tensor_names = cfg["num_hidden_layers"], a.names
+    n_v = int(a("ssm.time_step_rank"))
+    types = ["full_attention" if f"blk.{i}.attn_q.weight" in tensor_names
+             else "linear_attention" for i in range(n)]
+    rot = int(a("rope.dimension_count", cfg["head_dim"] // 4))
+    cfg.update(
+        layer_types=types, full_attention_interval=int(a("full_attention_interval", 4)),
+        linear_conv_kernel_dim=int(a("ssm.conv_kernel")),
+        linear_key_head_dim=int(a("ssm.state_size")),
+        linear_num_key_heads=int(a("ssm.group_count")),
+        linear_num_value_heads=n_v,
+        linear_value_head_dim=int(a("ssm.inner_size")) // n_v,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                         "partial_rotary_factor": rot / cfg["head_dim"]},
+    )
+    if n_experts:
+        cfg.update(num_experts=n_experts, num_experts_per_tok=int(a("expert_used_count")),
+                   moe_intermediate_size=int(a("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(
+                       a("expert_shared_feed_forward_length", 0) or 0))
+        cfg.pop("intermediate_size", None)  # every layer is sparse
+
+
+def _grouped_v(t: np.ndarray, axis: int, n_k: int, per_k: int, dim: int) -> np.ndarray:
+    """HF's V-head order along ``axis`` from llama.cpp's: tiled (k0v0, k1v0, k0v1, ...) ->
+    grouped by K head (k0v0, k0v1, k1v0, ...), each head ``dim`` wide."""
+    t = np.moveaxis(t, axis, 0)
+    rest = t.shape[1:]
+    t = t.reshape(per_k, n_k, dim, *rest).swapaxes(0, 1).reshape(n_k * per_k * dim, *rest)
+    return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+
+def gguf_to_hf(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """Undo llama.cpp's Qwen 3.5 storage: zero-centred norms kept as ``1 + w`` (the GDN's gated
+    norm is not zero-centred), ``A`` kept as ``-exp(A_log)``, the conv kernel squeezed to
+    ``[C, K]``, and V heads tiled (where K heads < V heads) for ggml's broadcast."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return w - np.float32(1.0)
+    if ".linear_attn." not in name:
+        return w
+    if name.endswith(".A_log"):
+        w = np.log(-w)
+    elif name.endswith(".conv1d.weight"):
+        w = w.reshape(w.shape[0], 1, w.shape[-1])
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if n_k == n_v:
+        return w
+    per_k, dv = n_v // n_k, cfg["linear_value_head_dim"]
+    qk = 2 * n_k * cfg["linear_key_head_dim"]  # q and k channels come first, untouched
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return np.concatenate([w[:qk], _grouped_v(w[qk:], 0, n_k, per_k, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return _grouped_v(w, 0, n_k, per_k, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return _grouped_v(w, 0, n_k, per_k, 1)
+    if name.endswith("out_proj.weight"):
+        return _grouped_v(w, 1, n_k, per_k, dv)
+    return w
+
+
 class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
     """Dense Qwen 3.5 / 3.6 (both checkpoint layouts)."""
 
     moe = False
+    gguf = (GGUFArch("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text",
+                     layer_names=_GGUF_LAYER_NAMES, whole_names=_GGUF_WHOLE_NAMES,
+                     config=gguf_config, to_hf=gguf_to_hf),)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_backend: str | AttentionBackend = "reference"):
@@ -427,6 +509,10 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen 3.5 / 3.6 MoE (routed experts plus a gated shared expert in every layer)."""
 
     moe = True
+    gguf = (GGUFArch("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
+                     layer_names={**_GGUF_LAYER_NAMES, **GGUF_SHARED_EXPERT_NAMES},
+                     whole_names=_GGUF_WHOLE_NAMES, experts=GGUF_EXPERTS, config=gguf_config,
+                     to_hf=gguf_to_hf),)
 
 
 def _gdn_partition_spec(name: str) -> PartitionSpec:
