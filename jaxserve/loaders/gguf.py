@@ -9,9 +9,9 @@ Mapped: every family whose model file declares a GGUF table (``gguf`` on its cla
 ``jaxserve.models.gguf_table``: llama.cpp's architecture names, the tensor names that differ
 from the shared ones below, and hooks for its config fields and storage), found through the
 registry; experts stacked in one 3-D tensor per projection are split per expert here, and
-multi-token-prediction (nextn) blocks skipped. Only quant types we have checked against transformers' own GGUF
-loading are accepted; anything else, and an architecture variant we cannot serve, fails early
-with a clear error.
+multi-token-prediction (nextn) blocks skipped. Only quant types we have checked against
+transformers' own GGUF loading are accepted; anything else, and an architecture variant we
+cannot serve, fails early with a clear error.
 """
 from __future__ import annotations
 

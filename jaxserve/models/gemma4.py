@@ -352,10 +352,11 @@ _GGUF_GLOBAL_NAMES = {
 
 
 def gguf_config(a, cfg: dict, n_experts: int) -> None:
-    """Gemma 4's HF config fields from llama.cpp's metadata. llama.cpp writes the global layers' head dim as ``key_length`` and the
-    sliding ones' as ``key_length_swa``, KV heads per layer, the local layers as a bool per
-    layer, and ``attention_k_eq_v`` only as global layers without ``attn_v``; proportional
-    rope becomes ``rope_freqs`` (1 for each rotated pair, 1e30 for the rest)."""
+    """Gemma 4's HF config fields from llama.cpp's metadata. llama.cpp writes the global layers'
+    head dim as ``key_length`` and the sliding ones' as ``key_length_swa``, KV heads per layer,
+    the local layers as a bool per layer, and ``attention_k_eq_v`` only as global layers without
+    ``attn_v``; proportional rope becomes ``rope_freqs`` (1 for each rotated pair, 1e30 for the
+    rest)."""
     n = cfg["num_hidden_layers"]
     pattern = a("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != n:

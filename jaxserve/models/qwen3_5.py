@@ -297,10 +297,10 @@ _GGUF_WHOLE_NAMES = {("ssm_a", None): "linear_attn.A_log",
 
 
 def gguf_config(a, cfg: dict, n_experts: int) -> None:
-    """Qwen 3.5's HF config fields from llama.cpp's metadata. The GDN geometry is in llama.cpp's ``ssm.*`` keys (group count = K
-    heads, time-step rank = V heads, state size = K head dim, inner size = all V channels); a
-    layer is full attention when it has ``attn_q`` (llama.cpp derives the same from
-    ``full_attention_interval``)."""
+    """Qwen 3.5's HF config fields from llama.cpp's metadata. The GDN geometry is in llama.cpp's
+    ``ssm.*`` keys (group count = K heads, time-step rank = V heads, state size = K head dim,
+    inner size = all V channels); a layer is full attention when it has ``attn_q`` (llama.cpp
+    derives the same from ``full_attention_interval``)."""
     n, tensor_names = cfg["num_hidden_layers"], a.names
     n_v = int(a("ssm.time_step_rank"))
     types = ["full_attention" if f"blk.{i}.attn_q.weight" in tensor_names
