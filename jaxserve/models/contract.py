@@ -1,8 +1,9 @@
 """What a model class must provide to the loader and the runner (one ``Protocol``).
 
-A family is one module in ``jaxserve/models/`` with a class that satisfies :class:`CausalLM`,
-one line per HF architecture name in ``registry.py``, and, for GGUF, its names in the GGUF
-loader's map. Nothing else in the engine knows a family.
+A family is one module in ``jaxserve/models/`` with a class that lists :class:`ModelBase`
+first and satisfies :class:`CausalLM`, one line per HF architecture name in ``registry.py``,
+and, for GGUF, its ``gguf`` table (``jaxserve.models.gguf_table``). Nothing else in the engine
+knows a family (docs/models.md, "Adding a family").
 
 The runner's device step is ``hidden, kv = model(token_ids, positions, kv_pages, md)`` then
 ``model.compute_logits(hidden[logits_indices])``; the graph (``nnx.split``) is a jit cache key,
