@@ -87,6 +87,10 @@ class ModelBase:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the range {lo}..{hi - 1} "
                              f"{hi - lo}")
         producers = self.kv_producers()
+        outside = [i for i in range(lo, hi) if producers[i] is not None and producers[i] < lo]
+        if outside:
+            raise ValueError(f"layer {outside[0]} reads the pages of layer "
+                             f"{producers[outside[0]]}, outside the range {lo}..{hi - 1}")
         caches = []
         for j, i in enumerate(range(lo, hi)):
             kv = kv_pages[j] if producers[i] is None else caches[producers[i] - lo]
@@ -102,6 +106,14 @@ class ModelBase:
     def merge_multimodal(self, x, mm):
         """The token embeddings ``x`` with image embeddings put in (vision-language models)."""
         raise ValueError(f"{type(self).__name__} takes no image inputs")
+
+    def encode_images(self, vision_inputs):
+        """The vision tower's image embeddings (vision-language models)."""
+        raise ValueError(f"{type(self).__name__} has no vision tower")
+
+    def mtp_forward(self, next_token_ids, positions, hidden, kv, md):
+        """The multi-token-prediction head over ``T`` tokens -> (its hidden states, kv)."""
+        raise ValueError(f"{type(self).__name__} has no multi-token-prediction head")
 
     def final_hidden(self, x):
         """The last layer's output -> the final hidden states (the final norm)."""
@@ -145,9 +157,30 @@ class CausalLM(Protocol):
     cache_groups_supported: bool
     mtp: object  # the MTP head module, or None
 
-    def __call__(self, token_ids, positions, kv_pages, md):
+    def __call__(self, token_ids, positions, kv_pages, md, lora=None, mm=None):
         """``token_ids[T], positions[T]``, one ``(k, v)`` per layer, ``AttentionMetadata`` ->
         ``(hidden[T, H], kv_pages)`` (the pages written with this step's K/V)."""
+
+    def embed(self, token_ids):
+        """``[T]`` ids -> the hidden carry entering layer 0 (Gemma 4: with per-layer inputs)."""
+
+    def layer_inputs(self, positions, md, num_tokens: int):
+        """What every layer reads besides the hidden carry (the rotary tables)."""
+
+    def run_layer(self, i: int, layer, x, inputs, kv, md, lora=None):
+        """Model layer ``i`` -> ``(x, its cache)``."""
+
+    def run_layers(self, x, inputs, kv_pages, md, lora=None, lo: int = 0, hi: int | None = None):
+        """Layers ``lo .. hi - 1`` (``ModelBase``'s loop) -> ``(x, caches)``."""
+
+    def final_hidden(self, x):
+        """The last layer's carry -> the final hidden states."""
+
+    def encode_images(self, vision_inputs):
+        """Image embeddings ``[P, H]`` (``merge_multimodal`` puts them at placeholders)."""
+
+    def mtp_forward(self, next_token_ids, positions, hidden, kv, md):
+        """The MTP head (``mtp`` not None) -> (its normed hidden ``[T, H]``, kv)."""
 
     def cache_specs(self, dtype: str) -> list:
         """One cache spec per layer, pages of ``dtype`` (the KV cache dtype's name)."""

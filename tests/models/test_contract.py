@@ -67,7 +67,7 @@ def _split_forward(path, cut: int):
         x, second = m.run_layers(x, inputs, pages[cut:], md, lo=cut)
         return m.final_hidden(x), first + second
 
-    return whole(state, pages), ranges(state, pages)
+    return whole(state, pages), ranges(state, pages), (model, pages, md)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma4"])
@@ -80,13 +80,15 @@ def test_layer_ranges_compute_exactly_the_whole_forward(tiny_model_factory, tmp_
         path, cut = make_tiny_gemma4(tmp_path / "g4"), 2  # layers 4, 5 read 3, 2
     else:
         path, cut = tiny_model_factory("llama", layers=3), 1
-    (whole, whole_pages), (split, split_pages) = _split_forward(path, cut)
+    (whole, whole_pages), (split, split_pages), (model, pages, md) = _split_forward(path, cut)
     np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
     assert len(split_pages) == len(whole_pages)
     for a, b in zip(jax.tree_util.tree_leaves(split_pages), jax.tree_util.tree_leaves(whole_pages)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if family == "gemma4":  # a KV-sharing layer hands back no pages of its own
         assert split_pages[-1] == () and split_pages[-2] == ()
+        with pytest.raises(ValueError, match="layer 4 reads the pages of layer 3, outside"):
+            model.run_layers(None, None, pages[4:], md, lo=4)
 
 
 # ---------------------------------------------------------------------------- attention backend
