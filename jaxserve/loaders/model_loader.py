@@ -22,10 +22,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import kv_scales
-from jaxserve.models.attention import AttentionBackend
-from jaxserve.models import linear
+from jaxserve.models import kv_scales, linear
 from jaxserve.models import quantization as quant_lib
+from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
 from jaxserve.sharding import TP_AXIS, default_mesh
