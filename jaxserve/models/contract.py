@@ -48,6 +48,8 @@ class ModelBase:
     cache_groups_supported = False
     # the multi-token-prediction head (``mtp_forward``), None without one
     mtp = None
+    # the vision tower (``encode_images``, ``merge_multimodal``), None for a text-only model
+    visual = None
     # how llama.cpp's GGUF files store the family: one ``GGUFArch`` per GGUF architecture
     gguf = ()
 
@@ -156,6 +158,7 @@ class CausalLM(Protocol):
     supports_lora: bool
     cache_groups_supported: bool
     mtp: object  # the MTP head module, or None
+    visual: object  # the vision tower, or None
 
     def __call__(self, token_ids, positions, kv_pages, md, lora=None, mm=None):
         """``token_ids[T], positions[T]``, one ``(k, v)`` per layer, ``AttentionMetadata`` ->
