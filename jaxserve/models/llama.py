@@ -128,8 +128,8 @@ class LlamaForCausalLM(ModelBase, nnx.Module):
     def supports_lora(self) -> bool:
         return getattr(self.decoder_layer, "supports_lora", False)
 
-    # The forward in pieces (embed, per-layer inputs, one layer): the single-program forward
-    # below and each pipeline stage (jaxserve.worker.pipeline) run the same code.
+    # The forward in pieces (embed, per-layer inputs, one layer): ModelBase's one layer loop and
+    # each pipeline stage (jaxserve.worker.stages) run the same code.
     supports_pipeline = True
 
     def embed(self, token_ids):
