@@ -26,6 +26,7 @@ from jaxserve.engine.generation_config import eos_token_ids, load_generation_con
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.errors import InvalidRequestError
 from jaxserve.loaders.model_loader import load_model, load_tokenizer, resolve_dtype
+from jaxserve.models.attention import resolve_attention_backend
 from jaxserve.sharding import engine_mesh, pipeline_mesh
 from jaxserve.worker.kv_cache import kv_cache_dtype, page_bytes
 from jaxserve.worker.kv_calibration import prepare_kv_scales
@@ -89,6 +90,11 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         from jaxserve.worker.stages import load_mesh
         mesh = load_mesh(pp_mesh, config.parallel.tensor_parallel_size)
     local = Path(str(config.model)).expanduser()
+    # the attention kernel, chosen once: the model (and a draft model) carry this object
+    try:
+        attention = resolve_attention_backend(config.attention_backend)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="attention_backend") from None
     spec = config.speculative
     mtp = spec is not None and spec.method == "mtp"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -98,7 +104,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         try:
             model, mc, model_dir = load_model(
                 config.model, dtype=config.dtype, load_format=config.load_format,
-                attention_backend=config.attention_backend, mesh=mesh,
+                attention_backend=attention, mesh=mesh,
                 enable_expert_parallel=config.parallel.enable_expert_parallel,
                 quantization=config.quantization, lm_head_quantized=config.lm_head_quantized,
                 load_mtp=mtp, **config.model_source())
@@ -131,7 +137,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         if pp_mesh is not None:  # the draft runs on the last stage (see draft_mesh)
             from jaxserve.worker.stages import draft_mesh
             draft_on = draft_mesh(pp_mesh)
-        draft = DraftModelProposer.load_model(spec, config, config.attention_backend,
+        draft = DraftModelProposer.load_model(spec, config, attention,
                                               mc.vocab_size, mesh=draft_on)
         extra_page_bytes = page_bytes(draft[1], config.cache.block_size, dtype)
     try:

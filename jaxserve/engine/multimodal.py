@@ -15,7 +15,7 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 def input_processor(engine) -> MultiModalInputProcessor | None:
     """The image input processor of the engine's model (None: text-only, or images off with
     ``--limit-mm-per-prompt '{"image": 0}'``, or a vision tower jaxserve does not run yet)."""
-    if getattr(engine.model, "visual", None) is None or engine.config.multimodal.limit(
+    if engine.model.visual is None or engine.config.multimodal.limit(
             "image") == 0:
         return None
     return MultiModalInputProcessor.for_model(engine.model_dir, engine.model_config.hf,
@@ -24,7 +24,7 @@ def input_processor(engine) -> MultiModalInputProcessor | None:
 
 def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
     """Give the runner its encoder step (before warm-up) when the model takes images."""
-    if processor is None or getattr(engine.model, "visual", None) is None:
+    if processor is None or engine.model.visual is None:
         return
     if engine.config.parallel.pipeline_parallel_size > 1 or engine.config.parallel.num_hosts > 1:
         # those runners build their own step inputs: images stay off (a 400 naming the part)

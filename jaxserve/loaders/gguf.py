@@ -5,19 +5,13 @@ no torch), so the rest of the loader treats a ``.gguf`` exactly like a safetenso
 llama.cpp stores Q/K projections of the llama architecture with rows permuted for its
 interleaved rotary layout; we undo that here so the weights are HF's again.
 
-Mapped: the llama family (llama, mistral, qwen2, qwen3, and Mixtral, which llama.cpp stores
-as ``llama`` with expert tensors), gemma2, gemma3, gemma4, phi3, qwen3moe, qwen2moe, qwen35 and
-qwen35moe, with the names, layouts and metadata llama.cpp's ``convert_hf_to_gguf.py`` writes:
-Gemma 2/3's ``(1 + w)`` norm weights with the 1 added, Phi-3's fused ``attn_qkv``/``ffn_up``
-and LongRoPE factor tensors, experts stacked in one 3-D tensor per projection; Gemma 4's
-per-type head dims (``key_length`` global, ``key_length_swa`` local), per-layer KV heads,
-``attention_k_eq_v`` as global layers without ``attn_v``, proportional rope as ``rope_freqs``
-(1s then 1e30s), fused ``ffn_gate_up_exps``; Qwen 3.5's Gated DeltaNet tensors as ``ssm_*``
-with ``A`` stored as ``-exp(A_log)``, the conv kernel squeezed, zero-centred norms as
-``1 + w`` and V heads reordered from grouped-by-K to tiled, and multi-token-prediction
-(nextn) blocks skipped. Only quant types we have checked against transformers' own GGUF
-loading are accepted; anything else, and an architecture variant we cannot serve, fails early
-with a clear error.
+Mapped: every family whose model file declares a GGUF table (``gguf`` on its class,
+``jaxserve.models.gguf_table``: llama.cpp's architecture names, the tensor names that differ
+from the shared ones below, and hooks for its config fields and storage), found through the
+registry; experts stacked in one 3-D tensor per projection are split per expert here, and
+multi-token-prediction (nextn) blocks skipped. Only quant types we have checked against
+transformers' own GGUF loading are accepted; anything else, and an architecture variant we
+cannot serve, fails early with a clear error.
 """
 from __future__ import annotations
 
@@ -33,32 +27,14 @@ from typing import Callable
 
 import numpy as np
 
+from jaxserve.models import registry
+from jaxserve.models.gguf_table import GGUFArch
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF architecture -> (HF architectures entry, model_type).
-SUPPORTED_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-    "phi3": ("Phi3ForCausalLM", "phi3"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-    "gemma4": ("Gemma4ForCausalLM", "gemma4_text"),
-    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
-    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
-}
-_MIXTRAL = ("MixtralForCausalLM", "mixtral")  # the llama architecture with experts
-# llama.cpp adds 1 to these families' norm weights (their RMSNorm scales by 1 + w)
-_NORM_SHIFTED = ("gemma2", "gemma3")
-# llama.cpp's fixed choices for Gemma (not in the file): local rope base, and the 27B models'
-# query scale of hidden / heads instead of head_dim (recognised by their layer count)
-_GEMMA_LOCAL_ROPE_BASE = 10000.0
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-# llama.cpp permutes Q/K rows only for these (its LlamaModel converter).
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+# GGUF architecture -> (HF architectures entry, model_type): the families' tables
+SUPPORTED_ARCHITECTURES = {name: (spec.architecture, spec.model_type)
+                           for name, spec in registry.GGUF_ARCHITECTURES.items()}
 
 SUPPORTED_QUANT_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
@@ -78,62 +54,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# where a family's layer tensors differ from the llama family's names
-_ARCH_LAYER_NAMES = {
-    "gemma2": {"post_attention_norm": "post_attention_layernorm",
-               "ffn_norm": "pre_feedforward_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
-    # the shared expert beside the routed ones, and its sigmoid gate
-    "qwen2moe": {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-                 "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                 "ffn_down_shexp": "mlp.shared_expert.down_proj"},
-}
-_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
-_ARCH_LAYER_NAMES["gemma4"] = {
-    **_ARCH_LAYER_NAMES["gemma2"],
-    # the MoE block's own norms beside the dense MLP's
-    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
-    "post_ffw_norm_1": "post_feedforward_layernorm_1",
-    "post_ffw_norm_2": "post_feedforward_layernorm_2",
-    # per-layer input embeddings (PLE)
-    "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
-    "post_norm": "post_per_layer_input_norm",
-}
-# Qwen 3.5's Gated DeltaNet layers: fused q/k/v, output gate z, decay (a) and beta inputs
-_ARCH_LAYER_NAMES["qwen35"] = {
-    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
-    "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
-    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
-    "ssm_out": "linear_attn.out_proj", "post_attention_norm": "post_attention_layernorm",
-}
-_ARCH_LAYER_NAMES["qwen35moe"] = {**_ARCH_LAYER_NAMES["qwen35"], **_ARCH_LAYER_NAMES["qwen2moe"]}
-# (GGUF tensor kind, suffix) -> the HF name after ``model.layers.N.``, where the suffix changes
-# too (Gemma 4's scalars and router scales have no ``.weight``; Qwen 3.5's A_log has no suffix)
-_ARCH_WHOLE_NAMES = {
-    "gemma4": {("layer_output_scale", "weight"): "layer_scalar",
-               ("ffn_gate_inp", "weight"): "router.proj.weight",
-               ("ffn_gate_inp", "scale"): "router.scale",
-               ("ffn_down_exps", "scale"): "router.per_expert_scale",
-               # experts stay stacked: Gemma 4's HF layout is fused [E, 2I, H] and [E, H, I]
-               ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
-               ("ffn_down_exps", "weight"): "experts.down_proj"},
-    "qwen35": {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"},
-}
-_ARCH_WHOLE_NAMES["qwen35moe"] = _ARCH_WHOLE_NAMES["qwen35"]
-_ARCH_GLOBAL_NAMES = {"gemma4": {
-    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
-    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
-    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
-}}
 # experts: one [n_expert, out, in] tensor per projection -> per-expert HF tensors
 _EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down
-# model_type -> (MoE block, per-expert HF names of gate, up, down)
-_MOE_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-              "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-              "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-              "qwen3_5_moe_text": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -149,28 +71,26 @@ def _beyond(name: str, n_layers: int) -> bool:
     return bool(b) and int(b.group(1)) >= n_layers
 # folded into rope_scaling (Gemma 4: its partial rotary factor) instead
 _IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-_QWEN35 = ("qwen35", "qwen35moe")
 
 
-def hf_tensor_name(gguf_name: str, arch: str = "llama", model_type: str | None = None
-                   ) -> str | None:
+def hf_tensor_name(gguf_name: str, spec: GGUFArch) -> str | None:
     """The HF parameter name of a (non-expert) GGUF tensor, or None if the family has none."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if gguf_name in _ARCH_GLOBAL_NAMES.get(arch, {}):
-        return _ARCH_GLOBAL_NAMES[arch][gguf_name]
+    if gguf_name in spec.global_names:
+        return spec.global_names[gguf_name]
     m = _LAYER_RE.match(gguf_name)
     if not m:
         return None
     kind = m.group(2)
-    whole = _ARCH_WHOLE_NAMES.get(arch, {}).get((kind, m.group(3)))
+    whole = spec.whole_names.get((kind, m.group(3)))
     if whole:
         return f"model.layers.{m.group(1)}.{whole}"
     if m.group(3) not in ("weight", "bias"):
         return None
-    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
-    if kind == "ffn_gate_inp" and model_type in _MOE_NAMES:
-        names[kind] = f"{_MOE_NAMES[model_type][0]}.gate"
+    names = {**_LAYER_NAMES, **spec.layer_names}
+    if kind == "ffn_gate_inp" and spec.experts:
+        names[kind] = f"{spec.experts[0]}.gate"
     if kind in names:
         return f"model.layers.{m.group(1)}.{names[kind]}.{m.group(3)}"
     return None
@@ -220,19 +140,42 @@ def _llama3_rope_scaling(rope_freqs, theta, head_dim, original_ctx):
     return scaling
 
 
+class GGUFMetadata:
+    """What a family's config hook reads: ``meta(key, default)`` (the ``<arch>.<key>``
+    metadata), ``names`` (every tensor name), ``rows(name)`` (a matrix's output rows) and
+    ``array(name)`` (a tensor's stored data)."""
+
+    def __init__(self, reader, arch: str, tensor_names: set[str]):
+        self.reader, self.arch, self.names = reader, arch, tensor_names
+
+    def __call__(self, key, default=None):
+        return _field(self.reader, f"{self.arch}.{key}", default)
+
+    def rows(self, name: str) -> int:  # GGUF lists dimensions innermost first
+        return int(self.reader.tensors[_tensor_index(self.reader)[name]].shape[-1])
+
+    def array(self, name: str) -> np.ndarray:
+        return np.asarray(self.reader.tensors[_tensor_index(self.reader)[name]].data)
+
+
+def gguf_spec(reader, arch: str) -> GGUFArch:
+    """The family table of a file: its architecture's, or (llama with experts) Mixtral's."""
+    return registry.gguf_arch(arch, experts=bool(_field(reader, f"{arch}.expert_count", 0)))
+
+
 def _config(reader, arch: str, tensor_names: set[str]) -> dict:
-    def a(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+    a = GGUFMetadata(reader, arch, tensor_names)
+    spec = gguf_spec(reader, arch)
 
     hidden = int(a("embedding_length"))
     n_heads = int(a("attention.head_count"))
     n_kv = a("attention.head_count_kv", n_heads)
     if isinstance(n_kv, list):  # per layer: Gemma 4's global layers differ (its config reads it)
-        if len(set(n_kv)) != 1 and arch != "gemma4":
+        if len(set(n_kv)) != 1 and not spec.per_layer_kv_heads:
             raise ValueError(f"GGUF with per-layer head_count_kv {n_kv} is not supported")
         n_kv = n_kv[0]
     head_dim = a("attention.key_length")
-    if head_dim is None and arch in _PERMUTED_ARCHITECTURES:
+    if head_dim is None and spec.llama_converter:
         head_dim = a("rope.dimension_count")
     if head_dim is None:
         head_dim = hidden // n_heads
@@ -251,13 +194,10 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
         ff = a("expert_feed_forward_length")
     # multi-token-prediction blocks (nextn) are appended after the model's own layers
     n_layers = int(a("block_count")) - int(a("nextn_predict_layers", 0) or 0)
-    architectures, model_type = SUPPORTED_ARCHITECTURES[arch]
     n_experts = int(a("expert_count", 0) or 0)
-    if arch == "llama" and n_experts:
-        architectures, model_type = _MIXTRAL
     cfg = dict(
-        architectures=[architectures],
-        model_type=model_type,
+        architectures=[spec.architecture],
+        model_type=spec.model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(ff),
@@ -282,8 +222,6 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
     sw = a("attention.sliding_window")
     if sw:
         cfg["sliding_window"] = int(sw)
-        if model_type == "qwen2":
-            cfg["use_sliding_window"] = True
     scaling_type = a("rope.scaling.type")
     orig_ctx = a("rope.scaling.original_context_length")
     if scaling_type and scaling_type != "none":
@@ -296,189 +234,15 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
                 if v is not None:
                     rs[k] = float(v)
         cfg["rope_scaling"] = rs
-    elif "rope_freqs.weight" in tensor_names and arch != "gemma4":
+    elif "rope_freqs.weight" in tensor_names and not spec.own_rope_freqs:
         idx = _tensor_index(reader)["rope_freqs.weight"]
         rs = _llama3_rope_scaling(np.asarray(reader.tensors[idx].data), theta, int(head_dim),
                                   orig_ctx)
         if rs is not None:
             cfg["rope_scaling"] = rs
-    _family_config(reader, arch, a, cfg, n_experts, tensor_names)
+    if spec.config is not None:
+        spec.config(a, cfg, n_experts)
     return cfg
-
-
-def _family_config(reader, arch: str, a, cfg: dict, n_experts: int,
-                   tensor_names: set[str]) -> None:
-    """The HF config fields of the families beyond Llama, from llama.cpp's metadata."""
-    if arch == "gemma4":
-        _gemma4_config(reader, a, cfg, n_experts, tensor_names)
-        return
-    if arch in _QWEN35:
-        _qwen35_config(a, cfg, n_experts, tensor_names)
-        return
-    if n_experts:
-        cfg["num_experts_per_tok"] = int(a("expert_used_count"))
-        if cfg["model_type"] == "mixtral":
-            cfg["num_local_experts"] = n_experts
-        else:
-            # qwen3moe: llama.cpp always renormalises the top-k weights; qwen2moe: as the
-            # file's expert_weights_norm says (absent: no, HF's Qwen2-MoE default). A layer
-            # without a router is a dense MLP layer.
-            dense = [i for i in range(cfg["num_hidden_layers"])
-                     if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
-            norm = True if arch == "qwen3moe" else bool(a("expert_weights_norm", False))
-            cfg.update(num_experts=n_experts, norm_topk_prob=norm, decoder_sparse_step=1,
-                       mlp_only_layers=dense,
-                       moe_intermediate_size=int(a("expert_feed_forward_length")))
-            if arch == "qwen2moe":
-                cfg["shared_expert_intermediate_size"] = int(
-                    a("expert_shared_feed_forward_length", 0) or 0)
-    if arch in ("gemma2", "gemma3"):
-        cfg["hidden_act"] = cfg["hidden_activation"] = "gelu_pytorch_tanh"
-        big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
-        cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"] if big
-                                        else cfg["head_dim"])
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            v = a(key)
-            cfg[key] = float(v) if v else None
-        if arch == "gemma3":
-            cfg["rope_local_base_freq"] = _GEMMA_LOCAL_ROPE_BASE
-        pattern = a("attention.sliding_window_pattern")  # absent: the family's own pattern
-        if isinstance(pattern, list) and cfg.get("sliding_window"):  # per layer: True = local
-            cfg["layer_types"] = ["sliding_attention" if p else "full_attention"
-                                  for p in pattern]
-        elif pattern:
-            cfg["sliding_window_pattern"] = int(pattern)
-    if arch == "phi3":
-        if not cfg.get("sliding_window"):  # 0: none (Phi-4)
-            cfg["sliding_window"] = None
-        dims = a("rope.dimension_count")
-        if dims is not None and int(dims) != cfg["head_dim"]:
-            cfg["partial_rotary_factor"] = int(dims) / cfg["head_dim"]
-        index = _tensor_index(reader)
-        if "rope_factors_long.weight" in index:
-            def factors(name):
-                return [float(x) for x in np.asarray(reader.tensors[index[name]].data).ravel()]
-
-            rs = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
-                  "short_factor": factors("rope_factors_short.weight")}
-            attn = a("rope.scaling.attn_factor")
-            if attn is not None:
-                rs["attention_factor"] = float(attn)
-            orig = a("rope.scaling.original_context_length")
-            if orig:
-                rs["original_max_position_embeddings"] = int(orig)
-                cfg["original_max_position_embeddings"] = int(orig)
-            cfg["rope_scaling"] = rs
-
-
-def _gemma4_config(reader, a, cfg: dict, n_experts: int, tensor_names: set[str]) -> None:
-    """Gemma 4's fields. llama.cpp writes the global layers' head dim as ``key_length`` and the
-    sliding ones' as ``key_length_swa``, KV heads per layer, the local layers as a bool per
-    layer, and ``attention_k_eq_v`` only as global layers without ``attn_v``; proportional
-    rope becomes ``rope_freqs`` (1 for each rotated pair, 1e30 for the rest)."""
-    n = cfg["num_hidden_layers"]
-    pattern = a("attention.sliding_window_pattern")
-    if not isinstance(pattern, list) or len(pattern) != n:
-        raise ValueError("gemma4 GGUF without a per-layer attention.sliding_window_pattern "
-                         f"({pattern!r}) is not supported")
-    types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    head_local, head_global = int(a("attention.key_length_swa")), int(a("attention.key_length"))
-    if int(a("attention.value_length_swa", head_local)) != head_local or \
-            int(a("attention.value_length", head_global)) != head_global:
-        raise ValueError("gemma4 GGUF with value heads unlike its key heads is not supported")
-    kv_meta = a("attention.head_count_kv", cfg["num_attention_heads"])
-    kv_meta = kv_meta if isinstance(kv_meta, list) else [kv_meta] * n
-    shared = int(a("attention.shared_kv_layers", 0) or 0)
-    index = _tensor_index(reader)
-
-    def rows(name):  # a matrix's output rows (GGUF lists dimensions innermost first)
-        return int(reader.tensors[index[name]].shape[-1])
-
-    # a layer with its own KV: its attn_k rows say its KV heads; a KV-sharing one: the metadata
-    kv = [rows(f"blk.{i}.attn_k.weight") // (head_local if t == "sliding_attention" else
-                                             head_global)
-          if f"blk.{i}.attn_k.weight" in tensor_names else int(kv_meta[i])
-          for i, t in enumerate(types)]
-    own = [i for i in range(n - shared) if types[i] == "full_attention"]
-    k_eq_v = bool(own) and all(f"blk.{i}.attn_v.weight" not in tensor_names for i in own)
-    if own and not k_eq_v and any(f"blk.{i}.attn_v.weight" not in tensor_names for i in own):
-        raise ValueError("gemma4 GGUF with attn_v in some global layers only is not supported")
-    local = [kv[i] for i, t in enumerate(types) if t == "sliding_attention"]
-    cfg.update(
-        layer_types=types, head_dim=head_local, global_head_dim=head_global,
-        num_key_value_heads=local[0] if local else kv[0],
-        per_layer_config={str(i): {"head_dim": head_global, "num_key_value_heads": kv[i]}
-                          for i, t in enumerate(types) if t == "full_attention"},
-        attention_k_eq_v=k_eq_v, num_kv_shared_layers=shared,
-        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-        final_logit_softcapping=float(a("final_logit_softcapping") or 0) or None,
-        hidden_size_per_layer_input=int(a("embedding_length_per_layer_input", 0) or 0),
-    )
-    if any(t == "full_attention" for t in types):
-        cfg["num_global_key_value_heads"] = kv[types.index("full_attention")]
-    if "per_layer_token_embd.weight" in tensor_names:
-        cfg["vocab_size_per_layer_input"] = rows("per_layer_token_embd.weight")
-    ff = a("feed_forward_length")
-    if isinstance(ff, list) and len(set(ff)) > 1:
-        wide = [ff[0] if i < n - shared else 2 * ff[0] for i in range(n)]
-        if list(ff) != wide:
-            raise ValueError(f"gemma4 GGUF with per-layer feed_forward_length {ff} is not "
-                             "supported (only the KV-sharing layers' double-wide MLP is)")
-        cfg["use_double_wide_mlp"] = True
-    # rope per layer type: global "proportional" with the rotated fraction from rope_freqs
-    partial = 1.0
-    if "rope_freqs.weight" in index:
-        f = np.asarray(reader.tensors[index["rope_freqs.weight"]].data, np.float64).ravel()
-        rotated = int((f == 1.0).sum())
-        if len(f) != head_global // 2 or not (f[:rotated] == 1.0).all() or \
-                not (f[rotated:] > 1e20).all():
-            raise ValueError("gemma4 GGUF rope_freqs is not proportional rope (1s then 1e30s); "
-                             "unsupported")
-        partial = 2 * rotated / head_global
-    if int(a("rope.dimension_count_swa", head_local)) != head_local:
-        raise ValueError("gemma4 GGUF with partial rotary sliding layers "
-                         f"(rope.dimension_count_swa={a('rope.dimension_count_swa')}) is not "
-                         "supported")
-    cfg["rope_parameters"] = {
-        "full_attention": {"rope_type": "proportional", "rope_theta": cfg["rope_theta"],
-                           "partial_rotary_factor": partial},
-        "sliding_attention": {"rope_type": "default",
-                              "rope_theta": float(a("rope.freq_base_swa", 10000.0))},
-    }
-    if n_experts:
-        cfg.update(enable_moe_block=True, num_experts=n_experts,
-                   top_k_experts=int(a("expert_used_count")),
-                   moe_intermediate_size=int(a("expert_feed_forward_length")))
-        if any(f"blk.{i}.ffn_gate_inp.weight" not in tensor_names for i in range(n)):
-            raise ValueError("gemma4 GGUF with experts in some layers only is not supported")
-
-
-def _qwen35_config(a, cfg: dict, n_experts: int, tensor_names: set[str]) -> None:
-    """Qwen 3.5's fields. The GDN geometry is in llama.cpp's ``ssm.*`` keys (group count = K
-    heads, time-step rank = V heads, state size = K head dim, inner size = all V channels); a
-    layer is full attention when it has ``attn_q`` (llama.cpp derives the same from
-    ``full_attention_interval``)."""
-    n = cfg["num_hidden_layers"]
-    n_v = int(a("ssm.time_step_rank"))
-    types = ["full_attention" if f"blk.{i}.attn_q.weight" in tensor_names
-             else "linear_attention" for i in range(n)]
-    rot = int(a("rope.dimension_count", cfg["head_dim"] // 4))
-    cfg.update(
-        layer_types=types, full_attention_interval=int(a("full_attention_interval", 4)),
-        linear_conv_kernel_dim=int(a("ssm.conv_kernel")),
-        linear_key_head_dim=int(a("ssm.state_size")),
-        linear_num_key_heads=int(a("ssm.group_count")),
-        linear_num_value_heads=n_v,
-        linear_value_head_dim=int(a("ssm.inner_size")) // n_v,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
-                         "partial_rotary_factor": rot / cfg["head_dim"]},
-    )
-    if n_experts:
-        cfg.update(num_experts=n_experts, num_experts_per_tok=int(a("expert_used_count")),
-                   moe_intermediate_size=int(a("expert_feed_forward_length")),
-                   shared_expert_intermediate_size=int(
-                       a("expert_shared_feed_forward_length", 0) or 0))
-        cfg.pop("intermediate_size", None)  # every layer is sparse
 
 
 def _tensor_index(reader) -> dict[str, int]:
@@ -486,13 +250,9 @@ def _tensor_index(reader) -> dict[str, int]:
 
 
 def read_architecture(reader) -> str:
-    """The GGUF architecture, refusing anything outside the llama family with a clear error."""
+    """The GGUF architecture, refusing any no family declares with a clear error."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported architectures: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    registry.gguf_arch(arch)
     return arch
 
 
@@ -608,11 +368,10 @@ def load_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Callable[[], np.
 
 
 def _hf_tensors(gguf, reader, arch: str, cfg: dict) -> dict[str, Callable[[], np.ndarray]]:
-    """HF name -> float32 loader of every tensor (Q/K un-permuted, Gemma norms un-shifted,
+    """HF name -> float32 loader of every tensor (Q/K un-permuted, the family's storage undone,
     experts split per expert: each loader dequantizes only its own expert's rows)."""
-    permute = arch in _PERMUTED_ARCHITECTURES
-    shifted = arch in _NORM_SHIFTED
-    qwen35 = arch in _QWEN35
+    spec = gguf_spec(reader, arch)
+    permute, to_hf = spec.llama_converter, spec.to_hf
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
 
     def thunk(tensor, kind, name, expert=None):
@@ -626,71 +385,31 @@ def _hf_tensors(gguf, reader, arch: str, cfg: dict) -> dict[str, Callable[[], np
             w = np.asarray(w, dtype=np.float32).reshape(shape)
             if permute and kind in heads:
                 w = _unpermute(w, heads[kind])
-            if shifted and name.endswith("norm.weight"):
-                w = w - np.float32(1.0)
-            if qwen35:
-                w = _qwen35_to_hf(name, w, cfg)
+            if to_hf is not None:
+                w = to_hf(name, w, cfg)
             return w
 
         return load
 
-    model_type = cfg["model_type"]
     tensors: dict[str, Callable[[], np.ndarray]] = {}
     for t in reader.tensors:
         m = _LAYER_RE.match(t.name)
         if _beyond(t.name, cfg["num_hidden_layers"]):
             continue  # a multi-token-prediction block (nextn): not served
-        if m and m.group(2) in _EXPERT_TENSORS and model_type in _MOE_NAMES:
-            block, per_expert = _MOE_NAMES[model_type]
+        if m and m.group(2) in _EXPERT_TENSORS and spec.experts:
+            block, per_expert = spec.experts
             hf_kind = per_expert[_EXPERT_TENSORS.index(m.group(2))]
             for e in range(int(t.shape[-1])):
                 hf = f"model.layers.{m.group(1)}.{block}.experts.{e}.{hf_kind}.weight"
                 tensors[hf] = thunk(t, None, hf, expert=e)
             continue
-        hf = hf_tensor_name(t.name, arch, model_type)
+        hf = hf_tensor_name(t.name, spec)
         if hf is None:
             if t.name in _IGNORED_TENSORS:
                 continue
             raise ValueError(f"GGUF tensor {t.name!r} has no place in a {arch} model")
         tensors[hf] = thunk(t, m.group(2) if m else None, hf)
     return tensors
-
-
-def _grouped_v(t: np.ndarray, axis: int, n_k: int, per_k: int, dim: int) -> np.ndarray:
-    """HF's V-head order along ``axis`` from llama.cpp's: tiled (k0v0, k1v0, k0v1, ...) ->
-    grouped by K head (k0v0, k0v1, k1v0, ...), each head ``dim`` wide."""
-    t = np.moveaxis(t, axis, 0)
-    rest = t.shape[1:]
-    t = t.reshape(per_k, n_k, dim, *rest).swapaxes(0, 1).reshape(n_k * per_k * dim, *rest)
-    return np.ascontiguousarray(np.moveaxis(t, 0, axis))
-
-
-def _qwen35_to_hf(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
-    """Undo llama.cpp's Qwen 3.5 storage: zero-centred norms kept as ``1 + w`` (the GDN's gated
-    norm is not zero-centred), ``A`` kept as ``-exp(A_log)``, the conv kernel squeezed to
-    ``[C, K]``, and V heads tiled (where K heads < V heads) for ggml's broadcast."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        return w - np.float32(1.0)
-    if ".linear_attn." not in name:
-        return w
-    if name.endswith(".A_log"):
-        w = np.log(-w)
-    elif name.endswith(".conv1d.weight"):
-        w = w.reshape(w.shape[0], 1, w.shape[-1])
-    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    if n_k == n_v:
-        return w
-    per_k, dv = n_v // n_k, cfg["linear_value_head_dim"]
-    qk = 2 * n_k * cfg["linear_key_head_dim"]  # q and k channels come first, untouched
-    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-        return np.concatenate([w[:qk], _grouped_v(w[qk:], 0, n_k, per_k, dv)])
-    if name.endswith("in_proj_z.weight"):
-        return _grouped_v(w, 0, n_k, per_k, dv)
-    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
-        return _grouped_v(w, 0, n_k, per_k, 1)
-    if name.endswith("out_proj.weight"):
-        return _grouped_v(w, 1, n_k, per_k, dv)
-    return w
 
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -710,7 +429,8 @@ def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
     reader = _reader(path)
     arch = read_architecture(reader)
     cfg = _config(reader, arch, {t.name for t in reader.tensors})
-    permute = arch in _PERMUTED_ARCHITECTURES
+    spec = gguf_spec(reader, arch)
+    permute = spec.llama_converter
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
 
     def thunk(tensor, kind):
@@ -722,7 +442,7 @@ def raw_blocks(path: str | os.PathLike, types: tuple[str, ...]
 
     out = {}
     for t in reader.tensors:
-        hf, m = hf_tensor_name(t.name, arch, cfg["model_type"]), _LAYER_RE.match(t.name)
+        hf, m = hf_tensor_name(t.name, spec), _LAYER_RE.match(t.name)
         fused = hf and hf.endswith(("qkv_proj.weight", "gate_up_proj.weight"))  # split at load
         # GDN projections are stored reordered (V heads tiled): those load dequantized
         reordered = hf and ".linear_attn." in hf

@@ -22,8 +22,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import kv_scales
+from jaxserve.models import kv_scales, linear
 from jaxserve.models import quantization as quant_lib
+from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.contract import megatron_partition_spec
 from jaxserve.models.registry import get_model_class
 from jaxserve.sharding import TP_AXIS, default_mesh
@@ -109,7 +110,8 @@ class _ShapeOnlyRngs:
         return self
 
 
-def _abstract_model(model_config: ModelConfig, dtype, attention_backend: str, quant=None):
+def _abstract_model(model_config: ModelConfig, dtype, attention_backend: str | AttentionBackend,
+                    quant=None):
     cls = get_model_class(model_config.architecture)
     model = nnx.eval_shape(lambda: cls(model_config, dtype=dtype, rngs=_ShapeOnlyRngs(),
                                        attention_backend=attention_backend))
@@ -133,7 +135,8 @@ def _resolve(model, name: str) -> nnx.Variable:
 
 def build_model(model_config: ModelConfig, tensors: Mapping[str, Callable[[], np.ndarray]], *,
                 dtype=jnp.float32, mesh: Mesh | None = None,
-                attention_backend: str = "reference", quantization: str | None = None):
+                attention_backend: str | AttentionBackend = "reference",
+                quantization: str | None = None):
     """The model with every parameter loaded from ``tensors`` (HF name -> loader of a numpy
     array), cast to ``dtype`` (quantized tensors keep theirs) and placed on ``mesh``. Errors
     name the offending tensor. ``quantization``: see :mod:`jaxserve.models.quantization`."""
@@ -206,7 +209,7 @@ def _check_names(model_config: ModelConfig, expected, tensors) -> None:
 
 
 def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                      attention_backend: str = "reference", seed: int = 0):
+                      attention_backend: str | AttentionBackend = "reference", seed: int = 0):
     """Random weights (normal, std 0.02; norms 1), made on the device by the model's own
     initialisers.
 
@@ -233,8 +236,8 @@ def build_dummy_model(model_config: ModelConfig, *, dtype=jnp.float32, mesh: Mes
     return _attach_mesh(nnx.merge(graphdef, state), model_config, explicit_mesh)
 
 
-def dummy_init_fn(model_config: ModelConfig, dtype, attention_backend: str = "reference",
-                  seed: int = 0):
+def dummy_init_fn(model_config: ModelConfig, dtype,
+                  attention_backend: str | AttentionBackend = "reference", seed: int = 0):
     """The model's own initialisers as a function returning its state (run op by op, or
     jitted whole)."""
     cls = get_model_class(model_config.architecture)
@@ -451,7 +454,7 @@ def _gguf_serves_int8(path, quantization, lm_head_quantized, dtype, mesh) -> boo
     from jaxserve.loaders import gguf as gguf_loader
 
     if (quantization is not None or lm_head_quantized or dtype != "auto" or mesh is not None
-            or not quant_lib.int8_kernel_enabled()  # one CPU device, the kernels built
+            or not linear.int8_kernel_enabled()  # one CPU device, the kernels built
             or not gguf_loader.has_quantized_weights(path)):
         return False
     logger.info("%s: quantized GGUF on CPU, serving int8 weights and LM head (W8A8); "
@@ -460,7 +463,8 @@ def _gguf_serves_int8(path, quantization, lm_head_quantized, dtype, mesh) -> boo
 
 
 def load_model(model: str, *, dtype="auto", load_format: str = "auto", mesh: Mesh | None = None,
-               attention_backend: str = "reference", enable_expert_parallel: bool = False,
+               attention_backend: str | AttentionBackend = "reference",
+               enable_expert_parallel: bool = False,
                quantization: str | None = None, lm_head_quantized: bool = False,
                revision: str | None = None, download_dir: str | None = None,
                hf_overrides: dict | None = None, trust_remote_code: bool = False,

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import Embedding, LayerNorm, Linear
+from jaxserve.models.layers import Embedding, LayerNorm
+from jaxserve.models.linear import Linear
 
 
 def _act(name: str):

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
-from jaxserve.models.contract import ModelBase, megatron_partition_spec
-from jaxserve.models.quantization import lm_head_logits
+from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
+from jaxserve.models.contract import ModelBase
+from jaxserve.models.gguf_table import GGUFArch
 from jaxserve.models.layers import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
     apply_rope,
     paged_self_attention,
     rope_cos_sin,
 )
+from jaxserve.models.linear import Linear, lm_head_logits
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
@@ -88,7 +89,8 @@ class GemmaAttention(nnx.Module):
         """What this layer caches, in pages of ``dtype`` (the KV cache dtype's name)."""
         return attention_spec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: AttentionBackend,
+                 mesh=None):
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
@@ -129,16 +131,51 @@ class GemmaModel(nnx.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
+# llama.cpp's Gemma 2 / 3 files: the layer norms' names, each norm stored as 1 + w
+GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's fixed choices for Gemma (not in the file): the local rope base, and the 27B
+# models' query scale of hidden / heads instead of head_dim (recognised by their layer count)
+_GGUF_LOCAL_ROPE_BASE = 10000.0
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+def gguf_config(a, cfg: dict, n_experts: int) -> None:
+    """Gemma 2 / 3's HF config fields from llama.cpp's metadata."""
+    cfg["hidden_act"] = cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    big = cfg["num_hidden_layers"] == _GGUF_27B_LAYERS[cfg["model_type"]]
+    cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"] if big
+                                    else cfg["head_dim"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        v = a(key)
+        cfg[key] = float(v) if v else None
+    if cfg["model_type"] == "gemma3_text":
+        cfg["rope_local_base_freq"] = _GGUF_LOCAL_ROPE_BASE
+    pattern = a("attention.sliding_window_pattern")  # absent: the family's own pattern
+    if isinstance(pattern, list) and cfg.get("sliding_window"):  # per layer: True = local
+        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        cfg["sliding_window_pattern"] = int(pattern)
+
+
+def gguf_unshift_norms(name: str, w, cfg: dict):
+    """llama.cpp stores a (1 + w) RMSNorm's weight as 1 + w."""
+    return w - np.float32(1.0) if name.endswith("norm.weight") else w
+
+
 class GemmaForCausalLM(ModelBase, nnx.Module):
-    """Gemma 2 / Gemma 3 text; ``attention_backend`` (static): reference|pallas|xla."""
+    """Gemma 2 / Gemma 3 text; ``attention_backend``: a name or an ``AttentionBackend``."""
+
+    gguf = tuple(GGUFArch(name, arch, model_type, layer_names=GGUF_LAYER_NAMES,
+                          config=gguf_config, to_hf=gguf_unshift_norms)
+                 for name, arch, model_type in (("gemma2", "Gemma2ForCausalLM", "gemma2"),
+                                                ("gemma3", "Gemma3ForCausalLM", "gemma3_text")))
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                 attention_backend: str | AttentionBackend = "reference"):
         self.num_layers = cfg.num_layers
-        self.attention_backend = attention_backend
+        self.attention = resolve_attention_backend(attention_backend)
         self.mesh = None
         self.head_dim, self.max_pos = cfg.head_dim, cfg.max_position_embeddings
         self.ropes = tuple(sorted(_rope_settings(cfg).items()))  # static, hashable
@@ -148,10 +185,6 @@ class GemmaForCausalLM(ModelBase, nnx.Module):
         self.model = GemmaModel(cfg, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
-
-    def cache_specs(self, dtype: str) -> list:
-        """Each layer's cache spec (``jaxserve.core.kv_cache_spec``), pages of ``dtype``."""
-        return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
 
     # The forward in pieces, as in jaxserve.models.llama: one code path for the single
     # program and the pipeline stages.
@@ -177,26 +210,7 @@ class GemmaForCausalLM(ModelBase, nnx.Module):
         if lora is not None:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
         cos, sin = inputs[layer.self_attn.layer_type]
-        return layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
-
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata):
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
-        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids)
-        new_pages = []
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
-            x, kv = self.run_layer(i, layer, x, inputs, kv, md)
-            new_pages.append(kv)
-        return self.model.norm(x), new_pages
-
-    @classmethod
-    def param_partition_spec(cls, name, cfg):
-        return megatron_partition_spec(name)
-
-    @classmethod
-    def checkpoint_tensors(cls, cfg, tensors):
-        return tensors
+        return layer(x, cos, sin, kv, md, self.attention, self.mesh)
 
     def compute_logits(self, hidden):
         """``[N, H]`` -> ``[N, V]`` float32 logits, soft-capped by ``final_logit_softcapping``."""

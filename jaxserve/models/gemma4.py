@@ -25,20 +25,20 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, SharedKV, SlidingWindow, group_layers
+from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
 from jaxserve.models.contract import ModelBase, megatron_partition_spec
+from jaxserve.models.gemma import GGUF_LAYER_NAMES as GEMMA_GGUF_LAYER_NAMES
+from jaxserve.models.gguf_table import GGUFArch
 from jaxserve.models.layers import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
     activation,
     apply_rope,
-    paged_attention,
     paged_self_attention,
 )
+from jaxserve.models.linear import Linear, lm_head_logits
 from jaxserve.models.moe import Experts, _expert_specs
-from jaxserve.models.quantization import lm_head_logits
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 _TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -193,7 +193,8 @@ class Gemma4Attention(nnx.Module):
             return FullAttention(self.num_kv_heads, self.head_dim, dtype)
         return SlidingWindow(self.sliding_window, self.num_kv_heads, self.head_dim, dtype)
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: AttentionBackend,
+                 mesh=None):
         """``kv``: this layer's pages, or (KV-sharing layer) its producer's, read only."""
         t = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).reshape(t, self.num_heads, self.head_dim)),
@@ -214,17 +215,18 @@ class Gemma4Attention(nnx.Module):
         return self.o_proj(out.reshape(t, -1)), kv
 
 
-def attend_pages(q, kv, md: AttentionMetadata, *, backend: str, mesh, sliding_window):
+def attend_pages(q, kv, md: AttentionMetadata, *, backend: AttentionBackend, mesh,
+                 sliding_window):
     """Attention of ``q [T, Hq, D]`` over pages another layer wrote (no KV write); under a
     mesh, one kernel call per shard of heads."""
     return _attend_only(backend, sliding_window, mesh)(q, kv[0], kv[1], md)
 
 
 @functools.lru_cache(maxsize=None)
-def _attend_only(backend: str, sliding_window: int | None, mesh):
+def _attend_only(backend: AttentionBackend, sliding_window: int | None, mesh):
     def attend(q, k_pages, v_pages, md):
-        return paged_attention(q, k_pages, v_pages, md, backend=backend, sm_scale=1.0,
-                               sliding_window=sliding_window)
+        return backend.attend(q, k_pages, v_pages, md, sm_scale=1.0,
+                              sliding_window=sliding_window)
 
     if mesh is not None:
         heads, pages = PartitionSpec(None, sharding.TP_AXIS, None), PartitionSpec(sharding.TP_AXIS)
@@ -326,6 +328,111 @@ class Gemma4Model(nnx.Module):
             Gemma4RMSNorm(ple, eps=cfg.rms_norm_eps, dtype=dtype) if ple else None)
 
 
+# llama.cpp's Gemma 4 names beyond Gemma 2's: the MoE block's own norms beside the dense MLP's,
+# per-layer input embeddings (PLE); scalars and router scales without ``.weight``, and the
+# experts kept stacked (HF's layout is fused ``[E, 2I, H]`` and ``[E, H, I]``)
+_GGUF_LAYER_NAMES = {
+    **GEMMA_GGUF_LAYER_NAMES,
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+}
+_GGUF_WHOLE_NAMES = {("layer_output_scale", "weight"): "layer_scalar",
+                     ("ffn_gate_inp", "weight"): "router.proj.weight",
+                     ("ffn_gate_inp", "scale"): "router.scale",
+                     ("ffn_down_exps", "scale"): "router.per_expert_scale",
+                     ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
+                     ("ffn_down_exps", "weight"): "experts.down_proj"}
+_GGUF_GLOBAL_NAMES = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
+
+
+def gguf_config(a, cfg: dict, n_experts: int) -> None:
+    """Gemma 4's HF config fields from llama.cpp's metadata. llama.cpp writes the global layers'
+    head dim as ``key_length`` and the sliding ones' as ``key_length_swa``, KV heads per layer,
+    the local layers as a bool per layer, and ``attention_k_eq_v`` only as global layers without
+    ``attn_v``; proportional rope becomes ``rope_freqs`` (1 for each rotated pair, 1e30 for the
+    rest)."""
+    n = cfg["num_hidden_layers"]
+    pattern = a("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise ValueError("gemma4 GGUF without a per-layer attention.sliding_window_pattern "
+                         f"({pattern!r}) is not supported")
+    types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    head_local, head_global = int(a("attention.key_length_swa")), int(a("attention.key_length"))
+    if int(a("attention.value_length_swa", head_local)) != head_local or \
+            int(a("attention.value_length", head_global)) != head_global:
+        raise ValueError("gemma4 GGUF with value heads unlike its key heads is not supported")
+    kv_meta = a("attention.head_count_kv", cfg["num_attention_heads"])
+    kv_meta = kv_meta if isinstance(kv_meta, list) else [kv_meta] * n
+    shared = int(a("attention.shared_kv_layers", 0) or 0)
+    tensor_names, rows = a.names, a.rows  # rows: a matrix's output rows
+
+    # a layer with its own KV: its attn_k rows say its KV heads; a KV-sharing one: the metadata
+    kv = [rows(f"blk.{i}.attn_k.weight") // (head_local if t == "sliding_attention" else
+                                             head_global)
+          if f"blk.{i}.attn_k.weight" in tensor_names else int(kv_meta[i])
+          for i, t in enumerate(types)]
+    own = [i for i in range(n - shared) if types[i] == "full_attention"]
+    k_eq_v = bool(own) and all(f"blk.{i}.attn_v.weight" not in tensor_names for i in own)
+    if own and not k_eq_v and any(f"blk.{i}.attn_v.weight" not in tensor_names for i in own):
+        raise ValueError("gemma4 GGUF with attn_v in some global layers only is not supported")
+    local = [kv[i] for i, t in enumerate(types) if t == "sliding_attention"]
+    cfg.update(
+        layer_types=types, head_dim=head_local, global_head_dim=head_global,
+        num_key_value_heads=local[0] if local else kv[0],
+        per_layer_config={str(i): {"head_dim": head_global, "num_key_value_heads": kv[i]}
+                          for i, t in enumerate(types) if t == "full_attention"},
+        attention_k_eq_v=k_eq_v, num_kv_shared_layers=shared,
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=float(a("final_logit_softcapping") or 0) or None,
+        hidden_size_per_layer_input=int(a("embedding_length_per_layer_input", 0) or 0),
+    )
+    if any(t == "full_attention" for t in types):
+        cfg["num_global_key_value_heads"] = kv[types.index("full_attention")]
+    if "per_layer_token_embd.weight" in tensor_names:
+        cfg["vocab_size_per_layer_input"] = rows("per_layer_token_embd.weight")
+    ff = a("feed_forward_length")
+    if isinstance(ff, list) and len(set(ff)) > 1:
+        wide = [ff[0] if i < n - shared else 2 * ff[0] for i in range(n)]
+        if list(ff) != wide:
+            raise ValueError(f"gemma4 GGUF with per-layer feed_forward_length {ff} is not "
+                             "supported (only the KV-sharing layers' double-wide MLP is)")
+        cfg["use_double_wide_mlp"] = True
+    # rope per layer type: global "proportional" with the rotated fraction from rope_freqs
+    partial = 1.0
+    if "rope_freqs.weight" in tensor_names:
+        f = np.asarray(a.array("rope_freqs.weight"), np.float64).ravel()
+        rotated = int((f == 1.0).sum())
+        if len(f) != head_global // 2 or not (f[:rotated] == 1.0).all() or \
+                not (f[rotated:] > 1e20).all():
+            raise ValueError("gemma4 GGUF rope_freqs is not proportional rope (1s then 1e30s); "
+                             "unsupported")
+        partial = 2 * rotated / head_global
+    if int(a("rope.dimension_count_swa", head_local)) != head_local:
+        raise ValueError("gemma4 GGUF with partial rotary sliding layers "
+                         f"(rope.dimension_count_swa={a('rope.dimension_count_swa')}) is not "
+                         "supported")
+    cfg["rope_parameters"] = {
+        "full_attention": {"rope_type": "proportional", "rope_theta": cfg["rope_theta"],
+                           "partial_rotary_factor": partial},
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": float(a("rope.freq_base_swa", 10000.0))},
+    }
+    if n_experts:
+        cfg.update(enable_moe_block=True, num_experts=n_experts,
+                   top_k_experts=int(a("expert_used_count")),
+                   moe_intermediate_size=int(a("expert_feed_forward_length")))
+        if any(f"blk.{i}.ffn_gate_inp.weight" not in tensor_names for i in range(n)):
+            raise ValueError("gemma4 GGUF with experts in some layers only is not supported")
+
+
+
 class Gemma4ForCausalLM(ModelBase, nnx.Module):
     """Gemma 4 text (``Gemma4ForCausalLM`` and the language model of
     ``Gemma4ForConditionalGeneration``); ``kv_pages``: one ``(k, v)`` per layer of the layer's
@@ -334,19 +441,20 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
     # reads md with one block table / slot mapping per cache group ([G, ...]) and picks each
     # layer's group's (the runner then gives every group a pool of its own)
     cache_groups_supported = True
+    gguf = (GGUFArch("gemma4", "Gemma4ForCausalLM", "gemma4_text", per_layer_kv_heads=True,
+                     own_rope_freqs=True, layer_names=_GGUF_LAYER_NAMES,
+                     whole_names=_GGUF_WHOLE_NAMES, global_names=_GGUF_GLOBAL_NAMES,
+                     config=gguf_config),)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                 attention_backend: str | AttentionBackend = "reference"):
         _check_supported(cfg.hf)
         shapes = layer_shapes(cfg.hf)
         groups = group_layers(cache_specs_of(cfg.hf, "any"))
         of_layer = {i: g for g, grp in enumerate(groups) for i in grp.layers + grp.readers}
         self.layer_group = tuple(of_layer[i] for i in range(len(shapes)))  # static
         self.num_layers = cfg.num_layers
-        self.attention_backend = attention_backend
+        self.attention = resolve_attention_backend(attention_backend)
         self.mesh = None
         self.hidden_size = cfg.hidden_size
         self.ple = int(cfg.hf.get("hidden_size_per_layer_input") or 0)
@@ -359,9 +467,6 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
         self.model = Gemma4Model(cfg, shapes, dtype=dtype, rngs=rngs)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
-
-    def cache_specs(self, dtype: str) -> list:
-        return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
 
     def _per_layer_inputs(self, token_ids, x):
         """PLE: (context projection + token embedding) / sqrt 2, ``[T, L, P]``."""
@@ -399,29 +504,11 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
             g = self.layer_group[n]
             md = md._replace(slot_mapping=md.slot_mapping[g], block_tables=md.block_tables[g])
         x, kv = layer(x, None if pli is None else pli[:, n], cos, sin, kv, md,
-                      self.attention_backend, self.mesh)
+                      self.attention, self.mesh)
         return ((x, pli) if self.ple else x), kv
 
     def final_hidden(self, x):
         return self.model.norm(x[0] if self.ple else x)
-
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata, mm=None):
-        """``mm`` = (image soft tokens ``[E, H]``, row of each token ``[T]``, -1 for text):
-        the vision-language model's ``embed_images`` merges them (gemma4_vision)."""
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
-        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids) if mm is None else self.embed_images(token_ids, *mm)
-        new_pages = []
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
-            if layer.self_attn.producer is not None:
-                kv = new_pages[layer.self_attn.producer]
-            x, kv = self.run_layer(i, layer, x, inputs, kv, md)
-            new_pages.append(kv)
-        # a KV-sharing layer hands back no pages of its own
-        pages = [() if layer.self_attn.producer is not None else kv
-                 for layer, kv in zip(self.model.layers, new_pages)]
-        return self.final_hidden(x), pages
 
     def compute_logits(self, hidden):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -28,7 +28,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.models.gemma4 import Gemma4ForCausalLM
-from jaxserve.models.layers import ACTIVATIONS, _normal
+from jaxserve.models.layers import ACTIVATIONS
+from jaxserve.models.linear import normal
 from jaxserve.models.qwen3_5_vision import merge_image_embeddings
 
 
@@ -67,7 +68,7 @@ class RMSNorm(nnx.Module):
 
 class _Linear(nnx.Module):
     def __init__(self, i: int, o: int, *, dtype, rngs):
-        self.weight = nnx.Param(_normal(rngs, (o, i), dtype))
+        self.weight = nnx.Param(normal(rngs, (o, i), dtype))
 
 
 class ClippableLinear(nnx.Module):
@@ -98,7 +99,7 @@ class PatchEmbedder(nnx.Module):
         h, ps = int(c["hidden_size"]), int(c["patch_size"])
         self.input_proj = _Linear(3 * ps * ps, h, dtype=dtype, rngs=rngs)
         self.position_embedding_table = nnx.Param(
-            _normal(rngs, (2, int(c["position_embedding_size"]), h), dtype))
+            normal(rngs, (2, int(c["position_embedding_size"]), h), dtype))
 
     def __call__(self, pixels, pos, pad):
         w = self.input_proj.weight[...]
@@ -336,6 +337,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         if self.visual is None:
             raise ValueError("this checkpoint has no vision tower (text-only model)")
         return self.visual.encode_packed(inp)
+
+    def embed_multimodal(self, token_ids, mm):
+        return self.embed_images(token_ids, *mm)
 
     def embed_images(self, token_ids, embeds, rows):
         """HF's merge: a placeholder token (image, video, audio; generated ones too) embeds as

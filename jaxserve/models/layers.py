@@ -1,4 +1,5 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embeddings, SwiGLU MLP, paged attention.
+"""Building blocks of the decoder families: embeddings, norms, rotary embeddings, the gated MLP,
+paged attention (projections: ``jaxserve.models.linear``).
 
 Parameters keep Hugging Face's names and layouts (a linear weight is ``[out, in]``), so a
 checkpoint's tensor names are exactly the model's state paths and loading needs no renaming.
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import jax
@@ -17,40 +17,14 @@ from flax import nnx
 
 from jaxserve import sharding
 from jaxserve.models import batch_invariant
-from jaxserve.models.lora import project, project_many
+from jaxserve.models.attention import AttentionBackend
+from jaxserve.models.linear import Linear, normal, project, project_many
 from pallas_kernels import reference
-from pallas_kernels.reference import write_kv
-
-
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
-    return _normal_values(rngs.params(), tuple(shape), jnp.dtype(dtype), std)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _normal_values(key, shape: tuple, dtype, std: float):
-    """One program per (shape, dtype, std): a model built op by op (dummy weights) compiles
-    each weight shape once, not each of its ops."""
-    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-class Linear(nnx.Module):
-    """``y = x @ weight.T (+ bias)`` with HF's ``[out, in]`` weight layout."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (out_features, in_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
-
-    def __call__(self, x):
-        w = self.weight[...]
-        y = jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
 
 
 class Embedding(nnx.Module):
     def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (num_embeddings, features), dtype))
+        self.weight = nnx.Param(normal(rngs, (num_embeddings, features), dtype))
 
     def __call__(self, ids):
         return jnp.take(self.weight[...], ids, axis=0)
@@ -263,61 +237,13 @@ class AttentionMetadata(NamedTuple):
     snapshot_slots: jax.Array | None = None
 
 
-# "pallas": Pallas-Triton; "mosaic": Pallas Mosaic GPU (Hopper, bf16/f16); "triton": Triton's
-# language through jax_triton (GPU only).
-ATTENTION_BACKENDS = ("reference", "pallas", "xla", "mosaic", "triton")
-
-
-def paged_attention(q, k_pages, v_pages, md: AttentionMetadata, *, backend: str, sm_scale: float,
-                    sliding_window: int | None = None, soft_cap: float | None = None,
-                    kv_scale=None):
-    """Ragged paged attention of ``q[T, Hq, D]`` through the chosen kernel backend;
-    ``kv_scale``: the ``[Hkv, 2]`` scales of float8 pages (``pallas_kernels/reference.py``)."""
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if kv_scale is not None:
-        kwargs["kv_scale"] = kv_scale
-    args = (q, k_pages, v_pages, md.query_start, md.seq_lens, md.block_tables, md.num_seqs)
-    if backend == "reference":
-        return reference.ragged_paged_attention(*args, **kwargs)
-    if backend == "pallas":
-        from pallas_kernels import ragged_paged_attention as rpa
-
-        interpret = jax.default_backend() == "cpu"
-        return rpa.ragged_paged_attention(*args, interpret=interpret, **kwargs)
-    if backend == "xla":
-        from pallas_kernels import cpu_kernels, xla_attention
-
-        if _cpu_attention_kernel(k_pages, kv_scale):
-            return cpu_kernels.paged_attention(q, k_pages, v_pages, *args[3:], sm_scale=sm_scale,
-                                               sliding_window=sliding_window, soft_cap=soft_cap)
-        return xla_attention.ragged_paged_attention(*args, **kwargs)
-    if backend == "mosaic":
-        from pallas_kernels import mosaic_gpu_attention
-
-        return mosaic_gpu_attention.ragged_paged_attention(*args, **kwargs)
-    if backend == "triton":
-        from pallas_kernels import triton_attention
-
-        return triton_attention.ragged_paged_attention(*args, **kwargs)
-    raise ValueError(f"attention_backend {backend!r} is not one of {ATTENTION_BACKENDS}")
-
-
-def _cpu_attention_kernel(k_pages, kv_scale) -> bool:
-    """The C++ attention kernel serves the "xla" backend: float32 or bfloat16 pages, no KV
-    scales, the kernels built (``pallas_kernels.cpu_kernels``), ``JAXSERVE_CPU_ATTENTION``
-    not 0."""
-    from pallas_kernels import cpu_kernels
-
-    return (kv_scale is None and k_pages.dtype in cpu_kernels.PAGE_DTYPES
-            and cpu_kernels.available()
-            and os.environ.get("JAXSERVE_CPU_ATTENTION") != "0")
-
-
-def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: str, mesh,
-                         num_kv_heads: int, sm_scale: float, sliding_window: int | None = None,
-                         soft_cap: float | None = None, kv_scale=None):
+def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: AttentionBackend,
+                         mesh, num_kv_heads: int, sm_scale: float,
+                         sliding_window: int | None = None, soft_cap: float | None = None,
+                         kv_scale=None):
     """Write this step's ``k, v [T, Hkv, D]`` into one layer's pages ``kv`` and attend with
-    ``q [T, Hq, D]``; under a mesh, one kernel call per shard of heads. -> (out, (k, v pages)).
+    ``q [T, Hq, D]`` through ``backend``; under a mesh, one kernel call per shard of heads.
+    -> (out, (k, v pages)).
 
     ``kv_scale``: the layer's static ``((k_scale, v_scale),) * Hkv`` (see ``kv_scales``), used
     only when the pages are float8: serving-dtype pages never see a scale."""
@@ -334,7 +260,7 @@ def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: str, me
 
 
 @functools.lru_cache(maxsize=None)
-def _write_and_attend(backend: str, sm_scale: float, sliding_window: int | None,
+def _write_and_attend(backend: AttentionBackend, sm_scale: float, sliding_window: int | None,
                       soft_cap: float | None, mesh, scales: tuple | None, rep: int):
     """The KV write and the attention of one layer as a jit of its own: every layer of a step
     calls the same function (layers with equal settings and scales), so it is traced and
@@ -347,17 +273,9 @@ def _write_and_attend(backend: str, sm_scale: float, sliding_window: int | None,
             n = k_pages.shape[0]
             sc = jax.lax.dynamic_slice_in_dim(jnp.repeat(sc, rep, axis=0),
                                               jax.lax.axis_index(sharding.TP_AXIS) * n, n)
-        if backend == "xla" and mesh is None and _cpu_attention_kernel(k_pages, sc):
-            from pallas_kernels import cpu_kernels
-
-            return cpu_kernels.write_and_attend(
-                q, k, v, k_pages, v_pages, md.slot_mapping, md.query_start, md.seq_lens,
-                md.block_tables, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                soft_cap=soft_cap)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, kv_scale=sc)
-        out = paged_attention(q, k_pages, v_pages, md, backend=backend, sm_scale=sm_scale,
-                              sliding_window=sliding_window, soft_cap=soft_cap, kv_scale=sc)
-        return out, k_pages, v_pages
+        return backend.write_and_attend(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale,
+                                        sliding_window=sliding_window, soft_cap=soft_cap,
+                                        kv_scale=sc, sharded=mesh is not None)
 
     if mesh is not None:
         attend = sharding.sharded_attention(attend, mesh)

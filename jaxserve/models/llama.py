@@ -14,19 +14,19 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.layers import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
     RMSNorm,
     apply_rope,
     paged_self_attention,
     rope_cos_sin,
 )
-from jaxserve.models.contract import ModelBase, megatron_partition_spec
-from jaxserve.models.lora import LoRABatch, layer_lora, project, project_many
-from jaxserve.models.quantization import lm_head_logits
+from jaxserve.models.linear import Linear, project, project_many
+from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
+from jaxserve.models.contract import ModelBase
+from jaxserve.models.gguf_table import GGUFArch
+from jaxserve.models.lora import LoRABatch, layer_lora
 from jaxserve.core.kv_cache_spec import FullAttention, SlidingWindow, attention_spec
 from pallas_kernels.reference import token_metadata
 
@@ -52,7 +52,7 @@ class Attention(nnx.Module):
         """What this layer caches, in pages of ``dtype`` (the KV cache dtype's name)."""
         return attention_spec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window)
 
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: str, mesh=None,
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: AttentionBackend, mesh=None,
                  lora=None):
         t = x.shape[0]
         q, k, v = project_many([self.q_proj, self.k_proj, self.v_proj], x, lora,
@@ -101,35 +101,35 @@ class LlamaModel(nnx.Module):
 
 
 class LlamaForCausalLM(ModelBase, nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3; ``attention_backend`` (static): reference|pallas|xla."""
+    """Llama / Mistral / Qwen2 / Qwen3; ``attention_backend``: a name or an ``AttentionBackend``."""
 
     decoder_layer = DecoderLayer  # a family that differs only in its layers swaps this
+    gguf = (  # llama.cpp's names: the shared ones; a llama file with experts is Mixtral
+        GGUFArch("llama", "LlamaForCausalLM", "llama", llama_converter=True,
+                 with_experts="MixtralForCausalLM"),
+        GGUFArch("mistral", "MistralForCausalLM", "mistral", llama_converter=True),
+        GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2", config=lambda a, cfg, n: _qwen2_gguf(cfg)),
+        GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    )
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                 attention_backend: str | AttentionBackend = "reference"):
         self.num_layers = cfg.num_layers
         # Static (hashable) rope settings: the graphdef is a jit cache key.
         self.rope = (cfg.head_dim, cfg.rope_theta, _freeze(cfg.rope_scaling),
                      cfg.max_position_embeddings)
-        self.attention_backend = attention_backend
+        self.attention = resolve_attention_backend(attention_backend)
         self.mesh = None  # the loader sets the tensor-parallel mesh (static: part of the graph)
         self.model = LlamaModel(cfg, dtype=dtype, rngs=rngs, layer_cls=self.decoder_layer)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
 
-    def cache_specs(self, dtype: str) -> list:
-        """Each layer's cache spec (``jaxserve.core.kv_cache_spec``), pages of ``dtype``."""
-        return [layer.self_attn.cache_spec(dtype) for layer in self.model.layers]
-
     @property
     def supports_lora(self) -> bool:
         return getattr(self.decoder_layer, "supports_lora", False)
 
-    # The forward in pieces (embed, per-layer inputs, one layer): the single-program forward
-    # below and each pipeline stage (jaxserve.worker.pipeline) run the same code.
+    # The forward in pieces (embed, per-layer inputs, one layer): ModelBase's one layer loop and
+    # each pipeline stage (jaxserve.worker.stages) run the same code.
     supports_pipeline = True
 
     def embed(self, token_ids):
@@ -150,36 +150,15 @@ class LlamaForCausalLM(ModelBase, nnx.Module):
         """Layer ``i`` of this module's ``model.layers`` (``lora`` holds the same layers)."""
         cos, sin = inputs
         if lora is None:
-            return layer(x, cos, sin, kv, md, self.attention_backend, self.mesh)
-        return layer(x, cos, sin, kv, md, self.attention_backend, self.mesh,
+            return layer(x, cos, sin, kv, md, self.attention, self.mesh)
+        return layer(x, cos, sin, kv, md, self.attention, self.mesh,
                      lora=layer_lora(lora, i, self.mesh))
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata,
-                 lora: LoRABatch | None = None):
-        if len(kv_pages) != self.num_layers:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {self.num_layers}")
-        if lora is not None and not self.supports_lora:
-            raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
-        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids)
-        new_pages = []
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_pages)):
-            x, kv = self.run_layer(i, layer, x, inputs, kv, md, lora)
-            new_pages.append(kv)
-        return self.model.norm(x), new_pages
 
-    @classmethod
-    def param_partition_spec(cls, name, cfg):
-        return megatron_partition_spec(name)
 
-    @classmethod
-    def checkpoint_tensors(cls, cfg, tensors):
-        return tensors
-
-    def compute_logits(self, hidden):
-        """``[N, H]`` final hidden states -> ``[N, V]`` float32 logits."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return lm_head_logits(head, hidden)
+def _qwen2_gguf(cfg: dict) -> None:
+    if cfg.get("sliding_window"):
+        cfg["use_sliding_window"] = True
 
 
 def _freeze(d):

@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import Linear, apply_rope, rope_cos_sin
+from jaxserve.models.layers import apply_rope, rope_cos_sin
+from jaxserve.models.linear import Linear
 from jaxserve.models.llama import LlamaModel, _freeze
 
 

@@ -31,7 +31,9 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.models.contract import megatron_partition_spec
-from jaxserve.models.layers import ACTIVATIONS, MLP, Linear, RMSNorm, _normal, activation
+from jaxserve.models.gguf_table import GGUFArch
+from jaxserve.models.layers import ACTIVATIONS, MLP, RMSNorm, activation
+from jaxserve.models.linear import Linear, normal
 from jaxserve.models.llama import Attention, LlamaForCausalLM
 
 TP = sharding.TP_AXIS
@@ -103,9 +105,9 @@ class Experts(nnx.Module):
     """Stacked expert weights ``[E, in, out]``."""
 
     def __init__(self, n: int, hidden: int, inter: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = nnx.Param(_normal(rngs, (n, hidden, inter), dtype))
-        self.up_proj = nnx.Param(_normal(rngs, (n, hidden, inter), dtype))
-        self.down_proj = nnx.Param(_normal(rngs, (n, inter, hidden), dtype))
+        self.gate_proj = nnx.Param(normal(rngs, (n, hidden, inter), dtype))
+        self.up_proj = nnx.Param(normal(rngs, (n, hidden, inter), dtype))
+        self.down_proj = nnx.Param(normal(rngs, (n, inter, hidden), dtype))
 
     def __call__(self, x, weights, ids, *, act: str, expert_parallel: bool, mesh=None):
         """``x [T, H]`` through each token's routed experts (``ids``, ``weights`` ``[T, k]``),
@@ -191,10 +193,46 @@ class MoeDecoderLayer(nnx.Module):
         return x, kv
 
 
+def gguf_config(a, cfg: dict, n_experts: int) -> None:
+    """The experts' HF config fields from llama.cpp's metadata. Qwen3-MoE: llama.cpp always
+    renormalises the top-k weights; Qwen2-MoE: as the file's ``expert_weights_norm`` says
+    (absent: no, HF's default). A layer without a router is a dense MLP layer."""
+    if not n_experts:
+        return
+    cfg["num_experts_per_tok"] = int(a("expert_used_count"))
+    if cfg["model_type"] == "mixtral":
+        cfg["num_local_experts"] = n_experts
+        return
+    dense = [i for i in range(cfg["num_hidden_layers"])
+             if f"blk.{i}.ffn_gate_inp.weight" not in a.names]
+    norm = True if cfg["model_type"] == "qwen3_moe" else bool(a("expert_weights_norm", False))
+    cfg.update(num_experts=n_experts, norm_topk_prob=norm, decoder_sparse_step=1,
+               mlp_only_layers=dense, moe_intermediate_size=int(a("expert_feed_forward_length")))
+    if cfg["model_type"] == "qwen2_moe":
+        cfg["shared_expert_intermediate_size"] = int(
+            a("expert_shared_feed_forward_length", 0) or 0)
+
+
+# Qwen2-MoE's shared expert beside the routed ones, and its sigmoid gate
+GGUF_SHARED_EXPERT_NAMES = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                            "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                            "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                            "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+GGUF_EXPERTS = ("mlp", _DEFAULT_EXPERT_NAMES)
+
+
 class MoeForCausalLM(LlamaForCausalLM):
     """Mixtral / Qwen3-MoE / Qwen2-MoE: the Llama family with sparse MoE layers."""
 
     decoder_layer = MoeDecoderLayer
+    gguf = (  # Mixtral is llama.cpp's llama architecture with experts
+        GGUFArch(None, "MixtralForCausalLM", "mixtral", llama_converter=True,
+                 experts=("block_sparse_moe", _EXPERT_NAMES["mixtral"]), config=gguf_config),
+        GGUFArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", experts=GGUF_EXPERTS,
+                 config=gguf_config),
+        GGUFArch("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe", experts=GGUF_EXPERTS,
+                 layer_names=GGUF_SHARED_EXPERT_NAMES, config=gguf_config),
+    )
 
     def __init__(self, cfg: ModelConfig, **kw):
         if cfg.enable_expert_parallel and not num_experts(cfg):

@@ -12,10 +12,38 @@ import functools
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.gguf_table import GGUFArch
 from jaxserve.models.llama import LlamaForCausalLM
 
 
+def gguf_config(a, cfg: dict, n_experts: int) -> None:
+    """Phi-3's HF config fields from llama.cpp's metadata: LongRoPE's factors are tensors."""
+    if not cfg.get("sliding_window"):  # 0: none (Phi-4)
+        cfg["sliding_window"] = None
+    dims = a("rope.dimension_count")
+    if dims is not None and int(dims) != cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = int(dims) / cfg["head_dim"]
+    if "rope_factors_long.weight" in a.names:
+        def factors(name):
+            return [float(x) for x in a.array(name).ravel()]
+
+        rs = {"rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+              "short_factor": factors("rope_factors_short.weight")}
+        attn = a("rope.scaling.attn_factor")
+        if attn is not None:
+            rs["attention_factor"] = float(attn)
+        orig = a("rope.scaling.original_context_length")
+        if orig:
+            rs["original_max_position_embeddings"] = int(orig)
+            cfg["original_max_position_embeddings"] = int(orig)
+        cfg["rope_scaling"] = rs
+
+
 class Phi3ForCausalLM(LlamaForCausalLM):
+    gguf = (GGUFArch("phi3", "Phi3ForCausalLM", "phi3", config=gguf_config,
+                     layer_names={"attn_qkv": "self_attn.qkv_proj",  # fused: split at load
+                                  "ffn_up": "mlp.gate_up_proj"}),)
+
     def __init__(self, cfg: ModelConfig, **kw):
         rope = cfg.hf.get("rope_parameters") or cfg.hf.get("rope_scaling") or {}
         partial = float(rope.get("partial_rotary_factor") or

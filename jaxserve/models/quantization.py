@@ -39,10 +39,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import QUANTIZATION_METHODS
-from pallas_kernels import cpu_kernels, reference
+from jaxserve.models.linear import (FP8, FP8_MAX, Fp8Linear, Int4Linear, Int8Linear, Int8Table,
+                                    Linear)
 
-FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-FP8 = jnp.float8_e4m3fn
 # AWQ packs eight 4-bit values into an int32 in this column order (nibble i holds column
 # AWQ_ORDER[i] of each group of eight); GPTQ packs them in plain order.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -57,201 +56,11 @@ def validate_method(quantization: str | None) -> str | None:
     return quantization
 
 
-# ----------------------------------------------------------------------------- the matmuls
-
-def _dot(x, w):
-    """``x[..., in] @ w[out, in].T`` accumulated in float32."""
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-
-
-def fp8_weight_only_matmul(x, weight, weight_scale):
-    """fp8 storage, upcast to the activation dtype inside the matmul; scale per output column."""
-    y = _dot(x, weight.astype(x.dtype))
-    return (y * weight_scale).astype(x.dtype)
-
-
-def quantize_fp8_per_token(x):
-    """Dynamic per-token activation quantization: ``x ~ xq * scale`` with ``scale [..., 1]``."""
-    xf = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / FP8_MAX, 1e-12)
-    return jnp.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
-
-
-def fp8_dynamic_matmul(x, weight, weight_scale, *, emulate: bool = False):
-    """Hopper's path: fp8 x fp8 ``dot_general`` with per-token activation scales, float32
-    accumulation, output in the activation dtype. ``emulate`` upcasts both fp8 operands to
-    float32 first (same numbers, any backend): the CPU check of this path."""
-    xq, a_scale = quantize_fp8_per_token(x)
-    if emulate:
-        y = _dot(xq.astype(jnp.float32), weight.astype(jnp.float32))
-    else:
-        y = _dot(xq, weight)
-    return (y * a_scale * weight_scale).astype(x.dtype)
-
-
-def int8_kernel_enabled() -> bool:
-    """The C++ W8A8 kernel serves int8 matmuls (``pallas_kernels.cpu_kernels.available``)."""
-    return cpu_kernels.available()
-
-
-def int8_dynamic_matmul(x, weight, weight_scale):
-    """W8A8 with a two-term activation: ``x / a = hi + lo / 254`` per token (``a = max|x| /
-    127``; ``hi``, ``lo`` int8), both rows through one int8 x int8 -> int32 ``dot_general``
-    against the stored int8 ``weight [out, in]``, then ``(hi_acc + lo_acc / 254) * a *
-    weight_scale``. The second term makes the activation ~15 bits (one int8 row per token
-    lost SmolLM2 1.7 % of held-out perplexity; two keep it at float32's). On one CPU device
-    the C++ kernel runs it (``pallas_kernels.cpu_kernels``: XLA:CPU reads a one-row int8 dot
-    at a quarter of the machine's bandwidth); elsewhere XLA runs the same rule."""
-    return int8_dynamic_matmuls(x, [(weight, weight_scale)])[0]
-
-
-def int8_dynamic_matmuls(x, weights):
-    """:func:`int8_dynamic_matmul` of one input against 1 to 3 ``(weight, weight_scale)``
-    (q/k/v, gate/up): with the CPU kernel, one call that quantizes ``x`` once."""
-    lead, n = x.shape[:-1], x.shape[-1]
-    xf = x.reshape(-1, n).astype(jnp.float32)
-    if int8_kernel_enabled():
-        ys = cpu_kernels.int8_matmul(xf, list(weights))
-    else:
-        ys = [reference.int8_matmul_reference(xf, w, s) for w, s in weights]
-    return [y.reshape(*lead, -1).astype(x.dtype) for y in ys]
-
-
 def fp8_compute_supported(device=None) -> bool:
     """fp8 tensor-core matmuls: Hopper (H100/H200)."""
     kind = (device or jax.devices()[0]).device_kind
     return any(k in kind for k in ("H100", "H200"))
 
-
-def int4_dequantize(qweight, scales, zeros, dtype, bits: int = 4, group_size: int | None = None):
-    """``qweight [out, in/2]`` uint8 nibbles (or ``[out, in]`` bytes for 8 bits),
-    ``scales``/``zeros [out, G]`` -> ``[out, in]``, input channel ``j`` in group
-    ``j // group_size`` (None: ``in / G``); the last group may be short (GPTQ's when the group
-    size does not divide ``in``). Float zero points are applied in float32."""
-    out, groups = scales.shape
-    if bits == 4:
-        q = jnp.stack([qweight & 0xF, qweight >> 4], axis=-1).reshape(out, -1)
-    else:
-        q = qweight
-    n_in = q.shape[1]
-    size = group_size or n_in // groups
-    if groups * size != n_in:  # a short last group: pad it to a whole one, then cut
-        q = jnp.pad(q, ((0, 0), (0, groups * size - n_in)))
-    q = q.reshape(out, groups, size)
-    zdt = dtype if zeros.dtype == jnp.uint8 else jnp.float32
-    w = (q.astype(zdt) - zeros[..., None].astype(zdt)) * scales[..., None].astype(zdt)
-    return w.astype(dtype).reshape(out, -1)[:, :n_in]
-
-
-def int4_matmul(x, qweight, scales, zeros, perm=None, bits: int = 4,
-                group_size: int | None = None):
-    if perm is not None:
-        x = jnp.take(x, perm, axis=-1)
-    dtype = x.dtype
-    if perm is not None and dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        x = x.astype(jnp.float32)  # XLA CPU: no bf16 x bf16 -> f32 dot after the gather
-    w = int4_dequantize(qweight, scales, zeros, x.dtype, bits, group_size)
-    return _dot(x, w).astype(dtype)
-
-
-# ----------------------------------------------------------------------------- modules
-
-class Fp8Linear(nnx.Module):
-    """A ``Linear`` with float8_e4m3fn weights and per-output-channel float32 scales."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype,
-                 fp8_compute: bool = False):
-        self.weight = nnx.Param(jnp.zeros((out_features, in_features), FP8))
-        self.weight_scale = nnx.Param(jnp.ones((out_features,), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
-        self.fp8_compute = fp8_compute  # static: part of the graph
-
-    def __call__(self, x):
-        mm = fp8_dynamic_matmul if self.fp8_compute else fp8_weight_only_matmul
-        y = mm(x, self.weight[...], self.weight_scale[...])
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
-
-
-class Int8Linear(nnx.Module):
-    """A ``Linear`` with int8 weights (one float32 scale per output channel) run as W8A8 with
-    per-token dynamic activation scales (:func:`int8_dynamic_matmul`)."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype):
-        self.weight = nnx.Param(jnp.zeros((out_features, in_features), jnp.int8))
-        self.weight_scale = nnx.Param(jnp.ones((out_features,), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
-
-    def __call__(self, x):
-        return self.add_bias(int8_dynamic_matmul(x, self.weight[...], self.weight_scale[...]))
-
-    def int8_operands(self):
-        """(weight, weight_scale): for a matmul call shared with other projections."""
-        return self.weight[...], self.weight_scale[...]
-
-    def add_bias(self, y):
-        return y if self.bias is None else y + self.bias[...]
-
-
-class Int4Linear(nnx.Module):
-    """A ``Linear`` with group-quantized 4-bit (AWQ, GPTQ, GGUF Q4_0/Q4_1) or 8-bit (GGUF Q8_0)
-    weights, dequantized in the matmul."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype,
-                 group_size: int, act_order: bool, bits: int = 4, zero_dtype=jnp.uint8):
-        if in_features % 2:
-            raise ValueError(f"in_features {in_features} is not even")
-        groups = -(-in_features // group_size)  # GPTQ: the last group may be short
-        self.bits, self.group_size = bits, group_size  # static
-        self.qweight = nnx.Param(jnp.zeros((out_features, in_features * bits // 8), jnp.uint8))
-        self.scales = nnx.Param(jnp.ones((out_features, groups), dtype))
-        self.zeros = nnx.Param(jnp.zeros((out_features, groups), zero_dtype))
-        self.perm = nnx.Param(jnp.arange(in_features, dtype=jnp.int32)) if act_order else None
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
-
-    def __call__(self, x):
-        perm = None if self.perm is None else self.perm[...]
-        y = int4_matmul(x, self.qweight[...], self.scales[...], self.zeros[...], perm,
-                        self.bits, self.group_size)
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
-
-
-class Int8Table(nnx.Module):
-    """A vocabulary table ``[V, H]`` (the LM head, or the embedding tied to it) in int8 with
-    one float32 scale per row. int8 rather than fp8: the head's matmul is weight-only anyway,
-    and at the same bytes int8 has half fp8's rounding error on such a table (SmolLM2: 1.2 % vs
-    2.6 % relative RMS), which the logits of every token see. The gather dequantizes only the
-    rows it takes; as the head (:func:`lm_head_logits`) a row's scale is its logit's scale, so
-    a tied table serves both."""
-
-    def __init__(self, num_embeddings: int, features: int, *, dtype, int8_compute=False):
-        self.weight = nnx.Param(jnp.zeros((num_embeddings, features), jnp.int8))
-        self.weight_scale = nnx.Param(jnp.ones((num_embeddings,), jnp.float32))
-        self.dtype_name = jnp.dtype(dtype).name  # static: the serving dtype of the output
-        self.int8_compute = int8_compute  # static: the head runs W8A8 (quantization int8)
-
-    def __call__(self, ids):
-        rows = jnp.take(self.weight[...], ids, axis=0).astype(jnp.float32)
-        scale = jnp.take(self.weight_scale[...], ids, axis=0)
-        return (rows * scale[..., None]).astype(self.dtype_name)
-
-
-def lm_head_logits(head, hidden):
-    """``[N, H]`` hidden states -> ``[N, V]`` float32 logits through the LM head's (or tied
-    embedding's) ``weight [V, H]``. An int8 table is upcast to the activation dtype inside the
-    matmul (exactly: |q| <= 127; weight-only on every backend, so the logits keep the full
-    activation precision) and each logit takes its row's scale."""
-    w = head.weight[...]
-    scale = getattr(head, "weight_scale", None)
-    if scale is None:
-        return _dot(hidden.astype(w.dtype), w)
-    if getattr(head, "int8_compute", False):
-        return int8_dynamic_matmul(hidden.astype(jnp.float32), w, scale[...])
-    return _dot(hidden, w.astype(hidden.dtype)) * scale[...]
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -359,8 +168,6 @@ def quantize_linears(model, plan: QuantPlan | None, dtype):
     """Swap the projection ``Linear`` modules of an (abstract) model for quantized ones."""
     if plan is None:
         return model
-    from jaxserve.models.layers import Linear
-
     targets = [(path, m) for path, m in nnx.iter_modules(model)
                if isinstance(m, Linear) and path and _is_projection(str(path[-1]))]
     makers = []  # (path, constructor of the quantized module)
@@ -431,8 +238,6 @@ def _int8_rows(w):
 def quantize_model_fp8(model, plan: QuantPlan):
     """fp8 on device for a model already holding float weights (random ``dummy`` weights):
     each projection ``Linear`` becomes an :class:`Fp8Linear` with the same sharding layout."""
-    from jaxserve.models.layers import Linear
-
     targets = [(path, m) for path, m in nnx.iter_modules(model)
                if isinstance(m, Linear) and path and _is_projection(str(path[-1]))]
     for path, lin in targets:

@@ -36,21 +36,21 @@ from jax.sharding import PartitionSpec
 from jaxserve import sharding
 from jaxserve.config import ModelConfig
 from jaxserve.core.kv_cache_spec import FullAttention, LinearState
+from jaxserve.models.attention import AttentionBackend, resolve_attention_backend
 from jaxserve.models.contract import ModelBase, megatron_partition_spec
 from jaxserve.models.gemma import GemmaRMSNorm  # the (1 + w) RMSNorm Qwen 3.5 shares
+from jaxserve.models.gguf_table import GGUFArch
 from jaxserve.models.layers import (
-    ATTENTION_BACKENDS,
     AttentionMetadata,
     Embedding,
-    Linear,
     MLP,
-    _normal,
     apply_rope,
     paged_self_attention,
     rope_cos_sin,
 )
-from jaxserve.models.moe import MoeForCausalLM, SparseMoeBlock
-from jaxserve.models.quantization import lm_head_logits
+from jaxserve.models.linear import Linear, normal
+from jaxserve.models.moe import (GGUF_EXPERTS, GGUF_SHARED_EXPERT_NAMES, MoeForCausalLM,
+                                 SparseMoeBlock)
 from jaxserve.models.qwen3_5_vision import Qwen3_5VisionModel, merge_image_embeddings
 from pallas_kernels import gated_delta_rule as gdn
 
@@ -90,7 +90,7 @@ class Conv1dWeight(nnx.Module):
     """HF's depthwise ``nn.Conv1d`` weight ``[C, 1, K]`` (no bias)."""
 
     def __init__(self, channels: int, kernel: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (channels, 1, kernel), dtype, std=0.2))
+        self.weight = nnx.Param(normal(rngs, (channels, 1, kernel), dtype, std=0.2))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -284,23 +284,100 @@ class MultiTokenPredictor(nnx.Module):
         self.norm = GemmaRMSNorm(h, eps=eps, dtype=dtype)
 
 
+# llama.cpp's Qwen 3.5 names: the Gated DeltaNet layers' fused q/k/v, output gate z, decay (a)
+# and beta inputs; A_log without a suffix
+_GGUF_LAYER_NAMES = {
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj", "post_attention_norm": "post_attention_layernorm",
+}
+_GGUF_WHOLE_NAMES = {("ssm_a", None): "linear_attn.A_log",
+                     ("ssm_dt", "bias"): "linear_attn.dt_bias"}
+
+
+def gguf_config(a, cfg: dict, n_experts: int) -> None:
+    """Qwen 3.5's HF config fields from llama.cpp's metadata. The GDN geometry is in llama.cpp's
+    ``ssm.*`` keys (group count = K heads, time-step rank = V heads, state size = K head dim,
+    inner size = all V channels); a layer is full attention when it has ``attn_q`` (llama.cpp
+    derives the same from ``full_attention_interval``)."""
+    n, tensor_names = cfg["num_hidden_layers"], a.names
+    n_v = int(a("ssm.time_step_rank"))
+    types = ["full_attention" if f"blk.{i}.attn_q.weight" in tensor_names
+             else "linear_attention" for i in range(n)]
+    rot = int(a("rope.dimension_count", cfg["head_dim"] // 4))
+    cfg.update(
+        layer_types=types, full_attention_interval=int(a("full_attention_interval", 4)),
+        linear_conv_kernel_dim=int(a("ssm.conv_kernel")),
+        linear_key_head_dim=int(a("ssm.state_size")),
+        linear_num_key_heads=int(a("ssm.group_count")),
+        linear_num_value_heads=n_v,
+        linear_value_head_dim=int(a("ssm.inner_size")) // n_v,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                         "partial_rotary_factor": rot / cfg["head_dim"]},
+    )
+    if n_experts:
+        cfg.update(num_experts=n_experts, num_experts_per_tok=int(a("expert_used_count")),
+                   moe_intermediate_size=int(a("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(
+                       a("expert_shared_feed_forward_length", 0) or 0))
+        cfg.pop("intermediate_size", None)  # every layer is sparse
+
+
+def _grouped_v(t: np.ndarray, axis: int, n_k: int, per_k: int, dim: int) -> np.ndarray:
+    """HF's V-head order along ``axis`` from llama.cpp's: tiled (k0v0, k1v0, k0v1, ...) ->
+    grouped by K head (k0v0, k0v1, k1v0, ...), each head ``dim`` wide."""
+    t = np.moveaxis(t, axis, 0)
+    rest = t.shape[1:]
+    t = t.reshape(per_k, n_k, dim, *rest).swapaxes(0, 1).reshape(n_k * per_k * dim, *rest)
+    return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+
+def gguf_to_hf(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """Undo llama.cpp's Qwen 3.5 storage: zero-centred norms kept as ``1 + w`` (the GDN's gated
+    norm is not zero-centred), ``A`` kept as ``-exp(A_log)``, the conv kernel squeezed to
+    ``[C, K]``, and V heads tiled (where K heads < V heads) for ggml's broadcast."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return w - np.float32(1.0)
+    if ".linear_attn." not in name:
+        return w
+    if name.endswith(".A_log"):
+        w = np.log(-w)
+    elif name.endswith(".conv1d.weight"):
+        w = w.reshape(w.shape[0], 1, w.shape[-1])
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if n_k == n_v:
+        return w
+    per_k, dv = n_v // n_k, cfg["linear_value_head_dim"]
+    qk = 2 * n_k * cfg["linear_key_head_dim"]  # q and k channels come first, untouched
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return np.concatenate([w[:qk], _grouped_v(w[qk:], 0, n_k, per_k, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return _grouped_v(w, 0, n_k, per_k, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return _grouped_v(w, 0, n_k, per_k, 1)
+    if name.endswith("out_proj.weight"):
+        return _grouped_v(w, 1, n_k, per_k, dv)
+    return w
+
+
 class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
     """Dense Qwen 3.5 / 3.6 (both checkpoint layouts)."""
 
     moe = False
+    gguf = (GGUFArch("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text",
+                     layer_names=_GGUF_LAYER_NAMES, whole_names=_GGUF_WHOLE_NAMES,
+                     config=gguf_config, to_hf=gguf_to_hf),)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_backend: str = "reference"):
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {attention_backend!r} is not one of "
-                             f"{ATTENTION_BACKENDS}")
+                 attention_backend: str | AttentionBackend = "reference"):
         if cfg.enable_expert_parallel and not self.moe:
             raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
         self.num_layers = cfg.num_layers
         rope = _rope_params(cfg)
         rotary = int(cfg.head_dim * float(rope.get("partial_rotary_factor", 0.25)))
         self.rope = (rotary, cfg.rope_theta, cfg.max_position_embeddings)
-        self.attention_backend = attention_backend
+        self.attention = resolve_attention_backend(attention_backend)
         self.mesh = None
         self.model = Qwen3_5TextModel(cfg, dtype=dtype, rngs=rngs, moe=self.moe)
         self.lm_head = (None if cfg.tie_word_embeddings else
@@ -356,7 +433,7 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
         if lora is not None:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
         cos, sin = inputs
-        return layer(x, cos, sin, cache, md, self.attention_backend, self.mesh)
+        return layer(x, cos, sin, cache, md, self.attention, self.mesh)
 
     def encode_images(self, vision_inputs):
         """The vision tower: merged image embeddings ``[P / 4, hidden]``."""
@@ -364,22 +441,10 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
             raise ValueError("this checkpoint has no vision tower (text-only model)")
         return self.visual(vision_inputs)
 
-    def __call__(self, token_ids, positions, kv_pages, md: AttentionMetadata, mm=None):
-        """The target model; the MTP head's pages (after the layers' own) pass through.
-        ``positions`` is ``[T]`` or M-RoPE ``[3, T]``; ``mm`` = (image embeddings ``[E, H]``,
-        row of each token ``[T]``, -1 for text) puts image embeddings at placeholders."""
-        want = self.num_layers + (self.mtp is not None)
-        if len(kv_pages) != want:
-            raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {want}")
-        inputs = self.layer_inputs(positions, md, token_ids.shape[0])
-        x = self.embed(token_ids)
-        if mm is not None:
-            x = merge_image_embeddings(x, *mm)
-        caches = []
-        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_pages)):
-            x, cache = self.run_layer(i, layer, x, inputs, cache, md)
-            caches.append(cache)
-        return self.model.norm(x), caches + list(kv_pages[self.num_layers:])
+    def merge_multimodal(self, x, mm):
+        """``mm`` = (image embeddings ``[E, H]``, row of each token ``[T]``, -1 for text): the
+        image embeddings at their placeholders (positions are then M-RoPE ``[3, T]``)."""
+        return merge_image_embeddings(x, *mm)
 
     def mtp_forward(self, next_token_ids, positions, hidden, kv, md: AttentionMetadata):
         """The MTP head over ``T`` tokens: ``hidden[T, H]`` (the target's normed output, or the
@@ -389,12 +454,8 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
         e = m.pre_fc_norm_embedding(self.model.embed_tokens(next_token_ids))
         x = m.fc(jnp.concatenate([e, m.pre_fc_norm_hidden(hidden.astype(e.dtype))], axis=-1))
         cos, sin = self._rope(positions)
-        x, kv = m.layers[0](x, cos, sin, kv, md, self.attention_backend, self.mesh)
+        x, kv = m.layers[0](x, cos, sin, kv, md, self.attention, self.mesh)
         return m.norm(x), kv
-
-    def compute_logits(self, hidden):
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return lm_head_logits(head, hidden)
 
     @classmethod
     def param_partition_spec(cls, name: str, cfg: ModelConfig) -> PartitionSpec:
@@ -448,6 +509,10 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen 3.5 / 3.6 MoE (routed experts plus a gated shared expert in every layer)."""
 
     moe = True
+    gguf = (GGUFArch("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
+                     layer_names={**_GGUF_LAYER_NAMES, **GGUF_SHARED_EXPERT_NAMES},
+                     whole_names=_GGUF_WHOLE_NAMES, experts=GGUF_EXPERTS, config=gguf_config,
+                     to_hf=gguf_to_hf),)
 
 
 def _gdn_partition_spec(name: str) -> PartitionSpec:

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.layers import ACTIVATIONS, Embedding, LayerNorm, Linear, _normal
+from jaxserve.models.layers import ACTIVATIONS, Embedding, LayerNorm
+from jaxserve.models.linear import Linear, normal
 
 
 class VisionInputs(NamedTuple):
@@ -109,7 +110,7 @@ class PatchEmbed(nnx.Module):
     def __init__(self, c: dict, *, dtype, rngs: nnx.Rngs):
         k = (int(c["temporal_patch_size"]), int(c["patch_size"]), int(c["patch_size"]))
         e = int(c["hidden_size"])
-        self.weight = nnx.Param(_normal(rngs, (e, int(c["in_channels"])) + k, dtype))
+        self.weight = nnx.Param(normal(rngs, (e, int(c["in_channels"])) + k, dtype))
         self.bias = nnx.Param(jnp.zeros((e,), dtype))
 
     def __call__(self, pixels):

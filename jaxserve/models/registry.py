@@ -29,6 +29,26 @@ MODEL_REGISTRY = {
 }
 
 
+def _gguf_tables() -> list:
+    return [spec for cls in dict.fromkeys(MODEL_REGISTRY.values()) for spec in cls.gguf]
+
+
+# llama.cpp's ``general.architecture`` -> its family's table (jaxserve.models.gguf_table)
+GGUF_ARCHITECTURES = {spec.gguf_name: spec for spec in _gguf_tables() if spec.gguf_name}
+
+
+def gguf_arch(name: str, experts: bool = False):
+    """The ``GGUFArch`` of a GGUF architecture (``experts``: the file has experts, which the
+    llama architecture stores for Mixtral); unknown names list what is supported."""
+    if name not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {name!r} is not supported; supported "
+                         f"architectures: {', '.join(GGUF_ARCHITECTURES)}")
+    spec = GGUF_ARCHITECTURES[name]
+    if experts and spec.with_experts:
+        return next(s for s in _gguf_tables() if s.architecture == spec.with_experts)
+    return spec
+
+
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 

@@ -180,9 +180,9 @@ def test_default_gguf_serves_int8_on_cpu_unless_float32_is_asked():
     import jax
 
     from jaxserve.loaders.model_loader import load_model
-    from jaxserve.models import quantization as quant_lib
+    from jaxserve.models import linear
 
-    if jax.default_backend() != "cpu" or not quant_lib.int8_kernel_enabled():
+    if jax.default_backend() != "cpu" or not linear.int8_kernel_enabled():
         pytest.skip("int8 by default needs the CPU backend and the C++ kernels")
 
     def dtypes_and_bytes(**kw):

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxserve.loaders.model_loader import load_model
+from jaxserve.models import linear
 from jaxserve.models import quantization as Q
 from jaxserve.testing import quality
 
@@ -71,13 +72,13 @@ def test_fp8_dynamic_matmul_emulated_matches_numpy_and_weight_only():
     x = rng.normal(size=(16, 128)).astype(np.float32)
     x[5] *= 30.0  # a token with outliers gets its own activation scale
     q, s = Q.quantize_fp8_per_channel(rng.normal(size=(48, 128)).astype(np.float32))
-    got = np.asarray(Q.fp8_dynamic_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s),
+    got = np.asarray(linear.fp8_dynamic_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s),
                                           emulate=True))
     a_scale = np.maximum(np.abs(x).max(axis=1, keepdims=True) / Q.FP8_MAX, 1e-12)
     xq = np.clip(x / a_scale, -Q.FP8_MAX, Q.FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     want = (xq.astype(np.float32) @ q.astype(np.float32).T) * a_scale * s
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    weight_only = np.asarray(Q.fp8_weight_only_matmul(jnp.asarray(x), jnp.asarray(q),
+    weight_only = np.asarray(linear.fp8_weight_only_matmul(jnp.asarray(x), jnp.asarray(q),
                                                       jnp.asarray(s)))
     rel = np.linalg.norm(got - weight_only) / np.linalg.norm(weight_only)
     assert 0 < rel < 0.05, rel  # activation rounding only: e4m3's few percent
@@ -89,7 +90,7 @@ def test_fp8_dynamic_matmul_lowers_for_cuda_as_an_fp8_dot():
     x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((128, 256), jnp.float8_e4m3fn)
     s = jax.ShapeDtypeStruct((128,), jnp.float32)
-    text = jax.export.export(jax.jit(Q.fp8_dynamic_matmul), platforms=["cuda"])(x, w, s
+    text = jax.export.export(jax.jit(linear.fp8_dynamic_matmul), platforms=["cuda"])(x, w, s
                                                                                 ).mlir_module()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 1
@@ -103,8 +104,8 @@ def test_fp8_dynamic_matmul_on_hopper_equals_emulation():
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(64, 512)), jnp.bfloat16)
     q, s = Q.quantize_fp8_per_channel(rng.normal(size=(256, 512)).astype(np.float32))
-    real = jax.jit(Q.fp8_dynamic_matmul)(x, jnp.asarray(q), jnp.asarray(s))
-    emul = Q.fp8_dynamic_matmul(x, jnp.asarray(q), jnp.asarray(s), emulate=True)
+    real = jax.jit(linear.fp8_dynamic_matmul)(x, jnp.asarray(q), jnp.asarray(s))
+    emul = linear.fp8_dynamic_matmul(x, jnp.asarray(q), jnp.asarray(s), emulate=True)
     np.testing.assert_allclose(np.asarray(real, np.float32), np.asarray(emul, np.float32),
                                rtol=2e-2, atol=2e-2)
 
@@ -147,7 +148,7 @@ def test_int8_dynamic_matmul_matches_numpy_and_float(rows):
     w = rng.standard_normal((48, 64)).astype(np.float32)
     x = rng.standard_normal((rows, 64)).astype(np.float32)
     q, s = Q.quantize_int8_per_row(w)
-    y = np.asarray(jax.jit(Q.int8_dynamic_matmul)(jnp.asarray(x), jnp.asarray(q),
+    y = np.asarray(jax.jit(linear.int8_dynamic_matmul)(jnp.asarray(x), jnp.asarray(q),
                                                    jnp.asarray(s)))
     ref = x @ w.T  # (a value on a rounding edge may round the other way: one lo step)
     np.testing.assert_allclose(y, _int8_reference(x, q, s), atol=1e-3 * np.abs(ref).max())  # the activation term is ~15 bits: what is left is the weight's rounding
@@ -164,11 +165,11 @@ def test_int8_dynamic_matmul_reads_the_int8_weight_in_its_dot(monkeypatch, kerne
     from pallas_kernels import cpu_kernels
 
     monkeypatch.setenv("JAXSERVE_CPU_KERNELS", kernel)
-    use_kernel = kernel == "1" and Q.int8_kernel_enabled()
+    use_kernel = kernel == "1" and linear.int8_kernel_enabled()
     x = jnp.ones((1, 576), jnp.float32)
     q = jnp.ones((1536, 576), jnp.int8)
     s = jnp.ones((1536,), jnp.float32)
-    hlo = jax.jit(lambda *a: Q.int8_dynamic_matmul(*a)).lower(x, q, s).compile().as_text()
+    hlo = jax.jit(lambda *a: linear.int8_dynamic_matmul(*a)).lower(x, q, s).compile().as_text()
     assert "f32[1536,576]" not in hlo and "bf16[1536,576]" not in hlo
     entry = hlo[hlo.index("ENTRY"):]
     [weight] = re.findall(r"(%\S+) = s8\[1536,576\]\{[0-9,]+\} parameter", entry)

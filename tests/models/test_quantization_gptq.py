@@ -120,7 +120,8 @@ def test_act_order_int4_matmul_runs_in_bf16():
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.models.quantization import int4_matmul, pack_nibbles
+    from jaxserve.models.linear import int4_matmul
+    from jaxserve.models.quantization import pack_nibbles
 
     rng = np.random.default_rng(6)
     q = rng.integers(0, 16, (16, 64)).astype(np.uint8)
