@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from functools import partial
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -141,29 +142,8 @@ class LLM:
 
     def _pool(self, items, use_tqdm: bool) -> list[PoolingOutput]:
         engine = self.llm_engine
-        order = []
-        try:
-            for prompt, params, pair in items:
-                rid = str(next(self._ids))
-                engine.add_request(rid, prompt, params, pair=pair)
-                order.append(rid)
-        except Exception:
-            engine.abort_request(order)
-            raise
-        done: dict[str, PoolingOutput] = {}
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
-        try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    done[out.request_id] = out
-                    bar.update(1)
-        except BaseException:
-            engine.abort_request(order)
-            raise
-        finally:
-            bar.close()
-        return [done[rid] for rid in order]
+        return self._drive([partial(engine.add_request, prompt=prompt, params=params, pair=pair)
+                            for prompt, params, pair in items], use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -219,17 +199,25 @@ class LLM:
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        return self._drive([partial(engine.add_request, prompt=prompt, params=sp, priority=prio,
+                                    final_only=True, lora_request=lora)
+                            for prompt, sp, prio, lora in items], use_tqdm)
+
+    def _drive(self, adds, use_tqdm: bool) -> list:
+        """Add each request (``add(request_id)``), step the engine until every one has
+        finished, and return their outputs in input order; on any error (or interrupt) every
+        request added is aborted, so nothing stays in the engine."""
+        engine = self.llm_engine
         order = []
         try:
-            for prompt, sp, prio, lora in items:
+            for add in adds:
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, sp, priority=prio, final_only=True,
-                                   lora_request=lora)
+                add(rid)
                 order.append(rid)
         except Exception:
             engine.abort_request(order)
             raise
-        done: dict[str, RequestOutput] = {}
+        done: dict = {}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         try:
@@ -244,7 +232,6 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in order]
-
 
 def _per_prompt(value, n: int, name: str) -> list:
     if isinstance(value, (list, tuple)):
