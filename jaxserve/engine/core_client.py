@@ -288,6 +288,8 @@ class EngineCoreClient:
             await added
             out = await done
             finished = True
+            if out.error is not None:  # the core ended it before its prompt was computed
+                raise RuntimeError(f"pooling request {request_id} failed: {out.error}")
             return out
         finally:
             self._adds.pop(request_id, None)
