@@ -21,6 +21,7 @@ from jaxserve.config import (KV_CACHE_DTYPES, PLATFORM_SCHEDULER_DEFAULTS, QUANT
                              SCHEDULING_POLICIES, TOKENIZER_MODES, CacheConfig, EngineConfig,
                              LoRAConfig, MultiModalConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
+from jaxserve.core.json_object import json_object
 from jaxserve.core.kv_events import KVEventsConfig
 from jaxserve.core.pooling_params import TASK_ALIASES, PoolerConfig
 
@@ -168,16 +169,7 @@ def positive_float(value: str) -> float:
 def _json_object(name: str) -> Callable:
     """A dict, or its JSON text (the CLI's form)."""
     def convert(value):
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{name} is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{name} must be a JSON object, got {value!r}")
-        return dict(value)
+        return None if value is None else json_object(value, name)
     return convert
 
 

@@ -10,11 +10,12 @@ decode them unchanged. Host side only: msgspec, no jax, no zmq.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import msgspec
+
+from jaxserve.core.json_object import json_object
 
 MEDIUM = "GPU"  # vLLM's name for the device pool (swap would be "CPU")
 
@@ -89,13 +90,7 @@ class KVEventsConfig:
         """A dict, its JSON text (the CLI's form) or None; unknown keys are an error."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
+        value = json_object(value, "kv_events_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxserve.core.json_object import json_object
 from jaxserve.errors import InvalidRequestError
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "ALL", "STEP")
@@ -44,16 +45,7 @@ class PoolerConfig:
         error naming the key."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
-        d = dict(value)
+        d = json_object(value, "pooler_config")
         unknown = sorted(set(d) - set(cls.FIELDS))
         if unknown:
             raise ValueError(f"pooler_config.{unknown[0]} is not a supported field "
