@@ -58,13 +58,8 @@ class DecoderPooling:
             raise InvalidRequestError(
                 f"task {params.task!r}: a generative model embeds (task 'embed'); "
                 "classification and scoring need --runner pooling", param="task")
-        check_params(params, self.info)
         engine = self.engine
         ids, _ = pooling_prompt_ids(engine.tokenizer, prompt, params, engine.max_model_len)
-        if len(ids) > engine.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {engine.max_model_len} tokens. "
-                f"However, you requested {len(ids)} tokens in the input.", param="input")
         self.add_core(request_id, ids, params, arrival_time=arrival_time, priority=priority,
                       lora_request=lora_request)
 
@@ -99,6 +94,7 @@ class DecoderPooling:
                                         postprocess(co.pooled, ids, params, self.info), ids))
         return pooled, rest
 
-    def abort(self, request_ids) -> list[str]:
-        """The ids among ``request_ids`` that are pooling requests (forgotten here)."""
-        return [rid for rid in request_ids if self.pending.pop(rid, None) is not None]
+    def abort(self, request_ids) -> None:
+        """Forget the pooling requests among ``request_ids``."""
+        for rid in request_ids:
+            self.pending.pop(rid, None)

@@ -193,7 +193,8 @@ class LLMEngine(WeightControl):
         """Abort front-end requests: every core request of each."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        pooled = self.pooling.abort(request_ids) if self.pooling is not None else []
+        pooled = [rid for rid in request_ids
+                  if self.pooling is not None and rid in self.pooling.pending]
         self.abort_core_requests(pooled + self.output_processor.abort_requests(request_ids))
 
     def get_num_unfinished_requests(self) -> int:
@@ -427,11 +428,14 @@ class LLMEngine(WeightControl):
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
         mm = None if encoder is None else encoder.prepare(sched.batch, plan.positions)
-        pool_rows = [s.sample and s.request.pooling_params is not None for s in sched.scheduled]
-        if any(pool_rows):  # pooling requests' last prompt chunks: their final hidden states
-            mask = np.zeros(plan.seq_bucket, bool)
-            mask[:len(pool_rows)] = pool_rows
-            plan = dataclasses.replace(plan, pool_rows=mask)
+        if self.pooling is not None and self.pooling.pending:
+            # pooling requests' last prompt chunks: their final hidden states reach the host
+            pool_rows = [s.sample and s.request.pooling_params is not None
+                         for s in sched.scheduled]
+            if any(pool_rows):
+                mask = np.zeros(plan.seq_bucket, bool)
+                mask[:len(pool_rows)] = pool_rows
+                plan = dataclasses.replace(plan, pool_rows=mask)
         if self.logits_processors is not None:
             try:
                 handle = self._dispatch_with_processors(sched, plan, mm)
