@@ -23,6 +23,7 @@ from jaxserve.config import (KV_CACHE_DTYPES, PLATFORM_SCHEDULER_DEFAULTS, QUANT
                              SpeculativeConfig)
 from jaxserve.core.json_object import json_object
 from jaxserve.core.kv_events import KVEventsConfig
+from jaxserve.core.kv_transfer import KVTransferConfig
 from jaxserve.core.pooling_params import TASK_ALIASES, PoolerConfig
 
 logger = logging.getLogger("jaxserve")
@@ -44,6 +45,7 @@ GROUPS = {
     "ObservabilityConfig": "logs, metrics and events",
     "SchedulerConfig": "what runs in each step",
     "SpeculativeConfig": "speculative decoding",
+    "KVTransferConfig": "disaggregated prefill and decode",
 }
 
 
@@ -507,6 +509,14 @@ class EngineArgs:
         help='publish prefix-cache block events over ZMQ, as vLLM, e.g. '
              '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
              '"endpoint": "tcp://*:5557"}\'')
+
+    # ---- KVTransferConfig -------------------------------------------------------------------
+    kv_transfer_config: Any = arg(
+        group="KVTransferConfig", target="kv_transfer", convert=KVTransferConfig.parse,
+        metavar="JSON",
+        help='disaggregated prefill/decode, vLLM\'s fields, e.g. \'{"kv_connector": '
+             '"NixlConnector", "kv_role": "kv_both"}\' (kv_connector JaxTransferConnector; '
+             'NixlConnector is accepted as its alias); see docs/kv-tiers.md')
 
     # ---- SchedulerConfig --------------------------------------------------------------------
     # None: the platform's default (PLATFORM_SCHEDULER_DEFAULTS), resolved by for_platform

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
+from jaxserve.core.kv_transfer import KVTransferConfig
 from jaxserve.core.pooling_params import RUNNERS, PoolerConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -314,6 +315,8 @@ class EngineConfig:
     tokenizer_mode: str = "auto"
     # --kv-events-config: publish prefix-cache block events (vLLM's KVEventsConfig)
     kv_events: KVEventsConfig | None = None
+    # --kv-transfer-config: disaggregated prefill/decode (vLLM's KVTransferConfig)
+    kv_transfer: KVTransferConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA off (no --enable-lora)
     # a grammar not compiled within this many seconds fails its request (400)
     structured_outputs_compile_timeout: float = 5.0
@@ -375,6 +378,9 @@ class EngineConfig:
                 and self.parallel.data_parallel_size > 1):
             raise ValueError("kv_events_config with data_parallel_size > 1 is not supported "
                              "yet (one publisher endpoint per replica)")
+        if self.kv_transfer is not None and self.parallel.data_parallel_size > 1:
+            raise ValueError("kv_transfer_config with data_parallel_size > 1 is not supported "
+                             "yet (one kv_port per replica)")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):

@@ -56,6 +56,9 @@ class RequestOutput:
     # return_hidden_states: [tokens, layers, hidden] float32 numpy, for the prompt then every
     # generated token but the last (the tokens the model read), layers in the order asked
     hidden_states: object = None
+    # a prefill run for a remote decode (kv_transfer_params do_remote_decode): what the
+    # decode request passes on to pull this prompt's KV (vLLM's field)
+    kv_transfer_params: dict | None = None
 
 
 # ---- what the engine core reports: token ids and floats, never text ------------------------
@@ -101,6 +104,8 @@ class CoreOutput:
     # a pooling request on the generative engine: [H] float32, the final (normed) hidden state
     # of its prompt's last token (LAST pooling), once, with its finish
     pooled: Any = None
+    # a finished prefill for a remote decode: the params that decode needs (core.kv_transfer)
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

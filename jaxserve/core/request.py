@@ -24,6 +24,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"  # client abort, or it can never fit the KV pool
+    FINISHED_ERROR = "finished_error"  # its remote KV never arrived (core.kv_transfer)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # pages taken, prompt KV being pulled
 
     @property
     def is_finished(self) -> bool:
@@ -39,6 +41,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 # a tuple: ``in`` compares members by identity (an enum member's hash is a Python call), and
 # this is read for every request on every step
@@ -120,6 +123,10 @@ class Request:
         self.token_filter: Any = None
         self.stop_reason: int | str | None = None  # stop token id / stop string, set by engine
         self.abort_reason: str | None = None  # why the scheduler aborted it, if it did
+        # disaggregated prefill/decode (core.kv_transfer): the remote prefill this request
+        # pulls before its first step, and the params a finished prefill hands a decode
+        self.remote_prefill: Any = None
+        self.kv_transfer_params: dict | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         # what update_from_output has reported: output ids, and (when asked) the logprobs of
         # ids and prompt positions not reported yet; prompt positions recorded so far
@@ -240,6 +247,8 @@ class Request:
         if self.new_hidden_states:
             out.new_hidden_states, self.new_hidden_states = self.new_hidden_states, []
         out.pooled = self.pooled
+        if self.kv_transfer_params is not None:
+            out.kv_transfer_params = self.kv_transfer_params
         return out
 
     def pages_per_group(self) -> list[list[int]]:

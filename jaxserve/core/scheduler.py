@@ -112,6 +112,8 @@ class Scheduler:
         self.num_aborted_by_scheduler = 0
         self.generation_tokens_total = 0  # output ids read from the device
         self.spec_stats = None  # SpecDecodeStats of a speculating engine
+        # disaggregated prefill/decode (core.kv_transfer.KVTransferState); None: off
+        self.kv_transfer = None
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -138,6 +140,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their prompt KV from a prefill instance."""
+        return len(self.kv_transfer.loading) if self.kv_transfer is not None else 0
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
@@ -149,7 +156,7 @@ class Scheduler:
         bm = self.block_manager
         return dict(
             num_requests_running=self.num_running,
-            num_requests_waiting=self.num_waiting,
+            num_requests_waiting=self.num_waiting + self.num_loading,
             num_requests_swapped=self.num_swapped,
             cpu_cache_usage_perc=(self.swap_used_pages / self.swap_capacity_pages
                                   if 0 < self.swap_capacity_pages < float("inf") else 0.0),
@@ -185,6 +192,13 @@ class Scheduler:
         cap = max(1, self.max_model_len - n)
         request.max_tokens = cap if request.max_tokens is None else min(request.max_tokens, cap)
         request.status = RequestStatus.WAITING
+        if self.kv_transfer is not None:
+            self.kv_transfer.on_add(request)
+        elif (request.sampling_params is not None and request.sampling_params.extra_args
+              and request.sampling_params.extra_args.get("kv_transfer_params") is not None):
+            raise InvalidRequestError(
+                "kv_transfer_params needs a server started with --kv-transfer-config",
+                param="kv_transfer_params")
         self.siblings.add(request)
         request._seq_no = self._seq_counter
         self._seq_counter += 1
@@ -202,7 +216,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.block_manager.free(req)
+        if self.kv_transfer is None or not self.kv_transfer.hold(
+                req, status, self.block_manager.swap_pages(req)):
+            self.block_manager.free(req)  # a held prefill's pages wait for their pull
         req.in_batch = False
         self._swapped_pages.pop(request_id, None)
         self.siblings.drop(req)
@@ -424,6 +440,11 @@ class Scheduler:
             fork = self.siblings.fork_source(req)
             if fork is not None:
                 req.num_computed_tokens = fork.num_computed_tokens
+            if self.kv_transfer is not None and self.kv_transfer.wants_load(req):
+                if not self._start_load(req):
+                    break  # FCFS: nobody overtakes the head of the queue
+                self.waiting.pop(j)
+                continue
             resumed_swap = req.status == RequestStatus.SWAPPED
             hits: list[int] | None = None
             n_hit = 0
@@ -463,6 +484,46 @@ class Scheduler:
             bisect.insort(self.running, req, key=_order_key)
             self._add_scheduled(out, req, n)
             budget -= n
+
+    def _start_load(self, req: Request) -> bool:
+        """A decode whose prompt KV is remote: fresh pages for all but its last prompt token,
+        then it waits beside the queue while the connector pulls them (False: no pages)."""
+        n = req.num_prompt_tokens - 1
+        if not self.block_manager.allocate_slots(req, n, []):
+            return False
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.kv_transfer.start_load(req, req.pages_per_group(), n)
+        return True
+
+    def remote_kv_loaded(self, request_id: str) -> None:
+        """The connector wrote a request's pulled pages: it is computed up to its last prompt
+        token and queues again (its last token samples the first output token)."""
+        load = self.kv_transfer.take_load(request_id)
+        if load is None or self.requests.get(request_id) is not load.request:
+            return
+        req = load.request
+        req.num_computed_tokens = load.num_tokens
+        req.num_cached_tokens = load.num_tokens
+        req.status = RequestStatus.WAITING
+        self.kv_transfer.num_loaded_total += 1
+        bisect.insort(self.waiting, req, key=_order_key)
+
+    def remote_kv_failed(self, request_id: str, why: str) -> CoreOutput | None:
+        """A pull failed or timed out: ``fail`` ends the request with the error (its pages
+        freed); ``recompute`` computes its prompt here. Returns the output to report."""
+        load = self.kv_transfer.take_load(request_id)
+        if load is None or self.requests.get(request_id) is not load.request:
+            return None
+        req = load.request
+        self.kv_transfer.num_load_failures_total += 1
+        if self.kv_transfer.config.kv_load_failure_policy == "recompute":
+            self.block_manager.free(req)  # taken again (with any prefix hit) when admitted
+            req.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, req, key=_order_key)
+            return None
+        req.stop_reason = why
+        self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        return req.take_output()
 
     def _lets_others_pass(self, req: Request, loras: set[int] | None) -> bool:
         """A waiting request that is not admitted yet, without holding up the ones behind."""

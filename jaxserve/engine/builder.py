@@ -207,6 +207,9 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         engine.logits_processors = LogitsProcessors(config.logits_processors, config,
                                                     jax.local_devices()[0])
         runner.set_logits_processors(engine.logits_processors)
+    if config.kv_transfer is not None:
+        from jaxserve.engine.kv_connector import KVConnector
+        engine.kv_connector = KVConnector(config.kv_transfer, engine)
     if background_warmup:
         # while buckets compile, each step stays within the largest compiled one
         runner.start_warmup(on_token_limit=scheduler.limit_tokens)

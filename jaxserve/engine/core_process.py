@@ -234,6 +234,9 @@ def _loop(engine, preparer, poller, inbox, outbox, parent_pid: int, last_stats: 
             if outs or stats is not None:
                 outbox.send(encode_outputs(outs, stats))
         else:
+            connector = getattr(engine, "kv_connector", None)
+            if connector is not None:  # held prefills pulled or expired meanwhile
+                connector.before_schedule()
             if os.getppid() != parent_pid:
                 logger.warning("the API process is gone; the engine core stops")
                 return

@@ -99,6 +99,7 @@ class LLMEngine(WeightControl):
         self.scheduler = scheduler
         self.proposer = proposer
         self.kv_event_publisher = kv_event_publisher  # None: KV-cache events off
+        self.kv_connector = None  # engine.kv_connector.KVConnector (--kv-transfer-config)
         self.lora_manager = lora_manager  # jaxserve.lora.cache.LoRAManager; None: LoRA off
         spec = config.speculative
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
@@ -389,10 +390,14 @@ class LLMEngine(WeightControl):
         """Schedule -> execute -> update: what each request gained from the step read now (the
         previous one with async scheduling)."""
         outputs = self._weight_step()  # aborted by an update; a waiting swap once idle
+        if self.kv_connector is not None:  # pulled pages in, held ones out, late pulls failed
+            outputs += self.kv_connector.before_schedule()
         while any(d.constrained for d in self._queue):
             # a grammar's next mask needs the token in flight: read that step first
             outputs += self._update(self._queue.popleft())
         sched = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.after_schedule(bool(sched.scheduled))
         step = self._execute(sched)
         if step is not None:
             self._queue.append(step)
@@ -592,4 +597,6 @@ class LLMEngine(WeightControl):
             s.update(self.spec_stats.as_dict())
         if self.lora_manager is not None:
             s.update(self._lora_stats())
+        if self.kv_connector is not None:
+            s.update(self.kv_connector.stats())
         return s

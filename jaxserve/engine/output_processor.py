@@ -59,6 +59,7 @@ class _RequestState:
     prompt_logprobs: list | None
     num_cached_tokens: int = 0
     hidden_states: list | None = None  # return_hidden_states: [n, K, H] arrays in order
+    kv_transfer_params: dict | None = None  # a finished prefill's, for its remote decode
 
     @property
     def finished(self) -> bool:
@@ -140,6 +141,8 @@ class OutputProcessor:
             if co.new_prompt_logprobs and st.prompt_logprobs is not None:
                 k = st.params.prompt_logprobs
                 st.prompt_logprobs.extend(self._entry(tl, k) for tl in co.new_prompt_logprobs)
+            if co.kv_transfer_params is not None:
+                st.kv_transfer_params = co.kv_transfer_params
             if co.new_hidden_states:
                 st.hidden_states = (st.hidden_states or []) + co.new_hidden_states
             if seq.finish_reason is not None:
@@ -215,4 +218,5 @@ class OutputProcessor:
             outputs=comps, finished=st.finished,
             prompt_logprobs=list(st.prompt_logprobs) if st.prompt_logprobs else None,
             metrics=metrics, num_cached_tokens=st.num_cached_tokens,
-            hidden_states=(np.concatenate(st.hidden_states) if st.hidden_states else None))
+            hidden_states=(np.concatenate(st.hidden_states) if st.hidden_states else None),
+            kv_transfer_params=st.kv_transfer_params)

@@ -301,6 +301,9 @@ class _SamplingFields(RequestModel):
     # vLLM's per-request arguments for custom logits processors (SamplingParams.extra_args)
     vllm_xargs: dict[str, Union[str, int, float, bool, list[Union[str, int, float]]]] | None \
         = None
+    # vLLM's disaggregated prefill/decode (NIXL protocol): {"do_remote_decode": true} on a
+    # prefill, the prefill response's params on its decode (core.kv_transfer checks them)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -311,6 +314,15 @@ class _SamplingFields(RequestModel):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must be unset or equal n)",
                                       param="best_of")
+        if (self.kv_transfer_params is not None and self.n != 1
+                and self.kv_transfer_params.get("do_remote_decode")):
+            raise InvalidRequestError("kv_transfer_params.do_remote_decode needs n = 1 (the "
+                                      "decode request asks for n)", param="kv_transfer_params")
+        if (self.kv_transfer_params is not None and self.stream
+                and self.kv_transfer_params.get("do_remote_decode")):
+            raise InvalidRequestError("kv_transfer_params.do_remote_decode needs stream false "
+                                      "(the response carries the decode's params)",
+                                      param="kv_transfer_params")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true",
                                       param="stream_options")
@@ -342,6 +354,9 @@ class _SamplingFields(RequestModel):
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             disable_speculative_decoding=self.disable_speculative_decoding,
             extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None)
+        if self.kv_transfer_params is not None:
+            kw["extra_args"] = {**(kw["extra_args"] or {}),
+                                "kv_transfer_params": dict(self.kv_transfer_params)}
         # None means the model's default (its generation config), else SamplingParams' own.
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -480,6 +495,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill's, for its remote decode
 
 
 class CompletionStreamResponse(OpenAIBaseModel):

@@ -311,6 +311,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill's, for its remote decode
 
 
 class DeltaMessage(OpenAIBaseModel):

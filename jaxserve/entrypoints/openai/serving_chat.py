@@ -15,7 +15,8 @@ from jaxserve.entrypoints.openai.tool_call_stream import ToolCallStreamer
 from jaxserve.entrypoints.openai.tool_parsers import parse_required, partial_required_calls
 from jaxserve.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from jaxserve.entrypoints.openai.responses import ClientGone, JSONModel
-from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, header_id
+from jaxserve.entrypoints.openai.serving_engine import (OpenAIServing, header_id,
+                                                       raise_if_failed)
 from jaxserve.entrypoints.openai.streaming import FanIn, SSEResponse, collect, shown_text, sse
 
 
@@ -130,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
             out = (await collect(fanin, request))[0]
         except ClientGone:
             return Response(status_code=499)
+        raise_if_failed([out])
         choices = []
         for c in out.outputs:
             logprobs = None
@@ -151,7 +153,8 @@ class OpenAIServingChat(OpenAIServing):
                                 cached_tokens=out.num_cached_tokens))
         return JSONModel(PC.ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                               usage=usage,
-                                              prompt_logprobs=prompt_logprobs(self.tokens, out)))
+                                              prompt_logprobs=prompt_logprobs(self.tokens, out),
+                                              kv_transfer_params=out.kv_transfer_params))
 
     def _parses_special_markers(self, req: PC.ChatCompletionRequest) -> bool:
         """A parser that finds its markers among special tokens (Gemma 4's tool calls and

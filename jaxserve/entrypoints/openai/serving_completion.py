@@ -14,7 +14,8 @@ from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.tokenizer import stop_buffer_length
 from jaxserve.entrypoints.openai.logprobs import legacy_logprobs, prompt_logprobs
 from jaxserve.entrypoints.openai.responses import ClientGone, JSONModel
-from jaxserve.entrypoints.openai.serving_engine import OpenAIServing, header_id
+from jaxserve.entrypoints.openai.serving_engine import (OpenAIServing, header_id,
+                                                       raise_if_failed)
 from jaxserve.entrypoints.openai.streaming import FanIn, SSEResponse, collect, shown_text, sse
 
 
@@ -51,6 +52,9 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_prompts = prompts
         if isinstance(req.prompt, P.MultiModalPrompt):
             engine_prompts = [await self._with_images(prompts[0], req.prompt.image_urls())]
+        if req.kv_transfer_params is not None and len(engine_prompts) != 1:
+            raise InvalidRequestError("kv_transfer_params takes one prompt per request",
+                                      param="kv_transfer_params")
         fanin = self._fanin(engine_prompts, sp, request_id, req.priority,
                             self._lora_of(model))
         await fanin.prime()
@@ -60,6 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             finals = await collect(fanin, request)
         except ClientGone:
             return Response(status_code=499)
+        raise_if_failed(finals)
         choices = []
         usage = P.UsageInfo()
         for i, ids in enumerate(prompts):
@@ -77,7 +82,8 @@ class OpenAIServingCompletion(OpenAIServing):
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
         return JSONModel(P.CompletionResponse(id=request_id, model=model, choices=choices,
-                                          usage=usage))
+                                              usage=usage,
+                                              kv_transfer_params=finals[0].kv_transfer_params))
 
     def _embeds_prompts(self, req: P.CompletionRequest) -> list[dict]:
         """``prompt_embeds`` decoded: one ``{"prompt_embeds": [n, hidden]}`` prompt each (the

@@ -300,6 +300,16 @@ def is_json_media_type(value: str) -> bool:
                                             and media.endswith("+json"))
 
 
+def raise_if_failed(outputs) -> None:
+    """A sequence the engine ended with an error (``finish_reason`` "error": its prompt's KV
+    never arrived from the prefill instance) fails the request: a 500 carrying the reason."""
+    for out in outputs:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                raise InvalidRequestError(str(c.stop_reason), param="kv_transfer_params",
+                                          status_code=500, type="InternalServerError")
+
+
 def header_id(request: Request) -> str | None:
     return client_request_id(request.scope)
 

@@ -1,0 +1,291 @@
+"""The prefill/decode KV connector of one engine (``--kv-transfer-config``): the scheduler's
+bookkeeping (core.kv_transfer) joined to the bytes that move between instances.
+
+Control goes over ZMQ: a producer binds a ROUTER at ``kv_ip:kv_port``; a consumer's pull is one
+request ``{request_id, block_ids, num_pages}`` and one reply. The pages travel either through
+``jax.experimental.transfer`` (the reply names a uuid the consumer pulls device to device) or,
+where the transfer server cannot serve the pool (sharded, pipelined) or ``transport`` says
+``zmq``, inside the reply as raw host bytes. Either way:
+
+- producer: the server thread finds the held prefill, gathers its pages (device arrays made
+  under the pool lock, so steps go on), offers or sends them, and reports the pull; the engine
+  thread then frees the pages. Held pages nobody pulls are freed after
+  ``abort_request_timeout``.
+- consumer: a worker thread per pull waits for the reply (and the transfer) with the load
+  timeout; the engine thread writes the arrays into the request's fresh pages before the next
+  schedule and requeues it. A pull that fails, or is still missing at its deadline (a dead
+  producer, a lost reply), ends the request with an error naming the producer; its pages are
+  freed.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import numpy as np
+import zmq
+
+from jaxserve.core.kv_transfer import KVTransferConfig, KVTransferState
+from jaxserve.errors import InvalidRequestError
+from jaxserve.worker import kv_transfer as pages_io
+
+logger = logging.getLogger(__name__)
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC = msgspec.msgpack.Decoder()
+IDLE_SLEEP_S = 0.002  # the loop's pause while only pulls are in flight
+
+
+def prompt_digest(ids) -> int:
+    """A check that the decode's prompt is the one prefilled (crc32 of the ids)."""
+    return zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes())
+
+
+def _advertised_host(config: KVTransferConfig) -> str:
+    host = config.extra("advertise_host") or config.kv_ip
+    if host in ("0.0.0.0", "", "*", "::"):
+        host = socket.gethostbyname(socket.gethostname())
+    return host
+
+
+class KVConnector:
+    """One engine's connector: the server (producer), the pulls (consumer) and the step hook
+    that applies their results on the engine thread."""
+
+    def __init__(self, config: KVTransferConfig, engine):
+        self.config = config
+        self.engine = engine
+        runner, scheduler = engine.runner, engine.scheduler
+        check_supported(engine)
+        self.layout = pages_io.page_layout(runner)
+        want = config.extra("transport")
+        jax_ok = pages_io.jax_transfer_supported(runner)
+        if want == "jax" and not jax_ok:
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.transport 'jax': "
+                             "jax.experimental.transfer cannot serve this pool here (sharded "
+                             "or pipelined); use 'zmq' or 'auto'")
+        self.transport = "jax" if want in ("jax", "auto") and jax_ok else "zmq"
+        self.transfer = pages_io.TransferServer(config.kv_ip) if self.transport == "jax" \
+            else None
+        self.host = _advertised_host(config)
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the held prefills, between server and engine threads
+        self._pulled: queue.SimpleQueue = queue.SimpleQueue()  # producer: pulled request ids
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # consumer: (rid, arrays | error)
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kv-pull") \
+            if config.is_consumer else None
+        address = None
+        self._server_thread = None
+        if config.is_producer:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            bind = "*" if config.kv_ip in ("0.0.0.0", "") else config.kv_ip
+            try:
+                if config.kv_port == 0:
+                    port = self._router.bind_to_random_port(f"tcp://{bind}")
+                else:
+                    self._router.bind(f"tcp://{bind}:{config.kv_port}")
+                    port = config.kv_port
+            except zmq.ZMQError as e:
+                raise ValueError(f"kv_transfer_config.kv_port {config.kv_port}: cannot listen "
+                                 f"on {config.kv_ip} ({e})") from None
+            address = (self.host, port)
+            self._server_thread = threading.Thread(target=self._serve, name="kv-server",
+                                                   daemon=True)
+        self.state = KVTransferState(config, scheduler.block_size, address)
+        scheduler.kv_transfer = self.state
+        if self._server_thread is not None:
+            self._server_thread.start()
+        logger.info("KV transfer: %s as %s, transport %s%s", config.kv_connector,
+                    config.kv_role, self.transport,
+                    f", pulls served on {address[0]}:{address[1]}" if address else "")
+
+    # -- the engine thread ----------------------------------------------------------------
+    def before_schedule(self) -> list:
+        """Free pulled and expired prefills; write arrived pulls into their pages and requeue
+        their requests; fail the late ones. Returns the outputs of requests that ended."""
+        st, sched = self.state, self.engine.scheduler
+        bm = sched.block_manager
+        while True:
+            try:
+                rid = self._pulled.get_nowait()
+            except queue.Empty:
+                break
+            req = st.release(rid, pulled=True)
+            if req is not None:
+                bm.free(req)
+        with self._lock:
+            expired = st.expired_holds()
+            reqs = [st.release(rid, pulled=False) for rid in expired]
+        for rid, req in zip(expired, reqs):
+            logger.warning("KV transfer: prefill %s was not pulled within %ss; its pages are "
+                           "freed", rid, self.config.extra("abort_request_timeout"))
+            bm.free(req)
+        outputs = []
+        while True:
+            try:
+                rid, result = self._done.get_nowait()
+            except queue.Empty:
+                break
+            load = st.loading.get(rid)
+            if load is None:
+                continue  # aborted, or failed at its deadline meanwhile
+            if isinstance(result, str):
+                out = sched.remote_kv_failed(rid, result)
+            else:
+                pages_io.write_pulled(self.engine.runner, load.pages, result)
+                sched.remote_kv_loaded(rid)
+                out = None
+            if out is not None:
+                outputs.append(out)
+        for load in st.expired_loads():
+            r = load.remote
+            out = sched.remote_kv_failed(
+                load.request.request_id,
+                f"kv_transfer_params: the prompt's KV cache did not arrive from "
+                f"{r.host}:{r.port} (request {r.request_id}) within "
+                f"{self.config.extra('kv_load_timeout')} s")
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def after_schedule(self, scheduled_any: bool) -> None:
+        """Start the pulls the scheduler asked for (fresh pages taken this step)."""
+        for load in self.state.loads_to_start():
+            r = load.remote
+            n_pages = len(load.pages[0])
+            if n_pages > len(r.block_ids):
+                self._done.put((load.request.request_id,
+                                f"kv_transfer_params: remote_block_ids has {len(r.block_ids)}"
+                                f" pages, the prompt needs {n_pages}"))
+                continue
+            self._pool.submit(self._pull, load.request.request_id, r, n_pages,
+                              load.num_tokens, prompt_digest(load.request.prompt_token_ids),
+                              load.deadline)
+        if not scheduled_any and self.state.loading and not self.engine.scheduler.running:
+            time.sleep(IDLE_SLEEP_S)  # only pulls in flight: do not spin the loop
+
+    def stats(self) -> dict:
+        return self.state.stats()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server_thread is not None:
+            self._server_thread.join(timeout=2)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- producer: the server thread ------------------------------------------------------
+    def _serve(self) -> None:
+        sock = self._router
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            ident, _, body = sock.recv_multipart()
+            try:
+                frames = self._answer(_DEC.decode(body))
+            except Exception as e:  # noqa: BLE001 - the consumer hears why
+                logger.exception("KV transfer: a pull failed")
+                frames = [_ENC.encode({"error": f"{type(e).__name__}: {e}"})]
+            sock.send_multipart([ident, b"", *frames])
+        sock.close(0)
+
+    def _answer(self, msg: dict) -> list[bytes]:
+        rid = msg.get("request_id")
+        with self._lock:
+            held = self.state.held.get(rid)
+            if held is None:
+                return [_ENC.encode({"error": f"no prefill {rid!r} is held on "
+                                              f"{self.config.engine_id} (never run here, "
+                                              f"already pulled, or expired)"})]
+            if list(msg.get("block_ids", [])) != held.pages[0][:len(msg.get("block_ids", []))]:
+                return [_ENC.encode({"error": f"remote_block_ids do not match prefill {rid!r}"})]
+            held.pulling = True
+        n = int(msg["num_pages"])
+        if msg.get("layout") != [[list(s), d] for s, d in self.layout]:
+            self._pulled.put(rid)
+            return [_ENC.encode({"error": "the KV page layouts differ (same model, "
+                                          "--block-size and --kv-cache-dtype on both sides)"})]
+        if msg.get("prompt_digest") != prompt_digest(held.prompt_token_ids[:held.num_tokens]):
+            self._pulled.put(rid)
+            return [_ENC.encode({"error": "the decode's prompt differs from the prefilled "
+                                          "one"})]
+        arrays = pages_io.gather_pages(self.engine.runner, [p[:n] for p in held.pages])
+        if msg.get("transport") == "jax" and self.transfer is not None:
+            uid = uuid.uuid4().int >> 65
+            self.transfer.offer(uid, arrays)
+            self._pulled.put(rid)
+            return [_ENC.encode({"uuid": uid, "port": self.transfer.port})]
+        host = [np.ascontiguousarray(a) for a in __import__("jax").device_get(arrays)]
+        self._pulled.put(rid)
+        return [_ENC.encode({"num_arrays": len(host)}), *[memoryview(a).cast("B")
+                                                           for a in host]]
+
+    # -- consumer: one worker thread per pull ---------------------------------------------
+    def _pull(self, rid: str, remote, n_pages: int, num_tokens: int, digest: int,
+              deadline: float) -> None:
+        try:
+            self._done.put((rid, self._fetch(remote, n_pages, digest, deadline)))
+        except Exception as e:  # noqa: BLE001 - the request ends with it
+            self._done.put((rid, f"kv_transfer_params: pulling the KV cache from "
+                                 f"{remote.host}:{remote.port} failed: {type(e).__name__}: {e}"))
+
+    def _fetch(self, remote, n_pages: int, digest: int, deadline: float):
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{remote.host}:{remote.port}")
+            layout = [[list(s), d] for s, d in self.layout]
+            sock.send_multipart([b"", _ENC.encode(dict(
+                request_id=remote.request_id, block_ids=list(remote.block_ids[:n_pages]),
+                num_pages=n_pages, layout=layout, prompt_digest=digest,
+                transport=self.transport))])
+            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            if not sock.poll(wait_ms):
+                return (f"kv_transfer_params: no answer from the prefill instance at "
+                        f"{remote.host}:{remote.port} within "
+                        f"{self.config.extra('kv_load_timeout')} s")
+            _, head, *frames = sock.recv_multipart(copy=False)
+            info = _DEC.decode(head.bytes)
+            if "error" in info:
+                return f"kv_transfer_params: the prefill instance refused the pull: " \
+                       f"{info['error']}"
+            if "uuid" in info:
+                return self.transfer.pull(f"{remote.host}:{info['port']}", info["uuid"],
+                                          self.layout, n_pages)
+            if len(frames) != len(self.layout):
+                return "kv_transfer_params: the pull's reply is incomplete"
+            return [np.frombuffer(f.buffer, dtype=_np_dtype(d)).reshape(s[0], n_pages, *s[1:])
+                    for f, (s, d) in zip(frames, self.layout)]
+        finally:
+            sock.close(0)
+
+
+def _np_dtype(name: str):
+    import jax.numpy as jnp
+    return jnp.dtype(name)
+
+
+def check_supported(engine) -> None:
+    """Pages move per pool; a request's pages must be all it needs: full-attention pools
+    only (a sliding window frees pages, a recurrent state is not paged), one host, no draft
+    model (its own pool would stay empty)."""
+    bm = engine.block_manager
+    managers = getattr(bm, "managers", [bm])
+    if bm.state_slots is not None or any(m.sliding_window is not None for m in managers):
+        raise InvalidRequestError("--kv-transfer-config: models with sliding-window or "
+                                  "recurrent-state layers are not supported yet",
+                                  param="kv_transfer_config")
+    if engine.config.parallel.num_hosts > 1 or engine.config.speculative is not None:
+        raise InvalidRequestError("--kv-transfer-config runs on one host without speculative "
+                                  "decoding", param="kv_transfer_config")

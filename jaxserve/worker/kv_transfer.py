@@ -1,0 +1,80 @@
+"""Pages of a runner's pools in and out for disaggregated prefill/decode (the device half of
+engine/kv_connector.py): a prefill's pages gathered into device arrays (one ``(k, v)`` pair
+of ``[Hkv, n, block, D]`` per paged layer, as swap moves them), a decode's pulled arrays
+written into its fresh pages, and ``jax.experimental.transfer``'s server that hands the
+gathered arrays to another process without a host copy."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def page_layout(runner) -> list[tuple[tuple[int, ...], str]]:
+    """(shape without the page axis, dtype) of every array a page transfer moves, in order:
+    both sides must agree (same model, block size and KV dtype)."""
+    out = []
+    with runner._pool_lock:
+        for i, _ in runner._pool_rows():
+            for a in runner.kv_pages[i]:
+                out.append(((a.shape[0], *a.shape[2:]), str(a.dtype)))
+    return out
+
+
+def gather_pages(runner, pages: list[list[int]]) -> list:
+    """The pages (ids per pool) as fresh device arrays, flat: k, v of each paged layer. Only
+    enqueued under the pool lock; reading them does not hold up the next step."""
+    idx = [jax.numpy.asarray(np.asarray(p, dtype=np.int32)) for p in pages]
+    with runner._pool_lock:
+        return [a[:, idx[g]] for i, g in runner._pool_rows() for a in runner.kv_pages[i]]
+
+
+def write_pulled(runner, pages: list[list[int]], arrays: list) -> None:
+    """Write pulled arrays (flat, as ``gather_pages`` made them) into this runner's pages."""
+    saved = [tuple(arrays[2 * k:2 * k + 2]) for k in range(len(arrays) // 2)]
+    runner.swap_in(pages, saved)
+
+
+def jax_transfer_supported(runner) -> bool:
+    """The transfer server moves single-device arrays here; a sharded or pipelined pool goes
+    host-staged (its arrays would need the same layout on both sides)."""
+    try:
+        from jax.experimental import transfer  # noqa: F401
+    except ImportError:
+        return False
+    return runner.mesh is None and runner.stages is None and runner.kv_config is not None
+
+
+class TransferServer:
+    """``jax.experimental.transfer``'s server: offers arrays under a uuid until pulled, and
+    pulls another server's."""
+
+    def __init__(self, bind_host: str):
+        from jax.experimental import transfer
+        self.device = jax.local_devices()[0]
+        host = "0.0.0.0" if bind_host in ("0.0.0.0", "") else bind_host
+        self._server = transfer.start_transfer_server(self.device.client, f"{host}:0",
+                                                      [f"{host}:0"])
+        self._conns: dict[str, object] = {}
+
+    @property
+    def port(self) -> int:
+        return int(self._server.address().rsplit(":", 1)[1])
+
+    def offer(self, uuid: int, arrays: list) -> None:
+        self._server.await_pull(uuid, arrays)
+
+    def pull(self, address: str, uuid: int, layout, num_pages: int) -> list:
+        """The offered arrays on this device (blocks until they arrived)."""
+        conn = self._conns.get(address)
+        if conn is None:
+            conn = self._conns[address] = self._server.connect(address)
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        specs = [jax.ShapeDtypeStruct((shape[0], num_pages, *shape[1:]), jax.numpy.dtype(dtype),
+                                      sharding=sharding) for shape, dtype in layout]
+        arrays = conn.pull(uuid, specs)
+        jax.block_until_ready(arrays)
+        return list(arrays)
