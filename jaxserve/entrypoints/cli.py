@@ -1,4 +1,4 @@
-"""The ``jaxserve`` command: ``serve``, ``generate``, ``bench``, ``convert``.
+"""The ``jaxserve`` command: ``serve``, ``generate``, ``bench``, ``convert``, ``proxy``.
 
 Flag names and defaults are vLLM's. Engine flags are ``jaxserve.args.EngineArgs``'s fields and
 become the ``EngineConfig`` through it; the server's own flags (host, port, API key, chat
@@ -86,7 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--load-format", default="auto",
                       choices=("auto", "safetensors", "gguf", "dummy"),
                       help="format of MODEL (default: %(default)s)")
+    proxy = sub.add_parser("proxy", allow_abbrev=False,
+                           help="route requests over prefill and decode instances",
+                           description="Disaggregated prefill/decode: each request is "
+                                       "prefilled on a --prefill instance, then decoded on a "
+                                       "--decode instance that pulls its KV (instances started "
+                                       "with --kv-transfer-config); round robin over each.")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                       help="prefill instances (kv_role kv_producer or kv_both)")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                       help="decode instances (kv_role kv_consumer or kv_both)")
+    proxy.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    proxy.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     return parser
+
+
+def _proxy(args) -> int:
+    from jaxserve.entrypoints.proxy import run_proxy
+
+    run_proxy(args.prefill, args.decode, args.host, args.port)
+    return 0
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -285,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = {"serve": _serve, "generate": _generate, "bench": _bench,
-               "convert": _convert}[args.command]
+               "convert": _convert, "proxy": _proxy}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:  # bad flags or model path: no traceback

@@ -1,0 +1,183 @@
+"""Disaggregated prefill/decode in one process: two engines with ``kv_transfer_config``, the
+NIXL protocol through ``SamplingParams.extra_args["kv_transfer_params"]``, both transports
+(``jax.experimental.transfer`` and host-staged ZMQ), the held pages' timeout and a pull that
+never arrives (counted pages: nothing leaks)."""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.core.request import Request
+from jaxserve.core.kv_transfer import KVTransferConfig, parse_request_params
+from jaxserve.errors import InvalidRequestError
+from jaxserve.worker import kv_transfer as pages_io
+
+KW = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+          min_token_bucket=8, num_gpu_blocks_override=24, block_size=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def kv_config(transport: str, **extra) -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_port": 0,
+            "kv_connector_extra_config": {"transport": transport, **extra}}
+
+
+def test_config_as_vllm_writes_it_and_errors_name_the_field():
+    c = KVTransferConfig.parse('{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
+    assert c.is_producer and c.is_consumer and c.kv_port == 14579 and c.engine_id
+    assert KVTransferConfig.parse({"kv_connector": "JaxTransferConnector",
+                                   "kv_role": "kv_consumer"}).is_producer is False
+    with pytest.raises(ValueError, match="kv_connector 'LMCacheConnectorV1'"):
+        KVTransferConfig.parse({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        KVTransferConfig.parse({"kv_connector": "NixlConnector", "kv_role": "both"})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['kv_rolee'\]"):
+        KVTransferConfig.parse({"kv_connector": "NixlConnector", "kv_rolee": "kv_both"})
+    with pytest.raises(ValueError, match="kv_connector_extra_config: unknown key"):
+        KVTransferConfig.parse(kv_config("auto", timeout=3))
+    with pytest.raises(ValueError, match="kv_load_timeout must be a positive"):
+        KVTransferConfig.parse(kv_config("auto", kv_load_timeout=0))
+    with pytest.raises(ValueError, match="transport must be one of"):
+        KVTransferConfig.parse(kv_config("nccl"))
+
+
+def test_request_params_are_checked():
+    assert parse_request_params({"do_remote_decode": True}) == (True, None)
+    for bad, match in [([1], "must be an object"), ({"do_remote_decod": True}, "unknown key"),
+                       ({"do_remote_prefill": True}, "needs"),
+                       ({"do_remote_decode": 1}, "booleans")]:
+        with pytest.raises(InvalidRequestError, match=match) as e:
+            parse_request_params(bad)
+        assert e.value.param == "kv_transfer_params"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_factory):
+    d = str(tiny_model_factory("llama"))
+    a = LLM(d, kv_transfer_config=kv_config("auto", abort_request_timeout=30), **KW)
+    b = LLM(d, kv_transfer_config=kv_config("zmq", kv_load_timeout=2.5), **KW)
+    yield a, b
+    for llm in (a, b):
+        llm.llm_engine.kv_connector.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def full_pool(llm) -> bool:
+    bm = llm.llm_engine.block_manager
+    return bm.num_free_pages == bm.num_usable_pages
+
+
+def prefill(llm, ids, **params) -> dict:
+    out = llm.generate([ids], SamplingParams(
+        temperature=0, max_tokens=6, extra_args={"kv_transfer_params": {
+            "do_remote_decode": True}}, **params), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1  # prefill only
+    return out.kv_transfer_params
+
+
+def decode(llm, ids, params):
+    return llm.generate([ids], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True,
+        extra_args={"kv_transfer_params": params}), use_tqdm=False)[0]
+
+
+def test_both_transports_match_colocated_and_free_the_held_pages(engines):
+    a, b = engines
+    assert a.llm_engine.kv_connector.transport == "jax"
+    assert b.llm_engine.kv_connector.transport == "zmq"
+    for i, (src, dst) in enumerate([(a, a), (a, b), (b, a), (b, b)]):
+        ids = prompt(i, 20 + 13 * i)  # partial last pages, 2-5 pages
+        want = a.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        params = prefill(src, ids)
+        assert params["do_remote_prefill"] and params["remote_num_tokens"] == len(ids)
+        assert len(params["remote_block_ids"]) == -(-len(ids) // 16)
+        held = src.llm_engine.kv_connector.state.held[params["remote_request_id"]]
+        # what the decode pulls: every page but the last token's, bit for bit
+        n_pages = -(-(len(ids) - 1) // 16)
+        src_pages = [np.asarray(x) for x in pages_io.gather_pages(
+            src.llm_engine.runner, [p[:n_pages] for p in held.pages])]
+        got = decode(dst, ids, params)
+        assert got.outputs[0].token_ids == want
+        assert got.num_cached_tokens == len(ids) - 1  # computed remotely, not here
+        conn = dst.llm_engine.kv_connector
+        assert conn.state.num_loaded_total >= 1
+        if dst is not src:  # the pulled full pages, found in the decode's prefix cache
+            hits, n_hit = dst.llm_engine.block_manager.get_computed_blocks(
+                Request("probe", ids, SamplingParams()))
+            assert n_hit == (len(ids) - 1) // 16 * 16 and hits
+            dst_pages = [np.asarray(x) for x in pages_io.gather_pages(dst.llm_engine.runner,
+                                                                      [hits])]
+            for x, y in zip(src_pages, dst_pages):
+                np.testing.assert_array_equal(x[:, :len(hits)], y)
+        src.llm_engine.core_step()  # the pull is reported: the held pages go back
+        assert not src.llm_engine.kv_connector.state.held and full_pool(src) and full_pool(dst)
+
+
+def test_unpulled_prefill_is_freed_after_its_timeout(engines):
+    _, b = engines
+    params = prefill(b, prompt(10, 40))
+    st = b.llm_engine.kv_connector.state
+    assert st.num_held_pages == 3 and not full_pool(b)
+    b.llm_engine.core_step()
+    assert st.num_held_pages == 3  # not yet
+    clock = st.clock
+    st.clock = lambda: clock() + 481  # past vLLM's default abort_request_timeout (480 s)
+    try:
+        b.llm_engine.core_step()
+    finally:
+        st.clock = clock
+    assert st.num_held_pages == 0 and full_pool(b) and st.num_expired_total >= 1
+    out = decode(b, prompt(10, 40), params)  # too late: a clear error, nothing leaks
+    assert out.outputs[0].finish_reason == "error"
+    assert "refused the pull" in out.outputs[0].stop_reason
+    assert "already pulled, or expired" in out.outputs[0].stop_reason
+    assert full_pool(b)
+
+
+def test_pull_that_never_arrives_fails_after_the_timeout_and_frees_pages(engines):
+    _, b = engines  # kv_load_timeout 2.5 s
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # a producer that never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        ids = prompt(11, 50)
+        params = dict(do_remote_prefill=True, remote_block_ids=[1, 2, 3, 4],
+                      remote_engine_id="gone", remote_host="127.0.0.1", remote_port=port,
+                      remote_request_id="x", remote_num_tokens=len(ids))
+        t, wall = time.perf_counter(), time.time()
+        out, beside = b.generate([ids, prompt(12, 10)], [SamplingParams(
+            temperature=0, max_tokens=6, extra_args={"kv_transfer_params": params}), GREEDY],
+            use_tqdm=False)
+        took = time.perf_counter() - t
+    finally:
+        silent.close(0)
+    # the waiting decode holds nobody up: the other request ran meanwhile
+    assert beside.outputs[0].finish_reason == "length"
+    assert beside.metrics.finished_time - wall < 1.0
+    assert out.outputs[0].finish_reason == "error"
+    assert f"127.0.0.1:{port}" in out.outputs[0].stop_reason
+    assert "within 2.5 s" in out.outputs[0].stop_reason
+    assert 2.5 <= took < 15
+    assert full_pool(b) and not b.llm_engine.kv_connector.state.loading
+
+
+def test_role_and_protocol_errors(engines, tiny_model_factory):
+    a, _ = engines
+    ids = prompt(13, 20)
+    with pytest.raises(InvalidRequestError, match="remote_num_tokens 99 differs") as e:
+        decode(a, ids, dict(do_remote_prefill=True, remote_block_ids=[1], remote_engine_id="e",
+                            remote_host="h", remote_port=1, remote_request_id="r",
+                            remote_num_tokens=99))
+    assert e.value.param == "kv_transfer_params"
+    with pytest.raises(InvalidRequestError, match="needs n = 1"):
+        prefill(a, ids, n=2)
+    assert full_pool(a)
