@@ -64,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             finals = await collect(fanin, request)
         except ClientGone:
             return Response(status_code=499)
-        raise_if_failed(finals)
+        raise_if_failed([finals[i] for i in range(len(prompts))])
         choices = []
         usage = P.UsageInfo()
         for i, ids in enumerate(prompts):
