@@ -528,3 +528,27 @@ def _stage(ins, name: str) -> dict[str, list[str]]:
         elif current == name:
             out.setdefault(op, []).append(arg)
     return out
+
+
+def test_prefill_decode_manifests_are_valid_and_their_flags_parse():
+    """deploy/kubernetes/disaggregated: prefill and decode pods with vLLM-style
+    --kv-transfer-config (the pod IP expanded by Kubernetes), and the proxy's command."""
+    pytest.importorskip("kubernetes")
+    from jaxserve.entrypoints.cli import engine_config_from_args, parse_args
+
+    docs = load_yaml_docs(K8S / "disaggregated" / "prefill-decode.yaml")
+    for d in docs:
+        validate_k8s(d, k8s_type(d))
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    roles = {}
+    for name in ("jaxserve-prefill", "jaxserve-decode"):
+        (c,) = deps[name]["spec"]["template"]["spec"]["containers"]
+        args = [a.replace("$(POD_IP)", "10.0.0.7") for a in c["args"]]
+        kt = engine_config_from_args(serve_args(args)).kv_transfer
+        roles[name] = kt.kv_role
+    assert roles == {"jaxserve-prefill": "kv_producer", "jaxserve-decode": "kv_consumer"}
+    (proxy,) = deps["jaxserve-pd-proxy"]["spec"]["template"]["spec"]["containers"]
+    assert proxy["command"][:2] == ["jaxserve", "proxy"]
+    args = parse_args(proxy["command"][1:])
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert {u.split("//")[1].split(":")[0] for u in args.prefill + args.decode} <= services

@@ -26,7 +26,7 @@ from tests.server_process import ServerThread, free_port, stop, wait_healthy
 # the tiny Llama's attention projections (hidden 64, 4 heads, 2 KV heads of 16), 2 layers
 SHAPES = {f"model.layers.{i}.self_attn.{p}": (64, 64 if p == "q_proj" else 32)
           for i in range(2) for p in ("q_proj", "v_proj")}
-LOAD_TIMEOUT_S = 3
+LOAD_TIMEOUT_S = 5
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs "
          "about rivers mountains and distant cities").split()
 
@@ -80,12 +80,26 @@ def pair(tiny_model_factory, tmp_path_factory):
         for port in ports:
             wait_healthy(port, procs, logs, timeout=300)
         urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for url in urls:  # buckets compile after /health: a pull then waits for the pool
+            _wait_warm(url)
         with ServerThread(DisaggProxy(urls[:1], urls[1:]).app()) as proxy:
             yield dict(prefill=urls[0], decode=urls[1], proxy=proxy.url, procs=procs,
                        logs=logs)
     finally:
         for p in procs:
             stop(p, timeout=30)
+
+
+def _wait_warm(url: str, timeout: float = 300) -> None:
+    """Until a completion that fills the largest token bucket is fast twice in a row."""
+    deadline, fast = time.time() + timeout, 0
+    while fast < 2:
+        assert time.time() < deadline, f"{url} did not warm up"
+        t = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", timeout=120, json=dict(
+            model="tiny", prompt=_text(60, random.Random(1)), max_tokens=2, n=2))
+        assert r.status_code == 200, r.text
+        fast = fast + 1 if time.perf_counter() - t < 1.0 else 0
 
 
 def _text(n: int, rng: random.Random) -> str:
@@ -144,6 +158,7 @@ def _answer(url: str, route: str, body: dict) -> list[tuple]:
     return sorted((i, "".join(p), finish.get(i)) for i, p in parts.items())
 
 
+@pytest.mark.slow
 def test_mixed_requests_through_the_pair_equal_one_colocated_instance(pair):
     reqs = mixed_requests()
     with ThreadPoolExecutor(8) as pool:
@@ -159,6 +174,7 @@ def test_mixed_requests_through_the_pair_equal_one_colocated_instance(pair):
     assert lora[0] != base  # the adapter changed the answer: it ran on both sides
 
 
+@pytest.mark.slow
 def test_decode_pulls_the_prompt_kv(pair):
     """The prefill answers with vLLM's params; the decode computes only the last prompt
     token (cached_tokens counts the pulled ones)."""
@@ -186,6 +202,7 @@ def _kv_usage(url: str) -> float:
     raise AssertionError("no kv_cache_usage_perc metric")
 
 
+@pytest.mark.slow
 def test_producer_killed_before_the_pull_fails_the_decode_within_its_timeout(pair):
     """Last in this module: it kills the prefill instance."""
     prompt = _text(50, random.Random(7))
