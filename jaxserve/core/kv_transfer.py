@@ -110,8 +110,6 @@ class KVTransferConfig:
             raise ValueError(f"{name}.kv_connector_extra_config.transport must be one of "
                              f"{list(TRANSPORTS)}, got {extra['transport']!r}")
         object.__setattr__(self, "kv_connector_extra_config", extra)
-        if self.engine_id is None:
-            object.__setattr__(self, "engine_id", uuid.uuid4().hex)
 
     @property
     def is_producer(self) -> bool:
@@ -224,6 +222,8 @@ class KVTransferState:
     def __init__(self, config: KVTransferConfig, block_size: int,
                  address: tuple[str, int] | None = None, clock=time.monotonic):
         self.config = config
+        # named in the params a prefill hands out (a random one per engine unless configured)
+        self.engine_id = config.engine_id or uuid.uuid4().hex
         self.block_size = block_size
         self.address = address  # (host, port) decode instances pull from
         self.clock = clock
@@ -239,8 +239,8 @@ class KVTransferState:
     def on_add(self, req) -> None:
         """Check a new request's ``kv_transfer_params`` against the role; a prefill runs one
         token; a decode is marked to pull (an n > 1 sibling shares its first child's pull)."""
-        params = (req.sampling_params.extra_args or {}).get("kv_transfer_params") \
-            if req.sampling_params is not None else None
+        params = (getattr(req.sampling_params, "extra_args", None) or {}).get(
+            "kv_transfer_params")
         req.remote_prefill = None
         if params is None:
             return
@@ -303,7 +303,7 @@ class KVTransferState:
         host, port = self.address
         req.kv_transfer_params = dict(
             do_remote_decode=False, do_remote_prefill=True, remote_block_ids=list(pages[0]),
-            remote_engine_id=self.config.engine_id, remote_host=host, remote_port=port,
+            remote_engine_id=self.engine_id, remote_host=host, remote_port=port,
             remote_request_id=req.request_id, remote_num_tokens=req.num_prompt_tokens,
             tp_size=1)
         return True

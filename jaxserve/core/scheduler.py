@@ -194,8 +194,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         if self.kv_transfer is not None:
             self.kv_transfer.on_add(request)
-        elif (request.sampling_params is not None and request.sampling_params.extra_args
-              and request.sampling_params.extra_args.get("kv_transfer_params") is not None):
+        elif (getattr(request.sampling_params, "extra_args", None) or {}).get(
+                "kv_transfer_params") is not None:
             raise InvalidRequestError(
                 "kv_transfer_params needs a server started with --kv-transfer-config",
                 param="kv_transfer_params")

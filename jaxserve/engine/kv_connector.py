@@ -202,11 +202,14 @@ class KVConnector:
 
     def _answer(self, msg: dict) -> list[bytes]:
         rid = msg.get("request_id")
+        if msg.get("engine_id") != self.state.engine_id:
+            return [_ENC.encode({"error": f"remote_engine_id {msg.get('engine_id')!r} is not "
+                                          f"this instance ({self.state.engine_id})"})]
         with self._lock:
             held = self.state.held.get(rid)
             if held is None:
                 return [_ENC.encode({"error": f"no prefill {rid!r} is held on "
-                                              f"{self.config.engine_id} (never run here, "
+                                              f"{self.state.engine_id} (never run here, "
                                               f"already pulled, or expired)"})]
             if list(msg.get("block_ids", [])) != held.pages[0][:len(msg.get("block_ids", []))]:
                 return [_ENC.encode({"error": f"remote_block_ids do not match prefill {rid!r}"})]
@@ -247,7 +250,8 @@ class KVConnector:
             sock.connect(f"tcp://{remote.host}:{remote.port}")
             layout = [[list(s), d] for s, d in self.layout]
             sock.send_multipart([b"", _ENC.encode(dict(
-                request_id=remote.request_id, block_ids=list(remote.block_ids[:n_pages]),
+                request_id=remote.request_id, engine_id=remote.engine_id,
+                block_ids=list(remote.block_ids[:n_pages]),
                 num_pages=n_pages, layout=layout, prompt_digest=digest,
                 transport=self.transport))])
             wait_ms = max(1, int((deadline - time.monotonic()) * 1000))

@@ -29,7 +29,7 @@ def kv_config(transport: str, **extra) -> dict:
 
 def test_config_as_vllm_writes_it_and_errors_name_the_field():
     c = KVTransferConfig.parse('{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
-    assert c.is_producer and c.is_consumer and c.kv_port == 14579 and c.engine_id
+    assert c.is_producer and c.is_consumer and c.kv_port == 14579
     assert KVTransferConfig.parse({"kv_connector": "JaxTransferConnector",
                                    "kv_role": "kv_consumer"}).is_producer is False
     with pytest.raises(ValueError, match="kv_connector 'LMCacheConnectorV1'"):
