@@ -26,7 +26,6 @@ import threading
 import time
 import uuid
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -80,8 +79,6 @@ class KVConnector:
         self._lock = threading.Lock()  # the held prefills, between server and engine threads
         self._pulled: queue.SimpleQueue = queue.SimpleQueue()  # producer: pulled request ids
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # consumer: (rid, arrays | error)
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kv-pull") \
-            if config.is_consumer else None
         address = None
         self._server_thread = None
         if config.is_producer:
@@ -167,9 +164,11 @@ class KVConnector:
                                 f"kv_transfer_params: remote_block_ids has {len(r.block_ids)}"
                                 f" pages, the prompt needs {n_pages}"))
                 continue
-            self._pool.submit(self._pull, load.request.request_id, r, n_pages,
-                              load.num_tokens, prompt_digest(load.request.prompt_token_ids),
-                              load.deadline)
+            # a thread each: one stuck on a dead producer holds up no other pull (its
+            # request fails at the deadline regardless)
+            threading.Thread(target=self._pull, name="kv-pull", daemon=True, args=(
+                load.request.request_id, r, n_pages,
+                prompt_digest(load.request.prompt_token_ids), load.deadline)).start()
         if not scheduled_any and self.state.loading and not self.engine.scheduler.running:
             time.sleep(IDLE_SLEEP_S)  # only pulls in flight: do not spin the loop
 
@@ -180,8 +179,6 @@ class KVConnector:
         self._stop.set()
         if self._server_thread is not None:
             self._server_thread.join(timeout=2)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- producer: the server thread ------------------------------------------------------
     def _serve(self) -> None:
@@ -229,14 +226,12 @@ class KVConnector:
             self.transfer.offer(uid, arrays)
             self._pulled.put(rid)
             return [_ENC.encode({"uuid": uid, "port": self.transfer.port})]
-        host = [np.ascontiguousarray(a) for a in __import__("jax").device_get(arrays)]
+        host = [np.ascontiguousarray(a).view(np.uint8) for a in pages_io.to_host(arrays)]
         self._pulled.put(rid)
-        return [_ENC.encode({"num_arrays": len(host)}), *[memoryview(a).cast("B")
-                                                           for a in host]]
+        return [_ENC.encode({"num_arrays": len(host)}), *host]
 
     # -- consumer: one worker thread per pull ---------------------------------------------
-    def _pull(self, rid: str, remote, n_pages: int, num_tokens: int, digest: int,
-              deadline: float) -> None:
+    def _pull(self, rid: str, remote, n_pages: int, digest: int, deadline: float) -> None:
         try:
             self._done.put((rid, self._fetch(remote, n_pages, digest, deadline)))
         except Exception as e:  # noqa: BLE001 - the request ends with it
@@ -264,12 +259,13 @@ class KVConnector:
             if "error" in info:
                 return f"kv_transfer_params: the prefill instance refused the pull: " \
                        f"{info['error']}"
+            n = pages_io.page_bucket(n_pages)  # the producer pads its gather so
             if "uuid" in info:
                 return self.transfer.pull(f"{remote.host}:{info['port']}", info["uuid"],
-                                          self.layout, n_pages)
+                                          self.layout, n)
             if len(frames) != len(self.layout):
                 return "kv_transfer_params: the pull's reply is incomplete"
-            return [np.frombuffer(f.buffer, dtype=_np_dtype(d)).reshape(s[0], n_pages, *s[1:])
+            return [np.frombuffer(f.buffer, dtype=_np_dtype(d)).reshape(s[0], n, *s[1:])
                     for f, (s, d) in zip(frames, self.layout)]
         finally:
             sock.close(0)

@@ -24,18 +24,41 @@ def page_layout(runner) -> list[tuple[tuple[int, ...], str]]:
     return out
 
 
+def page_bucket(n: int) -> int:
+    """Pages a transfer moves for ``n``: 1, 2, 3, 4, 6, 8, 12, 16, ... (two sizes an octave),
+    so the gathers and scatters compile for a few shapes, padded by at most half."""
+    b = 1
+    while b < n:
+        half = b + b // 2
+        b = half if half >= n and half > b else 2 * b
+    return b
+
+
+def padded(ids: list[int], n: int) -> np.ndarray:
+    """Page ids padded to ``n`` with the trash page (0): pads gather and take its garbage."""
+    return np.asarray(list(ids) + [0] * (n - len(ids)), dtype=np.int32)
+
+
 def gather_pages(runner, pages: list[list[int]]) -> list:
-    """The pages (ids per pool) as fresh device arrays, flat: k, v of each paged layer. Only
-    enqueued under the pool lock; reading them does not hold up the next step."""
-    idx = [jax.numpy.asarray(np.asarray(p, dtype=np.int32)) for p in pages]
+    """The pages (ids per pool, padded to ``page_bucket``) as fresh device arrays, flat: k, v
+    of each paged layer. Only enqueued under the pool lock; reading them does not hold up the
+    next step."""
+    n = page_bucket(max(len(p) for p in pages))
+    idx = [jax.numpy.asarray(padded(p, n)) for p in pages]
     with runner._pool_lock:
         return [a[:, idx[g]] for i, g in runner._pool_rows() for a in runner.kv_pages[i]]
 
 
+def to_host(arrays: list) -> list[np.ndarray]:
+    return [np.asarray(a) for a in jax.device_get(arrays)]
+
+
 def write_pulled(runner, pages: list[list[int]], arrays: list) -> None:
-    """Write pulled arrays (flat, as ``gather_pages`` made them) into this runner's pages."""
+    """Write pulled arrays (flat, as ``gather_pages`` made them: padded) into this runner's
+    pages; the pads go to the trash page."""
+    n = page_bucket(max(len(p) for p in pages))
     saved = [tuple(arrays[2 * k:2 * k + 2]) for k in range(len(arrays) // 2)]
-    runner.swap_in(pages, saved)
+    runner.swap_in([padded(p, n).tolist() for p in pages], saved)
 
 
 def jax_transfer_supported(runner) -> bool:
