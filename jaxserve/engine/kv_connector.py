@@ -286,6 +286,8 @@ def check_supported(engine) -> None:
         raise InvalidRequestError("--kv-transfer-config: models with sliding-window or "
                                   "recurrent-state layers are not supported yet",
                                   param="kv_transfer_config")
-    if engine.config.parallel.num_hosts > 1 or engine.config.speculative is not None:
-        raise InvalidRequestError("--kv-transfer-config runs on one host without speculative "
-                                  "decoding", param="kv_transfer_config")
+    par = engine.config.parallel
+    if par.num_hosts > 1 or par.pipeline_parallel_size > 1 or engine.config.speculative:
+        raise InvalidRequestError("--kv-transfer-config runs on one host, without pipeline "
+                                  "parallelism or speculative decoding",
+                                  param="kv_transfer_config")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -195,6 +196,19 @@ def test_decode_pulls_the_prompt_kv(pair):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_transfer_params"
 
 
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _kv_usage(url: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(("jaxserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc")):
@@ -210,7 +224,10 @@ def test_producer_killed_before_the_pull_fails_the_decode_within_its_timeout(pai
         model="tiny", prompt=prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
     params = pre.json()["kv_transfer_params"]
     proc = pair["procs"][0]
-    proc.kill()  # SIGKILL: no goodbye; its engine core exits with it
+    core = _children(proc.pid)
+    assert core, "the prefill instance's engine core process was not found"
+    for pid in [proc.pid, *core]:  # SIGKILL: the API process and its engine core at once
+        os.kill(pid, signal.SIGKILL)
     proc.wait(30)
     t = time.perf_counter()
     dec = httpx.post(pair["decode"] + "/v1/completions", timeout=60, json=dict(
