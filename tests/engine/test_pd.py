@@ -181,3 +181,97 @@ def test_role_and_protocol_errors(engines, tiny_model_factory):
     with pytest.raises(InvalidRequestError, match="needs n = 1"):
         prefill(a, ids, n=2)
     assert full_pool(a)
+
+
+# ---- the scheduler's side alone (host only) ------------------------------------------------
+def _scheduler(policy: str = "fail"):
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.core.block_manager import BlockManager
+    from jaxserve.core.kv_transfer import KVTransferState
+    from jaxserve.core.scheduler import Scheduler
+
+    bm = BlockManager(17, 4, enable_prefix_caching=True)  # 16 usable pages of 4 tokens
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                  CacheConfig(block_size=4), bm, 64)
+    cfg = KVTransferConfig.parse({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                  "kv_load_failure_policy": policy})
+    s.kv_transfer = KVTransferState(cfg, 4, ("10.0.0.1", 5555))
+    return s, bm
+
+
+def _remote(n: int) -> dict:
+    return dict(do_remote_prefill=True, remote_block_ids=[1, 2, 3], remote_engine_id="e",
+                remote_host="h", remote_port=1, remote_request_id="p", remote_num_tokens=n)
+
+
+def test_scheduler_parks_a_decode_while_its_kv_is_pulled():
+    from jaxserve.core.request import Request, RequestStatus
+
+    s, bm = _scheduler()
+    d = Request("d", list(range(3, 13)), SamplingParams(
+        max_tokens=4, extra_args={"kv_transfer_params": _remote(10)}))
+    other = Request("o", list(range(20, 26)), SamplingParams(max_tokens=4))
+    s.add_request(d)
+    s.add_request(other)
+    out = s.schedule()
+    # d holds pages for its first 9 tokens and waits beside the queue; o runs meanwhile
+    assert [r.request.request_id for r in out.scheduled] == ["o"]
+    assert d.status == RequestStatus.WAITING_FOR_REMOTE_KVS and len(d.block_ids) == 3
+    (load,) = s.kv_transfer.loads_to_start()
+    assert load.num_tokens == 9 and load.pages == [d.block_ids]
+    assert s.stats()["num_requests_waiting"] == 1
+    s.remote_kv_loaded("d")
+    out = s.schedule()
+    (row,) = [r for r in out.scheduled if r.request.request_id == "d"]
+    assert row.start_pos == 9 and row.num_new_tokens == 1 and d.num_cached_tokens == 9
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_scheduler_failed_pull_frees_pages_or_recomputes(policy):
+    from jaxserve.core.request import Request, RequestStatus
+
+    s, bm = _scheduler(policy)
+    free = bm.num_free_pages
+    d = Request("d", list(range(3, 13)), SamplingParams(
+        max_tokens=4, extra_args={"kv_transfer_params": _remote(10)}))
+    s.add_request(d)
+    s.schedule()
+    assert bm.num_free_pages == free - 3
+    out = s.remote_kv_failed("d", "kv_transfer_params: gone")
+    if policy == "fail":
+        assert out.finish_reason == "error" and out.stop_reason == "kv_transfer_params: gone"
+        assert d.status == RequestStatus.FINISHED_ERROR and bm.num_free_pages == free
+    else:
+        assert out is None and bm.num_free_pages == free
+        (row,) = s.schedule().scheduled
+        assert row.start_pos == 0 and row.num_new_tokens == 10  # the whole prompt, here
+
+
+def test_scheduler_holds_a_finished_prefill_until_released():
+    from jaxserve.core.request import Request, RequestStatus
+
+    s, bm = _scheduler()
+    free = bm.num_free_pages
+    p = Request("p", list(range(3, 13)), SamplingParams(
+        max_tokens=16, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
+    s.add_request(p)
+    assert p.max_tokens == 1  # prefill only
+    s.schedule()
+    p.num_computed_tokens = 10
+    p.append_output_token(7)
+    assert s.check_stop(p, 7)
+    out = p.take_output()
+    assert out.kv_transfer_params["remote_block_ids"] == p.block_ids[:3]
+    assert out.kv_transfer_params["remote_host"] == "10.0.0.1"
+    assert bm.num_free_pages == free - 3 and s.kv_transfer.num_held_pages == 3
+    assert s.kv_transfer.release("p", pulled=True) is p
+    bm.free(p)
+    assert bm.num_free_pages == free
+    # an aborted prefill holds nothing
+    q = Request("q", list(range(3, 13)), SamplingParams(
+        max_tokens=16, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
+    s.add_request(q)
+    s.schedule()
+    s.abort_request("q")
+    assert q.status == RequestStatus.FINISHED_ABORTED and not s.kv_transfer.held
+    assert bm.num_free_pages == free
