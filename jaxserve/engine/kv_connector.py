@@ -211,23 +211,28 @@ class KVConnector:
             if list(msg.get("block_ids", [])) != held.pages[0][:len(msg.get("block_ids", []))]:
                 return [_ENC.encode({"error": f"remote_block_ids do not match prefill {rid!r}"})]
             held.pulling = True
-        n = int(msg["num_pages"])
-        if msg.get("layout") != [[list(s), d] for s, d in self.layout]:
+        try:  # served or refused, the held prefill is released: one pull per prefill
+            return self._send(msg, held)
+        finally:
             self._pulled.put(rid)
+
+    def _send(self, msg: dict, held) -> list[bytes]:
+        n = int(msg["num_pages"])
+        if not 0 < n <= len(held.pages[0]):
+            return [_ENC.encode({"error": f"num_pages {n}: the prefill holds "
+                                          f"{len(held.pages[0])} pages"})]
+        if msg.get("layout") != [[list(s), d] for s, d in self.layout]:
             return [_ENC.encode({"error": "the KV page layouts differ (same model, "
                                           "--block-size and --kv-cache-dtype on both sides)"})]
-        if msg.get("prompt_digest") != prompt_digest(held.prompt_token_ids[:held.num_tokens]):
-            self._pulled.put(rid)
+        if msg.get("prompt_digest") != prompt_digest(held.prompt_token_ids):
             return [_ENC.encode({"error": "the decode's prompt differs from the prefilled "
                                           "one"})]
         arrays = pages_io.gather_pages(self.engine.runner, [p[:n] for p in held.pages])
         if msg.get("transport") == "jax" and self.transfer is not None:
             uid = uuid.uuid4().int >> 65
             self.transfer.offer(uid, arrays)
-            self._pulled.put(rid)
             return [_ENC.encode({"uuid": uid, "port": self.transfer.port})]
         host = [np.ascontiguousarray(a).view(np.uint8) for a in pages_io.to_host(arrays)]
-        self._pulled.put(rid)
         return [_ENC.encode({"num_arrays": len(host)}), *host]
 
     # -- consumer: one worker thread per pull ---------------------------------------------

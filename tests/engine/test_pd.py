@@ -170,8 +170,8 @@ def test_pull_that_never_arrives_fails_after_the_timeout_and_frees_pages(engines
     assert full_pool(b) and not b.llm_engine.kv_connector.state.loading
 
 
-def test_role_and_protocol_errors(engines, tiny_model_factory):
-    a, _ = engines
+def test_role_and_protocol_errors(engines):
+    a, b = engines
     ids = prompt(13, 20)
     with pytest.raises(InvalidRequestError, match="remote_num_tokens 99 differs") as e:
         decode(a, ids, dict(do_remote_prefill=True, remote_block_ids=[1], remote_engine_id="e",
@@ -181,6 +181,13 @@ def test_role_and_protocol_errors(engines, tiny_model_factory):
     with pytest.raises(InvalidRequestError, match="needs n = 1"):
         prefill(a, ids, n=2)
     assert full_pool(a)
+    # another prompt of the same length: refused by the producer, which then lets go
+    params = prefill(a, ids)
+    out = decode(b, prompt(14, 20), params)
+    assert out.outputs[0].finish_reason == "error"
+    assert "prompt differs from the prefilled one" in out.outputs[0].stop_reason
+    a.llm_engine.core_step()
+    assert full_pool(a) and full_pool(b)
 
 
 # ---- the scheduler's side alone (host only) ------------------------------------------------
