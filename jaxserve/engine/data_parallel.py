@@ -71,6 +71,7 @@ class DataParallelAsyncLLM:
         self.max_model_len = first.max_model_len
         self.default_sampling = first.default_sampling
         self.served_model_name = first.served_model_name
+        self.takes_images = first.takes_images  # every replica has its own encoder step
         self.chat_template = None
         self._inflight = [0] * len(self.replicas)  # unfinished requests routed to each
         self.requests_per_replica = [0] * len(self.replicas)  # all routed so far
