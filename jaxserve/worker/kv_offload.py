@@ -1,0 +1,139 @@
+"""The host-memory tier's bytes (``--kv-offloading-size``): one numpy buffer per paged layer
+array, indexed by host slot, and the copies between it and the device pools. The index (which
+hash sits in which slot, LRU, hits) is ``jaxserve.core.kv_offload.KVOffload``.
+
+Copies run on the engine's thread before a step is dispatched: stores first (a device gather,
+enqueued ahead of the step that may reuse the page, copied to host asynchronously and written
+into the buffer once ready or when a load needs it), then loads (the host blocks scattered into
+the requests' fresh pages, enqueued ahead of the step that reads them). Page and slot counts are
+padded to powers of two (the trash page, a scratch slot), so copies compile a few shapes only.
+"""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core.kv_offload import KVOffload
+
+logger = logging.getLogger(__name__)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def build_kv_offload(cache_config, runner, block_manager, *, record_events: bool = False,
+                     num_hosts: int = 1):
+    """The host tier's index (given to the scheduler and the pools' managers) and its buffers,
+    or (None, None) when ``--kv-offloading-size`` is unset or there is no prefix cache."""
+    size = cache_config.kv_offloading_size
+    if not size:
+        return None, None
+    if runner.stages is not None:
+        raise ValueError("kv_offloading_size: the host tier does not support pipeline "
+                         "parallelism yet")
+    if num_hosts > 1:
+        raise ValueError("kv_offloading_size: the host tier runs on one host")
+    if not block_manager.enable_prefix_caching:
+        logger.info("no host KV tier: prefix caching is off (a recurrent-state model, or "
+                    "--no-enable-prefix-caching), so nothing is cached to offload")
+        return None, None
+    num_blocks = int(size * (1 << 30)) // runner.page_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_offloading_size {size} GiB holds no block ({runner.page_bytes} "
+                         "bytes each, every pool together)")
+    managers = getattr(block_manager, "managers", [block_manager])
+    tier = KVOffload(num_blocks, len(managers), block_manager.block_size, record_events)
+    for m in managers:
+        m.offload = tier
+    logger.info("host KV tier: %d blocks of %d tokens (%.2f GiB, %d bytes a block)",
+                num_blocks, block_manager.block_size, num_blocks * runner.page_bytes / 2**30,
+                runner.page_bytes)
+    return tier, HostKVCache(runner, num_blocks)
+
+
+class HostKVCache:
+    """Host copies of cached pages, one buffer per array of every paged layer (``[..., slots
+    + 1, ...]`` on the pages axis; the last slot takes padded copies)."""
+
+    def __init__(self, runner, num_blocks: int):
+        self.runner = runner
+        self.num_blocks = num_blocks
+        self.rows = runner._pool_rows()  # (layer, pool row) of each paged layer
+        pages = runner.kv_pages
+        # np.empty: the OS maps the memory as blocks get written
+        self.buffers = [tuple(np.empty(a.shape[:1] + (num_blocks + 1,) + a.shape[2:], a.dtype)
+                              for a in pages[i]) for i, _ in self.rows]
+        # gathered on the device, not written here yet: (slots, arrays per layer)
+        self._pending: list[tuple[np.ndarray, list]] = []
+        self.num_stored = 0  # blocks copied in (for stats and tests)
+        self.num_loaded = 0
+
+    # -- device -> host ------------------------------------------------------------------------
+    def store(self, stores: list[tuple[int, int, int]]) -> None:
+        """Gather (pool, device page, host slot) copies; their bytes arrive asynchronously
+        (the earlier ones that arrived are written first)."""
+        self.flush()
+        if not stores:
+            return
+        by_pool: dict[int, tuple[list[int], list[int]]] = {}
+        for g, page, slot in stores:
+            pg, sl = by_pool.setdefault(g, ([], []))
+            pg.append(page)
+            sl.append(slot)
+        runner = self.runner
+        with runner._pool_lock:
+            kv = runner.kv_pages
+            for g, (pg, sl) in by_pool.items():
+                n = _bucket(len(pg))
+                idx = jnp.asarray(np.asarray(pg + [0] * (n - len(pg)), np.int32))
+                slots = np.asarray(sl + [self.num_blocks] * (n - len(sl)), np.int64)
+                arrays = []
+                for i, row in self.rows:
+                    got = tuple(a[:, idx] for a in kv[i]) if row == g else None
+                    if got is not None:
+                        for a in got:
+                            a.copy_to_host_async()
+                    arrays.append(got)
+                self._pending.append((slots, arrays))
+        self.num_stored += len(stores)
+
+    def flush(self, wait: bool = False) -> None:
+        """Write the gathered blocks that reached host memory (all of them with ``wait``)."""
+        keep = []
+        for slots, arrays in self._pending:
+            if not wait and not all(a.is_ready() for got in arrays if got for a in got):
+                keep.append((slots, arrays))
+                continue
+            for buf, got in zip(self.buffers, arrays):
+                if got is None:
+                    continue
+                for b, a in zip(buf, got):
+                    b[:, slots] = np.asarray(a)
+        self._pending = keep
+
+    # -- host -> device ------------------------------------------------------------------------
+    def load(self, loads) -> None:
+        """Copy (request id, host slots per pool, device pages per pool) into the pools."""
+        if not loads:
+            return
+        self.flush(wait=True)
+        num_pools = max(r for _, r in self.rows) + 1
+        slots = [[] for _ in range(num_pools)]
+        pages = [[] for _ in range(num_pools)]
+        for _, sl, pg in loads:
+            for g in range(num_pools):
+                slots[g] += sl[g]
+                pages[g] += pg[g]
+        n = _bucket(max(len(p) for p in pages))
+        for g in range(num_pools):  # padding writes the trash page from the scratch slot
+            self.num_loaded += len(pages[g])
+            slots[g] += [self.num_blocks] * (n - len(slots[g]))
+            pages[g] += [0] * (n - len(pages[g]))
+        saved = [tuple(b[:, slots[row]] for b in buf) for buf, (_, row) in zip(self.buffers,
+                                                                                self.rows)]
+        self.runner.swap_in(pages, saved)
+
