@@ -470,11 +470,11 @@ class EngineArgs:
         group="CacheConfig", target="cache.kv_offloading_size", type=positive_float,
         help="GiB of host memory for the prefix cache's host tier: cached KV blocks are kept "
              "there and brought back on a prefix hit (default: off)")
-    kv_offloading_backend: str = arg(
-        CacheConfig.kv_offloading_backend, group="CacheConfig",
+    kv_offloading_backend: str | None = arg(
+        group="CacheConfig",
         target="cache.kv_offloading_backend", choices=OFFLOADING_BACKENDS,
         help="the host tier's implementation: native (lmcache is not supported) "
-             "(default: %(default)s)")
+             "(default: native)")
 
     # ---- MultiModalConfig -------------------------------------------------------------------
     limit_mm_per_prompt: Any = arg(
