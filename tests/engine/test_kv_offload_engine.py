@@ -121,8 +121,9 @@ def test_gemma4_cache_groups_outputs_equal(tmp_path_factory):
     path = make_tiny_gemma4(tmp_path_factory.mktemp("g4off") / "gemma4")
     outs = {}
     for size in (None, GIB):
-        llm = _llm(path, num_gpu_blocks_override=12, kv_offloading_size=size)
-        outs[size], cached = _turns(llm, first=36)
+        llm = _llm(path, num_gpu_blocks_override=12, kv_offloading_size=size,
+                   max_num_batched_tokens=32, max_model_len=128)
+        outs[size], cached = _turns(llm, turns=2, first=36)
         if size is not None:
             assert len(llm.llm_engine.block_manager.managers) > 1  # sliding + full pools
             assert llm.llm_engine.stats()["external_prefix_cache_hits"] > 0
@@ -138,9 +139,11 @@ def test_qwen3_5_state_model_has_no_host_tier_and_same_outputs(tmp_path_factory)
                              mtp=False)
     outs = {}
     for size in (None, GIB):
-        llm = _llm(path, num_gpu_blocks_override=12, kv_offloading_size=size,
-                   preemption_mode="swap")
-        outs[size], _ = _turns(llm, n_conv=3, turns=2)
+        llm = _llm(path, num_gpu_blocks_override=8, kv_offloading_size=size,
+                   preemption_mode="swap", max_num_seqs=2, max_num_batched_tokens=32,
+                   max_model_len=128)
+        outs[size], _ = _turns(llm, n_conv=3, turns=2, first=56, grow=8)
+        assert llm.llm_engine.scheduler.num_swap_outs_total > 0
         assert llm.llm_engine.scheduler.kv_offload is None  # no prefix cache: recompute
         _no_leaks(llm)
     assert outs[GIB] == outs[None]
