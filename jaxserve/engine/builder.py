@@ -183,7 +183,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     from jaxserve.worker.kv_offload import build_kv_offload
     try:
         scheduler.kv_offload, host_kv = build_kv_offload(
-            config.cache, runner, block_manager,
+            config.cache, runner, block_manager, max_model_len,
             record_events=config.kv_events is not None and config.kv_events.enabled,
             num_hosts=config.parallel.num_hosts)
     except ValueError as e:

@@ -10,6 +10,7 @@ padded to powers of two (the trash page, a scratch slot), so copies compile a fe
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -21,12 +22,20 @@ from jaxserve.core.kv_offload import KVOffload
 logger = logging.getLogger(__name__)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_blocks(kv_pages, idx, blocks):
+    """Each paged layer's arrays with ``blocks`` written at its pool's pages ``idx`` (the pool
+    donated: a load touches its pages only)."""
+    return [tuple(a.at[:, i].set(b) for a, b in zip(kv, blk)) for kv, i, blk in
+            zip(kv_pages, idx, blocks)]
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def build_kv_offload(cache_config, runner, block_manager, *, record_events: bool = False,
-                     num_hosts: int = 1):
+def build_kv_offload(cache_config, runner, block_manager, max_model_len: int, *,
+                     record_events: bool = False, num_hosts: int = 1):
     """The host tier's index (given to the scheduler and the pools' managers) and its buffers,
     or (None, None) when ``--kv-offloading-size`` is unset or there is no prefix cache."""
     size = cache_config.kv_offloading_size
@@ -52,17 +61,22 @@ def build_kv_offload(cache_config, runner, block_manager, *, record_events: bool
     logger.info("host KV tier: %d blocks of %d tokens (%.2f GiB, %d bytes a block)",
                 num_blocks, block_manager.block_size, num_blocks * runner.page_bytes / 2**30,
                 runner.page_bytes)
-    return tier, HostKVCache(runner, num_blocks)
+    bs = block_manager.block_size
+    host = HostKVCache(runner, num_blocks, max_chunk=-(-max_model_len // bs))
+    host.warmup()
+    return tier, host
 
 
 class HostKVCache:
     """Host copies of cached pages, one buffer per array of every paged layer (``[..., slots
     + 1, ...]`` on the pages axis; the last slot takes padded copies)."""
 
-    def __init__(self, runner, num_blocks: int):
+    def __init__(self, runner, num_blocks: int, max_chunk: int):
         self.runner = runner
         self.num_blocks = num_blocks
+        self.max_chunk = _bucket(max_chunk)  # most pages one copy moves (larger ones split)
         self.rows = runner._pool_rows()  # (layer, pool row) of each paged layer
+        self.num_pools = max(r for _, r in self.rows) + 1
         pages = runner.kv_pages
         # np.empty: the OS maps the memory as blocks get written
         self.buffers = [tuple(np.empty(a.shape[:1] + (num_blocks + 1,) + a.shape[2:], a.dtype)
@@ -84,22 +98,25 @@ class HostKVCache:
             pg, sl = by_pool.setdefault(g, ([], []))
             pg.append(page)
             sl.append(slot)
+        for g, (pg, sl) in by_pool.items():
+            for i in range(0, len(pg), self.max_chunk):
+                self._gather(g, pg[i:i + self.max_chunk], sl[i:i + self.max_chunk])
+        self.num_stored += len(stores)
+
+    def _gather(self, g: int, pages: list[int], slots: list[int]) -> None:
+        n = _bucket(len(pages))
+        idx = jnp.asarray(np.asarray(pages + [0] * (n - len(pages)), np.int32))
+        slots = np.asarray(slots + [self.num_blocks] * (n - len(slots)), np.int64)
         runner = self.runner
         with runner._pool_lock:
             kv = runner.kv_pages
-            for g, (pg, sl) in by_pool.items():
-                n = _bucket(len(pg))
-                idx = jnp.asarray(np.asarray(pg + [0] * (n - len(pg)), np.int32))
-                slots = np.asarray(sl + [self.num_blocks] * (n - len(sl)), np.int64)
-                arrays = []
-                for i, row in self.rows:
-                    got = tuple(a[:, idx] for a in kv[i]) if row == g else None
-                    if got is not None:
-                        for a in got:
-                            a.copy_to_host_async()
-                    arrays.append(got)
-                self._pending.append((slots, arrays))
-        self.num_stored += len(stores)
+            arrays = []
+            for i, row in self.rows:
+                got = tuple(a[:, idx] for a in kv[i]) if row == g else None
+                for a in got or ():
+                    a.copy_to_host_async()
+                arrays.append(got)
+        self._pending.append((slots, arrays))
 
     def flush(self, wait: bool = False) -> None:
         """Write the gathered blocks that reached host memory (all of them with ``wait``)."""
@@ -121,19 +138,42 @@ class HostKVCache:
         if not loads:
             return
         self.flush(wait=True)
-        num_pools = max(r for _, r in self.rows) + 1
-        slots = [[] for _ in range(num_pools)]
-        pages = [[] for _ in range(num_pools)]
+        slots = [[] for _ in range(self.num_pools)]
+        pages = [[] for _ in range(self.num_pools)]
         for _, sl, pg in loads:
-            for g in range(num_pools):
+            for g in range(self.num_pools):
                 slots[g] += sl[g]
                 pages[g] += pg[g]
-        n = _bucket(max(len(p) for p in pages))
-        for g in range(num_pools):  # padding writes the trash page from the scratch slot
-            self.num_loaded += len(pages[g])
-            slots[g] += [self.num_blocks] * (n - len(slots[g]))
-            pages[g] += [0] * (n - len(pages[g]))
-        saved = [tuple(b[:, slots[row]] for b in buf) for buf, (_, row) in zip(self.buffers,
-                                                                                self.rows)]
-        self.runner.swap_in(pages, saved)
+        self.num_loaded += sum(len(p) for p in pages)
+        total = max(len(p) for p in pages)
+        for i in range(0, total, self.max_chunk):
+            self._scatter([p[i:i + self.max_chunk] for p in pages],
+                          [s[i:i + self.max_chunk] for s in slots])
 
+    def _scatter(self, pages: list[list[int]], slots: list[list[int]]) -> None:
+        """Padding writes the trash page from the scratch slot."""
+        n = _bucket(max(len(p) for p in pages))
+        pages = [p + [0] * (n - len(p)) for p in pages]
+        slots = [s + [self.num_blocks] * (n - len(s)) for s in slots]
+        runner = self.runner
+        with runner._pool_lock:
+            pool = list(runner.kv_pages)
+            layers = [i for i, _ in self.rows]
+            written = _write_blocks(
+                [pool[i] for i in layers],
+                [jnp.asarray(np.asarray(pages[row], np.int32)) for _, row in self.rows],
+                [tuple(jnp.asarray(b[:, slots[row]]) for b in buf)
+                 for buf, (_, row) in zip(self.buffers, self.rows)])
+            for i, kv in zip(layers, written):
+                pool[i] = kv
+            runner._set_pool(pool)
+
+    def warmup(self) -> None:
+        """Compile every copy shape now (trash page <-> scratch slot), not during serving."""
+        n = 1
+        while n <= self.max_chunk:
+            for g in range(self.num_pools):
+                self._gather(g, [0] * n, [self.num_blocks] * n)
+            self._scatter([[0] * n] * self.num_pools, [[self.num_blocks] * n] * self.num_pools)
+            n *= 2
+        self.flush(wait=True)
