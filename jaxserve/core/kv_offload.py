@@ -58,6 +58,13 @@ class HostBlockPool:
         self._slots[h] = slot
         return slot, evicted
 
+    def check_invariants(self) -> None:
+        """Every slot is free or holds exactly one hash (tests)."""
+        held = list(self._slots.values())
+        assert len(set(held)) == len(held), "a host slot holds two blocks"
+        assert not set(held) & set(self._free), "a held host slot is also free"
+        assert len(held) + len(self._free) == self.num_blocks, "a host slot leaked"
+
     def clear(self) -> None:
         self._slots.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))
@@ -162,6 +169,10 @@ class KVOffload:
         for p in self.pools:
             p.clear()
         self._stores.clear()
+
+    def check_invariants(self) -> None:
+        for p in self.pools:
+            p.check_invariants()
 
     def take_events(self) -> list:
         if not self._events:

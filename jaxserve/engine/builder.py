@@ -185,7 +185,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
         scheduler.kv_offload, host_kv = build_kv_offload(
             config.cache, runner, block_manager, max_model_len,
             record_events=config.kv_events is not None and config.kv_events.enabled,
-            num_hosts=config.parallel.num_hosts)
+            num_hosts=config.parallel.num_hosts, draft_model=draft is not None)
     except ValueError as e:
         raise InvalidRequestError(str(e), param="kv_offloading_size") from None
     proposer = None

@@ -35,7 +35,8 @@ def _bucket(n: int) -> int:
 
 
 def build_kv_offload(cache_config, runner, block_manager, max_model_len: int, *,
-                     record_events: bool = False, num_hosts: int = 1):
+                     record_events: bool = False, num_hosts: int = 1,
+                     draft_model: bool = False):
     """The host tier's index (given to the scheduler and the pools' managers) and its buffers,
     or (None, None) when ``--kv-offloading-size`` is unset or there is no prefix cache."""
     size = cache_config.kv_offloading_size
@@ -44,6 +45,9 @@ def build_kv_offload(cache_config, runner, block_manager, max_model_len: int, *,
     if runner.stages is not None:
         raise ValueError("kv_offloading_size: the host tier does not support pipeline "
                          "parallelism yet")
+    if draft_model:  # its pages share the target's ids but are not stored here
+        raise ValueError("kv_offloading_size: the host tier does not work with a draft "
+                         "model (speculative_config method 'draft_model') yet")
     if num_hosts > 1:
         raise ValueError("kv_offloading_size: the host tier runs on one host")
     if not block_manager.enable_prefix_caching:
