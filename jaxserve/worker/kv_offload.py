@@ -22,6 +22,12 @@ from jaxserve.core.kv_offload import KVOffload
 logger = logging.getLogger(__name__)
 
 
+@jax.jit
+def _read_blocks(kv_pages, idx):
+    """Each paged layer's arrays at pages ``idx`` (one pool's layers, one dispatch)."""
+    return [tuple(a[:, idx] for a in kv) for kv in kv_pages]
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_blocks(kv_pages, idx, blocks):
     """Each paged layer's arrays with ``blocks`` written at its pool's pages ``idx`` (the pool
@@ -112,14 +118,15 @@ class HostKVCache:
         idx = jnp.asarray(np.asarray(pages + [0] * (n - len(pages)), np.int32))
         slots = np.asarray(slots + [self.num_blocks] * (n - len(slots)), np.int64)
         runner = self.runner
+        mine = [k for k, (_, row) in enumerate(self.rows) if row == g]
         with runner._pool_lock:
             kv = runner.kv_pages
-            arrays = []
-            for i, row in self.rows:
-                got = tuple(a[:, idx] for a in kv[i]) if row == g else None
-                for a in got or ():
-                    a.copy_to_host_async()
-                arrays.append(got)
+            got = _read_blocks([kv[self.rows[k][0]] for k in mine], idx)
+        arrays = [None] * len(self.rows)
+        for k, blk in zip(mine, got):
+            for a in blk:
+                a.copy_to_host_async()
+            arrays[k] = blk
         self._pending.append((slots, arrays))
 
     def flush(self, wait: bool = False) -> None:
