@@ -129,32 +129,41 @@ class HostKVCache:
             arrays[k] = blk
         self._pending.append((slots, arrays))
 
-    def flush(self, wait: bool = False) -> None:
-        """Write the gathered blocks that reached host memory (all of them with ``wait``)."""
-        keep = []
-        for slots, arrays in self._pending:
-            if not wait and not all(a.is_ready() for got in arrays if got for a in got):
-                keep.append((slots, arrays))
-                continue
+    def flush(self, wait: bool = False, slots_needed: set[int] | None = None) -> None:
+        """Write the gathered blocks that reached host memory, oldest first (a slot may be
+        reused by a later store, so a newer copy is never written before an older one); with
+        ``wait`` also those still on their way (all of them, or every copy up to the last one
+        writing ``slots_needed``)."""
+        last = -1
+        if wait:
+            last = len(self._pending) - 1 if slots_needed is None else max(
+                (k for k, (slots, _) in enumerate(self._pending)
+                 if not slots_needed.isdisjoint(slots.tolist())), default=-1)
+        done = 0
+        for k, (slots, arrays) in enumerate(self._pending):
+            if k > last and not all(a.is_ready() for got in arrays if got for a in got):
+                break
             for buf, got in zip(self.buffers, arrays):
                 if got is None:
                     continue
                 for b, a in zip(buf, got):
                     b[:, slots] = np.asarray(a)
-        self._pending = keep
+            done = k + 1
+        del self._pending[:done]
 
     # -- host -> device ------------------------------------------------------------------------
     def load(self, loads) -> None:
         """Copy (request id, host slots per pool, device pages per pool) into the pools."""
         if not loads:
             return
-        self.flush(wait=True)
         slots = [[] for _ in range(self.num_pools)]
         pages = [[] for _ in range(self.num_pools)]
         for _, sl, pg in loads:
             for g in range(self.num_pools):
                 slots[g] += sl[g]
                 pages[g] += pg[g]
+        # a block stored since the step in flight began: wait for its bytes (only those)
+        self.flush(wait=True, slots_needed={x for sl in slots for x in sl})
         self.num_loaded += sum(len(p) for p in pages)
         total = max(len(p) for p in pages)
         for i in range(0, total, self.max_chunk):
