@@ -5,6 +5,7 @@ and aborts leave no page or pending copy behind."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -149,3 +150,39 @@ def test_qwen3_5_state_model_has_no_host_tier_and_same_outputs(tmp_path_factory)
         assert llm.llm_engine.scheduler.kv_offload is None  # no prefix cache: recompute
         _no_leaks(llm)
     assert outs[GIB] == outs[None]
+
+
+def test_host_tier_events_say_cpu_and_rebuild_its_blocks(llama_dir):
+    """A subscriber of the engine's KV events rebuilds the host tier's blocks from the
+    medium "CPU" events alone (and the device pool's from the "GPU" ones)."""
+    zmq = pytest.importorskip("zmq")
+    from jaxserve.core.kv_events import BlockRemoved, BlockStored, block_hash_bytes, decode_batch
+
+    llm = _llm(llama_dir, num_gpu_blocks_override=10, kv_offloading_size=12 * 8192 / 2**30,
+               kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                 "endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
+    eng = llm.llm_engine
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(eng.kv_event_publisher.endpoint)
+    time.sleep(0.5)  # a SUB socket misses what is sent before it has joined
+    try:
+        _turns(llm, n_conv=4, turns=3)
+        host: set[bytes] = set()
+        removed = 0
+        while sub.poll(1000):
+            _, _, payload = sub.recv_multipart()
+            for e in decode_batch(payload).events:
+                if getattr(e, "medium", None) != "CPU":
+                    continue
+                if isinstance(e, BlockStored):
+                    host.update(e.block_hashes)
+                elif isinstance(e, BlockRemoved):
+                    host.difference_update(e.block_hashes)
+                    removed += 1
+        tier = eng.scheduler.kv_offload
+        assert tier.num_blocks == 12 and removed > 0  # the host tier evicted too
+        assert host == {block_hash_bytes(h) for h in tier.pools[0]._slots}
+    finally:
+        sub.close(0)
