@@ -79,13 +79,15 @@ def test_llama_outputs_equal_and_later_turns_hit_host(llama_dir, llama_ref, mode
     _no_leaks(llm)
 
 
-def test_second_turn_after_eviction_loads_its_history_from_host(llama_dir):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])  # fp8 pages are stored as bytes
+def test_second_turn_after_eviction_loads_its_history_from_host(llama_dir, kv_dtype):
     rng = random.Random(3)
     a = [rng.randrange(3, 500) for _ in range(80)]  # 5 full pages
     others = [[rng.randrange(3, 500) for _ in range(90)] for _ in range(3)]
     results = {}
     for size in (None, GIB):
-        llm = _llm(llama_dir, num_gpu_blocks_override=10, kv_offloading_size=size)
+        llm = _llm(llama_dir, num_gpu_blocks_override=10, kv_offloading_size=size,
+                   kv_cache_dtype=kv_dtype)
         first = llm.generate([a], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         llm.generate(others, GREEDY, use_tqdm=False)  # evicts a's pages from the device
         second = llm.generate([a + list(first) + [7, 8]], GREEDY, use_tqdm=False)[0]
