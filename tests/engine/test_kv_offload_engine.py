@@ -71,6 +71,12 @@ def test_llama_outputs_equal_and_later_turns_hit_host(llama_dir, llama_ref, mode
     assert outs == llama_ref
     eng = llm.llm_engine
     s = eng.stats()
+    from jaxserve.entrypoints.openai.metrics import ServerMetrics
+    text = ServerMetrics(eng.stats, "m", prefix="vllm").render().decode()
+    assert (f'vllm:external_prefix_cache_hits_total{{engine="0",model_name="m"}} '
+            f'{float(s["external_prefix_cache_hits"])}') in text
+    assert "vllm:external_prefix_cache_queries_total" in text
+    assert "vllm:kv_offload_usage_perc" in text
     assert eng.scheduler.num_preemptions_total > 0  # the pool forces preemption
     assert s["external_prefix_cache_hits"] > 0
     assert eng.host_kv.num_loaded == s["external_prefix_cache_hits"] // 16
