@@ -112,6 +112,8 @@ class Scheduler:
         self.num_aborted_by_scheduler = 0
         self.generation_tokens_total = 0  # output ids read from the device
         self.spec_stats = None  # SpecDecodeStats of a speculating engine
+        # the prefix cache's host-memory tier (core.kv_offload.KVOffload); None: off
+        self.kv_offload = None
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -142,7 +144,10 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_manager.reset_prefix_cache()
+        dropped = self.block_manager.reset_prefix_cache()
+        if dropped and self.kv_offload is not None:
+            self.kv_offload.reset()
+        return dropped
 
     def stats(self) -> dict:
         """Gauges and counters for metrics (vLLM names, without the prefix)."""
@@ -158,7 +163,11 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_hit_rate=bm.hit_rate,
-        )
+        ) | ({} if self.kv_offload is None else dict(
+            external_prefix_cache_queries=self.kv_offload.queries,
+            external_prefix_cache_hits=self.kv_offload.hits,
+            kv_offload_usage_perc=self.kv_offload.usage,
+        ))
 
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -426,16 +435,21 @@ class Scheduler:
                 req.num_computed_tokens = fork.num_computed_tokens
             resumed_swap = req.status == RequestStatus.SWAPPED
             hits: list[int] | None = None
-            n_hit = 0
+            n_hit = n_host = 0
+            host = None  # per pool, the host-tier slots continuing the device hits
             if not resumed_swap and req.num_computed_tokens == 0:
                 hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
+                if self.kv_offload is not None and not req.skip_prefix_cache:
+                    host = self.kv_offload.lookup(req, n_hit // self.block_size)
+                    n_host = len(host[0]) * self.block_size
+            n_hit += n_host  # host hits are computed once loaded (before the step)
             n = req.num_tokens - req.num_computed_tokens - n_hit
             n = self.siblings.cap(req, min(n, self.max_model_len - req.num_computed_tokens - n_hit))
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not bm.allocate_slots(req, n, hits):
+            if not bm.allocate_slots(req, n + n_host, hits):
                 if fork is not None:
                     req.num_computed_tokens = 0
                 if not self.running:  # nothing else holds pages: it can never fit
@@ -455,6 +469,8 @@ class Scheduler:
                     out.swap_in_state.append((req.request_id, req.state_slot))
             elif hits is not None:
                 req.num_computed_tokens = n_hit
+                if host is not None:
+                    self._load_host_hits(req, (n_hit - n_host) // self.block_size, host, out)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = n_hit
             req.status = RequestStatus.RUNNING
@@ -463,6 +479,15 @@ class Scheduler:
             bisect.insort(self.running, req, key=_order_key)
             self._add_scheduled(out, req, n)
             budget -= n
+
+    def _load_host_hits(self, req: Request, first_page: int, host: list[list[int]],
+                        out: SchedulerOutput) -> None:
+        """An admitted request's host-tier hits: copied into its fresh pages before the step."""
+        if not host[0]:
+            self.kv_offload.record_miss(req)
+            return
+        slots, pages = self.kv_offload.admit(req, first_page, host, req.pages_per_group())
+        out.kv_loads.append((req.request_id, slots, pages))
 
     def _lets_others_pass(self, req: Request, loras: set[int] | None) -> bool:
         """A waiting request that is not admitted yet, without holding up the ones behind."""

@@ -180,6 +180,14 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                           page_bytes=runner.page_bytes,
                           eos_token_ids=eos,
                           max_loras=config.lora.max_loras if config.lora is not None else None)
+    from jaxserve.worker.kv_offload import build_kv_offload
+    try:
+        scheduler.kv_offload, host_kv = build_kv_offload(
+            config.cache, runner, block_manager, max_model_len,
+            record_events=config.kv_events is not None and config.kv_events.enabled,
+            num_hosts=config.parallel.num_hosts, draft_model=draft is not None)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="kv_offloading_size") from None
     proposer = None
     if spec is not None and spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -199,6 +207,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
                        block_manager=block_manager, scheduler=scheduler, proposer=proposer,
                        kv_event_publisher=publisher, lora_manager=lora_manager)
+    engine.host_kv = host_kv
     if str(config.model).endswith(".gguf"):
         from jaxserve.loaders.gguf import release_readers
         release_readers()

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 # stats() fields that add up over replicas; the rest are averaged (kv_cache_usage)
 _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
            "num_preemptions", "num_compiles", "prompt_tokens_total", "generation_tokens_total",
-           "num_free_pages", "num_pages")
+           "num_free_pages", "num_pages", "external_prefix_cache_queries",
+           "external_prefix_cache_hits")
 
 
 def replica_devices(data_parallel_size: int, tensor_parallel_size: int, devices=None,
