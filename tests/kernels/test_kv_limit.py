@@ -95,3 +95,23 @@ def test_cpu_kernel_matches_reference(opts, page_dtype):
             sm_scale=0.3, kv_limit=limit, **opts)
         assert np.array_equal(np.asarray(kp2, np.float32), np.asarray(kp, np.float32))
         assert _rel(out, ref) < 1e-5
+
+
+# Small tiles: several query blocks per prefill row, multi-step KV loops, split-KV decode with
+# its combine kernel (which must count the same KV steps as the attention kernel).
+SMALL_TILES = dict(prefill_block_m=16, prefill_block_kv=16, decode_block_kv=16,
+                   decode_num_splits=3, decode_min_kv_per_split=16)
+
+
+@pytest.mark.parametrize("opts", [c[0] for c in CASES] + [dict()])
+def test_pallas_interpret_matches_reference(opts):
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    for seed, rows in enumerate(ROWS):
+        b, lim = _batch(rows, seed)
+        args = _args(b)
+        limit = jnp.asarray(lim)
+        ref = _ref(**opts)(*args, kv_limit=limit)
+        out = ragged_paged_attention(*args, jnp.int32(b.num_seqs), sm_scale=0.3, interpret=True,
+                                     kv_limit=limit, **opts, **SMALL_TILES)
+        assert _rel(out, ref) < 1e-5
