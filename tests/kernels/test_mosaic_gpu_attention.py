@@ -268,7 +268,7 @@ def test_mosaic_fp8_pages_with_scales_match_reference_gpu(kv_dtype):
 # ---- visibility limits (kv_limit: runs of tokens that see each other, Gemma 4's images) ----
 
 @needs_plugin
-@pytest.mark.parametrize("opts", [{}, dict(sliding_window=37, soft_cap=20.0)])
+@pytest.mark.parametrize("opts", [dict(sliding_window=37, soft_cap=20.0)])
 def test_mosaic_lowers_with_kv_limit(opts):
     fn = functools.partial(ragged_paged_attention, sm_scale=0.1, **opts)
     specs = _specs(tokens=96, seqs=8, ctx=512, hq=8, hkv=2)
