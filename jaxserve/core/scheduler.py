@@ -89,6 +89,11 @@ class Scheduler:
         # over the micro-batches instead of travelling in one
         self.skip_pending = False
         self.max_seqs_per_step: int | None = None
+        # an image's placeholder tokens see each other both ways (Gemma 4's
+        # use_bidirectional_attention="vision"): a chunk never ends inside an image's run, since
+        # its earlier tokens attend to its later ones in the same step (set by the engine)
+        self.whole_image_runs = False
+        self._run_waits = False
         if page_bytes is None:
             self.swap_capacity_pages: float = float("inf")
         else:
@@ -187,6 +192,14 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt (length {n}) needs {cdiv(n, self.block_size)} KV cache pages but the"
                 f" cache only has {self.block_manager.num_usable_pages}", param="prompt")
+        if self.whole_image_runs and request.mm is not None:
+            for i, im in enumerate(request.mm.images):
+                if im.num_tokens > self.config.max_num_batched_tokens:
+                    raise InvalidRequestError(
+                        f"image {i} becomes {im.num_tokens} tokens that attend to each other "
+                        "and so run in one step, more than --max-num-batched-tokens "
+                        f"({self.config.max_num_batched_tokens})",
+                        param=f"multi_modal_data.image[{i}]")
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
@@ -235,6 +248,17 @@ class Scheduler:
         if req.max_tokens is not None:
             nd = min(nd, req.max_tokens - req.num_output_tokens - 1)
         return max(0, nd)
+
+    def _image_run_cut(self, req: Request, start: int, n: int) -> int:
+        """``n`` new tokens from ``start``, cut back so the chunk does not end inside an image's
+        placeholder run (``whole_image_runs``); 0 when the run's remainder does not fit."""
+        if not self.whole_image_runs or req.mm is None:
+            return n
+        end = start + n
+        for im in req.mm.images:
+            if im.offset < end < im.offset + im.num_tokens:
+                return max(0, im.offset - start)
+        return n
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
@@ -326,8 +350,11 @@ class Scheduler:
         rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
         # the diff's row columns, one tuple a row while scheduling, then as columns
         self._cols = cols = []
+        self._run_waits = False
         budget = self._schedule_running(out, budget, rows)
-        if not out.preempted:  # vLLM V1: no admissions in a step that had to preempt
+        # vLLM V1: no admissions in a step that had to preempt; nor while a running request
+        # waits for the budget of a whole image run (new rows would keep taking it)
+        if not out.preempted and not self._run_waits:
             self._schedule_waiting(out, budget, rows)
         b = out.batch
         if cols:
@@ -391,6 +418,11 @@ class Scheduler:
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                 out.finished_outputs.append(req.take_output())
                 continue
+            n = self._image_run_cut(req, c, n)
+            if n == 0:  # the rest of an image's run waits for a step with the budget for it
+                self._run_waits = True
+                i += 1
+                continue
             drafts = None
             if req.spec_token_ids:
                 nd = self._num_drafts(req, n, budget)
@@ -449,6 +481,11 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
+            n = self._image_run_cut(req, req.num_computed_tokens + n_hit, n)
+            if n == 0:  # its next image's run does not fit this step's budget: wait for one
+                if fork is not None:
+                    req.num_computed_tokens = 0
+                break
             if not bm.allocate_slots(req, n + n_host, hits):
                 if fork is not None:
                     req.num_computed_tokens = 0

@@ -114,7 +114,7 @@ def cache_specs_of(hf: dict, dtype: str) -> list:
 
 
 def _check_supported(hf: dict) -> None:
-    # "vision" (bidirectional over an image's tokens) loads; image requests refuse it
+    # "vision": an image's soft tokens see each other on the sliding layers (md.kv_limit)
     if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise ValueError("use_bidirectional_attention "
                          f"{hf['use_bidirectional_attention']!r} is not supported for Gemma 4")
@@ -195,8 +195,12 @@ class Gemma4Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: AttentionBackend,
                  mesh=None):
-        """``kv``: this layer's pages, or (KV-sharing layer) its producer's, read only."""
+        """``kv``: this layer's pages, or (KV-sharing layer) its producer's, read only. Image
+        tokens see each other both ways (``md.kv_limit``) on sliding layers only, as HF's
+        ``create_masks_for_vision_model``: global layers stay causal."""
         t = x.shape[0]
+        if self.sliding_window is None and md.kv_limit is not None:
+            md = md._replace(kv_limit=None)
         q = apply_rope(self.q_norm(self.q_proj(x).reshape(t, self.num_heads, self.head_dim)),
                        cos, sin)
         if self.producer is not None:

@@ -70,8 +70,10 @@ def forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...]
             "lora": LoRABatch(inputs.lora_slots, *lora)}
         positions = inputs.positions
         if mm is not None:  # a vision-language model (worker.mm_step.EncoderRunner)
-            positions, mm_rows, mm_embeds = mm
+            positions, mm_rows, mm_embeds, *limit = mm
             kwargs["mm"] = (mm_embeds, mm_rows)
+            if limit:  # image tokens that see their whole image (bidirectional runs)
+                md = md._replace(kv_limit=limit[0])
         captured = None
         if inputs.hidden_layers.shape[1]:  # return_hidden_states: K layers a token
             hidden, kv_pages, captured = forward_hooks.forward_with_capture(
