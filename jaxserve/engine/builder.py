@@ -167,11 +167,8 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     # one manager per pool and the state slots, combined (core.kv_cache_coordinator); pages
     # out of a window are freed unless a draft model (which lags behind and may attend
     # globally) reads the same page ids, or --disable-hybrid-kv-cache-manager
-    pools = (runner.kv_config.manager_pools() if runner.kv_config is not None
-             else [(str(g), n, p.window)  # pipeline stages (worker.stage_pipeline)
-                   for g, (n, p) in enumerate(zip(runner.pool_pages, runner.pools))])
     block_manager = make_kv_cache_manager(
-        pools, block_size=config.cache.block_size, num_state_slots=runner.num_state_slots,
+        runner.kv_config.manager_pools(), block_size=config.cache.block_size, num_state_slots=runner.num_state_slots,
         enable_prefix_caching=prefix_caching,
         record_events=config.kv_events is not None and config.kv_events.enabled,
         free_out_of_window=(not config.scheduler.disable_hybrid_kv_cache_manager

@@ -483,10 +483,8 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
 
     # The forward in pieces (as jaxserve.models.llama): the single program and the pipeline
     # stages run the same code. With PLE the hidden state carried from layer to layer (and
-    # from stage to stage) is ``(x, per-layer inputs [T, L, P])``; ``layer_offset`` is the
-    # model layer of ``model.layers[0]`` (a pipeline stage's first layer).
+    # from stage to stage) is ``(x, per-layer inputs [T, L, P])``.
     supports_pipeline = True
-    layer_offset = 0
 
     def embed(self, token_ids):
         x = self.model.embed_tokens(token_ids)
@@ -502,12 +500,11 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
         if lora is not None:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
         x, pli = x if self.ple else (x, None)
-        n = self.layer_offset + i
         cos, sin = inputs[layer.self_attn.layer_type]
         if md.block_tables.ndim == 3:  # pools per group: this layer's group's tables
-            g = self.layer_group[n]
+            g = self.layer_group[i]
             md = md._replace(slot_mapping=md.slot_mapping[g], block_tables=md.block_tables[g])
-        x, kv = layer(x, None if pli is None else pli[:, n], cos, sin, kv, md,
+        x, kv = layer(x, None if pli is None else pli[:, i], cos, sin, kv, md,
                       self.attention, self.mesh)
         return ((x, pli) if self.ple else x), kv
 
