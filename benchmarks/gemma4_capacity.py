@@ -55,7 +55,7 @@ def weight_bytes(hf: dict) -> dict:
 
 
 def activation_reserve(hf: dict) -> int:
-    """The runner's reserve beside the KV cache (``worker.kv_cache_config.pool_sizes``)."""
+    """The runner's reserve beside the KV cache (``worker.kv_cache_config.activation_reserve``)."""
     act = 4 * MAX_BATCHED * (4 * hf["hidden_size"] + 3 * hf["intermediate_size"])
     act += 4 * 3 * min(MAX_BATCHED, MAX_NUM_SEQS) * hf["vocab_size"]
     return 2 * act + (256 << 20)

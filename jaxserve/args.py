@@ -22,6 +22,7 @@ from jaxserve.config import (KV_CACHE_DTYPES, PLATFORM_SCHEDULER_DEFAULTS, QUANT
                              LoRAConfig, MultiModalConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
 from jaxserve.core.json_object import json_object
+from jaxserve.core.kv_offload import OFFLOADING_BACKENDS
 from jaxserve.core.kv_events import KVEventsConfig
 from jaxserve.core.kv_transfer import KVTransferConfig
 from jaxserve.core.pooling_params import TASK_ALIASES, PoolerConfig
@@ -467,6 +468,15 @@ class EngineArgs:
     swap_space: float = arg(
         CacheConfig.swap_space, group="CacheConfig", target="cache.swap_space", type=float,
         help="GiB of host memory for swapped-out pages (default: %(default)s)")
+    kv_offloading_size: float | None = arg(
+        group="CacheConfig", target="cache.kv_offloading_size", type=positive_float,
+        help="GiB of host memory for the prefix cache's host tier: cached KV blocks are kept "
+             "there and brought back on a prefix hit (default: off)")
+    kv_offloading_backend: str | None = arg(
+        group="CacheConfig",
+        target="cache.kv_offloading_backend", choices=OFFLOADING_BACKENDS,
+        help="the host tier's implementation: native (lmcache is not supported) "
+             "(default: native)")
 
     # ---- MultiModalConfig -------------------------------------------------------------------
     limit_mm_per_prompt: Any = arg(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.kv_events import KVEventsConfig
 from jaxserve.core.kv_transfer import KVTransferConfig
+from jaxserve.core.kv_offload import OFFLOADING_BACKENDS
 from jaxserve.core.pooling_params import RUNNERS, PoolerConfig
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -29,8 +30,29 @@ class CacheConfig:
     cache_dtype: str = "auto"
     # --calculate-kv-scales: float8 K/V scales from calibration text before serving
     calculate_kv_scales: bool = False
+    # --kv-offloading-size: GiB of host memory for the prefix cache's host tier (None: off);
+    # --kv-offloading-backend: native (jaxserve's own; vLLM's lmcache is refused); None:
+    # native once a size is given
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
 
     def __post_init__(self):
+        if self.kv_offloading_size is not None and not (
+                isinstance(self.kv_offloading_size, (int, float))
+                and 0 < self.kv_offloading_size < float("inf")):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got "
+                             f"{self.kv_offloading_size!r}")
+        if self.kv_offloading_backend is None:
+            pass
+        elif self.kv_offloading_size is None:
+            raise ValueError("kv_offloading_backend needs kv_offloading_size (the host tier's "
+                             "GiB)")
+        elif self.kv_offloading_backend not in OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend must be one of {OFFLOADING_BACKENDS}, got "
+                             f"{self.kv_offloading_backend!r}")
+        elif self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not "
+                             "supported: jaxserve has the native host tier only (use 'native')")
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")

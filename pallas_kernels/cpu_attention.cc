@@ -8,7 +8,9 @@
 // bfloat16: a bfloat16 element is read as the float32 with the same top 16 bits),
 // query head h reading KV head h / (Hq / Hkv); scores are scaled by sm_scale, soft-capped
 // (cap * tanh(s / cap)) when cap > 0, then softmaxed. A token with pos < 0 (padding) gets
-// zeros. XLA's loop version of this (xla_attention.py) costs a few dozen small ops per trip
+// zeros. With a limit buffer of T entries (reference.py's kv_limit; an empty one: causal), token t
+// sees up to max(pos, limit[t]) (inside its context; the window's start stays pos - window + 1).
+// XLA's loop version of this (xla_attention.py) costs a few dozen small ops per trip
 // and gathers whole chunks of pages; here each (token, KV head) reads only its own positions.
 // With AVX-512 the q.k dots and the softmax's exp run 16 lanes wide (exp by a degree-6
 // polynomial after range reduction, within 3 ulp of std::exp on [-87, 0]); the sums' order
@@ -61,7 +63,7 @@ template <typename KT>
 struct Args {
   const float* q;
   const KT *k, *v;
-  const int32_t *tables, *seq, *pos;
+  const int32_t *tables, *seq, *pos, *hi;  // hi: last visible position (pos when causal)
   float* out;
   int64_t t, hq, hkv, d, pages, block, max_pages;
   float sm_scale, cap;
@@ -155,7 +157,7 @@ void attend_one(const Args<KT>& a, int64_t t, int64_t h, std::vector<float>& sco
     return;
   }
   const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-  const int64_t n = p - lo + 1;
+  const int64_t n = a.hi[t] - lo + 1;
   const int32_t* table = a.tables + static_cast<int64_t>(a.seq[t]) * a.max_pages;
   const float* qh = a.q + (t * a.hq + h * g) * d;
   scores.resize(n * g);
@@ -221,23 +223,37 @@ void token_rows(const int32_t* qs, const int32_t* seq_lens, int64_t n_rows, int6
   }
 }
 
-// Attention over the pages in a (a.seq / a.pos filled in here from the step's rows).
+// Attention over the pages in a (a.seq / a.pos / a.hi filled in here from the step's rows and
+// the limit buffer).
 template <typename KT>
 ffi::Error attend(Args<KT> a, ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
-                  ffi::Buffer<ffi::S32> num_seqs, int64_t threads) {
+                  ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> limit, int64_t threads) {
   const int64_t n_rows = seq_lens.dimensions()[0];
   if (qs.dimensions()[0] != n_rows + 1)
     return ffi::Error::InvalidArgument("query_start must be [S + 1] for seq_lens [S]");
-  thread_local std::vector<int32_t> seq, pos;
+  const int64_t n_limit = limit.element_count();
+  if (n_limit != 0 && n_limit != a.t)
+    return ffi::Error::InvalidArgument("kv_limit must be [T] or empty");
+  thread_local std::vector<int32_t> seq, pos, hi;
   token_rows(qs.typed_data(), seq_lens.typed_data(), n_rows, num_seqs.typed_data()[0], a.t, seq,
              pos);
   a.seq = seq.data();
   a.pos = pos.data();
+  if (n_limit) {
+    const int32_t* lim = limit.typed_data();
+    const int32_t* lens = seq_lens.typed_data();
+    hi.resize(a.t);
+    for (int64_t t = 0; t < a.t; ++t)
+      hi[t] = pos[t] < 0 ? pos[t] : std::max(pos[t], std::min(lim[t], lens[seq[t]] - 1));
+    a.hi = hi.data();
+  } else {
+    a.hi = a.pos;
+  }
   Shared<KT> s;
   s.a = a;
   s.total = a.t * a.hkv;
   int64_t work = 0;  // positions x query heads to read
-  for (int64_t t = 0; t < a.t; ++t) work += std::max<int32_t>(a.pos[t] + 1, 0);
+  for (int64_t t = 0; t < a.t; ++t) work += std::max<int32_t>(a.hi[t] + 1, 0);
   work *= a.hq;
   jaxserve::Team& team = jaxserve::team(static_cast<int>(threads) - 1);
   // Small chunks when there are few (token, KV head) tasks: one decode token has Hkv of them.
@@ -254,8 +270,9 @@ bool page_type(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::Da
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables,
                           ffi::Buffer<ffi::S32> qs, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> num_seqs, ffi::ResultBuffer<ffi::F32> out,
-                          float sm_scale, float soft_cap, int64_t window) {
+                          ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> limit,
+                          ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
+                          int64_t window) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("q [T, Hq, D], pages [Hkv, P, B, D], tables [S, M]");
@@ -264,15 +281,15 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   if (k.element_type() == ffi::DataType::BF16)
     return attend(Args<uint16_t>{q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()),
                                  static_cast<const uint16_t*>(v.untyped_data()),
-                                 tables.typed_data(), nullptr, nullptr, out->typed_data(), qd[0],
-                                 qd[1], kd[0], qd[2], kd[1], kd[2], td[1], sm_scale, soft_cap,
-                                 window},
-                  qs, seq_lens, num_seqs, pool.num_threads());
+                                 tables.typed_data(), nullptr, nullptr, nullptr,
+                                 out->typed_data(), qd[0], qd[1], kd[0], qd[2], kd[1], kd[2],
+                                 td[1], sm_scale, soft_cap, window},
+                  qs, seq_lens, num_seqs, limit, pool.num_threads());
   return attend(Args<float>{q.typed_data(), static_cast<const float*>(k.untyped_data()),
                             static_cast<const float*>(v.untyped_data()), tables.typed_data(),
-                            nullptr, nullptr, out->typed_data(), qd[0], qd[1], kd[0], qd[2],
-                            kd[1], kd[2], td[1], sm_scale, soft_cap, window},
-                qs, seq_lens, num_seqs, pool.num_threads());
+                            nullptr, nullptr, nullptr, out->typed_data(), qd[0], qd[1], kd[0],
+                            qd[2], kd[1], kd[2], td[1], sm_scale, soft_cap, window},
+                qs, seq_lens, num_seqs, limit, pool.num_threads());
 }
 
 // new K/V [T, Hkv, D] float32 into their slots of pages of KT (reference.write_kv's rule: a
@@ -304,7 +321,8 @@ ffi::Error PagedWriteAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32> slots,
                                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> qs,
                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> num_seqs,
-                               ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                               ffi::Buffer<ffi::S32> limit, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::Result<ffi::AnyBuffer> k_out,
                                ffi::Result<ffi::AnyBuffer> v_out, float sm_scale,
                                float soft_cap, int64_t window) {
   const auto qd = q.dimensions(), nd = k_new.dimensions(), td = tables.dimensions();
@@ -322,18 +340,18 @@ ffi::Error PagedWriteAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     write_slots(k_new.typed_data(), v_new.typed_data(), kp, vp, slots.typed_data(), nd[0], hkv,
                 d, n_slots);
     return attend(Args<uint16_t>{q.typed_data(), kp, vp, tables.typed_data(), nullptr, nullptr,
-                                 out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1],
+                                 nullptr, out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1],
                                  sm_scale, soft_cap, window},
-                  qs, seq_lens, num_seqs, pool.num_threads());
+                  qs, seq_lens, num_seqs, limit, pool.num_threads());
   }
   auto* kp = static_cast<float*>(k_out->untyped_data());
   auto* vp = static_cast<float*>(v_out->untyped_data());
   write_slots(k_new.typed_data(), v_new.typed_data(), kp, vp, slots.typed_data(), nd[0], hkv, d,
               n_slots);
   return attend(Args<float>{q.typed_data(), kp, vp, tables.typed_data(), nullptr, nullptr,
-                            out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1],
+                            nullptr, out->typed_data(), qd[0], qd[1], hkv, d, kd[1], kd[2], td[1],
                             sm_scale, soft_cap, window},
-                qs, seq_lens, num_seqs, pool.num_threads());
+                qs, seq_lens, num_seqs, limit, pool.num_threads());
 }
 
 }  // namespace
@@ -348,6 +366,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_paged_attention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_limit ([T] or [0])
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
@@ -366,6 +385,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxserve_paged_write_attention, PagedWriteAttentio
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_limit ([T] or [0])
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()

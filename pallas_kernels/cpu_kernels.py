@@ -151,6 +151,12 @@ def _rows(query_start, seq_lens, num_seqs):
             jnp.asarray(n, jnp.int32).reshape(1))
 
 
+def _limit(kv_limit):
+    """The visibility limits as the kernel takes them: ``[T]``, or empty for causal."""
+    return (jnp.zeros((0,), jnp.int32) if kv_limit is None
+            else jnp.asarray(kv_limit).astype(jnp.int32))
+
+
 def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
     return dict(sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
                 window=np.int64(sliding_window or 0))
@@ -158,19 +164,21 @@ def _attrs(sm_scale, sliding_window, soft_cap) -> dict:
 
 def paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs=None, *,
                     sm_scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None):
+                    soft_cap: float | None = None, kv_limit=None):
     """``reference.ragged_paged_attention`` (float32 or bfloat16 pages, no KV scales) by the
     C++ kernel: each token of the step (``q [T, Hq, D]``) against its row's pages up to its
-    position. Bfloat16 pages are read as they are (no float32 copy of the pool)."""
+    position (or its ``kv_limit``, reference.py). Bfloat16 pages are read as they are (no float32 copy of the pool)."""
     out = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
-        *_rows(query_start, seq_lens, num_seqs), **_attrs(sm_scale, sliding_window, soft_cap))
+        *_rows(query_start, seq_lens, num_seqs), _limit(kv_limit),
+        **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype)
 
 
 def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, query_start, seq_lens,
                      block_tables, num_seqs=None, *, sm_scale: float,
-                     sliding_window: int | None = None, soft_cap: float | None = None):
+                     sliding_window: int | None = None, soft_cap: float | None = None,
+                     kv_limit=None):
     """``reference.write_kv`` then :func:`paged_attention` in one kernel call: the new
     ``k, v [T, Hkv, D]`` go into the float32 or bfloat16 pages in place (rounded to nearest
     even for bfloat16; the returned pages alias the given ones; donate them) ->
@@ -184,5 +192,6 @@ def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, query_start, seq_l
         input_output_aliases={3: 1, 4: 2})(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), k_pages, v_pages,
         slot_mapping.astype(jnp.int32), block_tables.astype(jnp.int32),
-        *_rows(query_start, seq_lens, num_seqs), **_attrs(sm_scale, sliding_window, soft_cap))
+        *_rows(query_start, seq_lens, num_seqs), _limit(kv_limit),
+        **_attrs(sm_scale, sliding_window, soft_cap))
     return out.astype(q.dtype), k_pages, v_pages

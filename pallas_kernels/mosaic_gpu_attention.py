@@ -27,6 +27,11 @@ memory that the WGMMAs read (float8 values are exact in bf16/f16). The ``[Hkv, 2
 ride on the queries (``q * k_scale``, in the XLA prologue that already lays out the rows) and
 on the output (``* v_scale``, in the split-merge epilogue), so the kernel body is the same.
 
+Visibility limits (``kv_limit``, reference.py; only when given, else the program is as
+without): the XLA prologue lays each row's last visible position out like the query rows and
+each block's KV end in its metadata; a program copies its 64 rows' limits to shared memory with
+its queries and masks by them.
+
 Known costs outside the kernel (a next step, measured on the GPU first): the query transpose,
 the per-block metadata (a few tiny XLA ops) and the split merge / row gather epilogue.
 """
@@ -127,9 +132,27 @@ def _widen(x, dtype):
     return x.astype(jnp.float32).astype(dtype)
 
 
-def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, soft_cap,
+def _row_limits(kv_limit, query_start, seq_lens, meta, group, t):
+    """``kv_limit [T]`` as the kernel reads it: each (token, head) row's last visible position
+    ``[T * G + pad]`` (its own position, or its limit where later inside its context), and the
+    metadata with field 5, one past the furthest position of each block's rows."""
+    qs = query_start.astype(jnp.int32)
+    tok = jnp.arange(t, dtype=jnp.int32)
+    s_len = seq_lens.shape[0]
+    seq_of = jnp.minimum(jnp.searchsorted(qs[1:], tok, side="right"), s_len - 1)
+    pos = seq_lens[seq_of] - (qs[seq_of + 1] - qs[seq_of]) + (tok - qs[seq_of])
+    hi = jnp.maximum(pos, jnp.minimum(kv_limit.astype(jnp.int32), seq_lens[seq_of] - 1))
+    rows = jnp.repeat(hi, group)
+    rows = jnp.pad(rows, (0, _cdiv(t * group + _ROWS, 8) * 8 - t * group))
+    r = meta[:, 1, None] + jnp.arange(_ROWS, dtype=jnp.int32)[None, :]  # [nb, 64]
+    live = jnp.arange(_ROWS)[None, :] < meta[:, 3, None]
+    end = jnp.max(jnp.where(live, rows[jnp.minimum(r, rows.shape[0] - 1)], -1), axis=1) + 1
+    return rows, meta.at[:, 5].set(end)
+
+
+def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
             sliding_window, group, page_size, block_kv, num_stages, num_splits, min_iters,
-            max_pages, num_pages, dtype, kv_dtype):
+            max_pages, num_pages, dtype, kv_dtype, limited):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     head_dim = q_ref.shape[-1]
@@ -140,17 +163,27 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
     bt_w = bt_ref.shape[-1]
 
     upcast = jnp.dtype(kv_dtype) != jnp.dtype(dtype)
+    hi_ref = None
+    if limited:  # [T * G + pad] each row's last visible position
+        hi_ref, refs = refs[0], refs[1:]
+    o_ref, lse_ref = refs
 
-    def body(meta_smem, bt_smem, q_smem, k_smem, v_smem, o_smem, lse_smem, bars, *wide):
+    def body(meta_smem, bt_smem, q_smem, k_smem, v_smem, o_smem, lse_smem, bars, *scratch):
         meta_bar, q_bar, k_bars, v_bars = bars
+        hi_smem, wide = (scratch[0], scratch[1:]) if limited else (None, scratch)
         plgpu.copy_gmem_to_smem(meta_ref.at[b], meta_smem, meta_bar)
         plgpu.barrier_wait(meta_bar)
         seq, row0, r_rel, nrows, pos0 = (meta_smem[i] for i in range(5))
         plgpu.copy_gmem_to_smem(bt_ref.at[seq], bt_smem, meta_bar)
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(row0, _ROWS)], q_smem, q_bar)
+        if limited:
+            plgpu.copy_gmem_to_smem(hi_ref.at[pl.ds(row0, _ROWS)], hi_smem, q_bar)
 
-        # KV tokens this block needs: up to its last row's position; from the window start.
+        # KV tokens this block needs: up to its last row's position (or furthest limit); from
+        # the window start.
         hi_tok = pos0 + lax.div(r_rel + nrows - 1, group) + 1
+        if limited:
+            hi_tok = jnp.maximum(hi_tok, meta_smem[5])
         if sliding_window is None:
             lo_tok = jnp.int32(0)
         else:
@@ -183,6 +216,10 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
         row_pos = pos0 + lax.div(
             r_rel + plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=wg), group)
         row_ok = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=wg) < nrows
+        row_hi = row_pos
+        if limited:
+            row_hi = lax.broadcast_in_dim(plgpu.load(hi_smem, (), layout=wg.reduce(1)),
+                                          (_ROWS, block_kv), [0])
         col_iota = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 1, layout=wg)
 
         def step(it, carry):
@@ -205,7 +242,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = s * _LOG2E
             kv_pos = kv_lo + it * block_kv + col_iota
-            mask = row_ok & (kv_pos <= row_pos)
+            mask = row_ok & (kv_pos <= row_hi)
             if sliding_window is not None:
                 mask = mask & (kv_pos > row_pos - sliding_window)
             s = jnp.where(mask, s, _MASK)
@@ -264,6 +301,7 @@ def _kernel(meta_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, sm_scale, 
         (plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1),
          plgpu.Barrier(num_arrivals=pps, num_barriers=num_stages),
          plgpu.Barrier(num_arrivals=pps, num_barriers=num_stages)),
+        *((plgpu.SMEM((_ROWS,), jnp.int32),) if limited else ()),
         *(wide_tiles if upcast else ()),
     )
 
@@ -300,7 +338,7 @@ def call_grid(t, hq, hkv, s_len, max_pages, page_size, cfg: MosaicTileConfig):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "cfg"))
 def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
-                            kv_scale, *, sm_scale, sliding_window, soft_cap,
+                            kv_scale, kv_limit, *, sm_scale, sliding_window, soft_cap,
                             cfg: MosaicTileConfig):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -311,6 +349,11 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
     nb, ns, min_iters = call_grid(t, hq, hkv, s_len, max_pages, page_size, cfg)
     nseq = jnp.int32(s_len) if num_seqs is None else jnp.asarray(num_seqs, jnp.int32)
     meta, first_blk = _block_metadata(query_start, seq_lens.astype(jnp.int32), nseq, group, nb)
+    limits = ()
+    if kv_limit is not None:
+        hi_rows, meta = _row_limits(kv_limit, query_start, seq_lens.astype(jnp.int32), meta,
+                                    group, t)
+        limits = (hi_rows,)
     # Block-table rows padded to 128 bytes (TMA) and cut into <= 256-entry TMA boxes.
     mp = _cdiv(max_pages, 32) * 32
     if mp > 256:
@@ -333,7 +376,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
         _kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         group=group, page_size=page_size, block_kv=cfg.block_kv, num_stages=cfg.num_stages,
         num_splits=ns, min_iters=min_iters, max_pages=max_pages, num_pages=num_pages,
-        dtype=q.dtype, kv_dtype=k_pages.dtype)
+        dtype=q.dtype, kv_dtype=k_pages.dtype, limited=kv_limit is not None)
     # The kernel's name in profiles and HLO (plgpu.kernel names it after the body).
     kernel.__name__ = f"rpa_mosaic_kv{cfg.block_kv}_st{cfg.num_stages}_s{ns}"
     o_part, lse = plgpu.kernel(
@@ -346,7 +389,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
         # masks); jax 0.11 made warpgroup semantics the default, so name it.
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(meta, bt, q_rows, k_pages, v_pages)
+    )(meta, bt, q_rows, k_pages, v_pages, *limits)
 
     # Merge the splits (base-2 log-sum-exp weights), then rows back to [T, Hq, D].
     m = jnp.max(lse, axis=0, keepdims=True)
@@ -368,10 +411,12 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
                            num_seqs=None, *, sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, kv_scale=None, **tile_params):
+                           soft_cap: float | None = None, kv_scale=None, kv_limit=None,
+                           **tile_params):
     """Causal attention of every new token against its sequence's pages (see reference.py),
     on Hopper's TMA and tensor cores. ``kv_scale``: optional ``[Hkv, 2]`` scales of float8
-    pages. ``tile_params`` override :class:`MosaicTileConfig`."""
+    pages; ``kv_limit``: optional ``[T]`` last visible key position of each token.
+    ``tile_params`` override :class:`MosaicTileConfig`."""
     cfg = MosaicTileConfig().replace(**tile_params)
     _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg)
     if sliding_window is not None and int(sliding_window) < 1:
@@ -379,7 +424,7 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
     if soft_cap is not None and float(soft_cap) <= 0:
         raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     return _ragged_paged_attention(
-        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs, kv_scale,
+        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs, kv_scale, kv_limit,
         sm_scale=float(sm_scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap), cfg=cfg)

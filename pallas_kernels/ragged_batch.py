@@ -85,8 +85,10 @@ def make_ragged_batch(
     )
 
 
-def naive_attention(batch: RaggedBatch, *, sm_scale, sliding_window=None, soft_cap=None):
-    """Per-sequence, per-token float64 numpy attention: the slow obvious ground truth."""
+def naive_attention(batch: RaggedBatch, *, sm_scale, sliding_window=None, soft_cap=None,
+                    kv_limit=None):
+    """Per-sequence, per-token float64 numpy attention: the slow obvious ground truth
+    (``kv_limit [T]``: each token's last visible position, reference.py)."""
     q = np.asarray(batch.q, np.float64)
     k_pages = np.asarray(batch.k_pages, np.float64)
     v_pages = np.asarray(batch.v_pages, np.float64)
@@ -103,14 +105,34 @@ def naive_attention(batch: RaggedBatch, *, sm_scale, sliding_window=None, soft_c
         for tok in range(lo, hi):
             pos = ctx - (hi - lo) + (tok - lo)
             first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            last = pos if kv_limit is None else min(max(pos, int(kv_limit[tok])), ctx - 1)
             for h in range(hq):
-                kh, vh = k[h // group, first : pos + 1], v[h // group, first : pos + 1]
+                kh, vh = k[h // group, first : last + 1], v[h // group, first : last + 1]
                 s = kh @ q[tok, h] * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * np.tanh(s / soft_cap)
                 p = np.exp(s - s.max())
                 out[tok, h] = p @ vh / p.sum()
     return out
+
+
+def random_kv_limits(rng: np.random.Generator, batch: RaggedBatch, max_run: int = 12
+                     ) -> np.ndarray:
+    """``kv_limit [T]`` of random runs inside each row's new tokens (every token of a run
+    sees up to the run's last position, as an image's tokens do); -1 (causal) elsewhere,
+    padding included."""
+    lim = np.full(batch.q.shape[0], -1, np.int32)
+    for i in range(batch.num_seqs):
+        lo, hi = int(batch.query_start[i]), int(batch.query_start[i + 1])
+        first_pos = int(batch.seq_lens[i]) - (hi - lo)
+        t = lo + int(rng.integers(0, 3))
+        while t < hi:
+            n = int(rng.integers(1, max_run + 1))
+            end = min(t + n, hi)
+            if rng.random() < 0.7:
+                lim[t:end] = first_pos + (end - 1 - lo)
+            t = end + int(rng.integers(0, 4))
+    return lim
 
 
 @dataclass

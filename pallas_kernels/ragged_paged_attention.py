@@ -24,6 +24,9 @@ How the work is cut (all grid sizes come from static shapes; per-sequence work i
 * **Padding costs nothing.** Query blocks that belong to no sequence, empty splits and padding
   rows exit before touching memory; the KV loop's trip count is bounded by each sequence's
   ``seq_lens`` (and sliding window). Padded tokens keep the output's zeros.
+* **Visibility limits** (``kv_limit``, reference.py): a step ref of its own, present only when
+  given (the text-only programs are unchanged); a block's KV walk then ends at its tokens'
+  furthest limit, and the mask reads each row's.
 """
 from __future__ import annotations
 
@@ -194,10 +197,24 @@ def _prefill_row(b, qs_ref, sl_ref, nseq_ref, *, bq, bq_dec, s_len):
     return seq, q0_seq + j, qn, sl_ref[seq] - q_len_s + j
 
 
-def _kv_range(pos0, qn, sp, nseq_ref, *, page_size, block_kv, sliding_window, num_splits,
-              split_target, hkv, min_iters):
-    """KV steps ``[it_lo, it_hi)`` of split ``sp``, the first KV token and the split count."""
-    hi_tok = pos0 + qn
+def _limits(lim_ref, sl_ref, seq, q0, qn, pos0, *, block_m, gp):
+    """Each row's last visible position (``[block_m, 1]``: its token's position or, where
+    later, its ``kv_limit`` inside the row's context) and the block's KV end (one past the
+    furthest)."""
+    rows = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    tok = lax.div(rows, jnp.int32(gp))
+    lim = lim_ref[jnp.clip(q0 + tok, 0, lim_ref.shape[0] - 1)]
+    hi = jnp.maximum(pos0 + tok, jnp.minimum(lim, sl_ref[seq] - 1))
+    end = jnp.maximum(pos0 + qn, jnp.max(jnp.where(tok < qn, hi, -1)) + 1)
+    return hi[:, None], end
+
+
+def _kv_range(pos0, qn, sp, nseq_ref, hi_tok=None, *, page_size, block_kv, sliding_window,
+              num_splits, split_target, hkv, min_iters):
+    """KV steps ``[it_lo, it_hi)`` of split ``sp``, the first KV token and the split count;
+    ``hi_tok``: one past the block's last visible KV position (default: causal)."""
+    if hi_tok is None:
+        hi_tok = pos0 + qn
     if sliding_window is None:
         lo_tok = jnp.int32(0)
     else:
@@ -237,22 +254,30 @@ def _row_index(q0, qn, h, *, block_m, gp, group, hq, num_rows):
 
 
 def _attn_kernel(
-    qs_ref, sl_ref, nseq_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
+    qs_ref, sl_ref, nseq_ref, *refs,
     row_fn, kv_kw, block_m, sm_scale, soft_cap, sliding_window, group, gp, hq, page_size,
-    block_kv, max_pages, direct, scaled,
+    block_kv, max_pages, direct, scaled, limited,
 ):
     """One (query block, KV head, split): online softmax over this split's KV pages.
 
-    ``scaled``: ``refs[0]`` holds the float8 pages' K/V scales, flat ``[Hkv * 2]``."""
+    ``limited``: the first ref after the step metadata is ``kv_limit [T]``. ``scaled``: the
+    ref after the pages holds the float8 pages' K/V scales, flat ``[Hkv * 2]``."""
     b = pl.program_id(0)
     h = pl.program_id(1)
     sp = pl.program_id(2)
+    lim_ref = None
+    if limited:
+        lim_ref, refs = refs[0], refs[1:]
+    bt_ref, q_ref, k_ref, v_ref, *refs = refs
     k_scale = v_scale = None
     if scaled:
         k_scale, v_scale = refs[0][2 * h], refs[0][2 * h + 1]
         refs = refs[1:]
     seq, q0, qn, pos0 = row_fn(b, qs_ref, sl_ref, nseq_ref)
-    it_lo, it_hi, kv_lo, _ = _kv_range(pos0, qn, sp, nseq_ref, **kv_kw)
+    row_hi = hi_tok = None
+    if limited:
+        row_hi, hi_tok = _limits(lim_ref, sl_ref, seq, q0, qn, pos0, block_m=block_m, gp=gp)
+    it_lo, it_hi, kv_lo, _ = _kv_range(pos0, qn, sp, nseq_ref, hi_tok, **kv_kw)
 
     @pl.when(it_hi > it_lo)
     def _():
@@ -292,7 +317,7 @@ def _attn_kernel(
             s = s * _LOG2E  # base-2 units from here on
             if masked:
                 kv_pos = kv0 + cols
-                mask = row_ok2 & (kv_pos <= q_pos)
+                mask = row_ok2 & (kv_pos <= (q_pos if row_hi is None else row_hi))
                 if sliding_window is not None:
                     mask = mask & (kv_pos > q_pos - sliding_window)
                 s = jnp.where(mask, s, _MASK)
@@ -337,13 +362,18 @@ def _attn_kernel(
             lse_ref[...] = lse.reshape(block_m)
 
 
-def _combine_kernel(qs_ref, sl_ref, nseq_ref, o_ref, lse_ref, _alias_ref, out_ref, *,
-                    row_fn, kv_kw, block_m, gp, group, hq):
+def _combine_kernel(qs_ref, sl_ref, nseq_ref, *refs, row_fn, kv_kw, block_m, gp, group, hq,
+                    limited):
     """Merge the splits of one (row, KV head) into the flat output; reads only splits that ran."""
     b = pl.program_id(0)
     h = pl.program_id(1)
-    _, q0, qn, pos0 = row_fn(b, qs_ref, sl_ref, nseq_ref)
-    _, _, _, nsplit = _kv_range(pos0, qn, 0, nseq_ref, **kv_kw)
+    hi_tok = None
+    seq, q0, qn, pos0 = row_fn(b, qs_ref, sl_ref, nseq_ref)
+    if limited:
+        _, hi_tok = _limits(refs[0], sl_ref, seq, q0, qn, pos0, block_m=block_m, gp=gp)
+        refs = refs[1:]
+    o_ref, lse_ref, _alias_ref, out_ref = refs
+    _, _, _, nsplit = _kv_range(pos0, qn, 0, nseq_ref, hi_tok, **kv_kw)
     head_dim = o_ref.shape[-1]
 
     @pl.when(nsplit > 0)
@@ -379,7 +409,7 @@ def _run_call(out, step_refs, bt_flat, q_flat, k_flat, v_flat, scales, shape: _C
         _attn_kernel, row_fn=row_fn, kv_kw=kv_kw, block_m=bm, sm_scale=sm_scale,
         soft_cap=soft_cap, sliding_window=sliding_window, group=group, gp=gp, hq=hq,
         page_size=page_size, block_kv=shape.block_kv, max_pages=max_pages, direct=direct,
-        scaled=scales is not None,
+        scaled=scales is not None, limited=len(step_refs) > 3,
     )
     whole = lambda arr: pl.BlockSpec(arr.shape, lambda *_: (0,) * arr.ndim)
     in_specs = [whole(a) for a in step_refs] + [
@@ -416,7 +446,7 @@ def _run_call(out, step_refs, bt_flat, q_flat, k_flat, v_flat, scales, shape: _C
         name=f"{name}_bm{bm}_kv{shape.block_kv}_s{ns}",
     )(*args)
     combine = functools.partial(_combine_kernel, row_fn=row_fn, kv_kw=kv_kw, block_m=bm, gp=gp,
-                                group=group, hq=hq)
+                                group=group, hq=hq, limited=len(step_refs) > 3)
     step_specs = [pl.BlockSpec(a.shape, lambda b, h, nd=a.ndim: (0,) * nd) for a in step_refs]
     return pl.pallas_call(
         combine,
@@ -468,7 +498,7 @@ def _check(q, k_pages, v_pages, query_start, seq_lens, block_tables, cfg: TileCo
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "interpret", "cfg"),
 )
 def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
-                            kv_scale, *, sm_scale, sliding_window, soft_cap, interpret,
+                            kv_scale, kv_limit, *, sm_scale, sliding_window, soft_cap, interpret,
                             cfg: TileConfig):
     # Everything per call is free reshapes plus one zero fill and the pallas_calls: each kernel
     # reads the step metadata itself (decode rows by index, prefill blocks by a prefix sum), so
@@ -487,7 +517,7 @@ def _ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_ta
         query_start.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
         (jnp.int32(s_len) if num_seqs is None else num_seqs).astype(jnp.int32).reshape(1),
-    )
+    ) + (() if kv_limit is None else (kv_limit.astype(jnp.int32),))
     bt_flat = block_tables.astype(jnp.int32).reshape(-1)
     q_flat = q.reshape(t * hq, d)
     # The pool as rows of slots (a free reshape): a KV step gathers its rows by slot.
@@ -528,6 +558,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scale=None,
+    kv_limit=None,
     interpret: bool = False,
     **tile_params,
 ):
@@ -536,7 +567,8 @@ def ragged_paged_attention(
     q: ``[T, Hq, D]``; k_pages/v_pages: ``[Hkv, num_pages, page_size, D]`` with the step's new
     K/V already written; query_start ``[S+1]``; seq_lens ``[S]`` (0 = padding row);
     block_tables ``[S, M]``; num_seqs: optional count of real rows (rows at or past it are
-    padding too); kv_scale: optional ``[Hkv, 2]`` scales of float8 pages (see reference.py).
+    padding too); kv_scale: optional ``[Hkv, 2]`` scales of float8 pages; kv_limit: optional
+    ``[T]`` last visible key position of each token (see reference.py).
     Padded tokens come back as zeros. ``tile_params`` override
     :class:`TileConfig` fields (e.g. ``decode_num_splits=4``). Returns ``[T, Hq, D]`` in q's dtype.
     """
@@ -551,7 +583,7 @@ def ragged_paged_attention(
         if soft_cap <= 0:
             raise ValueError(f"soft_cap must be > 0, got {soft_cap}")
     return _ragged_paged_attention(
-        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs, kv_scale,
+        q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs, kv_scale, kv_limit,
         sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
         interpret=bool(interpret), cfg=cfg,
     )

@@ -12,6 +12,13 @@ column 1 the V scale of each KV head. A page holds ``k / k_scale`` (saturated at
 maximum); attention reads ``page * k_scale``, which every path folds in as ``scores *= k_scale``
 (before the soft cap and softmax) and ``output *= v_scale``. ``None`` (the default, and always
 with serving-dtype pages) means 1.0 and adds no work.
+
+Visibility limits (bidirectional runs, e.g. Gemma 4's image tokens on its sliding layers):
+``kv_limit`` is int32 ``[T]``, the last key position each new token may see. A token sees the
+key positions ``<= max(pos, kv_limit)`` (and inside its context and sliding window, whose lower
+bound stays ``pos - window``): a value below the token's position (-1 is the "off" value) keeps
+it causal; a token inside a run of tokens that see each other carries the run's last position.
+``None`` (the default) is causal attention, and every kernel then compiles as without it.
 """
 from __future__ import annotations
 
@@ -69,6 +76,11 @@ def scaled_output(out, kv_scale):
     return out * kv_scale[:, 1, None, None].astype(jnp.float32)
 
 
+def visible_limit(pos, kv_limit):
+    """Each token's last visible key position: its own, or ``kv_limit`` where that is later."""
+    return pos if kv_limit is None else jnp.maximum(pos, kv_limit.astype(jnp.int32))
+
+
 def token_metadata(query_start, seq_lens, num_tokens):
     """Per-token (sequence index, absolute position, valid) from the ragged step metadata."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -95,6 +107,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scale=None,
+    kv_limit=None,
 ):
     """Causal attention of every new token against its sequence's pages.
 
@@ -102,8 +115,8 @@ def ragged_paged_attention(
     length after this step (0 = padding row); block_tables: ``[S, M]``. A row may be a prefill
     chunk whose earlier context is already in the pages, or a single decode token. The new K/V
     must already be written to the pages. Rows of padded tokens come back as zeros. kv_scale:
-    optional ``[Hkv, 2]`` K/V scales of float8 pages (module docstring).
-    Returns ``[T, Hq, D]`` in q's dtype.
+    optional ``[Hkv, 2]`` K/V scales of float8 pages; kv_limit: optional ``[T]`` last visible
+    key position of each token (module docstring). Returns ``[T, Hq, D]`` in q's dtype.
     """
     del num_seqs  # padding rows have seq_lens == 0; the reference needs no count
     t_len, hq, d = q.shape
@@ -126,7 +139,8 @@ def ragged_paged_attention(
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     kv_pos = jnp.arange(ctx, dtype=jnp.int32)
     mask = (seq_of[:, None] == jnp.arange(s_len)[None, :])[:, :, None]  # [T, S, 1]
-    mask = mask & (kv_pos[None, None, :] <= pos[:, None, None])
+    hi = visible_limit(pos, kv_limit)
+    mask = mask & (kv_pos[None, None, :] <= hi[:, None, None])
     mask = mask & (kv_pos[None, None, :] < seq_lens[None, :, None])
     if sliding_window is not None:
         mask = mask & (kv_pos[None, None, :] > pos[:, None, None] - sliding_window)

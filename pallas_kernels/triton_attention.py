@@ -50,7 +50,7 @@ def _kernels():
 
 
 def launch_plan(q_shape, kv_shape, s_len, max_pages, dtype, *, sm_scale, sliding_window,
-                soft_cap, cfg: TileConfig, scaled: bool = False):
+                soft_cap, cfg: TileConfig, scaled: bool = False, limited: bool = False):
     """The kernel launches of one call, in order: ``(kernel name, grid, constexprs, warps,
     stages, combine-of-previous)`` for the prefill call (if the bucket can hold a long row) and
     the decode call, each followed by its combine when split. Shared by the JAX and torch paths
@@ -64,7 +64,7 @@ def launch_plan(q_shape, kv_shape, s_len, max_pages, dtype, *, sm_scale, sliding
     f32 = np.dtype(dtype) == np.float32
     base = dict(S_LEN=s_len, SP=max(16, _next_pow2(s_len)), GP=gp, GROUP=group, HQ=hq, HKV=hkv,
                 HEAD_DIM=d, PAGE_SIZE=page_size, WINDOW=sliding_window or 0,
-                BQ_DEC=dec.block_q)
+                BQ_DEC=dec.block_q, LIMITED=bool(limited))
     attn_only = dict(MAX_PAGES=max_pages, NUM_PAGES=num_pages, sm_scale=float(sm_scale),
                      soft_cap=float(soft_cap or 0.0), SOFT_CAP=soft_cap is not None,
                      DOT_PREC="ieee" if f32 else "tf32", SCALED=bool(scaled))
@@ -102,7 +102,8 @@ def _prepare(q, k_pages, v_pages, query_start, seq_lens, block_tables, sliding_w
 
 def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tables,
                            num_seqs=None, *, sm_scale: float, sliding_window: int | None = None,
-                           soft_cap: float | None = None, kv_scale=None, **tile_params):
+                           soft_cap: float | None = None, kv_scale=None, kv_limit=None,
+                           **tile_params):
     """The Triton kernels through ``jax_triton.triton_call`` (GPU only; jit-compatible).
 
     Arguments and result as :func:`pallas_kernels.ragged_paged_attention.ragged_paged_attention`;
@@ -119,6 +120,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
     kernels = _kernels()
     meta = (query_start.astype(jnp.int32), seq_lens.astype(jnp.int32),
             (jnp.int32(s_len) if num_seqs is None else num_seqs).astype(jnp.int32).reshape(1))
+    # kv_limit [T] (reference.py); causal launches get a never-read placeholder
+    meta += (meta[2] if kv_limit is None else kv_limit.astype(jnp.int32),)
     bt = block_tables.astype(jnp.int32).reshape(-1)
     qf = q.reshape(t * hq, d)
     # Unscaled launches get a never-read placeholder for the scales pointer.
@@ -128,7 +131,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
     partial = None
     for kind, name, grid, kw, warps, stages in launch_plan(
             q.shape, k_pages.shape, s_len, max_pages, q.dtype, sm_scale=sm_scale,
-            sliding_window=window, soft_cap=soft_cap, cfg=cfg, scaled=kv_scale is not None):
+            sliding_window=window, soft_cap=soft_cap, cfg=cfg, scaled=kv_scale is not None,
+            limited=kv_limit is not None):
         if kind == "direct":
             args = (*meta, bt, qf, k_pages, v_pages, sc, out)
             out = jt.triton_call(*args, kernel=kernels["direct"], out_shape=out_sds, grid=grid,
@@ -153,7 +157,8 @@ def ragged_paged_attention(q, k_pages, v_pages, query_start, seq_lens, block_tab
 def ragged_paged_attention_torch(q, k_pages, v_pages, query_start, seq_lens, block_tables,
                                  num_seqs=None, *, sm_scale: float,
                                  sliding_window: int | None = None,
-                                 soft_cap: float | None = None, kv_scale=None, **tile_params):
+                                 soft_cap: float | None = None, kv_scale=None, kv_limit=None,
+                                 **tile_params):
     """The same launches on torch tensors: Triton's interpreter on the CPU
     (``TRITON_INTERPRET=1``), or a CUDA device without JAX."""
     import torch
@@ -169,6 +174,8 @@ def ragged_paged_attention_torch(q, k_pages, v_pages, query_start, seq_lens, blo
     meta = (query_start.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
             torch.tensor([s_len if num_seqs is None else int(num_seqs)], dtype=torch.int32,
                          device=dev))
+    meta += (meta[2] if kv_limit is None else
+             torch.as_tensor(kv_limit, dtype=torch.int32, device=dev).contiguous(),)
     bt = block_tables.to(torch.int32).reshape(-1).contiguous()
     qf = q.reshape(t * hq, d).contiguous()
     kp, vp = k_pages.contiguous(), v_pages.contiguous()
@@ -178,7 +185,8 @@ def ragged_paged_attention_torch(q, k_pages, v_pages, query_start, seq_lens, blo
     partial = None
     for kind, _, grid, kw, warps, stages in launch_plan(
             tuple(q.shape), tuple(k_pages.shape), s_len, max_pages, dtype, sm_scale=sm_scale,
-            sliding_window=window, soft_cap=soft_cap, cfg=cfg, scaled=kv_scale is not None):
+            sliding_window=window, soft_cap=soft_cap, cfg=cfg, scaled=kv_scale is not None,
+            limited=kv_limit is not None):
         if kind == "direct":
             kernels["direct"][grid](*meta, bt, qf, kp, vp, sc, out, out, num_warps=warps,
                                     num_stages=stages, **kw)

@@ -40,17 +40,34 @@ def prefill_row(b, qs_ptr, sl_ptr, nseq_ptr, BQ: tl.constexpr, BQ_DEC: tl.conste
 
 
 @triton.jit
-def kv_range(pos0, qn, sp, nseq_ptr, PAGE_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr,
+def limits(lim_ptr, sl_ptr, seq, q0, qn, pos0, BLOCK_M: tl.constexpr, GP: tl.constexpr,
+           LIMITED: tl.constexpr):
+    """Each row's last visible position (its token's, or where later its ``kv_limit`` inside
+    the row's context) and one past the block's furthest (the Pallas kernel's ``_limits``)."""
+    tok = tl.arange(0, BLOCK_M) // GP
+    if LIMITED:
+        lim = tl.load(lim_ptr + q0 + tok, mask=tok < qn, other=-1)
+        hi = tl.maximum(pos0 + tok, tl.minimum(lim, tl.load(sl_ptr + seq) - 1))
+        end = tl.maximum(pos0 + qn, tl.max(tl.where(tok < qn, hi, -1), 0) + 1)
+    else:
+        hi = pos0 + tok
+        end = pos0 + qn
+    return hi, end
+
+
+@triton.jit
+def kv_range(pos0, qn, hi_tok, sp, nseq_ptr, PAGE_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr,
              WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TARGET: tl.constexpr,
              HKV: tl.constexpr, MIN_ITERS: tl.constexpr):
     """KV steps [it_lo, it_hi) of split ``sp``, the page-aligned first KV token, the split
-    count (the same rule as the Pallas kernel's ``_kv_range``)."""
+    count (the same rule as the Pallas kernel's ``_kv_range``); ``hi_tok``: one past the
+    block's last visible KV position."""
     if WINDOW > 0:
         lo_tok = tl.maximum(pos0 - WINDOW + 1, 0)
     else:
         lo_tok = pos0 * 0
     kv_lo = (lo_tok // PAGE_SIZE) * PAGE_SIZE
-    nkv = tl.where(qn > 0, (pos0 + qn - kv_lo + BLOCK_KV - 1) // BLOCK_KV, 0)
+    nkv = tl.where(qn > 0, (hi_tok - kv_lo + BLOCK_KV - 1) // BLOCK_KV, 0)
     if NUM_SPLITS > 1 and SPLIT_TARGET > 0:
         work = tl.maximum(tl.load(nseq_ptr) * HKV, 1)
         splits = tl.minimum(tl.maximum((SPLIT_TARGET + work - 1) // work, 1), NUM_SPLITS)
@@ -76,7 +93,7 @@ def row_index(q0, qn, h, BLOCK_M: tl.constexpr, GP: tl.constexpr, GROUP: tl.cons
 
 
 @triton.jit
-def kv_step(it, acc, m_i, l_i, q, q_pos, row_ok, seq, h, kv_lo, bt_ptr, k_ptr, v_ptr,
+def kv_step(it, acc, m_i, l_i, q, q_pos, q_hi, row_ok, seq, h, kv_lo, bt_ptr, k_ptr, v_ptr,
             sm_scale, soft_cap, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr, MAX_PAGES: tl.constexpr,
             NUM_PAGES: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
@@ -100,7 +117,7 @@ def kv_step(it, acc, m_i, l_i, q, q_pos, row_ok, seq, h, kv_lo, bt_ptr, k_ptr, v
     s = s * 1.4426950408889634  # base-2 units from here on
     if MASKED:
         kv_pos = kv_tok[None, :]
-        mask = row_ok[:, None] & (kv_pos <= q_pos[:, None])
+        mask = row_ok[:, None] & (kv_pos <= q_hi[:, None])
         if WINDOW > 0:
             mask = mask & (kv_pos > q_pos[:, None] - WINDOW)
         s = tl.where(mask, s, -2.3819763e38)
@@ -127,14 +144,14 @@ def kv_scales(sc_ptr, h, SCALED: tl.constexpr):
 
 
 @triton.jit
-def attend(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft_cap,
+def attend(qs_ptr, sl_ptr, nseq_ptr, lim_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft_cap,
            DECODE: tl.constexpr, BQ: tl.constexpr, BQ_DEC: tl.constexpr,
            S_LEN: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr, GP: tl.constexpr,
            GROUP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
            HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr,
            MAX_PAGES: tl.constexpr, NUM_PAGES: tl.constexpr, WINDOW: tl.constexpr,
            SOFT_CAP: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_TARGET: tl.constexpr,
-           MIN_ITERS: tl.constexpr, DOT_PREC: tl.constexpr):
+           MIN_ITERS: tl.constexpr, DOT_PREC: tl.constexpr, LIMITED: tl.constexpr):
     """Online softmax of one (query block, KV head, split) over its KV steps."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -143,8 +160,9 @@ def attend(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft
         seq, q0, qn, pos0 = decode_row(b, qs_ptr, sl_ptr, nseq_ptr, BQ)
     else:
         seq, q0, qn, pos0 = prefill_row(b, qs_ptr, sl_ptr, nseq_ptr, BQ, BQ_DEC, S_LEN, SP)
-    it_lo, it_hi, kv_lo, _ = kv_range(pos0, qn, sp, nseq_ptr, PAGE_SIZE, BLOCK_KV, WINDOW,
-                                      NUM_SPLITS, SPLIT_TARGET, HKV, MIN_ITERS)
+    q_hi, hi_tok = limits(lim_ptr, sl_ptr, seq, q0, qn, pos0, BLOCK_M, GP, LIMITED)
+    it_lo, it_hi, kv_lo, _ = kv_range(pos0, qn, hi_tok, sp, nseq_ptr, PAGE_SIZE, BLOCK_KV,
+                                      WINDOW, NUM_SPLITS, SPLIT_TARGET, HKV, MIN_ITERS)
     idx, row_ok, tok = row_index(q0, qn, h, BLOCK_M, GP, GROUP, HQ)
     dcol = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + idx.to(tl.int64)[:, None] * HEAD_DIM + dcol[None, :],
@@ -159,12 +177,12 @@ def attend(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft
         # KV steps wholly at or before the block's first query position need no mask.
         mid = tl.minimum(tl.maximum((pos0 + 1 - kv_lo) // BLOCK_KV, it_lo), it_hi)
     for it in range(it_lo, mid):
-        acc, m_i, l_i = kv_step(it, acc, m_i, l_i, q, q_pos, row_ok, seq, h, kv_lo, bt_ptr,
+        acc, m_i, l_i = kv_step(it, acc, m_i, l_i, q, q_pos, q_hi, row_ok, seq, h, kv_lo, bt_ptr,
                                 k_ptr, v_ptr, sm_scale, soft_cap, False, HEAD_DIM,
                                 PAGE_SIZE, BLOCK_KV, MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP,
                                 DOT_PREC)
     for it in range(mid, it_hi):
-        acc, m_i, l_i = kv_step(it, acc, m_i, l_i, q, q_pos, row_ok, seq, h, kv_lo, bt_ptr,
+        acc, m_i, l_i = kv_step(it, acc, m_i, l_i, q, q_pos, q_hi, row_ok, seq, h, kv_lo, bt_ptr,
                                 k_ptr, v_ptr, sm_scale, soft_cap, True, HEAD_DIM,
                                 PAGE_SIZE, BLOCK_KV, MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP,
                                 DOT_PREC)
@@ -174,7 +192,7 @@ def attend(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale, soft
 
 
 @triton.jit
-def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_ptr,
+def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, lim_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_ptr,
                        out_in_ptr, out_ptr, sm_scale: tl.constexpr, soft_cap: tl.constexpr,
                        DECODE: tl.constexpr, BQ: tl.constexpr, BQ_DEC: tl.constexpr,
                        S_LEN: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -184,13 +202,15 @@ def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc
                        NUM_PAGES: tl.constexpr, WINDOW: tl.constexpr,
                        SOFT_CAP: tl.constexpr, NUM_SPLITS: tl.constexpr,
                        SPLIT_TARGET: tl.constexpr, MIN_ITERS: tl.constexpr,
-                       DOT_PREC: tl.constexpr, SCALED: tl.constexpr):
+                       DOT_PREC: tl.constexpr, SCALED: tl.constexpr,
+                       LIMITED: tl.constexpr):
     """Unsplit call: the normalised rows go straight into the output (aliased in place)."""
     ks, vs = kv_scales(sc_ptr, tl.program_id(1), SCALED)
     acc, m_i, l_i, idx, row_ok, ran = attend(
-        qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale * ks, soft_cap, DECODE,
-        BQ, BQ_DEC, S_LEN, SP, BLOCK_M, GP, GROUP, HQ, HKV, HEAD_DIM, PAGE_SIZE, BLOCK_KV,
-        MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP, NUM_SPLITS, SPLIT_TARGET, MIN_ITERS, DOT_PREC)
+        qs_ptr, sl_ptr, nseq_ptr, lim_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale * ks, soft_cap,
+        DECODE, BQ, BQ_DEC, S_LEN, SP, BLOCK_M, GP, GROUP, HQ, HKV, HEAD_DIM, PAGE_SIZE,
+        BLOCK_KV, MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP, NUM_SPLITS, SPLIT_TARGET, MIN_ITERS,
+        DOT_PREC, LIMITED)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * vs
     dcol = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + idx.to(tl.int64)[:, None] * HEAD_DIM + dcol[None, :],
@@ -199,7 +219,7 @@ def attn_direct_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc
 
 
 @triton.jit
-def attn_split_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_ptr,
+def attn_split_kernel(qs_ptr, sl_ptr, nseq_ptr, lim_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_ptr,
                       o_part_ptr, lse_ptr, sm_scale: tl.constexpr, soft_cap: tl.constexpr,
                       DECODE: tl.constexpr, BQ: tl.constexpr, BQ_DEC: tl.constexpr,
                       S_LEN: tl.constexpr, SP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -209,13 +229,15 @@ def attn_split_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_
                       NUM_PAGES: tl.constexpr, WINDOW: tl.constexpr,
                       SOFT_CAP: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       SPLIT_TARGET: tl.constexpr, MIN_ITERS: tl.constexpr,
-                      DOT_PREC: tl.constexpr, SCALED: tl.constexpr):
+                      DOT_PREC: tl.constexpr, SCALED: tl.constexpr,
+                      LIMITED: tl.constexpr):
     """Split call: each split's normalised rows and base-2 log-sum-exp, ``[ns, nb, Hkv, bm]``."""
     ks, vs = kv_scales(sc_ptr, tl.program_id(1), SCALED)
     acc, m_i, l_i, idx, row_ok, ran = attend(
-        qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale * ks, soft_cap, DECODE,
-        BQ, BQ_DEC, S_LEN, SP, BLOCK_M, GP, GROUP, HQ, HKV, HEAD_DIM, PAGE_SIZE, BLOCK_KV,
-        MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP, NUM_SPLITS, SPLIT_TARGET, MIN_ITERS, DOT_PREC)
+        qs_ptr, sl_ptr, nseq_ptr, lim_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sm_scale * ks, soft_cap,
+        DECODE, BQ, BQ_DEC, S_LEN, SP, BLOCK_M, GP, GROUP, HQ, HKV, HEAD_DIM, PAGE_SIZE,
+        BLOCK_KV, MAX_PAGES, NUM_PAGES, WINDOW, SOFT_CAP, NUM_SPLITS, SPLIT_TARGET, MIN_ITERS,
+        DOT_PREC, LIMITED)
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None] * vs
@@ -230,22 +252,23 @@ def attn_split_kernel(qs_ptr, sl_ptr, nseq_ptr, bt_ptr, q_ptr, k_ptr, v_ptr, sc_
 
 
 @triton.jit
-def combine_kernel(qs_ptr, sl_ptr, nseq_ptr, o_part_ptr, lse_ptr, out_in_ptr, out_ptr,
+def combine_kernel(qs_ptr, sl_ptr, nseq_ptr, lim_ptr, o_part_ptr, lse_ptr, out_in_ptr, out_ptr,
                    NUM_BLOCKS: tl.constexpr, DECODE: tl.constexpr, BQ: tl.constexpr,
                    BQ_DEC: tl.constexpr, S_LEN: tl.constexpr, SP: tl.constexpr,
                    BLOCK_M: tl.constexpr, GP: tl.constexpr, GROUP: tl.constexpr,
                    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, SPLIT_TARGET: tl.constexpr,
-                   MIN_ITERS: tl.constexpr):
+                   MIN_ITERS: tl.constexpr, LIMITED: tl.constexpr):
     """Merge the splits of one (query block, KV head); reads only the splits that ran."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     if DECODE:
-        _, q0, qn, pos0 = decode_row(b, qs_ptr, sl_ptr, nseq_ptr, BQ)
+        seq, q0, qn, pos0 = decode_row(b, qs_ptr, sl_ptr, nseq_ptr, BQ)
     else:
-        _, q0, qn, pos0 = prefill_row(b, qs_ptr, sl_ptr, nseq_ptr, BQ, BQ_DEC, S_LEN, SP)
-    _, _, _, nsplit = kv_range(pos0, qn, 0, nseq_ptr, PAGE_SIZE, BLOCK_KV, WINDOW,
+        seq, q0, qn, pos0 = prefill_row(b, qs_ptr, sl_ptr, nseq_ptr, BQ, BQ_DEC, S_LEN, SP)
+    _, hi_tok = limits(lim_ptr, sl_ptr, seq, q0, qn, pos0, BLOCK_M, GP, LIMITED)
+    _, _, _, nsplit = kv_range(pos0, qn, hi_tok, 0, nseq_ptr, PAGE_SIZE, BLOCK_KV, WINDOW,
                                NUM_SPLITS, SPLIT_TARGET, HKV, MIN_ITERS)
     r = tl.arange(0, BLOCK_M)
     dcol = tl.arange(0, HEAD_DIM)

@@ -23,7 +23,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import scaled_output, scaled_queries
+from pallas_kernels.reference import scaled_output, scaled_queries, visible_limit
 
 _HI = lax.Precision.HIGHEST
 _NEG = -1e30  # finite "minus infinity": fully masked chunks then contribute exactly zero
@@ -51,16 +51,18 @@ def _online_update(carry, s, pv):
     return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv(p)
 
 
-def _mask(kv_pos, pos, ctx, sliding_window):
-    """[rows, C]: causal, inside the context, inside the sliding window."""
-    m = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] < ctx[:, None])
+def _mask(kv_pos, pos, ctx, sliding_window, hi=None):
+    """[rows, C]: up to ``hi`` (each row's last visible position; causal: ``pos``), inside the
+    context, inside the sliding window (measured from ``pos``)."""
+    hi = pos if hi is None else hi
+    m = (kv_pos[None, :] <= hi[:, None]) & (kv_pos[None, :] < ctx[:, None])
     if sliding_window is not None:
         m = m & (kv_pos[None, :] > pos[:, None] - sliding_window)
     return m
 
 
 def _short_rows(out, qg, k_pages, v_pages, rows_idx, n_rows, seq_of, pos, seq_lens, tables, *,
-                sliding_window, soft_cap, chunk, tb):
+                sliding_window, soft_cap, chunk, tb, limit=None):
     """Tokens ``rows_idx[:n_rows]`` (each against its own sequence) in blocks of ``tb``."""
     hkv, _, page_size, d = k_pages.shape
     g = qg.shape[2]
@@ -74,9 +76,10 @@ def _short_rows(out, qg, k_pages, v_pages, rows_idx, n_rows, seq_of, pos, seq_le
         sq = seq_of[rows]
         p_ = jnp.where(live, pos[rows], -1)
         ctx = jnp.where(live, seq_lens[sq], 0)
+        lim = None if limit is None else jnp.where(live, limit[rows], -1)
         tab = tables[sq]  # [tb, M]
         qb = qg[rows].swapaxes(0, 1)  # [K, tb, g, D]
-        hi = jnp.max(jnp.where(live, p_ + 1, 0))
+        hi = jnp.max(jnp.where(live, (p_ if lim is None else lim) + 1, 0))
         lo = jnp.int32(0)
         if sliding_window is not None:
             lo = jnp.min(jnp.where(live, jnp.maximum(p_ - sliding_window + 1, 0), hi)) // ctx_c
@@ -89,7 +92,8 @@ def _short_rows(out, qg, k_pages, v_pages, rows_idx, n_rows, seq_of, pos, seq_le
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             kv_pos = c * ctx_c + jnp.arange(ctx_c, dtype=jnp.int32)
-            s = jnp.where(_mask(kv_pos, p_, ctx, sliding_window)[None, :, None, :], s, _NEG)
+            s = jnp.where(_mask(kv_pos, p_, ctx, sliding_window, lim)[None, :, None, :], s,
+                          _NEG)
             return _online_update(
                 carry, s, lambda p: jnp.einsum("ktgc,ktcd->ktgd", p, v, precision=_HI))
 
@@ -103,7 +107,7 @@ def _short_rows(out, qg, k_pages, v_pages, rows_idx, n_rows, seq_of, pos, seq_le
 
 
 def _long_rows(out, qg, k_pages, v_pages, seq_idx, n_long, query_start, seq_lens, tables, *,
-               sliding_window, soft_cap, chunk, qb_rows):
+               sliding_window, soft_cap, chunk, qb_rows, limit=None):
     """Sequences ``seq_idx[:n_long]``, blocks of ``qb_rows`` query rows, chunks of pages."""
     hkv, _, page_size, d = k_pages.shape
     g = qg.shape[2]
@@ -123,6 +127,10 @@ def _long_rows(out, qg, k_pages, v_pages, seq_idx, n_long, query_start, seq_lens
             qb = lax.dynamic_slice_in_dim(qg, r0, qb_rows, axis=0)  # [Bq, K, g, D]
             qb = qb.transpose(1, 0, 2, 3).reshape(hkv, qb_rows * g, d)
             hi = jnp.minimum(ctx, pos[-1] + 1)
+            lim = None
+            if limit is not None:  # [Bq] each row's last visible position
+                lim = jnp.where(live, lax.dynamic_slice_in_dim(limit, r0, qb_rows), pos)
+                hi = jnp.minimum(ctx, jnp.max(lim) + 1)
             lo = jnp.int32(0)
             if sliding_window is not None:
                 lo = jnp.maximum(pos[0] - sliding_window + 1, 0) // ctx_c
@@ -137,8 +145,8 @@ def _long_rows(out, qg, k_pages, v_pages, seq_idx, n_long, query_start, seq_lens
                 if soft_cap is not None:
                     sc = soft_cap * jnp.tanh(sc / soft_cap)
                 kv_pos = c * ctx_c + jnp.arange(ctx_c, dtype=jnp.int32)
-                sc = jnp.where(_mask(kv_pos, pos, ctx_v, sliding_window)[None, :, None, :], sc,
-                               _NEG)
+                sc = jnp.where(
+                    _mask(kv_pos, pos, ctx_v, sliding_window, lim)[None, :, None, :], sc, _NEG)
 
                 def pv(p):
                     o = jnp.einsum("kqc,kcd->kqd", p.reshape(hkv, qb_rows * g, ctx_c), v,
@@ -174,22 +182,24 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scale=None,
+    kv_limit=None,
 ):
     """Causal attention of every new token against its sequence's pages.
 
     Same contract as ``reference.ragged_paged_attention``: q ``[T, Hq, D]``; query_start
     ``[S+1]``; seq_lens ``[S]`` (0 = padding row, padding rows last); block_tables ``[S, M]``;
     ``num_seqs`` the number of real rows (counted from seq_lens when None); ``kv_scale`` the
-    optional ``[Hkv, 2]`` scales of float8 pages. The new K/V must already be in the pages.
+    optional ``[Hkv, 2]`` scales of float8 pages; ``kv_limit`` the optional ``[T]`` last
+    visible key position of each token (reference.py). The new K/V must already be in the pages.
     Padded tokens come back as zeros. Returns ``[T, Hq, D]`` in q's dtype.
     """
     return attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs,
                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                     kv_scale=kv_scale)
+                     kv_scale=kv_scale, kv_limit=kv_limit)
 
 
 def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs=None, *,
-              sm_scale, sliding_window=None, soft_cap=None, kv_scale=None,
+              sm_scale, sliding_window=None, soft_cap=None, kv_scale=None, kv_limit=None,
               short_query=SHORT_QUERY,
               token_block=TOKEN_BLOCK, q_block=Q_BLOCK, chunk_tokens=CHUNK_TOKENS,
               short_chunk_tokens=None):
@@ -230,6 +240,11 @@ def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs
     seq_of = seq_of.astype(jnp.int32)
     q_lens = query_start[1:] - query_start[:-1]
     pos = seq_lens[seq_of] - q_lens[seq_of] + (t - query_start[seq_of])
+    # each token's last visible position, inside its context; padded by a block for the slices
+    limit = None
+    if kv_limit is not None:
+        limit = jnp.minimum(visible_limit(pos, kv_limit), seq_lens[seq_of] - 1)
+        limit = jnp.pad(limit, (0, max(qb_rows, 1) + 1))
     live_seq = (jnp.arange(s_len) < n_seqs) & (seq_lens > 0)
     short_seq = live_seq & (q_lens <= short_query)
     long_seq = live_seq & (q_lens > short_query)
@@ -247,7 +262,7 @@ def attention(q, k_pages, v_pages, query_start, seq_lens, block_tables, num_seqs
     qg = scaled_queries(q.reshape(t_len, hkv, g, d).astype(jnp.float32), kv_scale) * sm_scale
     qg = jnp.pad(qg, ((0, max(qb_rows, 1)), (0, 0), (0, 0), (0, 0)))
     out = jnp.zeros((t_len + max(qb_rows, 1), hkv, g, d), jnp.float32)
-    kw = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(sliding_window=sliding_window, soft_cap=soft_cap, limit=limit)
     out_short = _short_rows(out[: t_len + 1], qg, k_pages, v_pages, short_idx, n_short, seq_of,
                             pos, seq_lens, block_tables, tb=tb, chunk=short_chunk, **kw)
     out = out.at[: t_len + 1].set(out_short)

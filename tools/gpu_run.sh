@@ -44,6 +44,12 @@
 #            weights, fp8, MM_LAYERS text layers, the real vision tower shape): images/s and TTFT
 #            for 1 image (448 px) + 64 tokens -> 32 (benchmarks/multimodal.py; on CPU
 #            "--shape dummy-cpu" runs the same path small)
+#   offload  (not in the default STAGES: STAGES=offload) benchmarks/multi_turn.py: multi-turn chat
+#            against a device pool of 25 % of the working set, the prefix cache's host tier
+#            (--kv-offloading-size) on vs off: hit rate and TTFT p50/p90 per turn (issue 53);
+#            OFFLOAD_ARGS (default a 1.1B-like random llama, 32 conversations x 8 turns);
+#            OFFLOAD_ARGS="--hidden 64 --layers 2 --conversations 3 --turns 3 --first-tokens 64
+#            --dtype float32" checks the stage on a CPU
 #   research benchmarks/research.py on the 1.1B shape (dummy weights, bf16): update_weights from
 #            placed arrays (target <= 20 ms), host arrays and a safetensors dir; sleep/wake levels
 #            1 and 2; against a restart (issue 52). Not in the default STAGES: STAGES=research.
@@ -245,6 +251,11 @@ stage_research() {
   run_stage research 240 $PY benchmarks/research.py \
     ${RESEARCH_ARGS:---preset tinyllama-1.1b --dtype bfloat16} --gpu-memory-utilization 0.6 \
     --output-json "$RES/research-tinyllama-1.1b.json"
+}
+stage_offload() {
+  run_stage offload 240 $PY benchmarks/multi_turn.py ${OFFLOAD_ARGS:---hidden 2048 --layers 22 \
+    --dtype bfloat16 --conversations 32 --turns 8 --first-tokens 1024 --user-tokens 128 \
+    --output-tokens 64 --max-num-batched-tokens 2048} --out-dir "$RES/offload"
 }
 stage_hybrid() {
   run_stage hybrid 240 $PY benchmarks/hybrid_decode.py --shape ${HYBRID_SHAPE:-27b} \

@@ -82,6 +82,8 @@ class BlockManager:
         # KV-cache events since the last take_events() (None: not recorded)
         self._events: list | None = [] if record_events else None
         self.state_slots = None  # a pool holds pages only (state slots: the coordinator)
+        # the host-memory tier (core.kv_offload.KVOffload) told of every page cached here
+        self.offload = None
 
     # -- pool state -------------------------------------------------------------------------
     @property
@@ -210,6 +212,8 @@ class BlockManager:
                         [block_hash_bytes(h)], block_hash_bytes(hashes[i - 1]) if i else None,
                         [int(t) for t in request.all_token_ids[i * bs:(i + 1) * bs]], bs, None,
                         MEDIUM))
+                if self.offload is not None:
+                    self.offload.on_cached(self.group, request, i, h, page)
             # else: already a cached page (a prefix hit), or an identical page computed by a
             # concurrent request is cached already; this copy stays unregistered.
         self._num_cached_blocks[request.request_id] = n_full

@@ -11,6 +11,7 @@ is its index in ``pools``; nothing else reads a position.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -88,6 +89,20 @@ class KVCacheConfig:
         """Whether each paged group has its own pool (block tables ``[G, S, M]`` with G > 1)."""
         return len(self.pools) > 1
 
+    def layer_range(self, lo: int, hi: int) -> "KVCacheConfig":
+        """The cache of layers ``[lo, hi)`` alone (a pipeline stage's, numbered within it): the
+        same pools (names, block-table rows, pages: every stage indexes the same page ids),
+        each holding only the range's layers, and the same state slots."""
+        specs = tuple(SharedKV(s.producer_layer - lo) if isinstance(s, SharedKV) else s
+                      for s in self.specs[lo:hi])
+        pools = tuple(dataclasses.replace(p, pool=_pool_range(p.pool, lo, hi))
+                      for p in self.pools)
+        mtp = self.mtp_layer
+        return KVCacheConfig(self.block_size, specs, group_layers(specs), pools,
+                             self.pool_of_layer[lo:hi], self.num_state_slots,
+                             self.scratch_slots,
+                             None if mtp is None or not lo <= mtp < hi else mtp - lo)
+
     # -- capacity figures ------------------------------------------------------------------
     def page_bytes(self, tp: int = 1) -> int:
         """One page id of every pool, all devices together."""
@@ -108,6 +123,16 @@ class KVCacheConfig:
         n = min((p.num_pages - 1) / p.pool.max_pages(max_model_len, self.block_size)
                 for p in self.pools)
         return n if self.num_state_slots is None else min(n, self.num_state_slots)
+
+
+def _pool_range(pool: PagePool, lo: int, hi: int) -> PagePool:
+    """``pool`` with only layers ``[lo, hi)``, numbered from ``lo`` (groups with none left
+    go: the pool may hold no layer of the range)."""
+    def within(layers):
+        return tuple(i - lo for i in layers if lo <= i < hi)
+
+    groups = tuple(CacheGroup(g.spec, within(g.layers), within(g.readers)) for g in pool.groups)
+    return dataclasses.replace(pool, groups=tuple(g for g in groups if g.layers or g.readers))
 
 
 def pool_name(pool: PagePool) -> str:
@@ -144,7 +169,8 @@ class Budget:
 def size_kv_cache(specs: Sequence[CacheSpec], budget: Budget, *, block_size: int,
                   max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                   per_group_pools: bool, tp: int = 1, extra_page_bytes: int = 0,
-                  scratch_slots: int = 0, mtp_layer: int | None = None) -> KVCacheConfig:
+                  scratch_slots: int = 0, mtp_layer: int | None = None,
+                  stages: Sequence[tuple[int, int]] = ()) -> KVCacheConfig:
     """The one sizer: pools (one per paged group when ``per_group_pools``, else one that every
     paged layer indexes), their pages, and the state slots, from one budget.
 
@@ -154,7 +180,9 @@ def size_kv_cache(specs: Sequence[CacheSpec], budget: Budget, *, block_size: int
     max_num_seqs``). With ``LinearState`` layers each request is also a slot (at most
     ``max_num_seqs``), and ``scratch_slots`` are taken off the budget first.
     ``extra_page_bytes``: what a page of the (single) pool costs elsewhere (a draft model's
-    pool on the same page ids)."""
+    pool on the same page ids). ``stages``: the layer ranges of pipeline stages, each on its
+    own devices with ``budget`` of its own: pages and slots are what every stage holds (the
+    draft model's pool sits on the last stage)."""
     specs = tuple(specs)
     groups = group_layers(specs)
     if not any(g.paged for g in groups):
@@ -162,13 +190,16 @@ def size_kv_cache(specs: Sequence[CacheSpec], budget: Budget, *, block_size: int
     pools = group_pools(groups) if per_group_pools else page_pools(groups)
     if extra_page_bytes and len(pools) > 1:
         raise ValueError("a draft model's pages share the page ids of one pool")
-    slot_bytes = state_bytes_per_slot(groups) // tp
     has_state = any(isinstance(s, LinearState) for s in specs)
-    pages, slots = pages_and_slots(pools, slot_bytes if has_state else None, budget,
-                          block_size=block_size, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          per_group_pools=per_group_pools, tp=tp,
-                          extra_page_bytes=extra_page_bytes, scratch_slots=scratch_slots)
+    fit = dict(budget=budget, block_size=block_size, max_model_len=max_model_len,
+               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+               per_group_pools=per_group_pools, tp=tp, scratch_slots=scratch_slots)
+    if not stages:
+        pages, slots = pages_and_slots(
+            pools, state_bytes_per_slot(groups) // tp if has_state else None,
+            extra_page_bytes=extra_page_bytes, **fit)
+    else:
+        pages, slots = _stages_fit(specs, pools, stages, extra_page_bytes, fit)
     names = _named(pools)
     configs = tuple(PoolConfig(n, p, k) for n, p, k in zip(names, pools, pages))
     of_layer: list[str | None] = [None] * len(specs)
@@ -179,6 +210,33 @@ def size_kv_cache(specs: Sequence[CacheSpec], budget: Budget, *, block_size: int
     return KVCacheConfig(block_size, specs, groups, configs, tuple(of_layer),
                          slots if has_state else None, scratch_slots if has_state else 0,
                          mtp_layer)
+
+
+def _stages_fit(specs, pools, stages, extra_page_bytes: int, fit: dict
+                ) -> tuple[tuple[int, ...], int]:
+    """(pages per pool, state slots) that every stage holds: each stage sized on its own
+    budget for its own layers' share of each pool (the fewest of each, across stages)."""
+    tp, pages, slots = fit["tp"], [None] * len(pools), fit["max_num_seqs"]
+    for lo, hi in stages:
+        part = [_pool_range(p, lo, hi) for p in pools]
+        have = [k for k, p in enumerate(part) if p.page_bytes(fit["block_size"], tp)]
+        state = state_bytes_per_slot(group_layers(
+            [s for s in specs[lo:hi] if isinstance(s, LinearState)])) // tp
+        if not have:  # only LinearState layers: slots alone
+            b = fit["budget"]
+            n = (fit["max_num_seqs"] if b.host or b.num_pages_override is not None
+                 else (b.bytes - fit["scratch_slots"] * state) // max(state, 1))
+            slots = min(slots, max(0, int(n)))
+            continue
+        got, n = pages_and_slots([part[k] for k in have], state or None,
+                                 extra_page_bytes=extra_page_bytes if hi == stages[-1][1] else 0,
+                                 **fit)
+        for k, g in zip(have, got):
+            pages[k] = g if pages[k] is None else min(pages[k], g)
+        slots = min(slots, n)
+    if slots < 1:
+        raise ValueError("no room for the state pool")
+    return tuple(pages), slots
 
 
 def pages_and_slots(pools: Sequence[PagePool], slot_bytes: int | None, budget: Budget, *,

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # slot / back into its new one, beside its pages (LinearState models)
     swap_out_state: list[tuple[str, int]] = field(default_factory=list)
     swap_in_state: list[tuple[str, int]] = field(default_factory=list)
+    # (request_id, host slots per pool, page ids per pool): host-tier prefix hits copied into
+    # the request's fresh pages BEFORE running the step (core.kv_offload)
+    kv_loads: list[tuple[str, list[list[int]], list[list[int]]]] = field(default_factory=list)
     # n > 1 siblings forked from their first child (state-pool models): (source, destination)
     # pages and state slots, copied on the device BEFORE running the step
     fork_pages: list[tuple[int, int]] = field(default_factory=list)

@@ -89,6 +89,11 @@ class Scheduler:
         # over the micro-batches instead of travelling in one
         self.skip_pending = False
         self.max_seqs_per_step: int | None = None
+        # an image's placeholder tokens see each other both ways (Gemma 4's
+        # use_bidirectional_attention="vision"): a chunk never ends inside an image's run, since
+        # its earlier tokens attend to its later ones in the same step (set by the engine)
+        self.whole_image_runs = False
+        self._run_waits = False
         if page_bytes is None:
             self.swap_capacity_pages: float = float("inf")
         else:
@@ -114,6 +119,8 @@ class Scheduler:
         self.spec_stats = None  # SpecDecodeStats of a speculating engine
         # disaggregated prefill/decode (core.kv_transfer.KVTransferState); None: off
         self.kv_transfer = None
+        # the prefix cache's host-memory tier (core.kv_offload.KVOffload); None: off
+        self.kv_offload = None
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -149,7 +156,10 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_manager.reset_prefix_cache()
+        dropped = self.block_manager.reset_prefix_cache()
+        if dropped and self.kv_offload is not None:
+            self.kv_offload.reset()
+        return dropped
 
     def stats(self) -> dict:
         """Gauges and counters for metrics (vLLM names, without the prefix)."""
@@ -165,7 +175,11 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             prefix_cache_hit_rate=bm.hit_rate,
-        )
+        ) | ({} if self.kv_offload is None else dict(
+            external_prefix_cache_queries=self.kv_offload.queries,
+            external_prefix_cache_hits=self.kv_offload.hits,
+            kv_offload_usage_perc=self.kv_offload.usage,
+        ))
 
     # -- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -185,6 +199,14 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt (length {n}) needs {cdiv(n, self.block_size)} KV cache pages but the"
                 f" cache only has {self.block_manager.num_usable_pages}", param="prompt")
+        if self.whole_image_runs and request.mm is not None:
+            for i, im in enumerate(request.mm.images):
+                if im.num_tokens > self.config.max_num_batched_tokens:
+                    raise InvalidRequestError(
+                        f"image {i} becomes {im.num_tokens} tokens that attend to each other "
+                        "and so run in one step, more than --max-num-batched-tokens "
+                        f"({self.config.max_num_batched_tokens})",
+                        param=f"multi_modal_data.image[{i}]")
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequestError(
                 f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
@@ -242,6 +264,17 @@ class Scheduler:
         if req.max_tokens is not None:
             nd = min(nd, req.max_tokens - req.num_output_tokens - 1)
         return max(0, nd)
+
+    def _image_run_cut(self, req: Request, start: int, n: int) -> int:
+        """``n`` new tokens from ``start``, cut back so the chunk does not end inside an image's
+        placeholder run (``whole_image_runs``); 0 when the run's remainder does not fit."""
+        if not self.whole_image_runs or req.mm is None:
+            return n
+        end = start + n
+        for im in req.mm.images:
+            if im.offset < end < im.offset + im.num_tokens:
+                return max(0, im.offset - start)
+        return n
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         n = req.num_tokens - req.num_computed_tokens
@@ -333,8 +366,11 @@ class Scheduler:
         rows = self.max_num_seqs if self.max_seqs_per_step is None else self.max_seqs_per_step
         # the diff's row columns, one tuple a row while scheduling, then as columns
         self._cols = cols = []
+        self._run_waits = False
         budget = self._schedule_running(out, budget, rows)
-        if not out.preempted:  # vLLM V1: no admissions in a step that had to preempt
+        # vLLM V1: no admissions in a step that had to preempt; nor while a running request
+        # waits for the budget of a whole image run (new rows would keep taking it)
+        if not out.preempted and not self._run_waits:
             self._schedule_waiting(out, budget, rows)
         b = out.batch
         if cols:
@@ -398,6 +434,11 @@ class Scheduler:
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                 out.finished_outputs.append(req.take_output())
                 continue
+            n = self._image_run_cut(req, c, n)
+            if n == 0:  # the rest of an image's run waits for a step with the budget for it
+                self._run_waits = True
+                i += 1
+                continue
             drafts = None
             if req.spec_token_ids:
                 nd = self._num_drafts(req, n, budget)
@@ -447,16 +488,26 @@ class Scheduler:
                 continue
             resumed_swap = req.status == RequestStatus.SWAPPED
             hits: list[int] | None = None
-            n_hit = 0
+            n_hit = n_host = 0
+            host = None  # per pool, the host-tier slots continuing the device hits
             if not resumed_swap and req.num_computed_tokens == 0:
                 hits, n_hit = ([], 0) if req.skip_prefix_cache else bm.get_computed_blocks(req)
+                if self.kv_offload is not None and not req.skip_prefix_cache:
+                    host = self.kv_offload.lookup(req, n_hit // self.block_size)
+                    n_host = len(host[0]) * self.block_size
+            n_hit += n_host  # host hits are computed once loaded (before the step)
             n = req.num_tokens - req.num_computed_tokens - n_hit
             n = self.siblings.cap(req, min(n, self.max_model_len - req.num_computed_tokens - n_hit))
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not bm.allocate_slots(req, n, hits):
+            n = self._image_run_cut(req, req.num_computed_tokens + n_hit, n)
+            if n == 0:  # its next image's run does not fit this step's budget: wait for one
+                if fork is not None:
+                    req.num_computed_tokens = 0
+                break
+            if not bm.allocate_slots(req, n + n_host, hits):
                 if fork is not None:
                     req.num_computed_tokens = 0
                 if not self.running:  # nothing else holds pages: it can never fit
@@ -476,6 +527,8 @@ class Scheduler:
                     out.swap_in_state.append((req.request_id, req.state_slot))
             elif hits is not None:
                 req.num_computed_tokens = n_hit
+                if host is not None:
+                    self._load_host_hits(req, (n_hit - n_host) // self.block_size, host, out)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = n_hit
             req.status = RequestStatus.RUNNING
@@ -524,6 +577,15 @@ class Scheduler:
         req.stop_reason = why
         self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
         return req.take_output()
+
+    def _load_host_hits(self, req: Request, first_page: int, host: list[list[int]],
+                        out: SchedulerOutput) -> None:
+        """An admitted request's host-tier hits: copied into its fresh pages before the step."""
+        if not host[0]:
+            self.kv_offload.record_miss(req)
+            return
+        slots, pages = self.kv_offload.admit(req, first_page, host, req.pages_per_group())
+        out.kv_loads.append((req.request_id, slots, pages))
 
     def _lets_others_pass(self, req: Request, loras: set[int] | None) -> bool:
         """A waiting request that is not admitted yet, without holding up the ones behind."""

@@ -167,11 +167,8 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
     # one manager per pool and the state slots, combined (core.kv_cache_coordinator); pages
     # out of a window are freed unless a draft model (which lags behind and may attend
     # globally) reads the same page ids, or --disable-hybrid-kv-cache-manager
-    pools = (runner.kv_config.manager_pools() if runner.kv_config is not None
-             else [(str(g), n, p.window)  # pipeline stages (worker.stage_pipeline)
-                   for g, (n, p) in enumerate(zip(runner.pool_pages, runner.pools))])
     block_manager = make_kv_cache_manager(
-        pools, block_size=config.cache.block_size, num_state_slots=runner.num_state_slots,
+        runner.kv_config.manager_pools(), block_size=config.cache.block_size, num_state_slots=runner.num_state_slots,
         enable_prefix_caching=prefix_caching,
         record_events=config.kv_events is not None and config.kv_events.enabled,
         free_out_of_window=(not config.scheduler.disable_hybrid_kv_cache_manager
@@ -180,6 +177,14 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                           page_bytes=runner.page_bytes,
                           eos_token_ids=eos,
                           max_loras=config.lora.max_loras if config.lora is not None else None)
+    from jaxserve.worker.kv_offload import build_kv_offload
+    try:
+        scheduler.kv_offload, host_kv = build_kv_offload(
+            config.cache, runner, block_manager, max_model_len,
+            record_events=config.kv_events is not None and config.kv_events.enabled,
+            num_hosts=config.parallel.num_hosts, draft_model=draft is not None)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="kv_offloading_size") from None
     proposer = None
     if spec is not None and spec.method == "ngram":
         proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -199,6 +204,7 @@ def build_engine(config: EngineConfig, devices=None, background_warmup: bool = F
                        generation_config=generation_config, eos_token_ids=eos, runner=runner,
                        block_manager=block_manager, scheduler=scheduler, proposer=proposer,
                        kv_event_publisher=publisher, lora_manager=lora_manager)
+    engine.host_kv = host_kv
     if str(config.model).endswith(".gguf"):
         from jaxserve.loaders.gguf import release_readers
         release_readers()

@@ -118,7 +118,8 @@ class EngineCoreClient:
         # the image processor (host side) when the core serves images
         self.mm_processor = (None if info.get("model_dir") is None else
                              MultiModalInputProcessor.for_model(
-                                 info["model_dir"], self.model_config.hf, config.multimodal))
+                                 info["model_dir"], self.model_config.hf, config.multimodal,
+                                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
         self.takes_images = self.mm_processor is not None
         self._reader = threading.Thread(target=self._read, name="jaxserve-core-reader",
                                         daemon=True)

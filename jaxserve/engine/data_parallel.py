@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 # stats() fields that add up over replicas; the rest are averaged (kv_cache_usage)
 _SUMMED = ("num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
            "num_preemptions", "num_compiles", "prompt_tokens_total", "generation_tokens_total",
-           "num_free_pages", "num_pages")
+           "num_free_pages", "num_pages", "external_prefix_cache_queries",
+           "external_prefix_cache_hits")
 
 
 def replica_devices(data_parallel_size: int, tensor_parallel_size: int, devices=None,
@@ -71,6 +72,7 @@ class DataParallelAsyncLLM:
         self.max_model_len = first.max_model_len
         self.default_sampling = first.default_sampling
         self.served_model_name = first.served_model_name
+        self.takes_images = first.takes_images  # every replica has its own encoder step
         self.chat_template = None
         self._inflight = [0] * len(self.replicas)  # unfinished requests routed to each
         self.requests_per_replica = [0] * len(self.replicas)  # all routed so far

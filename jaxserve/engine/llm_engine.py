@@ -111,6 +111,8 @@ class LLMEngine(WeightControl):
         self.output_processor = OutputProcessor(tokenizer)
         self.async_scheduling = config.async_scheduling
         self._swapped: dict[str, object] = {}  # host copies of swapped pages, by request
+        # the prefix cache's host tier, its buffers (worker.kv_offload.HostKVCache; None: off)
+        self.host_kv = None
         self._swapped_state: dict[str, object] = {}  # host copies of swapped recurrent states
         # dispatched steps whose ids are not read yet, oldest first (the batch queue)
         self._queue: collections.deque[_InFlight] = collections.deque()
@@ -415,7 +417,10 @@ class LLMEngine(WeightControl):
 
     def _publish_kv_events(self) -> None:
         if self.kv_event_publisher is not None:
-            self.kv_event_publisher.publish(self.block_manager.take_events())
+            events = self.block_manager.take_events()
+            if self.scheduler.kv_offload is not None:
+                events += self.scheduler.kv_offload.take_events()
+            self.kv_event_publisher.publish(events)
 
     def _execute(self, sched) -> _InFlight | None:
         """Move swapped pages, apply the diff to the persistent batch, then build the step's
@@ -503,6 +508,9 @@ class LLMEngine(WeightControl):
         """Before the step: host copies of swapped pages out and in (the freed pages may be
         reused by this very step), copies of requests that ended dropped, and n > 1 siblings'
         forks (the first child's prompt pages and state into theirs)."""
+        host_kv = self.host_kv
+        if host_kv is not None:  # first: a store reads a page this step may reuse
+            host_kv.store(self.scheduler.kv_offload.take_stores())
         for rid in sched.finished_req_ids:
             self._swapped.pop(rid, None)
             self._swapped_state.pop(rid, None)
@@ -510,6 +518,8 @@ class LLMEngine(WeightControl):
             self._swapped[rid] = (list(pages), self.runner.swap_out(pages))
         for rid, slot in sched.swap_out_state:
             self._swapped_state[rid] = self.runner.swap_out_state(slot)
+        if host_kv is not None:  # host-tier hits into fresh pages (after the swap-outs)
+            host_kv.load(sched.kv_loads)
         for rid, pages in sched.swap_in:
             _, saved = self._swapped.pop(rid)
             self.runner.swap_in(pages, saved)

@@ -18,8 +18,9 @@ def input_processor(engine) -> MultiModalInputProcessor | None:
     if engine.model.visual is None or engine.config.multimodal.limit(
             "image") == 0:
         return None
-    return MultiModalInputProcessor.for_model(engine.model_dir, engine.model_config.hf,
-                                              engine.config.multimodal)
+    return MultiModalInputProcessor.for_model(
+        engine.model_dir, engine.model_config.hf, engine.config.multimodal,
+        max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens)
 
 
 def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
@@ -40,6 +41,8 @@ def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
     engine.runner.mm = EncoderRunner(engine.runner,
                                      max_image_patches=processor.processor.max_patches,
                                      dtype=engine.dtype)
+    # tokens of one image that see each other run in one step: the scheduler never splits them
+    engine.scheduler.whole_image_runs = engine.runner.mm.bidirectional
 
 
 def split_prompt(prompt):

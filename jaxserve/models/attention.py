@@ -25,7 +25,8 @@ ATTENTION_BACKENDS = ("reference", "pallas", "xla", "mosaic", "triton")
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     """One kernel family's ``ragged_paged_attention(q, k_pages, v_pages, query_start,
-    seq_lens, block_tables, num_seqs, *, sm_scale, sliding_window, soft_cap[, kv_scale])``."""
+    seq_lens, block_tables, num_seqs, *, sm_scale, sliding_window, soft_cap[, kv_scale]
+    [, kv_limit])``."""
 
     name: str
     kernel: Callable
@@ -34,10 +35,13 @@ class AttentionBackend:
                sliding_window: int | None = None, soft_cap: float | None = None,
                kv_scale=None):
         """Attention of ``q [T, Hq, D]`` over the pages; ``kv_scale``: the ``[Hkv, 2]`` scales
-        of float8 pages (``pallas_kernels/reference.py``)."""
+        of float8 pages; ``md.kv_limit``: each token's last visible position, None: causal
+        (``pallas_kernels/reference.py``)."""
         kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if kv_scale is not None:
             kwargs["kv_scale"] = kv_scale
+        if md.kv_limit is not None:
+            kwargs["kv_limit"] = md.kv_limit
         return self.kernel(q, k_pages, v_pages, md.query_start, md.seq_lens, md.block_tables,
                            md.num_seqs, **kwargs)
 
@@ -63,7 +67,8 @@ class XlaBackend(AttentionBackend):
         if cpu_attention_kernel(k_pages, kv_scale):
             return cpu_kernels.paged_attention(
                 q, k_pages, v_pages, md.query_start, md.seq_lens, md.block_tables, md.num_seqs,
-                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                kv_limit=md.kv_limit)
         return super().attend(q, k_pages, v_pages, md, sm_scale=sm_scale,
                               sliding_window=sliding_window, soft_cap=soft_cap,
                               kv_scale=kv_scale)
@@ -75,7 +80,7 @@ class XlaBackend(AttentionBackend):
             return cpu_kernels.write_and_attend(
                 q, k, v, k_pages, v_pages, md.slot_mapping, md.query_start, md.seq_lens,
                 md.block_tables, md.num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                soft_cap=soft_cap)
+                soft_cap=soft_cap, kv_limit=md.kv_limit)
         return super().write_and_attend(q, k, v, k_pages, v_pages, md, sm_scale=sm_scale,
                                         sliding_window=sliding_window, soft_cap=soft_cap,
                                         kv_scale=kv_scale, sharded=sharded)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol, runtime_checkable
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -62,11 +63,12 @@ class ModelBase:
     # every layer reads besides the hidden states: rotary tables) and ``run_layer`` (one layer);
     # the loop over layers below is the only one.
 
-    def __call__(self, token_ids, positions, kv_pages, md, lora=None, mm=None):
+    def __call__(self, token_ids, positions, kv_pages, md, lora=None, mm=None, capture=None):
         """``token_ids[T], positions[T]`` (or M-RoPE ``[3, T]``), one cache per layer (then the
         MTP head's, passed through), ``AttentionMetadata`` -> ``(hidden[T, H], caches)``.
         ``lora``: a ``LoRABatch``; ``mm``: image embeddings to put at placeholders
-        (:meth:`merge_multimodal`)."""
+        (:meth:`merge_multimodal`); ``capture``: as :meth:`run_layers`, then the captured
+        hidden states (with the final norm's output at ``num_layers``) come third."""
         want = self.num_layers + (self.mtp is not None)
         if len(kv_pages) != want:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the model {want}")
@@ -74,14 +76,25 @@ class ModelBase:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
         inputs = self.layer_inputs(positions, md, token_ids.shape[0])
         x = self.embed(token_ids) if mm is None else self.embed_multimodal(token_ids, mm)
-        x, caches = self.run_layers(x, inputs, kv_pages[:self.num_layers], md, lora)
-        return self.final_hidden(x), caches + list(kv_pages[self.num_layers:])
+        out = self.run_layers(x, inputs, kv_pages[:self.num_layers], md, lora, capture=capture)
+        hidden, caches = self.final_hidden(out[0]), out[1] + list(kv_pages[self.num_layers:])
+        if capture is None:
+            return hidden, caches
+        return hidden, caches, capture_hidden(out[2], capture, self.num_layers, hidden)
 
-    def run_layers(self, x, inputs, kv_pages, md, lora=None, lo: int = 0, hi: int | None = None):
+    def run_layers(self, x, inputs, kv_pages, md, lora=None, lo: int = 0, hi: int | None = None,
+                   capture=None):
         """Model layers ``lo .. hi - 1`` (a pipeline stage's range, or all) on the hidden carry
         ``x``, ``kv_pages`` one cache per layer of the range -> ``(x, caches)``. A KV-sharing
         layer (``SharedKV`` spec) reads the pages its producer (in the range) just wrote and
-        hands back ``()``."""
+        hands back ``()``. ``model.layers[i]`` is model layer ``i`` (a pipeline stage holds
+        None for the layers of other stages).
+
+        ``capture``: ``[T, K]`` the hidden-state layers each token asks for (Hugging Face's
+        ``output_hidden_states`` numbering: ``i`` = the residual stream entering layer ``i``,
+        0 the embeddings; -1 none). Then ``(x, caches, captured)``: ``[T, K, H]`` float32 with
+        what enters each layer of the range where asked, zeros elsewhere (so the stages'
+        captures add up)."""
         hi = self.num_layers if hi is None else hi
         if len(kv_pages) != hi - lo:
             raise ValueError(f"kv_pages has {len(kv_pages)} layers, the range {lo}..{hi - 1} "
@@ -91,12 +104,17 @@ class ModelBase:
         if outside:
             raise ValueError(f"layer {outside[0]} reads the pages of layer "
                              f"{producers[outside[0]]}, outside the range {lo}..{hi - 1}")
+        captured = None if capture is None else jnp.zeros(
+            capture.shape + (residual(x).shape[-1],), jnp.float32)
         caches = []
         for j, i in enumerate(range(lo, hi)):
+            if capture is not None:
+                captured = capture_hidden(captured, capture, i, x)
             kv = kv_pages[j] if producers[i] is None else caches[producers[i] - lo]
             x, kv = self.run_layer(i, self.model.layers[i], x, inputs, kv, md, lora)
             caches.append(kv)
-        return x, [() if producers[i] is not None else kv for i, kv in zip(range(lo, hi), caches)]
+        caches = [() if producers[i] is not None else kv for i, kv in zip(range(lo, hi), caches)]
+        return (x, caches) if capture is None else (x, caches, captured)
 
     def kv_producers(self) -> tuple:
         """Per layer: the layer whose pages it reads (its ``SharedKV`` spec), or None."""
@@ -164,9 +182,10 @@ class CausalLM(Protocol):
     mtp: object  # the MTP head module, or None
     visual: object  # the vision tower, or None
 
-    def __call__(self, token_ids, positions, kv_pages, md, lora=None, mm=None):
+    def __call__(self, token_ids, positions, kv_pages, md, lora=None, mm=None, capture=None):
         """``token_ids[T], positions[T]``, one ``(k, v)`` per layer, ``AttentionMetadata`` ->
-        ``(hidden[T, H], kv_pages)`` (the pages written with this step's K/V)."""
+        ``(hidden[T, H], kv_pages)`` (the pages written with this step's K/V; with
+        ``capture``, the captured hidden states third)."""
 
     def embed(self, token_ids):
         """``[T]`` ids -> the hidden carry entering layer 0 (Gemma 4: with per-layer inputs)."""
@@ -177,8 +196,10 @@ class CausalLM(Protocol):
     def run_layer(self, i: int, layer, x, inputs, kv, md, lora=None):
         """Model layer ``i`` -> ``(x, its cache)``."""
 
-    def run_layers(self, x, inputs, kv_pages, md, lora=None, lo: int = 0, hi: int | None = None):
-        """Layers ``lo .. hi - 1`` (``ModelBase``'s loop) -> ``(x, caches)``."""
+    def run_layers(self, x, inputs, kv_pages, md, lora=None, lo: int = 0, hi: int | None = None,
+                   capture=None):
+        """Layers ``lo .. hi - 1`` (``ModelBase``'s loop, the only one) -> ``(x, caches)``
+        (with ``capture``: and the captured hidden states)."""
 
     def final_hidden(self, x):
         """The last layer's carry -> the final hidden states."""
@@ -219,3 +240,16 @@ def megatron_partition_spec(name: str) -> PartitionSpec:
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return PartitionSpec(TP_AXIS, None)
     return PartitionSpec()
+
+
+def residual(x):
+    """The residual stream of a hidden carry (Gemma 4's per-layer inputs ride along as
+    ``(x, pli)``)."""
+    return x[0] if isinstance(x, tuple) else x
+
+
+def capture_hidden(captured, capture, i: int, x):
+    """``captured [T, K, H]`` with the residual stream ``x`` put where a token asks for
+    hidden-state layer ``i`` (``capture [T, K]``)."""
+    h = residual(x).astype(jnp.float32)
+    return jnp.where((capture == i)[..., None], h[:, None, :], captured)

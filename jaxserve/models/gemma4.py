@@ -114,7 +114,7 @@ def cache_specs_of(hf: dict, dtype: str) -> list:
 
 
 def _check_supported(hf: dict) -> None:
-    # "vision" (bidirectional over an image's tokens) loads; image requests refuse it
+    # "vision": an image's soft tokens see each other on the sliding layers (md.kv_limit)
     if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise ValueError("use_bidirectional_attention "
                          f"{hf['use_bidirectional_attention']!r} is not supported for Gemma 4")
@@ -195,8 +195,12 @@ class Gemma4Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, backend: AttentionBackend,
                  mesh=None):
-        """``kv``: this layer's pages, or (KV-sharing layer) its producer's, read only."""
+        """``kv``: this layer's pages, or (KV-sharing layer) its producer's, read only. Image
+        tokens see each other both ways (``md.kv_limit``) on sliding layers only, as HF's
+        ``create_masks_for_vision_model``: global layers stay causal."""
         t = x.shape[0]
+        if self.sliding_window is None and md.kv_limit is not None:
+            md = md._replace(kv_limit=None)
         q = apply_rope(self.q_norm(self.q_proj(x).reshape(t, self.num_heads, self.head_dim)),
                        cos, sin)
         if self.producer is not None:
@@ -479,10 +483,8 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
 
     # The forward in pieces (as jaxserve.models.llama): the single program and the pipeline
     # stages run the same code. With PLE the hidden state carried from layer to layer (and
-    # from stage to stage) is ``(x, per-layer inputs [T, L, P])``; ``layer_offset`` is the
-    # model layer of ``model.layers[0]`` (a pipeline stage's first layer).
+    # from stage to stage) is ``(x, per-layer inputs [T, L, P])``.
     supports_pipeline = True
-    layer_offset = 0
 
     def embed(self, token_ids):
         x = self.model.embed_tokens(token_ids)
@@ -498,12 +500,11 @@ class Gemma4ForCausalLM(ModelBase, nnx.Module):
         if lora is not None:
             raise ValueError(f"{type(self).__name__} does not support LoRA adapters")
         x, pli = x if self.ple else (x, None)
-        n = self.layer_offset + i
         cos, sin = inputs[layer.self_attn.layer_type]
         if md.block_tables.ndim == 3:  # pools per group: this layer's group's tables
-            g = self.layer_group[n]
+            g = self.layer_group[i]
             md = md._replace(slot_mapping=md.slot_mapping[g], block_tables=md.block_tables[g])
-        x, kv = layer(x, None if pli is None else pli[:, n], cos, sin, kv, md,
+        x, kv = layer(x, None if pli is None else pli[:, i], cos, sin, kv, md,
                       self.attention, self.mesh)
         return ((x, pli) if self.ple else x), kv
 

@@ -235,6 +235,9 @@ class AttentionMetadata(NamedTuple):
     # [S, k+1] where a verify row's state after each of its tokens is kept (-1: not kept), so
     # a step that rejects drafts can resume from the last accepted token (speculative decoding)
     snapshot_slots: jax.Array | None = None
+    # [T] the last key position each token sees where later than its own (a run of tokens
+    # that see each other: Gemma 4's image tokens on its sliding layers); None: causal
+    kv_limit: jax.Array | None = None
 
 
 def paged_self_attention(q, k, v, kv, md: AttentionMetadata, *, backend: AttentionBackend,

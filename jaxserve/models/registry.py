@@ -49,6 +49,22 @@ def gguf_arch(name: str, experts: bool = False):
     return spec
 
 
+def register_model(architecture: str, cls: type) -> None:
+    """Serve checkpoints whose ``architectures`` name ``architecture`` with ``cls``, a family
+    class outside this package (vLLM's ``ModelRegistry.register_model``: out-of-tree models,
+    and the test families of ``jaxserve.testing``). ``cls`` lists ``ModelBase`` first; a name
+    taken by another class is an error."""
+    from jaxserve.models.contract import ModelBase
+
+    if not (isinstance(cls, type) and issubclass(cls, ModelBase)):
+        raise ValueError(f"register_model: {cls!r} is not a model class (a subclass of "
+                         "jaxserve.models.contract.ModelBase)")
+    if MODEL_REGISTRY.get(architecture, cls) is not cls:
+        raise ValueError(f"register_model: architecture {architecture!r} is already served by "
+                         f"{MODEL_REGISTRY[architecture].__name__}")
+    MODEL_REGISTRY[architecture] = cls
+
+
 def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 

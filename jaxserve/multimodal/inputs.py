@@ -32,28 +32,29 @@ def model_takes_images(hf_config: dict) -> bool:
 class MultiModalInputProcessor:
     """Images of one model (None from :meth:`for_model` for a text-only one)."""
 
-    def __init__(self, model_dir, hf_config: dict, config: MultiModalConfig):
+    def __init__(self, model_dir, hf_config: dict, config: MultiModalConfig,
+                 max_num_batched_tokens: int | None = None):
         self.config = config
         self.image_token_id = int(hf_config["image_token_id"])
         self.processor = ImageProcessor(model_dir, config.mm_processor_kwargs)
         # Gemma 4: begin- and end-of-image tokens around each image's soft tokens
         self.wrap = ((int(hf_config["boi_token_id"]), int(hf_config["eoi_token_id"]))
                      if self.processor.family == "gemma4" else (None, None))
-        # bidirectional attention over an image's tokens is not in the paged attention path
-        self.refusal = (None if hf_config.get("use_bidirectional_attention") != "vision" else
-                        "this checkpoint asks for bidirectional attention over image tokens "
-                        "(use_bidirectional_attention='vision'), which jaxserve does not run: "
-                        "it serves text only")
+        # an image whose tokens see each other both ways runs in one step (the scheduler
+        # never splits it), so it must fit the step's token budget
+        self.max_run = (max_num_batched_tokens
+                        if hf_config.get("use_bidirectional_attention") == "vision" else None)
         self._cache: OrderedDict[str, ProcessedImage] | None = (
             None if config.disable_mm_preprocessor_cache else OrderedDict())
 
     @classmethod
-    def for_model(cls, model_dir, hf_config: dict, config: MultiModalConfig):
+    def for_model(cls, model_dir, hf_config: dict, config: MultiModalConfig,
+                  max_num_batched_tokens: int | None = None):
         if model_dir is None or not model_takes_images(hf_config):
             return None
         if image_processor_settings(model_dir) is None:
             return None
-        return cls(model_dir, hf_config, config)
+        return cls(model_dir, hf_config, config, max_num_batched_tokens)
 
     def process(self, token_ids: list[int], data, where: str = "multi_modal_data"
                 ) -> tuple[list[int], MultiModalInputs | None]:
@@ -69,10 +70,15 @@ class MultiModalInputProcessor:
                 raise InvalidRequestError("the prompt has image placeholders but no image was "
                                           "given", param=where)
             return token_ids, None
-        if self.refusal is not None:
-            raise InvalidRequestError(f"{where}.image: {self.refusal}", param=f"{where}.image")
         processed = [self._process_one(im, f"{where}.image[{i}]")
                      for i, im in enumerate(images)]
+        for i, p in enumerate(processed):
+            if self.max_run is not None and p.num_tokens > self.max_run:
+                raise InvalidRequestError(
+                    f"{where}.image[{i}]: the image becomes {p.num_tokens} tokens that attend "
+                    "to each other (use_bidirectional_attention='vision') and so run in one "
+                    f"step, more than --max-num-batched-tokens ({self.max_run})",
+                    param=f"{where}.image[{i}]")
         try:
             ids = expand_placeholders(token_ids, self.image_token_id, processed, *self.wrap)
         except ValueError as e:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -91,22 +92,30 @@ def gptq_quantize(w: np.ndarray, h: np.ndarray, *, group_size: int, act_order: b
     Q = torch.zeros_like(W)
     scales = torch.zeros(n_out, n_groups, dtype=torch.float64)
     zeros = torch.zeros(n_out, n_groups, dtype=torch.float64)
+    # Lazy updates at two levels: a column's error reaches the columns of its sub-block at
+    # once, the rest of the block after each sub-block, the rest of the matrix after each
+    # block (matrix products). A group starts on a sub-block boundary (sub divides the group
+    # size), so its scale sees every earlier column's compensation.
+    sub = math.gcd(16, group_size)
     for i1 in range(0, n_in, block):
         i2 = min(i1 + block, n_in)
         W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
         E1 = torch.zeros_like(W1)
-        for i in range(i2 - i1):
-            col = i1 + i
-            if col % group_size == 0:  # the group lies inside this block (block % size == 0)
-                g = col // group_size
-                scales[:, g], zeros[:, g] = _group_params(W1[:, i:i + group_size])
-            s, z = scales[:, col // group_size], zeros[:, col // group_size]
-            x = W1[:, i]
-            q = torch.clamp(torch.round(x / s) + z, 0, MAXQ)
-            Q[:, col] = q
-            err = (x - (q - z) * s) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            E1[:, i] = err
+        for j1 in range(0, i2 - i1, sub):
+            j2 = min(j1 + sub, i2 - i1)
+            for i in range(j1, j2):
+                col = i1 + i
+                if col % group_size == 0:  # the group lies inside this block
+                    g = col // group_size
+                    scales[:, g], zeros[:, g] = _group_params(W1[:, i:i + group_size])
+                s, z = scales[:, col // group_size], zeros[:, col // group_size]
+                x = W1[:, i]
+                q = torch.clamp(torch.round(x / s) + z, 0, MAXQ)
+                Q[:, col] = q
+                err = (x - (q - z) * s) / U1[i, i]
+                W1[:, i:j2] -= err[:, None] * U1[i, i:j2][None, :]
+                E1[:, i] = err
+            W1[:, j2:] -= E1[:, j1:j2] @ U1[j1:j2, j2:]
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     inv = torch.argsort(perm)
     g_idx = (inv // group_size).to(torch.int32)  # channel c sits at position inv[c]
@@ -156,7 +165,6 @@ def _run_layer(layer, x, kwargs):
     return out[0] if isinstance(out, tuple) else out
 
 
-@_one_thread
 def calibrate_and_quantize(src, *, group_size: int, act_order: bool = False,
                            num_tokens: int = 4096, seq_len: int = 512, damp: float = 0.01,
                            text_path=CALIBRATION_TEXT) -> dict:

@@ -5,8 +5,9 @@ sequence, the recurrence from a zero state, recomputed for every token).
 
 The checkpoint is a tiny random Qwen 3.5 (``testing.qwen3_5``) whose ``config.json`` names
 :data:`ARCHITECTURE` and marks some attention layers ``sliding_attention`` with
-``sliding_window``; :func:`register` adds the class to the model registry (tests only:
-production never imports this module).
+``sliding_window``; a test serves it after
+``jaxserve.models.registry.register_model(ARCHITECTURE, TinyHybridForCausalLM)`` (the registry
+itself never lists it: production never imports this module).
 """
 from __future__ import annotations
 
@@ -91,13 +92,6 @@ class TinyHybridForCausalLM(Qwen3_5ForCausalLM):
         elif md.block_tables.ndim == 3:  # a GDN layer reads no pages
             md = md._replace(slot_mapping=md.slot_mapping[0], block_tables=md.block_tables[0])
         return super().run_layer(i, layer, x, inputs, cache, md, lora)
-
-
-def register() -> None:
-    """Add :class:`TinyHybridForCausalLM` to the model registry under :data:`ARCHITECTURE`."""
-    from jaxserve.models import registry
-
-    registry.MODEL_REGISTRY.setdefault(ARCHITECTURE, TinyHybridForCausalLM)
 
 
 def make_tiny_hybrid(out_dir, *, window: int = 16, seed: int = 0) -> Path:

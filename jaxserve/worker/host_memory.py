@@ -2,7 +2,7 @@
 process's memory by part.
 
 * Budget: on a CPU the pool holds every ``max_num_seqs`` sequence at ``max_model_len``
-  (``kv_cache_config.pool_sizes``), capped by :func:`cpu_kv_cache_bytes`: ``$JAXSERVE_CPU_KVCACHE_SPACE``
+  (``kv_cache_config.kv_cache_config``), capped by :func:`cpu_kv_cache_bytes`: ``$JAXSERVE_CPU_KVCACHE_SPACE``
   GiB when set (vLLM's ``VLLM_CPU_KVCACHE_SPACE``), else 1/32 of the machine's physical memory
   (so a 16 GiB laptop reserves 512 MiB).
 * Residency: :func:`release_pages` hands a freshly zeroed pool's memory back to the kernel

@@ -113,11 +113,6 @@ def allocate_layer_pages(specs, num_pages: int, block_size: int, dtype, sharding
     return [_layer_pages(spec, num_pages, block_size, tp, zeros) for spec in specs]
 
 
-def specs_page_bytes(specs, block_size: int, tp: int = 1) -> int:
-    """Bytes of one page id across every layer that owns pages, K and V (all devices)."""
-    return sum(s.page_bytes(block_size, tp) for s in specs if hasattr(s, "page_bytes"))
-
-
 # -- the state pool (LinearState layers) ---------------------------------------------------------
 
 def allocate_state_pool(spec, num_slots: int, sharding=None) -> tuple[jax.Array, ...]:

@@ -8,9 +8,8 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.kv_cache_config import (Budget, KVCacheConfig, pages_and_slots,
-                                           size_kv_cache)
-from jaxserve.core.kv_cache_spec import attention_spec, group_layers, state_bytes_per_slot
+from jaxserve.core.kv_cache_config import Budget, KVCacheConfig, size_kv_cache
+from jaxserve.core.kv_cache_spec import attention_spec, group_layers
 from jaxserve.worker import memory_budget
 from jaxserve.worker.host_memory import cpu_kv_cache_bytes
 
@@ -53,26 +52,24 @@ def kv_budget(model_config: ModelConfig, engine_config: EngineConfig, param_byte
         f"gpu_memory_utilization or lower max_num_batched_tokens / max_model_len")
 
 
-def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes: int,
-                    per_pool_swap: bool = False) -> bool:
+def use_group_pools(model, groups, engine_config: EngineConfig, extra_page_bytes: int
+                    ) -> bool:
     """A page pool per cache group when the model reads per-group block tables and its paged
     groups differ (swap preemption copies each pool's pages); one pool (every layer's array
     indexed by the same page ids) under ``--disable-hybrid-kv-cache-manager`` or beside a
-    draft model's pool (which shares the target's page ids). ``per_pool_swap`` False (a
-    runner whose swap copies one page list: the pipeline stages): one pool under swap
-    preemption too."""
+    draft model's pool (which shares the target's page ids)."""
     return (model is not None and model.cache_groups_supported
             and sum(g.paged for g in groups) > 1
             and not engine_config.scheduler.disable_hybrid_kv_cache_manager
-            and (per_pool_swap or engine_config.scheduler.preemption_mode != "swap")
             and not extra_page_bytes)
 
 
 def kv_cache_config(model, model_config: ModelConfig, engine_config: EngineConfig,
                     max_model_len: int, kv_dtype, param_bytes: int, tp: int = 1,
-                    extra_page_bytes: int = 0, specs=None) -> KVCacheConfig:
+                    extra_page_bytes: int = 0, specs=None, stages=()) -> KVCacheConfig:
     """The runner's KV cache: pools, pages and state slots from the model's cache specs (or
-    ``specs``) and one budget. ``param_bytes``: one device's weights."""
+    ``specs``) and one budget. ``param_bytes``: one device's weights; ``stages``: pipeline
+    stages' layer ranges (each on devices of its own: pages and slots every one holds)."""
     specs = model_cache_specs(model, model_config, kv_dtype) if specs is None else specs
     sched = engine_config.scheduler
     spec = engine_config.speculative
@@ -85,9 +82,9 @@ def kv_cache_config(model, model_config: ModelConfig, engine_config: EngineConfi
             max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             per_group_pools=use_group_pools(model, group_layers(specs), engine_config,
-                                            extra_page_bytes, per_pool_swap=True),
+                                            extra_page_bytes),
             tp=tp, extra_page_bytes=extra_page_bytes, scratch_slots=sched.max_num_seqs * k,
-            mtp_layer=len(specs) - 1 if mtp else None)
+            mtp_layer=len(specs) - 1 if mtp else None, stages=stages)
     except ValueError as e:
         raise ValueError(f"{e}: {why}" if why else str(e)) from None
 
@@ -111,41 +108,3 @@ def num_pages_for(model_config: ModelConfig, engine_config: EngineConfig, dtype,
     KV heads (a draft model's, or a capacity estimate)."""
     return kv_cache_config(None, model_config, engine_config, max_model_len, dtype,
                            param_bytes, tp, extra_page_bytes).pools[0].num_pages
-
-
-# -- the pipeline runner's per-stage sizing (worker.pipeline), on the one sizer's arithmetic --
-
-def _stage_split(pools, slot_bytes, model_config, engine_config, max_model_len, param_bytes,
-                 tp, per_group, extra_page_bytes=0, scratch_slots=0):
-    sched = engine_config.scheduler
-    budget, why = kv_budget(model_config, engine_config, param_bytes)
-    try:
-        return pages_and_slots(
-            pools, slot_bytes, budget, block_size=engine_config.cache.block_size,
-            max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens, per_group_pools=per_group,
-            tp=tp, extra_page_bytes=extra_page_bytes, scratch_slots=scratch_slots)
-    except ValueError as e:
-        raise ValueError(f"{e}: {why}" if why else str(e)) from None
-
-
-def pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp=1,
-               extra_page_bytes=0) -> tuple[int, ...]:
-    """Pages of one shared pool (a pipeline stage's)."""
-    return _stage_split(pools, None, model_config, engine_config, max_model_len, param_bytes,
-                        tp, False, extra_page_bytes)[0]
-
-
-def group_pool_sizes(pools, model_config, engine_config, max_model_len, param_bytes, tp=1):
-    """Pages of a pool per group (a pipeline stage's)."""
-    return _stage_split(pools, None, model_config, engine_config, max_model_len, param_bytes,
-                        tp, True)[0]
-
-
-def state_pool_sizes(pools, cache_groups, model_config, engine_config, max_model_len,
-                     param_bytes, tp=1, scratch_slots=0, extra_page_bytes=0):
-    """(state slots, pages) of a pipeline stage with LinearState layers."""
-    pages, slots = _stage_split(pools, state_bytes_per_slot(cache_groups) // tp, model_config,
-                                engine_config, max_model_len, param_bytes, tp, False,
-                                extra_page_bytes, scratch_slots)
-    return slots, pages

@@ -31,18 +31,15 @@ def write_pages(kv_pages, idx, saved):
 
 
 class PoolMoves:
-    """The runner's swap and fork (``worker.runner.ModelRunner``): on its one pool, or on each
-    pipeline stage's share (``worker.stage_pipeline``)."""
+    """The runner's swap and fork (``worker.runner.ModelRunner``): on its pools, or on each
+    pipeline stage's share of them (``worker.stage_pipeline``); pages per pool either way."""
 
     def _paged_layers(self) -> list[int]:
         return [i for i in range(len(self.kv_pages)) if i not in self.state_layers]
 
     def _pool_rows(self) -> list[tuple[int, int]]:
-        """(layer, block-table row of its pool) of every layer that owns pages (pipeline
-        stages: one pool)."""
+        """(layer, block-table row of its pool) of every layer that owns pages."""
         c = self.kv_config
-        if c is None:
-            return [(i, 0) for i in self._paged_layers()]
         return [(i, c.row(c.pool_of_layer[i])) for i in c.paged_layers]
 
     def swap_out(self, pages: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -56,10 +53,9 @@ class PoolMoves:
 
     def swap_in(self, pages: list[list[int]], saved) -> None:
         with self._pool_lock:
-            if self.stages is not None:
-                ids, = pages  # one pool: every stage's layers index the same page ids
-                return self.stages.swap_in(jnp.asarray(np.asarray(ids, dtype=np.int32)), saved)
             rows = self._pool_rows()
+            if self.stages is not None:  # each stage its layers' share of every pool
+                return self.stages.swap_in(pages, saved, rows)
             pool = list(self.kv_pages)
             for g, ids in enumerate(pages):  # one scatter per pool
                 mine = [k for k, (_, r) in enumerate(rows) if r == g]

@@ -10,7 +10,10 @@ an image's run, or another request with the same picture reads them there, never
 The step's model inputs then say, per token, which buffer row replaces its embedding
 (``mm_rows[T]``, -1 for text) and, for Qwen, its M-RoPE positions ``[3, T]`` (a request's
 prompt table, ``index + delta`` past it; text-only rows and padding have all three rows equal
-to the position; Gemma 4 keeps its text positions ``[T]``). Every step of such a runner
+to the position; Gemma 4 keeps its text positions ``[T]``), and for a checkpoint whose image
+tokens see each other both ways (Gemma 4's ``use_bidirectional_attention="vision"``) each
+token's last visible position ``kv_limit[T]`` (its image's last placeholder; -1, causal, for
+text and padding), which the scheduler keeps inside the step. Every step of such a runner
 carries these arrays (off values when no image is in the step), so the forward has one trace
 per token bucket.
 
@@ -100,6 +103,12 @@ class _Gemma4Tower:
         return gemma4_vision.packed_inputs(pixels, grids, k=self.merge, num_patches=bucket)
 
 
+def bidirectional_images(hf: dict) -> bool:
+    """Whether an image's placeholder tokens attend to each other both ways (HF Gemma 4's
+    ``text_config.use_bidirectional_attention == "vision"``)."""
+    return hf.get("use_bidirectional_attention") == "vision"
+
+
 def tower_of(hf: dict):
     kind = (hf.get("vision_config") or {}).get("model_type")
     return _Gemma4Tower(hf) if kind == "gemma4_vision" else _QwenTower(hf)
@@ -122,6 +131,7 @@ class EncoderRunner:
         self.tower = tower_of(runner.model_config.hf)
         self.merge, self.unit = self.tower.merge, self.tower.unit
         self.ladder = patch_ladder(max_image_patches, self.unit)
+        self.bidirectional = bidirectional_images(runner.model_config.hf)
         max_tokens = self.ladder[-1] // self.unit
         sched = runner.config.scheduler
         self.capacity = 2 * max(sched.max_num_batched_tokens, max_tokens)
@@ -135,7 +145,7 @@ class EncoderRunner:
         self.entries: OrderedDict[str, tuple[int, int]] = OrderedDict()  # hash -> (row, n)
         self.reqs: dict[str, _Req] = {}
         self.num_encoded = 0  # images run through the tower (cache misses)
-        self._off_rows: dict[int, np.ndarray] = {}
+        self._off_rows: dict[int, np.ndarray] = {}  # [T] -1 of each token bucket
         if warmup and not runner.config.enforce_eager:
             self.warmup()
 
@@ -165,15 +175,15 @@ class EncoderRunner:
 
     # ---- a step's inputs ---------------------------------------------------------------
     def off_arrays(self, positions: np.ndarray) -> tuple:
-        """``(mrope_positions [3, T], mm_rows [T], mm_embeds [C + 1, H])`` of a step without
-        images."""
+        """``(mrope_positions [3, T], mm_rows [T], mm_embeds [C + 1, H][, kv_limit [T]])`` of
+        a step without images."""
         t = positions.shape[0]
         rows = self._off_rows.get(t)
         if rows is None:
             rows = self._off_rows[t] = np.full(t, -1, np.int32)
-        if not self.tower.mrope:
-            return positions, rows, self.buf
-        return np.broadcast_to(positions, (3, t)).astype(np.int32), rows, self.buf
+        pos = (np.broadcast_to(positions, (3, t)).astype(np.int32) if self.tower.mrope
+               else positions)
+        return (pos, rows, self.buf) + ((rows,) if self.bidirectional else ())
 
     def prepare(self, diff: BatchDiff, positions: np.ndarray) -> tuple:
         """The step's multimodal arrays (as :meth:`off_arrays`) for the plan's
@@ -181,6 +191,7 @@ class EncoderRunner:
         t = positions.shape[0]
         mrope = np.broadcast_to(positions, (3, t)).copy() if self.tower.mrope else positions
         rows = np.full(t, -1, np.int32)
+        limit = np.full(t, -1, np.int32) if self.bidirectional else None
         q0 = 0
         needs = []  # (token slice in the step, request, image, first index in the image)
         for rid, n, start in zip(diff.req_ids, diff.num_tokens, diff.start_pos):
@@ -198,15 +209,18 @@ class EncoderRunner:
                     if lo < hi:
                         needs.append((q0 + lo - start, q0 + hi - start, im, lo - im.offset))
             q0 += n
+        extra = () if limit is None else (limit,)
         if not needs:
-            return mrope, rows, self.buf
+            return (mrope, rows, self.buf) + extra
         pinned = {im.hash for *_, im, _ in needs}
         self._encode_missing([im for *_, im, _ in needs], pinned)
         for a, b, im, first in needs:
             row, _ = self.entries[im.hash]
             self.entries.move_to_end(im.hash)
             rows[a:b] = row + first + np.arange(b - a)
-        return mrope, rows, self.buf
+            if limit is not None:
+                limit[a:b] = im.offset + im.num_tokens - 1
+        return (mrope, rows, self.buf) + extra
 
     def _encode_missing(self, images, pinned: set) -> None:
         todo, seen = [], set()

@@ -32,11 +32,11 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.worker.compile_pool import CompilePool
 from jaxserve.worker.warmup import BucketWarmup, freeze_startup_heap
 from jaxserve.worker.kv_cache import allocate_kv_cache, kv_cache_dtype
-from jaxserve.worker.kv_cache_log import log_hybrid_cache, log_kv_cache, log_kv_config
+from jaxserve.worker.kv_cache_log import log_kv_config
 from jaxserve.worker.kv_moves import PoolMoves
 from jaxserve.worker.stage_pipeline import PipelineStages
 from jaxserve.worker.kv_cache_config import (agree_across_hosts, kv_cache_config,
-                                             model_cache_specs, use_group_pools)
+                                             model_cache_specs)
 from jaxserve.worker.step_functions import (TRACES, forward_fn, mtp_fn, prompt_logprobs_fn,
                                             rollback_fn, sample_fn, top_logprobs_width)
 from jaxserve.core.kv_cache_spec import group_layers, state_groups
@@ -109,7 +109,7 @@ class ModelRunner(PoolMoves):
     (a ``(pp, tp)`` mesh; ``self.stages``), each stage a layer range with its share of the
     weights and of the pools; the sampler, warm-up and handles are the same either way."""
 
-    kv_config = None  # core.kv_cache_config.KVCacheConfig (None: pipeline stages)
+    kv_config = None  # core.kv_cache_config.KVCacheConfig (pipeline stages: over each range)
 
     def __init__(self, model, model_config: ModelConfig, engine_config: EngineConfig,
                  max_model_len: int, dtype, param_bytes: int = 0, kv_sharding=None, mesh=None,
@@ -145,31 +145,33 @@ class ModelRunner(PoolMoves):
         if mesh is not None:
             kv_sharding = sharding.kv_pool_sharding(mesh)
         self.kv_dtype = kv_cache_dtype(engine_config.cache.cache_dtype, dtype)
-        # layers grouped by cache spec (core.kv_cache_spec); the pipeline stages size and
-        # allocate their own share of the pools (worker.stage_pipeline), else kv_config
+        # layers grouped by cache spec (core.kv_cache_spec); one KVCacheConfig (pools named
+        # by group, pages, state slots) sized once: over the whole model, or over each pipeline
+        # stage's layer range (every stage holds the same page ids and slots of each pool)
         self.cache_specs = model_cache_specs(model, model_config, self.kv_dtype)
         self.cache_groups = group_layers(self.cache_specs)
         self.state_layers = tuple(sorted(i for g in state_groups(self.cache_groups)
                                          for i in g.layers))
-        self.num_state_slots = None  # slots of the state pool (None: no LinearState layers)
+        self.stages: PipelineStages | None = None
+        pp = 1
+        if pipeline_mesh is not None:  # per stage: its layers' share of each pool, same ids
+            self.stages = PipelineStages(self, model, pipeline_mesh)
+            self.mesh, tp = self.stages.mesh, sharding.tp_size(self.stages.mesh)
+            pp = self.stages.num_stages
+        self.kv_config = c = agree_across_hosts(kv_cache_config(
+            model, model_config, engine_config, max_model_len, self.kv_dtype,
+            param_bytes // (tp * pp), tp, extra_page_bytes, specs=self.cache_specs,
+            stages=self.stages.ranges if self.stages is not None else ()))
+        self.grouped = c.per_group_pools
+        self.num_state_slots = c.num_state_slots  # None: no LinearState layers
+        self.pools, self.pool_pages = tuple(p.pool for p in c.pools), c.pool_pages
         # speculating with LinearState layers: k scratch slots per row after the requests'
         # slots hold the verify rows' per-token snapshots (rollback: rollback_fn)
-        self.snapshots = None  # (first scratch slot, k)
-        self.grouped = not self.state_layers and use_group_pools(
-            model, self.cache_groups, engine_config, extra_page_bytes)
-        self.stages: PipelineStages | None = None
-        if pipeline_mesh is not None:  # per stage: its layers' share of each pool, same ids
-            self.stages = PipelineStages(self, model, pipeline_mesh, dtype, param_bytes,
-                                         extra_page_bytes)
-            self.mesh, tp = self.stages.mesh, sharding.tp_size(self.stages.mesh)
-        else:  # one KVCacheConfig (pools named by group, pages, state slots), one allocation
-            self.kv_config = c = agree_across_hosts(kv_cache_config(
-                model, model_config, engine_config, max_model_len, self.kv_dtype,
-                param_bytes // tp, tp, extra_page_bytes, specs=self.cache_specs))
-            self.grouped, self.num_state_slots = c.per_group_pools, c.num_state_slots
-            self.pools, self.pool_pages = tuple(p.pool for p in c.pools), c.pool_pages
-            if c.scratch_slots:
-                self.snapshots = (self.num_state_slots, self.num_spec_tokens)
+        self.snapshots = (self.num_state_slots, self.num_spec_tokens) if c.scratch_slots \
+            else None  # (first scratch slot, k)
+        if self.stages is not None:
+            self.stages.build(model, dtype)
+        else:
             self.kv_pages = allocate_kv_cache(
                 c, self.kv_dtype, kv_sharding=kv_sharding, tp=tp,
                 state_sharding=sharding.state_pool_sharding(mesh) if mesh is not None else None)
@@ -214,17 +216,12 @@ class ModelRunner(PoolMoves):
         # a multi-host leader's hook (worker.multihost.Leader): a context manager entered with
         # each step's arguments around its dispatch; None on one host and on followers
         self.step_broadcast = None
-        if self.kv_config is not None:
-            log_kv_config(self, max_model_len, tp)
-        elif self.state_layers:
-            log_hybrid_cache(self, max_model_len, tp)
-        else:
-            log_kv_cache(self, max_model_len)
+        log_kv_config(self, max_model_len, tp)
 
     def _mtp_row(self) -> int:
         """The block-table row of the pool the MTP head's layer uses."""
         c = self.kv_config
-        return 0 if c is None else c.row(c.mtp_pool)
+        return c.row(c.mtp_pool)
 
     def _device_zeros(self, shape: tuple, dtype):
         """Zeros placed as a step's outputs are (replicated under a mesh, made by a jit), so

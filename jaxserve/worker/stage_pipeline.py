@@ -16,7 +16,6 @@ stage's program.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import jax
@@ -25,19 +24,15 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import sharding
-from jaxserve.core.kv_cache_spec import (LinearState, SharedKV, group_layers, group_pools,
-                                         page_pools)
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.errors import InvalidRequestError
-from jaxserve.worker import kv_cache_config
 from jaxserve.worker import step_functions as step_fns
-from jaxserve.worker.kv_cache import (allocate_layer_pages, allocate_state_pool, fork_copy,
-                                      fork_pairs, specs_page_bytes)
+from jaxserve.worker.kv_cache import allocate_kv_cache, fork_copy, fork_pairs
 from jaxserve.worker.kv_moves import write_pages, write_slot
 from jaxserve.worker.stages import (FLAG, StageLink, StageLoRASlots, abstract, check_model,
-                                    check_shared_kv, layer_partition, make_stage, model_path,
+                                    check_shared_kv, layer_partition, make_stage,
                                     place, release_unused, stage_forward_fn, stage_is_local,
-                                    stage_specs, state_sharding)
+                                    state_sharding)
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +40,14 @@ logger = logging.getLogger(__name__)
 class PipelineStages:
     """The stages of one runner: their meshes, weights, pages and programs."""
 
-    def __init__(self, runner, model, pipeline_mesh, dtype, param_bytes: int = 0,
-                 extra_page_bytes: int = 0):
+    def __init__(self, runner, model, pipeline_mesh):
+        """The meshes, the layer partition and the start-up checks; :meth:`build` makes the
+        stages once the runner's ``kv_config`` is sized (over :attr:`ranges`)."""
         check_model(model)
         r = self.runner = runner
-        mc, config = r.model_config, r.config
         self.pipeline_mesh = pipeline_mesh
         self.stage_meshes = sharding.stage_meshes(pipeline_mesh)
-        pp, tp = len(self.stage_meshes), sharding.tp_size(self.stage_meshes[0])
+        pp = len(self.stage_meshes)
         self.local = [stage_is_local(m) for m in self.stage_meshes]
         # one process owns every stage, or (across hosts) a link carries what crosses them
         self.link = None if all(self.local) else StageLink(pipeline_mesh, self.stage_meshes,
@@ -60,51 +55,39 @@ class PipelineStages:
         # where sampling, its buffers and masks live: the last stage, or this host's first
         self.sample_stage = pp - 1 if self.link is None else self.local.index(True)
         self.mesh = self.stage_meshes[self.sample_stage]
-        self.act_dtype = jnp.dtype(dtype)
-        self.partition = layer_partition(mc.num_layers, pp)
-        specs = r.cache_specs
-        check_shared_kv(specs, self.partition, pp)
+        self.partition = layer_partition(r.model_config.num_layers, pp)
+        check_shared_kv(r.cache_specs, self.partition, pp)
         if r.state_layers and r.num_spec_tokens and self.link is not None:
             raise InvalidRequestError(
                 f"--speculative-config with {FLAG} > 1 across hosts on {type(model).__name__} "
                 "(LinearState layers) is not supported yet: each stage's rollback reads the "
                 "last stage's verification (one host: supported)", param="speculative_config")
-        # speculating with LinearState layers: k scratch slots per row after the requests'
-        # slots on every stage hold the verify rows' per-token snapshots (the rollback's)
-        self.scratch = r.max_num_seqs * r.num_spec_tokens if r.state_layers else 0
-        num_layers = mc.num_layers
-        self.mtp_pages = None  # the MTP head's pages (its cache spec after the layers'), last stage
-        r.pools = group_pools(r.cache_groups) if r.grouped else page_pools(r.cache_groups)
-        # every stage holds the same page ids for its own layers: size by the stage with the
-        # most paged layers (the state pool: by the whole model's state, an upper bound)
-        paged = [sum(not isinstance(sp, LinearState)
-                     for sp in specs[lo:hi] + (specs[num_layers:] if hi == num_layers else []))
-                 for lo, hi in self.partition]
-        lo, hi = self.partition[int(np.argmax(paged))]
-        stage_pools = page_pools(group_layers(stage_specs(specs, lo, hi)))
-        stage_cfg = dataclasses.replace(mc, num_layers=hi - lo)
-        share = param_bytes // (tp * pp)
-        if r.grouped:  # each group's pages from the whole model's (an upper bound)
-            sizes = kv_cache_config.group_pool_sizes(r.pools, stage_cfg, config,
-                                                     r.max_model_len, share, tp)
-        elif r.state_layers:
-            slots, sizes = kv_cache_config.state_pool_sizes(
-                stage_pools, r.cache_groups, stage_cfg, config, r.max_model_len, share, tp,
-                self.scratch)
-            r.num_state_slots = sharding.agree_across_hosts(slots)
-            if self.scratch:
-                r.snapshots = (r.num_state_slots, r.num_spec_tokens)
-        else:
-            sizes = kv_cache_config.pool_sizes(stage_pools, stage_cfg, config, r.max_model_len,
-                                               share, tp, extra_page_bytes)
-        r.pool_pages = tuple(sharding.agree_across_hosts(n) for n in sizes)
+        if self.link is not None and (r.config.max_hidden_state_layers
+                                      or r.config.enable_prompt_embeds):
+            raise InvalidRequestError(
+                f"return_hidden_states / prompt_embeds with {FLAG} > 1 run on one host",
+                param="pipeline_parallel_size")
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """Each stage's cache layers: its layers, on the last stage and the MTP head's."""
+        end = len(self.runner.cache_specs)
+        return [(lo, end if i == len(self.partition) - 1 else hi)
+                for i, (lo, hi) in enumerate(self.partition)]
+
+    def build(self, model, dtype) -> None:
+        """Each stage: its module (the model's layers ``[lo, hi)``) on its mesh, its program,
+        and its caches, allocated from ``runner.kv_config`` over its range (the same pools,
+        page ids and state slots on every stage)."""
+        r = self.runner
+        pp, tp = len(self.stage_meshes), sharding.tp_size(self.stage_meshes[0])
+        self.act_dtype = jnp.dtype(dtype)
         self.stage_pages, self.stage_leaves, self.stage_fns = [], [], []
         self.stage_defs = []  # (graphdef, state treedef) of each stage
-        for i, ((lo, hi), smesh) in enumerate(zip(self.partition, self.stage_meshes)):
-            shared = tuple(sp.producer_layer - lo if isinstance(sp, SharedKV) else None
-                           for sp in specs[lo:hi])
+        for i, ((lo, hi), (_, end), smesh) in enumerate(zip(self.partition, self.ranges,
+                                                            self.stage_meshes)):
             stage = make_stage(model, lo, hi, first=i == 0, last=i == pp - 1,
-                               mesh=smesh if tp > 1 else None, shared_from=shared)
+                               mesh=smesh if tp > 1 else None)
             graphdef, state = nnx.split(stage)
             if not self.local[i]:  # another host's stage: its shapes only
                 leaves, treedef = jax.tree_util.tree_flatten(abstract(state))
@@ -116,15 +99,14 @@ class PipelineStages:
             leaves, treedef = jax.tree_util.tree_flatten(place(state, smesh))
             self.stage_defs.append((graphdef, treedef))
             self.stage_leaves.append(leaves)
-            local_state = tuple(j - lo for j in r.state_layers if lo <= j < hi)
+            local_state = tuple(j - lo for j in r.state_layers if lo <= j < end)
             self.stage_fns.append(stage_forward_fn(graphdef, treedef, smesh, i == pp - 1,
-                                                   local_state, hi - lo, r.snapshots,
-                                                   config.batch_invariant))
-            self.stage_pages.append(self._stage_caches(lo, hi, smesh, tp))
-        if len(specs) > num_layers and self.local[-1]:  # the MTP head's layer
-            self.mtp_pages = allocate_layer_pages(
-                specs[num_layers:], r.pool_pages[0], r.block_size, r.kv_dtype,
-                sharding=sharding.kv_pool_sharding(self.stage_meshes[-1]), tp=tp)[0]
+                                                   local_state, end - lo, r.snapshots,
+                                                   r.config.batch_invariant))
+            self.stage_pages.append(allocate_kv_cache(
+                r.kv_config.layer_range(lo, end), r.kv_dtype, tp=tp,
+                kv_sharding=sharding.kv_pool_sharding(smesh),
+                state_sharding=state_sharding(smesh, tp)))
         # token bucket -> what a stage hands on (the hidden states; with Gemma 4's PLE, and
         # the per-layer inputs), as shapes: the cross-host hand-off sends each part
         self._carry_shapes: dict[int, object] = {}
@@ -136,16 +118,13 @@ class PipelineStages:
         self._pending = None  # across hosts: (handle, last stage's raw outputs) of one plan
         self._names = None
         self._zero_embeds: dict[int, jax.Array] = {}  # token bucket -> zeros on stage 0
-        if self.link is not None and (config.max_hidden_state_layers
-                                      or config.enable_prompt_embeds):
-            raise InvalidRequestError(
-                f"return_hidden_states / prompt_embeds with {FLAG} > 1 run on one host",
-                param="pipeline_parallel_size")
-        logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %s pages of %d tokens "
-                    "(%.1f MiB per stage at most)", pp, tp, self.partition,
-                    "+".join(map(str, r.pool_pages)), r.block_size, max(
-                        r.pool_pages[0] * specs_page_bytes(specs[lo:hi], r.block_size)
-                        for lo, hi in self.partition) / 2**20)
+        c = r.kv_config
+        logger.info("pipeline: %d stages x tp %d, layers %s; KV cache: %s (pages of %d "
+                    "tokens; %.1f MiB per stage at most)", pp, tp, self.partition,
+                    ", ".join(f"{p.name} {p.num_pages}" for p in c.pools), r.block_size, max(
+                        sum(p.num_pages * p.page_bytes(r.block_size)
+                            for p in c.layer_range(lo, end).pools)
+                        for lo, end in self.ranges) / 2**20)
 
     @property
     def last_graph(self):
@@ -155,25 +134,6 @@ class PipelineStages:
     @property
     def num_stages(self) -> int:
         return len(self.stage_meshes)
-
-    def _stage_caches(self, lo: int, hi: int, smesh, tp: int) -> list:
-        """One stage's caches (layers ``[lo, hi)``): pages of its attention layers (the shared
-        page ids, of each layer's group's pool when grouped), state-pool arrays of its
-        LinearState layers (the shared slot ids); ``()`` for a KV-sharing layer."""
-        r = self.runner
-        kv = sharding.kv_pool_sharding(smesh)
-        if r.grouped:
-            group_of = {i: g for g, grp in enumerate(r.cache_groups) for i in grp.layers}
-            return [allocate_layer_pages([r.cache_specs[i]], r.pool_pages[group_of[i]],
-                                         r.block_size, r.kv_dtype, sharding=kv, tp=tp)[0]
-                    if i in group_of else () for i in range(lo, hi)]
-        specs = r.cache_specs[lo:hi]
-        pages = iter(allocate_layer_pages(
-            [sp for sp in specs if not isinstance(sp, LinearState)], r.pool_pages[0],
-            r.block_size, r.kv_dtype, sharding=kv, tp=tp))
-        return [allocate_state_pool(sp, r.num_state_slots + self.scratch,
-                                    state_sharding(smesh, tp))
-                if isinstance(sp, LinearState) else next(pages) for sp in specs]
 
     def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
         """Each stage's adapter slots: its own layers' weights on its own devices."""
@@ -194,9 +154,9 @@ class PipelineStages:
 
     @property
     def kv_pages(self) -> list:
-        """Every layer's caches, stage by stage (model layer order), then the MTP head's."""
-        mtp = [] if self.mtp_pages is None else [self.mtp_pages]
-        return [kv for pages in self.stage_pages for kv in pages] + mtp
+        """Every layer's caches, stage by stage (model layer order; the last stage's end with
+        the MTP head's, as the single program's)."""
+        return [kv for pages in self.stage_pages for kv in pages]
 
     # ---- the step ----------------------------------------------------------------------
     def prev_tokens(self, plan: StepPlan):
@@ -380,14 +340,13 @@ class PipelineStages:
 
     # ---- weights in place (jaxserve.engine.weight_sync) -------------------------------------
     def param_names(self) -> list[list[str]]:
-        """Each stage's params by the model's state path (its layers numbered as the model's)."""
+        """Each stage's params by the model's state path (a stage holds its layers at their
+        model indices)."""
         if self._names is None:
             from jaxserve.worker.weight_update import state_names
 
-            self._names = [
-                [model_path(n, lo) for n in state_names(jax.tree_util.tree_unflatten(td, lv))]
-                for (lo, _), (_, td), lv in zip(self.partition, self.stage_defs,
-                                                self.stage_leaves)]
+            self._names = [state_names(jax.tree_util.tree_unflatten(td, lv))
+                           for (_, td), lv in zip(self.stage_defs, self.stage_leaves)]
         return self._names
 
     def set_params(self, stage_leaves: list[list]) -> None:
@@ -398,22 +357,26 @@ class PipelineStages:
 
     # ---- swap and fork: every stage its own layers' share ------------------------------------
     def _stage_layers(self, i: int, state: bool) -> list[int]:
-        lo, hi = self.partition[i]
-        return [j for j in range(hi - lo) if (lo + j in self.runner.state_layers) == state]
+        lo, end = self.ranges[i]
+        return [j for j in range(end - lo) if (lo + j in self.runner.state_layers) == state]
 
-    def swap_in(self, idx, saved) -> None:
-        """Write a swapped request's pages back, stage by stage (paged layers only)."""
-        saved = iter(saved)
-        for i, smesh in enumerate(self.stage_meshes):
-            layers = self._stage_layers(i, state=False)
-            if layers:
-                written = write_pages([self.stage_pages[i][j] for j in layers], idx,
-                                      [next(saved) for _ in layers])
-                self._put(i, layers, jax.device_put(written, sharding.kv_pool_sharding(smesh)))
-        if self.mtp_pages is not None:
-            (self.mtp_pages,) = jax.device_put(
-                write_pages([self.mtp_pages], idx, [next(saved)]),
-                sharding.kv_pool_sharding(self.stage_meshes[-1]))
+    def swap_in(self, pages: list[list[int]], saved, rows: list[tuple[int, int]]) -> None:
+        """Write a swapped request's pages back (ids per pool; ``saved`` one (k, v) per
+        ``rows`` entry, (layer, its pool's row)), on every stage one scatter per pool, as
+        ``PoolMoves.swap_in`` on one program's pool."""
+        saved_of = {layer: kv for (layer, _), kv in zip(rows, saved)}
+        for i, ((lo, end), smesh) in enumerate(zip(self.ranges, self.stage_meshes)):
+            if not self.local[i]:
+                continue
+            for g, ids in enumerate(pages):
+                mine = [layer for layer, row in rows if row == g and lo <= layer < end]
+                if not mine or not ids:
+                    continue
+                written = write_pages([self.stage_pages[i][j - lo] for j in mine],
+                                      jnp.asarray(np.asarray(ids, dtype=np.int32)),
+                                      [saved_of[j] for j in mine])
+                self._put(i, [j - lo for j in mine],
+                          jax.device_put(written, sharding.kv_pool_sharding(smesh)))
 
     def swap_in_state(self, slot: int, saved) -> None:
         """Write a swapped request's recurrent state into its (new) slot on every stage."""
@@ -437,7 +400,8 @@ class PipelineStages:
         """n > 1 siblings start from their first child's computed prompt: on every stage its
         layers' pages and recurrent states copied into theirs, in step order."""
         src, dst = fork_pairs(pages, 0)  # page 0: the trash page
-        trash_slot = (self.runner.num_state_slots or 0) + self.scratch  # the pool's last slot
+        c = self.runner.kv_config
+        trash_slot = (c.num_state_slots or 0) + c.scratch_slots  # the pool's last slot
         ssrc, sdst = fork_pairs(slots, trash_slot)
         for i, smesh in enumerate(self.stage_meshes):
             if not self.local[i]:
@@ -448,12 +412,8 @@ class PipelineStages:
             pool = fork_copy(list(self.stage_pages[i]), paged, state, src, dst, ssrc, sdst)
             tp = sharding.tp_size(smesh)
             kv, st = sharding.kv_pool_sharding(smesh), state_sharding(smesh, tp)
-            self.stage_pages[i] = [jax.device_put(c, st if j in state else kv)
-                                   for j, c in enumerate(pool)]
-        if self.mtp_pages is not None:
-            (self.mtp_pages,) = jax.device_put(
-                fork_copy([self.mtp_pages], (0,), (), src, dst, ssrc, sdst),
-                sharding.kv_pool_sharding(self.stage_meshes[-1]))
+            self.stage_pages[i] = [jax.device_put(a, st if j in state else kv)
+                                   for j, a in enumerate(pool)]
 
     # ---- after the verifier: the rollback on every stage, the MTP head on the last ----------
     def after_verify(self, inputs, packed, hidden, verify, prev_tokens, mtp):
@@ -476,7 +436,8 @@ class PipelineStages:
                 self._put(i, layers, jax.device_put(states, state_sharding(smesh, tp)))
         if mtp is None:
             return None
-        drafts, self.mtp_pages = mtp(r._state_leaves, self.mtp_pages, packed[0], hidden,
-                                     prev_tokens, verify.token_ids, verify.num_emitted,
-                                     packed[1])
+        pages = self.stage_pages[-1]  # the MTP head's layer: the last stage's last cache
+        drafts, head = mtp(r._state_leaves, pages[-1], packed[0], hidden, prev_tokens,
+                           verify.token_ids, verify.num_emitted, packed[1])
+        self.stage_pages[-1] = list(pages[:-1]) + [head]
         return drafts

@@ -5,10 +5,10 @@
     stage P-1:               layers[..:L] -> norm -> logits          (sampled on the last stage)
 
 A stage (:class:`Stage`) is the model with the other stages' weights left out: its layers, the
-embedding on the first stage, the final norm and LM head on the last. It runs the family's own
-contract pieces (``embed``, ``layer_inputs``, ``run_layer``, ``final_hidden``,
-``compute_logits``) over its range (:func:`stage_forward_fn`), so any family that gives them is
-cut the same way. The runner (``worker.runner``, through ``worker.stage_pipeline``) holds the
+embedding on the first stage, the final norm and LM head on the last. Its program
+(:func:`stage_forward_fn`) is the single program's forward over its range
+(``step_functions.run_stage``: ``ModelBase.run_layers``, the one layer loop), so any family
+that gives its pieces is cut the same way, and pp 1 is the one stage over every layer. The runner (``worker.runner``, through ``worker.stage_pipeline``) holds the
 stages; this module holds what is about stages alone: the layer partition, the start-up checks,
 the meshes, and the cross-host hand-off (:class:`StageLink`).
 
@@ -22,8 +22,6 @@ The split is even (``num_layers / P`` each) unless ``JAXSERVE_PP_LAYER_PARTITION
 from __future__ import annotations
 
 import os
-import re
-from contextlib import nullcontext
 from functools import lru_cache
 
 import jax
@@ -34,11 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig
-from jaxserve.core.kv_cache_spec import SharedKV
 from jaxserve.errors import InvalidRequestError
 from jaxserve.models import batch_invariant
-from jaxserve.models.lora import LoRABatch
-from jaxserve.worker import forward_hooks
 from jaxserve.worker import step_functions as step_fns
 from jaxserve.worker.step_inputs import StepInputs
 
@@ -135,10 +130,12 @@ def load_mesh(pipeline_mesh, tensor_parallel_size: int):
 
 
 class StageLayers(nnx.Module):
-    """A stage's share of the model's ``model`` submodule (same attribute names): its layers;
-    on the first stage the embedding side (``embed_tokens`` and any other submodule but the
-    layers and the norm, e.g. Gemma 4's per-layer embeddings); on the last the norm (and the
-    embedding again when it is the tied LM head or the MTP head embeds its next tokens)."""
+    """A stage's share of the model's ``model`` submodule (same attribute names): its layers,
+    at their model indices (``layers[i]`` is model layer ``i``; None for other stages' layers,
+    vLLM's missing layers, so state paths and ``ModelBase.run_layers`` read model indices); on
+    the first stage the embedding side (``embed_tokens`` and any other submodule but the layers
+    and the norm, e.g. Gemma 4's per-layer embeddings); on the last the norm (and the embedding
+    again when it is the tied LM head or the MTP head embeds its next tokens)."""
 
     def __init__(self, inner, lo: int, hi: int, first: bool, last: bool, embeds: bool):
         for name, value in vars(inner).items():
@@ -149,22 +146,22 @@ class StageLayers(nnx.Module):
             else:
                 setattr(self, name, value)
         self.embed_tokens = inner.embed_tokens if first or (last and embeds) else None
-        self.layers = nnx.List(list(inner.layers[lo:hi]))
+        n = len(inner.layers)
+        self.layers = nnx.List([inner.layers[i] if lo <= i < hi else None for i in range(n)])
         self.norm = inner.norm if last else None
 
 
 class Stage(nnx.Module):
     """One stage's part of a model: its layers, plus the embedding on the first stage and the
     final norm, LM head and MTP head on the last (a tied head is the embedding, copied). Made as
-    a subclass of the family (:func:`make_stage`), it runs the family's own contract pieces
-    (``embed``, ``layer_inputs``, ``run_layer``, ``final_hidden``, ``compute_logits``) on its
-    part: a stage is the model with the other stages' weights left out, the family's static
-    settings copied."""
+    a subclass of the family (:func:`make_stage`), it runs the family's own forward
+    (``embed``, ``ModelBase.run_layers`` over ``[lo, hi)``, ``final_hidden``,
+    ``compute_logits``) on its part: a stage is the model with the other stages' weights left
+    out, the family's static settings copied."""
 
     supports_pipeline = True  # cut from a family that gives its forward in pieces
 
-    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, mesh,
-                 shared_from: tuple = ()):
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool, mesh):
         for name, value in vars(model).items():  # static settings (rope, backend, caps ...)
             if not name.startswith("_") and not isinstance(
                     value, (nnx.Module, nnx.Variable, jax.Array, nnx.List)):
@@ -172,13 +169,15 @@ class Stage(nnx.Module):
         self.family = type(model)
         self.mesh = mesh  # this stage's tp mesh (None without tensor parallelism)
         self.first, self.last = first, last
-        self.layer_offset = lo  # the model layer of this stage's first layer
-        # per stage layer: the stage layer whose pages it reads (KV sharing), or None
-        self.shared_from = shared_from or (None,) * (hi - lo)
+        self.lo, self.hi = lo, hi  # the model layers this stage runs
+        self.producers = model.kv_producers()  # the whole model's (its layers are not here)
         self.model = StageLayers(model.model, lo, hi, first, last,
                                  model.lm_head is None or model.mtp is not None)
         self.lm_head = model.lm_head if last else None
         self.mtp = model.mtp if last else None  # drafts from the last stage's hidden states
+
+    def kv_producers(self) -> tuple:
+        return self.producers
 
 
 @lru_cache(maxsize=None)
@@ -188,17 +187,9 @@ def stage_class(family: type) -> type:
     return type(f"{family.__name__}Stage", (Stage, family), {})
 
 
-def make_stage(model, lo: int, hi: int, first: bool, last: bool, mesh,
-               shared_from: tuple = ()) -> Stage:
+def make_stage(model, lo: int, hi: int, first: bool, last: bool, mesh) -> Stage:
     """Layers ``[lo, hi)`` of ``model`` as a stage of its family's stage class."""
-    return stage_class(type(model))(model, lo, hi, first, last, mesh, shared_from)
-
-
-def stage_specs(specs, lo: int, hi: int) -> list:
-    """Layers ``[lo, hi)``'s cache specs numbered within the stage (a KV-sharing layer's
-    producer is in the same stage: ``check_shared_kv``)."""
-    return [SharedKV(sp.producer_layer - lo) if isinstance(sp, SharedKV) else sp
-            for sp in specs[lo:hi]]
+    return stage_class(type(model))(model, lo, hi, first, last, mesh)
 
 
 def state_sharding(mesh, tp: int):
@@ -212,75 +203,24 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
                      snapshots: tuple[int, int] | None = None, invariant: bool = False):
     """One stage's program, jitted on its mesh:
     ``(leaves, kv_pages, inputs, lora, x, prev_tokens, embeds) -> (x, kv_pages, captured)``,
-    on the last stage ``(logits, kv_pages, hidden, captured)`` as the single-program forward
-    returns them. The first stage takes token ids (``x`` unused) and, with
-    ``--enable-prompt-embeds``, the ``[T, H]`` prompt embeddings; the others the previous
-    stage's hidden states. ``inputs``: the step's ``StepInputs``; ``lora``: this stage's
-    layers' adapter slots (None: no LoRA). ``captured``: ``[T, K, H]`` float32 of the residual
-    stream at the asked layers this stage runs (zeros elsewhere; None when the engine captures
-    none: ``worker.forward_hooks``). ``state_layers``: the stage's LinearState layers
-    (stage-local indices), whose caches are state-pool arrays; ``snapshots`` (first scratch
-    slot, k): they keep each verify row's state after each of its tokens
-    (``step_functions.snapshot_slots``), for the rollback after verification; ``invariant``:
-    batch-invariant reductions (``models.batch_invariant``)."""
+    on the last stage ``(logits, kv_pages, hidden, captured)``: the single program's forward
+    (``step_functions.run_stage``) over the stage's layers. The first stage takes token ids
+    (``x`` unused) and, with ``--enable-prompt-embeds``, the ``[T, H]`` prompt embeddings; the
+    others the previous stage's hidden states. ``inputs``: the step's ``StepInputs``;
+    ``lora``: this stage's layers' adapter slots (None: no LoRA). ``state_layers``: the
+    stage's LinearState layers (stage-local indices), whose caches are state-pool arrays;
+    ``num_layers``: the stage's; ``snapshots`` (first scratch slot, k): speculative
+    snapshots (``step_functions.snapshot_slots``); ``invariant``: batch-invariant reductions
+    (``models.batch_invariant``)."""
 
     def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens, embeds=None):
         step_fns.TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         with batch_invariant.mode(invariant):
-            return stage_half(stage, kv_pages, step, lora, x, prev_tokens, embeds)
-
-    def stage_half(stage, kv_pages, step, lora, x, prev_tokens, embeds):
-        md = step_fns.attention_metadata(
-            step, state_slots=step_fns.trash_state_slots(step.state_slots, kv_pages,
-                                                         state_layers),
-            snapshot_slots=(None if snapshots is None or not state_layers
-                            else step_fns.snapshot_slots(step.num_draft, *snapshots)))
-        T = step.positions.shape[0]
-        capture = step.hidden_layers.shape[1] > 0  # return_hidden_states: K layers a token
-        want = (forward_hooks.token_layers(step.hidden_layers, step.query_start, T)[..., None]
-                if capture else None)
-        cap = None
-
-        def keep(i, h):
-            nonlocal cap
-            if capture:
-                h = forward_hooks.residual(h).astype(jnp.float32)
-                cap = jnp.zeros((T, want.shape[1], h.shape[-1]), jnp.float32) if cap is None \
-                    else cap
-                cap = jnp.where(want == i, h[:, None, :], cap)
-
-        if stage.first:
-            ref = step.prev_ref
-            token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], step.token_ids)
-            with (forward_hooks.prompt_embeds(stage, step.embed_mask, embeds)
-                  if embeds is not None else nullcontext()):
-                x = stage.embed(token_ids)
-            keep(0, x)
-        lora = LoRABatch(step.lora_slots, *lora) if lora is not None else None
-        inputs = stage.layer_inputs(step.positions, md, T)
-        new_pages = []
-        for j, (layer, kv) in enumerate(zip(stage.model.layers, kv_pages)):
-            if stage.shared_from[j] is not None:  # KV sharing: the producer's pages
-                kv = new_pages[stage.shared_from[j]]
-            x, kv = stage.run_layer(j, layer, x, inputs, kv, md, lora)
-            new_pages.append(kv)
-            if stage.layer_offset + j + 1 < stage.num_layers:  # the last: after the norm
-                keep(stage.layer_offset + j + 1, x)
-        new_pages = [() if src is not None else kv
-                     for src, kv in zip(stage.shared_from, new_pages)]
-        if capture and cap is None:  # a stage of no asked layer adds zeros
-            cap = jnp.zeros((T, want.shape[1], forward_hooks.residual(x).shape[-1]),
-                            jnp.float32)
-        if not stage.last:
-            return x, new_pages, cap  # the hidden states (with PLE: and the per-layer inputs)
-        hidden = stage.final_hidden(x)
-        keep(stage.num_layers, hidden)
-        idx = step.logits_indices
-        if idx.size > hidden.shape[0]:
-            return stage.compute_logits(hidden)[idx], new_pages, hidden, cap
-        logits = stage.compute_logits(hidden[idx.reshape(-1)])
-        return logits.reshape(idx.shape + logits.shape[-1:]), new_pages, hidden, cap
+            return step_fns.run_stage(stage, kv_pages, step, lora, x, prev_tokens, lo=stage.lo,
+                                      hi=stage.hi, first=stage.first, last=stage.last,
+                                      state_layers=state_layers, snapshots=snapshots,
+                                      embeds=embeds)
 
     rep, pool = sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)
     if state_layers:
@@ -355,12 +295,6 @@ def release_unused(model, kept: list) -> None:
     for x in jax.tree_util.tree_leaves(nnx.state(model)):
         if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
             x.delete()
-
-
-def model_path(name: str, lo: int) -> str:
-    """A stage's state path -> the model's (stage layer ``j`` is model layer ``lo + j``)."""
-    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
-    return f"model.layers.{int(m.group(1)) + lo}.{m.group(2)}" if m else name
 
 
 def abstract(tree):

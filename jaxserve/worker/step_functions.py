@@ -20,6 +20,7 @@ from jaxserve.core.sampling_metadata import SAMPLING_FIELDS
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS
 from jaxserve.core.step_plan import TRASH_PAGE
 from jaxserve.models import batch_invariant
+from jaxserve.models.contract import capture_hidden
 from jaxserve.models.layers import AttentionMetadata
 from jaxserve.models.lora import LoRABatch
 from jaxserve.worker import forward_hooks, rejection_sampler
@@ -54,40 +55,11 @@ def forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...]
     def forward(state_leaves, kv_pages, buf, prev_tokens, lora, layout, embeds=None, mm=None):
         TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
-        with (forward_hooks.prompt_embeds(model, unpack(buf, layout).embed_mask, embeds)
-              if embeds is not None else nullcontext()), batch_invariant.mode(invariant):
-            return model_half(model, buf, prev_tokens, kv_pages, lora, layout, mm)
-
-    def model_half(model, buf, prev_tokens, kv_pages, lora, layout, mm):
-        inputs: StepInputs = unpack(buf, layout)
-        ref = inputs.prev_ref
-        token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
-        md = attention_metadata(
-            inputs, state_slots=trash_state_slots(inputs.state_slots, kv_pages, state_layers),
-            snapshot_slots=(None if snapshots is None
-                            else snapshot_slots(inputs.num_draft, *snapshots)))
-        kwargs = {} if lora is None else {  # (scale [L], per-layer A/B) of the device slots
-            "lora": LoRABatch(inputs.lora_slots, *lora)}
-        positions = inputs.positions
-        if mm is not None:  # a vision-language model (worker.mm_step.EncoderRunner)
-            positions, mm_rows, mm_embeds = mm
-            kwargs["mm"] = (mm_embeds, mm_rows)
-        captured = None
-        if inputs.hidden_layers.shape[1]:  # return_hidden_states: K layers a token
-            hidden, kv_pages, captured = forward_hooks.forward_with_capture(
-                model, inputs.hidden_layers, inputs.query_start, token_ids, positions,
-                kv_pages, md, **kwargs)
-        else:
-            hidden, kv_pages = model(token_ids, positions, kv_pages, md, **kwargs)
-        # hidden stays on device; only prompt_logprobs reads it (see prompt_logprobs_fn).
-        # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
-        idx = inputs.logits_indices
-        if idx.size > hidden.shape[0]:
-            # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
-            # mostly padding): the vocabulary projection runs once per token, then is gathered
-            return model.compute_logits(hidden)[idx], kv_pages, hidden, captured
-        logits = model.compute_logits(hidden[idx.reshape(-1)])
-        return logits.reshape(idx.shape + logits.shape[-1:]), kv_pages, hidden, captured
+        with batch_invariant.mode(invariant):
+            return run_stage(model, kv_pages, unpack(buf, layout), lora, None, prev_tokens,
+                             lo=0, hi=model.num_layers, first=True, last=True,
+                             state_layers=state_layers, snapshots=snapshots, embeds=embeds,
+                             mm=mm)
 
     if mesh is None:
         return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,))
@@ -99,6 +71,68 @@ def forward_fn(graphdef, state_treedef, mesh=None, state_layers: tuple[int, ...]
                 for i in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,), static_argnums=(5,), out_shardings=(
         sharding.replicated(mesh), pool, sharding.replicated(mesh), sharding.replicated(mesh)))
+
+
+def run_stage(model, kv_pages, inputs: StepInputs, lora, x, prev_tokens, *, lo: int, hi: int,
+              first: bool, last: bool, state_layers: tuple[int, ...] = (),
+              snapshots: tuple[int, int] | None = None, embeds=None, mm=None):
+    """Model layers ``[lo, hi)`` of one step, the one forward both programs trace: the single
+    program is the one stage over every layer (``first`` and ``last``), a pipeline stage its
+    range (``worker.stages``). ``kv_pages``: the range's caches (after them, passed through:
+    the MTP head's); ``x``: the previous stage's hidden carry (the first stage embeds the
+    step's tokens instead: placeholders read ``prev_tokens``, ``embeds`` are
+    ``--enable-prompt-embeds``' ``[T, H]``, ``mm`` a vision-language step's (positions, rows,
+    image embeddings)); ``lora``: (scale, the range's per-layer adapter weights) or None;
+    ``state_layers``: the LinearState layers among ``kv_pages``.
+
+    Returns ``(x, caches, captured)``; the last stage ``(logits, caches, hidden, captured)``
+    (logits of ``inputs.logits_indices``: ``[S, V]``, or ``[S, k+1, V]`` when verifying).
+    ``captured``: ``[T, K, H]`` float32 of the hidden-state layers the rows ask for that this
+    range produces, zeros elsewhere (None when the engine captures none:
+    ``worker.forward_hooks``)."""
+    T = inputs.token_ids.shape[0]
+    md = attention_metadata(
+        inputs, state_slots=trash_state_slots(inputs.state_slots, kv_pages, state_layers),
+        snapshot_slots=(None if snapshots is None or not state_layers
+                        else snapshot_slots(inputs.num_draft, *snapshots)))
+    capture = (forward_hooks.token_layers(inputs.hidden_layers, inputs.query_start, T)
+               if inputs.hidden_layers.shape[1] else None)  # return_hidden_states: K a token
+    positions = inputs.positions
+    if first:
+        ref = inputs.prev_ref
+        token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
+        with (forward_hooks.prompt_embeds(model, inputs.embed_mask, embeds)
+              if embeds is not None else nullcontext()):
+            if mm is None:
+                x = model.embed(token_ids)
+            else:  # a vision-language model (worker.mm_step.EncoderRunner): M-RoPE positions
+                positions, mm_rows, mm_embeds, *limit = mm
+                x = model.embed_multimodal(token_ids, (mm_embeds, mm_rows))
+                if limit:  # image tokens that see their whole image (bidirectional runs)
+                    md = md._replace(kv_limit=limit[0])
+    if lora is not None:  # (scale, the range's layers) -> indexed by model layer
+        if not model.supports_lora:
+            raise ValueError(f"{type(model).__name__} does not support LoRA adapters")
+        scale, layers = lora
+        lora = LoRABatch(inputs.lora_slots, scale, (None,) * lo + tuple(layers))
+    out = model.run_layers(x, model.layer_inputs(positions, md, T), kv_pages[:hi - lo], md,
+                           lora, lo, hi, capture=capture)
+    x, caches = out[0], out[1] + list(kv_pages[hi - lo:])
+    captured = out[2] if capture is not None else None
+    if not last:
+        return x, caches, captured  # the hidden carry (with PLE: and the per-layer inputs)
+    hidden = model.final_hidden(x)
+    if capture is not None:  # the last layer's output is read after the final norm
+        captured = capture_hidden(captured, capture, model.num_layers, hidden)
+    # hidden stays on device; only prompt_logprobs reads it (see prompt_logprobs_fn).
+    # logits_indices is [S], or [S, k+1] with speculative decoding (every verified position)
+    idx = inputs.logits_indices
+    if idx.size > hidden.shape[0]:
+        # more positions than tokens (the verify shapes of a small bucket: S rows of k+1,
+        # mostly padding): the vocabulary projection runs once per token, then is gathered
+        return model.compute_logits(hidden)[idx], caches, hidden, captured
+    logits = model.compute_logits(hidden[idx.reshape(-1)])
+    return logits.reshape(idx.shape + logits.shape[-1:]), caches, hidden, captured
 
 
 def attention_metadata(inputs: StepInputs, state_slots=None, snapshot_slots=None,

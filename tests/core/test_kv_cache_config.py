@@ -66,3 +66,32 @@ def test_override_host_cap_mtp_layer_and_no_room():
     with pytest.raises(ValueError, match="draft"):
         size_kv_cache([LOCAL, FULL], Budget(1 << 30), per_group_pools=True,
                       extra_page_bytes=100, **KW)
+
+
+def test_pipeline_stages_size_each_range_on_its_own_budget_and_share_the_pools():
+    """Each stage holds only its layers' share of every pool (same names, rows, pages and
+    slots); pages are what the fullest stage's budget holds, not the whole model's."""
+    specs = [STATE, LOCAL, FULL, LOCAL, SharedKV(3), FULL, FULL]  # stages [0, 3), [3, 7)
+    page = FULL.page_bytes(16)
+    budget = Budget(50 * (256 * page + 3 * page) + 50 * state_bytes_per_slot(group_layers(specs)))
+    whole = size_kv_cache(specs, budget, per_group_pools=True, **KW)
+    staged = size_kv_cache(specs, budget, per_group_pools=True, stages=[(0, 3), (3, 7)], **KW)
+    assert [p.name for p in staged.pools] == [p.name for p in whole.pools]
+    assert staged.pool_of_layer == whole.pool_of_layer
+    # the fullest stage (two full layers beside a sliding one) holds fewer layers than all
+    assert all(s > w for s, w in zip(staged.pool_pages, whole.pool_pages))
+    alone = size_kv_cache([LOCAL, SharedKV(0), FULL, FULL], budget, per_group_pools=True, **KW)
+    assert staged.pool_pages == alone.pool_pages  # the second stage's fit is the fewest
+    assert staged.num_state_slots >= whole.num_state_slots
+    first, second = staged.layer_range(0, 3), staged.layer_range(3, 7)
+    assert first.pool_pages == second.pool_pages == staged.pool_pages
+    assert first.state_layers == (0,) and second.state_layers == ()
+    assert first.num_state_slots == second.num_state_slots == staged.num_state_slots
+    assert second.specs[1] == SharedKV(0)  # its producer, numbered within the stage
+    assert second.pool_of_layer == ("sliding_32", "sliding_32", "full", "full")
+    assert [p.layers for p in second.pools] == [(0,), (2, 3)]
+    assert first.pool("full").page_bytes(16) == page  # one full layer on the first stage
+    # the MTP head's layer belongs to the range that holds it
+    mtp = size_kv_cache([FULL, FULL, FULL], Budget(0, num_pages_override=40),
+                        per_group_pools=False, mtp_layer=2, stages=[(0, 1), (1, 3)], **KW)
+    assert mtp.layer_range(1, 3).mtp_layer == 1 and mtp.layer_range(0, 1).mtp_layer is None

@@ -659,3 +659,43 @@ def test_update_from_output_resolves_stops_and_reports_one_output_per_request():
     outs = s.update_from_output(second, fetched([8, 4, 6]))
     assert [(o.request_id, o.new_token_ids) for o in outs] == [("a", [8])]
     assert a.output_token_ids == [7, 8] and s.generation_tokens_total == 3
+
+
+def _with_images(r, *runs):
+    """``r`` with image placeholder runs ``(offset, num_tokens)``."""
+    from jaxserve.core.mm_inputs import ImageItem, MultiModalInputs
+
+    r.mm = MultiModalInputs([ImageItem(f"h{o}", o, n, (1, 1, n), b"", 1) for o, n in runs], 7)
+    return r
+
+
+def test_whole_image_runs_never_end_a_chunk_inside_an_image():
+    """Bidirectional image tokens (Gemma 4 "vision"): a chunk stops before a run it cannot
+    finish, the run then waits for a step that holds it whole (nobody is admitted meanwhile),
+    and a run over the budget is refused at admission naming the image."""
+    s = make_sched(budget=32, block_size=4)
+    s.whole_image_runs = True
+    with pytest.raises(InvalidRequestError, match="max-num-batched-tokens") as e:
+        s.add_request(_with_images(req("big", range(60)), (3, 20), (25, 33)))
+    assert e.value.param == "multi_modal_data.image[1]"
+    c = req("c", range(200, 204), max_tokens=3, arrival=0)
+    a = _with_images(req("a", range(100, 150), max_tokens=2, arrival=1), (4, 32))
+    b = req("b", range(300, 308), max_tokens=2, arrival=2)
+    s.add_request(c)
+    s.add_request(a)
+    chunks = []
+    while not all(r.is_finished for r in (a, b, c)):
+        if len(chunks) == 1:
+            s.add_request(b)
+        out = s.schedule()
+        check_step(s, out)
+        chunks.append([(sr.request_id, sr.start_pos, sr.num_new_tokens) for sr in out.scheduled])
+        for r in s.update_after_dispatch(out, {sr.request_id: 5 for sr in out.scheduled
+                                                if sr.sample}):
+            if r.num_output_tokens >= r.max_tokens:
+                s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+    # a's first chunk stops at the run; while c decodes the run (32) does not fit and waits,
+    # and b is not admitted into the budget it needs; then the run goes whole
+    assert chunks[:4] == [[("c", 0, 4), ("a", 0, 4)], [("c", 4, 1)], [("c", 5, 1)],
+                          [("a", 4, 32)]]
+    assert ("b", 0, 8) in chunks[4]

@@ -152,3 +152,16 @@ def test_lowers_with_float8_pages_and_kv_scales():
 def test_lowers_gemma4_head_dims(d, hq, hkv, opts):
     text = _lower(d=d, hq=hq, hkv=hkv, dtype=jnp.bfloat16, **opts)
     assert text.count(TRITON) >= 2
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(sliding_window=512, soft_cap=30.0),
+                                  dict(tiles=dict(prefill_num_splits=2, decode_num_splits=4))])
+def test_lowers_with_kv_limit(opts):
+    """Per-token visibility limits (Gemma 4's image runs): one more step ref, read by the
+    attention and combine kernels."""
+    tiles = opts.get("tiles") or {}
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, **tiles,
+                           **{k: v for k, v in opts.items() if k != "tiles"})
+    specs = _specs(hq=16, hkv=2, d=256) + (jax.ShapeDtypeStruct((64,), jnp.int32),)
+    text = export_for_cuda(lambda *a: fn(*a[:-1], kv_limit=a[-1]), *specs)
+    assert text.count(TRITON) >= 2

@@ -263,3 +263,67 @@ def test_mosaic_fp8_pages_with_scales_match_reference_gpu(kv_dtype):
     assert np.all(np.isfinite(out))
     assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) <= 2e-2
     assert np.all(out[batch.num_tokens:] == 0)
+
+
+# ---- visibility limits (kv_limit: runs of tokens that see each other, Gemma 4's images) ----
+
+@needs_plugin
+@pytest.mark.parametrize("opts", [dict(sliding_window=37, soft_cap=20.0)])
+def test_mosaic_lowers_with_kv_limit(opts):
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, **opts)
+    specs = _specs(tokens=96, seqs=8, ctx=512, hq=8, hkv=2)
+    fn = (lambda f: lambda *a: f(*a[:-1], kv_limit=a[-1]))(fn)
+    specs += (jax.ShapeDtypeStruct((96,), jnp.int32),)
+    text = export.export(jax.jit(fn), platforms=["cuda"])(*specs).mlir_module()
+    assert MOSAIC in text
+
+
+def test_mosaic_row_limits_are_each_rows_and_each_blocks_furthest():
+    """The prologue's per-row limits (token's position, or its limit inside its context) and
+    each block's KV end, brute force over a ragged batch with random runs (group 7)."""
+    from pallas_kernels.mosaic_gpu_attention import _row_limits
+    from pallas_kernels.ragged_batch import random_kv_limits
+
+    group, q_lens, ctx = 7, [1, 20, 3, 1, 10], [5, 40, 3, 9, 10]
+    rng = np.random.default_rng(2)
+    batch = make_ragged_batch(rng, q_lens, ctx, num_tokens=40, num_seqs=7, max_pages=8,
+                              num_pages=40, num_q_heads=14, num_kv_heads=2, head_dim=64,
+                              page_size=8)
+    lim = random_kv_limits(rng, batch)
+    lim[3] = 10**6  # past its context: capped there
+    nb, _, _ = call_grid(40, 14, 2, 7, 8, 8, MosaicTileConfig())
+    qs, sl = jnp.asarray(batch.query_start), jnp.asarray(batch.seq_lens)
+    meta, _ = _block_metadata(qs, sl, jnp.int32(batch.num_seqs), group, nb)
+    rows, meta = map(np.asarray, _row_limits(jnp.asarray(lim), qs, sl, meta, group, 40))
+    for s, (ql, c) in enumerate(zip(q_lens, ctx)):
+        for j in range(ql):
+            tok = batch.query_start[s] + j
+            pos = c - ql + j
+            want = max(pos, min(int(lim[tok]), c - 1))
+            assert all(rows[tok * group + g] == want for g in range(group))
+    for b in range(nb):
+        row0, n = meta[b, 1], meta[b, 3]
+        if n:
+            assert meta[b, 5] == rows[row0:row0 + n].max() + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (H100/H200)")
+@pytest.mark.parametrize("opts", [{}, dict(sliding_window=37)])
+def test_mosaic_kv_limit_matches_reference_gpu(opts):
+    from pallas_kernels.ragged_batch import random_kv_limits
+
+    q_lens, ctx, ps = [1, 17, 2, 90, 1, 64], [40, 48, 2, 130, 1, 300], 16
+    mp = -(-max(ctx) // ps)
+    rng = np.random.default_rng(3)
+    batch = make_ragged_batch(rng, q_lens, ctx, num_tokens=sum(q_lens) + 5,
+                              num_seqs=len(q_lens) + 2, max_pages=mp,
+                              num_pages=(len(q_lens) + 2) * mp + 1, num_q_heads=8,
+                              num_kv_heads=2, head_dim=128, page_size=ps, dtype=jnp.bfloat16)
+    lim = jnp.asarray(random_kv_limits(rng, batch, max_run=40))
+    args = [jnp.asarray(a) for a in batch.args()]
+    out = ragged_paged_attention(*args, jnp.int32(batch.num_seqs), sm_scale=128 ** -0.5,
+                                 kv_limit=lim, **opts)
+    ref = reference.ragged_paged_attention(*args, sm_scale=128 ** -0.5, kv_limit=lim, **opts)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.max(np.abs(out - ref)) / np.max(np.abs(ref)) <= 2e-2

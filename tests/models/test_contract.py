@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import registry
-from jaxserve.models.contract import ModelBase
+from jaxserve.models.contract import ModelBase, capture_hidden
 
 ROOT = Path(__file__).parents[2] / "jaxserve"
 # getattr / hasattr on a model (``model``, ``engine.model``, a draft model, a stage)
@@ -56,18 +56,24 @@ def _split_forward(path, cut: int):
                        block_size=8, max_pages=4)
     md, ids, pos = metadata(plan), jnp.asarray(plan.token_ids), jnp.asarray(plan.positions)
     graphdef, state = nnx.split(model)
+    # hidden-state layers asked per token (0: the embeddings, L: the final norm's output)
+    L = model.num_layers
+    capture = jnp.asarray(np.stack([np.arange(ids.shape[0]) % (L + 1),
+                                    np.full(ids.shape[0], -1)], axis=1), jnp.int32)
 
     @jax.jit
     def whole(state, pages):
-        return nnx.merge(graphdef, state)(ids, pos, pages, md)
+        return nnx.merge(graphdef, state)(ids, pos, pages, md, capture=capture)
 
     @jax.jit
     def ranges(state, pages):
         m = nnx.merge(graphdef, state)
         inputs = m.layer_inputs(pos, md, ids.shape[0])
-        x, first = m.run_layers(m.embed(ids), inputs, pages[:cut], md, lo=0, hi=cut)
-        x, second = m.run_layers(x, inputs, pages[cut:], md, lo=cut)
-        return m.final_hidden(x), first + second
+        x, first, cap0 = m.run_layers(m.embed(ids), inputs, pages[:cut], md, lo=0, hi=cut,
+                                      capture=capture)
+        x, second, cap1 = m.run_layers(x, inputs, pages[cut:], md, lo=cut, capture=capture)
+        hidden = m.final_hidden(x)
+        return hidden, first + second, capture_hidden(cap0 + cap1, capture, L, hidden)
 
     return whole(state, pages), ranges(state, pages), (model, pages, md)
 
@@ -75,15 +81,22 @@ def _split_forward(path, cut: int):
 @pytest.mark.parametrize("family", ["llama", "gemma4"])
 def test_layer_ranges_compute_exactly_the_whole_forward(tiny_model_factory, tmp_path, family):
     """The one layer loop over two ranges (Gemma 4: its KV-sharing layers read producers in
-    their own range) gives the single program's hidden states and pages, bit for bit."""
+    their own range) gives the single program's hidden states, pages and captured hidden
+    states (``return_hidden_states``), bit for bit."""
     if family == "gemma4":
         from jaxserve.testing.tiny_gemma4 import make_tiny_gemma4
 
         path, cut = make_tiny_gemma4(tmp_path / "g4"), 2  # layers 4, 5 read 3, 2
     else:
         path, cut = tiny_model_factory("llama", layers=3), 1
-    (whole, whole_pages), (split, split_pages), (model, pages, md) = _split_forward(path, cut)
+    (whole, whole_pages, whole_cap), (split, split_pages, split_cap), (model, pages, md) = \
+        _split_forward(path, cut)
     np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+    # the ranges' captures add up to the whole forward's (each layer captured by one range)
+    np.testing.assert_array_equal(np.asarray(split_cap), np.asarray(whole_cap))
+    cap = np.asarray(whole_cap)
+    assert cap[:, 0].any(axis=-1).all() and not cap[:, 1].any()
+    np.testing.assert_array_equal(cap[model.num_layers, 0], np.asarray(whole)[model.num_layers])
     assert len(split_pages) == len(whole_pages)
     for a, b in zip(jax.tree_util.tree_leaves(split_pages), jax.tree_util.tree_leaves(whole_pages)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -91,6 +104,29 @@ def test_layer_ranges_compute_exactly_the_whole_forward(tiny_model_factory, tmp_
         assert split_pages[-1] == () and split_pages[-2] == ()
         with pytest.raises(ValueError, match="layer 4 reads the pages of layer 3, outside"):
             model.run_layers(None, None, pages[4:], md, lo=4)
+
+
+def test_register_model_serves_a_family_from_outside_the_package():
+    """vLLM's ``ModelRegistry.register_model``: a test family is registered by the test, never
+    by the registry; a non-model class or a taken name is an error."""
+    from jaxserve.testing import tiny_hybrid
+
+    arch, cls = tiny_hybrid.ARCHITECTURE, tiny_hybrid.TinyHybridForCausalLM
+    saved = dict(registry.MODEL_REGISTRY)
+    try:
+        registry.MODEL_REGISTRY.pop(arch, None)
+        with pytest.raises(ValueError, match="unsupported model architecture"):
+            registry.get_model_class(arch)
+        registry.register_model(arch, cls)
+        registry.register_model(arch, cls)  # again: the same class
+        assert registry.get_model_class(arch) is cls
+        with pytest.raises(ValueError, match="already served by"):
+            registry.register_model("LlamaForCausalLM", cls)
+        with pytest.raises(ValueError, match="not a model class"):
+            registry.register_model("X", dict)
+    finally:
+        registry.MODEL_REGISTRY.clear()
+        registry.MODEL_REGISTRY.update(saved)
 
 
 # ---------------------------------------------------------------------------- attention backend

@@ -32,8 +32,9 @@ def _prompts():
 
 def _engine(path, **kw):
     from jaxserve.entrypoints.llm import LLM
+    from jaxserve.models.registry import register_model
 
-    tiny_hybrid.register()
+    register_model(tiny_hybrid.ARCHITECTURE, tiny_hybrid.TinyHybridForCausalLM)
     args = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=32,
                 min_token_bucket=8, max_num_seqs=3, max_model_len=128, enforce_eager=True,
                 enable_prefix_caching=True)

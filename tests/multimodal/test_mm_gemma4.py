@@ -3,12 +3,13 @@ greedy tokens equal to HF ``generate`` (HF's own image processor and placeholder
 begin-of-image, one image token per soft token, end-of-image) for prompts with 0, 1 and 2
 images of different sizes, with chunked prefill splitting an image's soft tokens; prefix
 caching keyed by the image (same picture: hit; another picture, same text: no hit); through
-the server with the openai client; a checkpoint asking for bidirectional attention over image
-tokens serves text and refuses images naming ``use_bidirectional_attention``."""
+the server with the openai client; a checkpoint whose image tokens see each other both ways
+(``use_bidirectional_attention="vision"``) equals HF too, each image's run kept in one step."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from jaxserve.testing.multimodal import data_url, make_image
@@ -47,8 +48,20 @@ class HFGemma4:
         for t in ids:
             expanded += ([self.boi] + [self.image] * next(counts) + [self.eoi]
                          if t == self.image else [t])
+        # as Gemma4Processor: 1 marks an image token (the bidirectional mask reads it)
+        types = torch.tensor([[int(t == self.image) for t in expanded]])
         return expanded, dict(pixel_values=out["pixel_values"],
-                              image_position_ids=out["image_position_ids"])
+                              image_position_ids=out["image_position_ids"],
+                              mm_token_type_ids=types)
+
+    def last_logits(self, prompt: str, images, causal: bool = False):
+        """Log-probabilities after the prompt (``causal``: without the image tokens' mask)."""
+        ids, kw = self.ids(prompt, images)
+        if causal:
+            kw.pop("mm_token_type_ids", None)
+        with torch.no_grad():
+            out = self.model(torch.tensor([ids]), **kw).logits[0, -1]
+        return torch.log_softmax(out.float(), -1).numpy()
 
     def greedy(self, prompt: str, images, n: int = N) -> list[int]:
         return self.greedy_ids(self.tok.encode(prompt), images, n)
@@ -191,20 +204,61 @@ def test_nothing_compiles_after_warmup_with_images(tiny_gemma4_vlm, reference):
     assert runner.num_compiles == warm and runner.mm.num_compiles == encoder
 
 
-@pytest.mark.slow  # a second checkpoint built and loaded
-def test_bidirectional_vision_checkpoint_serves_text_and_refuses_images(tmp_path_factory, hf):
-    from jaxserve.errors import InvalidRequestError
+@pytest.fixture(scope="module")
+def bidir(tmp_path_factory):
+    """A checkpoint whose image tokens attend to each other both ways on its sliding layers
+    (HF's ``create_masks_for_vision_model``), and HF on it."""
     from jaxserve.testing.tiny_gemma4 import make_tiny_gemma4
 
     path = make_tiny_gemma4(tmp_path_factory.mktemp("bidir") / "g4",
                             conditional=True, use_bidirectional_attention="vision")
+    return path, HFGemma4(path)
+
+
+@pytest.mark.slow  # a second checkpoint built and loaded
+def test_bidirectional_image_tokens_equal_hf_generate(bidir):
+    """Greedy tokens and the first token's log-probabilities equal HF's for 1 and 2 images
+    under a 64-token budget (each run of 56-64 image tokens waits for a step it fits whole);
+    then the 1-image prompt again from the prefix cache. HF's causal mask gives other
+    log-probabilities: a causal engine fails here."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    path, hf = bidir
+    cases = _cases()[1:]
     llm = _llm(path)
-    prompt, images = _cases()[1]
-    with pytest.raises(InvalidRequestError, match="use_bidirectional_attention") as e:
-        llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, use_tqdm=False)
-    assert e.value.param == "multi_modal_data.image"
-    got, _ = _generate(llm, _cases()[:1])
-    assert got == [HFGemma4(path).greedy(*_cases()[0])]
+    assert llm.llm_engine.scheduler.whole_image_runs
+    out = llm.generate(
+        [{"prompt": p, "multi_modal_data": {"image": ims}} for p, ims in cases],
+        SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, logprobs=5),
+        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in out] == [hf.greedy(*c) for c in cases]
+    for (prompt, images), o in zip(cases, out):
+        want, causal = hf.last_logits(prompt, images), hf.last_logits(prompt, images, True)
+        top = o.outputs[0].logprobs[0]
+        ours = np.array([top[t].logprob for t in top])
+        np.testing.assert_allclose(ours, want[list(top)], atol=2e-4)
+        assert np.max(np.abs(want[list(top)] - causal[list(top)])) > 1e-2
+    ids, _ = hf.ids(*cases[0])
+    got, again = _generate(llm, cases[:1])
+    assert got == [list(out[0].outputs[0].token_ids)]
+    assert again[0].num_cached_tokens > ids.index(hf.image)  # the image's pages hit
+
+
+def test_bidirectional_image_larger_than_the_budget_is_refused(bidir):
+    from jaxserve.config import MultiModalConfig
+    from jaxserve.errors import InvalidRequestError
+    from jaxserve.multimodal.inputs import MultiModalInputProcessor
+
+    path, hf = bidir
+    cfg = json.loads((path / "config.json").read_text())
+    proc = MultiModalInputProcessor(path, {**cfg, **cfg["text_config"]}, MultiModalConfig(),
+                                    max_num_batched_tokens=60)
+    prompt, images = _cases()[2]  # 60 and 56 soft tokens: fit
+    proc.process(hf.tok.encode(prompt), {"image": images})
+    prompt, images = _cases()[1]  # 64 soft tokens
+    with pytest.raises(InvalidRequestError, match="max-num-batched-tokens") as e:
+        proc.process(hf.tok.encode(prompt), {"image": images})
+    assert e.value.param == "multi_modal_data.image[0]"
 
 
 @pytest.mark.slow  # a server (uvicorn thread) over its own engine

@@ -8,9 +8,9 @@ devices: greedy tokens under pp 2 (and pp 2 x tp 2) equal one device for
 * the Qwen3, Gemma 2, Gemma 3 (sliding and global layers) and Phi-3 families, the Qwen3.5
   hybrid (Gated DeltaNet state pool per stage, through recompute and swap preemption) and
   Gemma 4 dense and MoE (per-layer inputs handed on with the hidden states, KV-sharing layers
-  in their producer's stage);
+  in their producer's stage; a pool per cache group, through swap preemption);
 * speculation on the Qwen3.5 hybrid: n-gram drafts (each stage rolls its state pool back to
-  the last accepted token) and its MTP head (on the last stage);
+  the last accepted token) and its MTP head (on the last stage), at pp 2 and pp 2 x tp 2;
 * data parallel x pipeline parallel, and warm-up on a thread.
 
 A split that separates a KV-sharing layer from its producer, and a family without stage pieces,
@@ -238,6 +238,22 @@ def _child(paths: dict) -> dict:
             runs["pp2-one-pool"] = _generate(LLM(path, pipeline_parallel_size=2,
                                                  disable_hybrid_kv_cache_manager=True,
                                                  **ENGINE_KW))
+            # swap preemption under pp: each stage copies its layers' pages of each pool
+            llm = LLM(path, pipeline_parallel_size=2, preemption_mode="swap",
+                      num_gpu_blocks_override=10, **ENGINE_KW)
+            sched, swaps = llm.llm_engine.scheduler, []
+            schedule = sched.schedule
+
+            def spy(schedule=schedule, swaps=swaps):
+                out = schedule()
+                swaps.extend([len(p) for p in pages] for _, pages in out.swap_out)
+                return out
+
+            sched.schedule = spy
+            runs["pp2-swap"] = _generate(llm)
+            runs["pp2-swap"].update(swap_pages=swaps, grouped=llm.llm_engine.runner.grouped,
+                                    swap_outs=sched.num_swap_outs_total)
+            del llm
         os.environ.pop("JAXSERVE_PP_LAYER_PARTITION", None)
         if family == "qwen3_5":  # a small pool: preemption drops (recompute) or swaps the state
             for mode in ("recompute", "swap"):
@@ -294,8 +310,38 @@ def _child(paths: dict) -> dict:
     return out
 
 
+def _child_hybrid_tp(paths: dict) -> dict:
+    """Speculation on Qwen 3.5 at pp 2 x tp 2: n-gram drafts and the MTP head."""
+    from jaxserve.entrypoints.llm import LLM
+
+    return {name: _generate(LLM(paths["families"]["qwen3_5"], pipeline_parallel_size=2,
+                                tensor_parallel_size=2, speculative_config=spec, **ENGINE_KW))
+            for name, spec in [("pp2xtp2-ngram", NGRAM), ("pp2xtp2-mtp", MTP)]}
+
+
+def _run_child(paths: dict, *mode: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
+    env.pop("VLLM_PP_LAYER_PARTITION", None)
+    proc = subprocess.run([sys.executable, __file__, json.dumps(paths), *mode], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
-def report(tiny_model_factory, tmp_path_factory):
+def report(pp_paths):
+    return _run_child(pp_paths)
+
+
+@pytest.fixture(scope="module")
+def hybrid_tp_report(pp_paths):
+    return _run_child(pp_paths, "hybrid_tp")
+
+
+@pytest.fixture(scope="module")
+def pp_paths(tiny_model_factory, tmp_path_factory):
     pytest.importorskip("peft")
     from jaxserve.testing.lora_adapters import make_peft_adapter
     from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
@@ -318,14 +364,7 @@ def report(tiny_model_factory, tmp_path_factory):
                       qwen3_5=str(make_tiny_qwen3_5(root / "qwen3_5")),
                       gemma4=str(make_tiny_gemma4(root / "gemma4")),
                       gemma4_moe=str(make_tiny_gemma4(root / "gemma4-moe", moe=True))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
-    env.pop("VLLM_PP_LAYER_PARTITION", None)
-    proc = subprocess.run([sys.executable, __file__, json.dumps(paths)], env=env,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return paths
 
 
 def test_lora_mixed_with_base_equals_one_device(report):
@@ -427,6 +466,20 @@ def test_gemma4_pools_per_cache_group_under_pp(report):
     assert len(pools["pp2"]) == 2 and pools["pp2"][0] < pools["pp2"][1]
 
 
+def test_gemma4_swap_preemption_under_pp_copies_each_pool(report):
+    """Swap preemption at pp 2 keeps a pool per cache group (each stage sized and allocated
+    from the one KVCacheConfig over its layers): tokens equal one device, and each swap moves
+    at most the window's sliding pages while the full pool moves every page."""
+    runs = report["families"]["gemma4"]
+    got = runs["pp2-swap"]
+    assert got["grouped"] and got["swap_outs"] > 0
+    assert got["tokens"] == runs["single"]["tokens"]
+    window_pages = 16 // 8 + 1
+    assert all(len(p) == 2 for p in got["swap_pages"])
+    assert all(sliding <= window_pages for sliding, _ in got["swap_pages"])
+    assert max(full for _, full in got["swap_pages"]) > window_pages
+
+
 def test_kv_sharing_split_from_its_producer_is_a_start_up_error(report):
     param, msg = report["kv_sharing_error"]
     assert param == "pipeline_parallel_size"
@@ -447,6 +500,21 @@ def test_speculation_on_a_state_pool_model_under_pp_equals_one_device(report, na
         assert 0 < r["accepted"] <= r["drafts"], r
 
 
+@pytest.mark.slow  # a second child process: two more engines at pp 2 x tp 2
+@pytest.mark.parametrize("name", ["pp2xtp2-ngram", "pp2xtp2-mtp"])
+def test_speculation_on_a_state_pool_model_under_pp_and_tp_equals_one_device(
+        report, hybrid_tp_report, name):
+    """The same at pp 2 x tp 2 (each stage's state pool and pages split over its 2 devices,
+    the rollback and the MTP head on sharded pools)."""
+    single = report["families"]["qwen3_5"]["single"]["tokens"]
+    r = hybrid_tp_report[name]
+    assert r["tokens"] == single, name
+    assert r["compiles_after_warmup"] == 0, name
+    assert r["drafts"] > 0, r
+    if name == "pp2xtp2-ngram":
+        assert 0 < r["accepted"] <= r["drafts"], r
+
+
 def test_a_family_without_stage_pieces_is_a_start_up_error():
     from jaxserve.errors import InvalidRequestError
     from jaxserve.models.contract import ModelBase
@@ -462,4 +530,5 @@ def test_a_family_without_stage_pieces_is_a_start_up_error():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))))
+    args = json.loads(sys.argv[1])
+    print(json.dumps(_child_hybrid_tp(args) if sys.argv[2:] == ["hybrid_tp"] else _child(args)))

@@ -95,6 +95,16 @@ class EngineStatsCollector:
                     s.get("num_compiles", 0))
         yield counter("prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
+        if "external_prefix_cache_queries" in s:  # the host-memory tier (--kv-offloading-size)
+            yield counter("external_prefix_cache_queries",
+                          "Prefix cache queries past the device pool (host tier), in tokens.",
+                          s["external_prefix_cache_queries"])
+            yield counter("external_prefix_cache_hits",
+                          "Prefix cache hits served from the host tier, in tokens.",
+                          s.get("external_prefix_cache_hits", 0))
+            yield gauge("kv_offload_usage_perc",
+                        "Host KV tier usage (blocks held). 1 means 100 percent.",
+                        s.get("kv_offload_usage_perc", 0.0))
         yield counter("prompt_tokens", "Number of prefill tokens processed.",
                       s.get("prompt_tokens_total", 0))
         yield counter("generation_tokens", "Number of generation tokens processed.",
