@@ -437,7 +437,8 @@ class LLMEngine(WeightControl):
         bitmask, constrained = self._token_bitmask(sched)
         plan = batch.prepare_inputs(sched.batch, ladder=self.runner._plan_ladder(),
                                     token_bitmask=bitmask, lora_slots=self._lora_slots(sched))
-        mm = None if encoder is None else encoder.prepare(sched.batch, plan.positions)
+        mm = None if encoder is None else encoder.prepare(sched.batch, plan.positions,
+                                                                plan.seq_bucket)
         if self.pooling is not None and self.pooling.pending:
             # pooling requests' last prompt chunks: their final hidden states reach the host
             pool_rows = [s.sample and s.request.pooling_params is not None

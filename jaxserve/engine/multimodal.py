@@ -3,12 +3,9 @@ encoder step (``worker.mm_step``) for a vision-language checkpoint, and how a pr
 its images (vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``)."""
 from __future__ import annotations
 
-import logging
-
 from jaxserve.errors import InvalidRequestError
 from jaxserve.multimodal.inputs import MultiModalInputProcessor, text_only_error
 
-logger = logging.getLogger(__name__)
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
@@ -29,11 +26,6 @@ def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
         return
     if engine.config.parallel.pipeline_parallel_size > 1 or engine.config.parallel.num_hosts > 1:
         # those runners build their own step inputs: images stay off (a 400 naming the part)
-        engine.mm_processor = None
-        return
-    if engine.config.speculative is not None:
-        logger.warning("speculative decoding serves text only: image inputs are off (start "
-                       "without speculative_config to serve images)")
         engine.mm_processor = None
         return
     from jaxserve.worker.mm_step import EncoderRunner

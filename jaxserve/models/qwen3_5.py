@@ -446,12 +446,18 @@ class Qwen3_5ForCausalLM(ModelBase, nnx.Module):
         image embeddings at their placeholders (positions are then M-RoPE ``[3, T]``)."""
         return merge_image_embeddings(x, *mm)
 
-    def mtp_forward(self, next_token_ids, positions, hidden, kv, md: AttentionMetadata):
+    def mtp_forward(self, next_token_ids, positions, hidden, kv, md: AttentionMetadata,
+                    mm=None):
         """The MTP head over ``T`` tokens: ``hidden[T, H]`` (the target's normed output, or the
-        head's own for a later draft) at ``positions``, ``next_token_ids`` the token after
-        each; ``kv`` its layer's pages. Returns (its normed hidden ``[T, H]``, kv)."""
+        head's own for a later draft) at ``positions`` (``[T]``, or M-RoPE ``[3, T]``),
+        ``next_token_ids`` the token after each (``mm``: image embeddings and the image row
+        of each next token, as :meth:`merge_multimodal`); ``kv`` its layer's pages. Returns
+        (its normed hidden ``[T, H]``, kv)."""
         m = self.mtp
-        e = m.pre_fc_norm_embedding(self.model.embed_tokens(next_token_ids))
+        e = self.model.embed_tokens(next_token_ids)
+        if mm is not None:
+            e = self.merge_multimodal(e, mm)
+        e = m.pre_fc_norm_embedding(e)
         x = m.fc(jnp.concatenate([e, m.pre_fc_norm_hidden(hidden.astype(e.dtype))], axis=-1))
         cos, sin = self._rope(positions)
         x, kv = m.layers[0](x, cos, sin, kv, md, self.attention, self.mesh)

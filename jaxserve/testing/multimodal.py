@@ -64,18 +64,25 @@ class HFReference:
                            for p in m["content"]]} for m in messages]
         return list(apply_chat_template(self.tok, rendered, add_generation_prompt=True))
 
-    def greedy_ids(self, ids: list[int], images, n: int) -> list[int]:
+    def inputs(self, ids: list[int], images) -> tuple[list[int], dict]:
+        """(``ids`` with each image's placeholders expanded, HF's image keyword arguments of
+        them: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``; {} without
+        images)."""
         from jaxserve.multimodal.processor import expand_placeholders
 
         torch = self.torch
         processed = self.proc.process(images)
         ids = expand_placeholders(ids, self.image_id, processed)
-        kw = {}
-        if processed:
-            kw = dict(pixel_values=torch.from_numpy(np.concatenate(
-                          [p.pixel_values for p in processed])),
-                      image_grid_thw=torch.tensor([p.grid_thw for p in processed]),
-                      mm_token_type_ids=torch.tensor([[int(t == self.image_id) for t in ids]]))
+        if not processed:
+            return ids, {}
+        return ids, dict(
+            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values for p in processed])),
+            image_grid_thw=torch.tensor([p.grid_thw for p in processed]),
+            mm_token_type_ids=torch.tensor([[int(t == self.image_id) for t in ids]]))
+
+    def greedy_ids(self, ids: list[int], images, n: int) -> list[int]:
+        torch = self.torch
+        ids, kw = self.inputs(ids, images)
         with torch.no_grad():
             out = self.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                                       eos_token_id=None, pad_token_id=0, **kw)

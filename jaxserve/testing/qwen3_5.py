@@ -152,7 +152,7 @@ class TorchMtpHead:
         path = Path(path)
         arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
         self.hf = hf = getattr(tf, arch).from_pretrained(path, dtype=torch.float32).eval()
-        cfg = hf.config
+        cfg = getattr(hf.config, "text_config", hf.config)
         w = {k[len("mtp."):]: torch.from_numpy(v) for k, v in
              load_file(str(path / "model.safetensors")).items() if k.startswith("mtp.")}
         full = cfg.layer_types.index("full_attention")
@@ -166,43 +166,98 @@ class TorchMtpHead:
         self.fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.fc.load_state_dict({"weight": w["fc.weight"]})
 
-    def _head(self, next_ids, hidden):
-        """Head outputs (normed) at positions 0..len-1, causal over the whole sequence."""
+    @property
+    def _text(self):
+        """HF's text model (a vision-language checkpoint's ``language_model``)."""
+        return getattr(self.hf.model, "language_model", self.hf.model)
+
+    def _head(self, next_ids, hidden, next_embeds=None, pos=None):
+        """Head outputs (normed) at positions 0..len-1, causal over the whole sequence;
+        ``next_embeds``: the next tokens' input embeddings where they are not the plain token
+        embeddings (image tokens); ``pos``: M-RoPE positions ``[3, 1, len]``."""
         import torch
 
         n = self.norms
-        x = self.fc(torch.cat([n["pre_fc_norm_embedding"](self.hf.model.embed_tokens(next_ids)),
-                               n["pre_fc_norm_hidden"](hidden)], dim=-1))
-        pos = torch.arange(x.shape[1])[None]
-        x = self.layer(x, self.hf.model.rotary_emb(x, pos), attention_mask=None,
+        e = self._text.embed_tokens(next_ids) if next_embeds is None else next_embeds
+        x = self.fc(torch.cat([n["pre_fc_norm_embedding"](e), n["pre_fc_norm_hidden"](hidden)],
+                              dim=-1))
+        if pos is None:
+            pos = torch.arange(x.shape[1])[None]
+        x = self.layer(x, self._text.rotary_emb(x, pos), attention_mask=None,
                        position_ids=pos)
         return n["norm"](x[0] if isinstance(x, tuple) else x)
+
+    def _context(self, tokens: list[int], images: dict | None, k: int = 0):
+        """``tokens`` as the head reads them: (ids ``[1, L]``, the model's final hidden
+        states ``[1, L, H]``, the input embeddings of tokens ``1 .. L-1`` (None: plain token
+        embeddings), rotary positions of the tokens and ``k`` text tokens after them (None:
+        ``0 ..``)). ``images``: HF's keyword arguments of the image tokens in ``tokens``
+        (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``): image embeddings at
+        the placeholders and M-RoPE positions ``[3, 1, L + k]``."""
+        import torch
+
+        ids = torch.tensor([tokens])
+        if images is None:
+            return ids, self.hf.model(ids).last_hidden_state, None, None
+        m = self.hf.model
+        emb = m.get_input_embeddings()(ids)
+        feats = m.get_image_features(images["pixel_values"], images["image_grid_thw"],
+                                     return_dict=True).pooler_output
+        emb[ids == self.hf.config.image_token_id] = torch.cat(feats, dim=0).to(emb.dtype)
+        hidden = m(input_ids=ids, **images).last_hidden_state
+        types = images["mm_token_type_ids"]
+        pos, _ = m.get_rope_index(torch.cat([ids, torch.zeros((1, k), dtype=ids.dtype)], 1),
+                                  torch.cat([types, torch.zeros((1, k), dtype=types.dtype)], 1),
+                                  images["image_grid_thw"])
+        return ids, hidden, emb[:, 1:], pos[-3:]
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Logits of the token two ahead at positions ``0 .. L-2``."""
         import torch
 
-        ids = torch.tensor([tokens])
         with torch.no_grad():
-            hidden = self.hf.model(ids).last_hidden_state[:, :-1]
-            return self.hf.lm_head(self._head(ids[:, 1:], hidden))[0].numpy()
+            ids, hidden, _, _ = self._context(tokens, None)
+            return self.hf.lm_head(self._head(ids[:, 1:], hidden[:, :-1]))[0].numpy()
 
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
+    def keys(self, tokens: list[int], images: dict | None = None) -> np.ndarray:
+        """The head's keys (normed, rotated) at positions ``0 .. L-2``: ``[Hkv, L-1, D]``."""
+        import torch
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+        n, attn = self.norms, self.layer.self_attn
+        with torch.no_grad():
+            ids, hidden, emb, pos = self._context(tokens, images)
+            L = ids.shape[1] - 1
+            e = self._text.embed_tokens(ids[:, 1:]) if emb is None else emb
+            x = self.fc(torch.cat([n["pre_fc_norm_embedding"](e),
+                                   n["pre_fc_norm_hidden"](hidden[:, :-1])], dim=-1))
+            h = self.layer.input_layernorm(x)
+            k = attn.k_norm(attn.k_proj(h).view(1, L, -1, attn.head_dim)).transpose(1, 2)
+            cos, sin = self._text.rotary_emb(x, torch.arange(L)[None] if pos is None
+                                             else pos[:, :, :L])
+            _, k = apply_rotary_pos_emb(k, k, cos, sin)
+            return k[0].numpy()
+
+    def drafts(self, tokens: list[int], k: int, images: dict | None = None) -> list[int]:
         """What the head proposes after ``tokens``: draft 1 from the last token's predecessor,
-        then ``k - 1`` steps on its own hidden state and draft, one position on each."""
+        then ``k - 1`` steps on its own hidden state and draft, one position on each.
+        ``images``: as :meth:`_context`."""
         import torch
 
-        ids = torch.tensor([tokens])
         out = []
         with torch.no_grad():
-            hidden = self.hf.model(ids).last_hidden_state[:, :-1]
-            nxt = ids[:, 1:]
+            ids, hidden, emb, pos = self._context(tokens, images, k)
+            hidden, nxt = hidden[:, :-1], ids[:, 1:]
             for _ in range(k):
-                h = self._head(nxt, hidden)[:, -1:]
+                n = nxt.shape[1]
+                h = self._head(nxt, hidden, emb, None if pos is None else pos[:, :, :n])
+                h = h[:, -1:]
                 d = int(self.hf.lm_head(h)[0, 0].argmax())
                 out.append(d)
                 nxt = torch.cat([nxt, torch.tensor([[d]])], dim=1)
                 hidden = torch.cat([hidden, h], dim=1)
+                if emb is not None:
+                    emb = torch.cat([emb, self._text.embed_tokens(torch.tensor([[d]]))], dim=1)
         return out
 
     def distill(self, steps: int = 60, num_seqs: int = 32, prompt_len: int = 8,

@@ -36,6 +36,7 @@ from jaxserve.core.batch_diff import BatchDiff
 from jaxserve.core.mm_inputs import MultiModalInputs
 from jaxserve.models import gemma4_vision, qwen3_5_vision
 from jaxserve.multimodal.mrope import mrope_positions
+from jaxserve.worker.step_inputs import StepImages
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,9 @@ class EncoderRunner:
         self.merge, self.unit = self.tower.merge, self.tower.unit
         self.ladder = patch_ladder(max_image_patches, self.unit)
         self.bidirectional = bidirectional_images(runner.model_config.hf)
+        # the MTP head embeds the token after each row's chunk, an image token at times
+        spec = runner.config.speculative
+        self.with_next_rows = spec is not None and spec.method == "mtp"
         max_tokens = self.ladder[-1] // self.unit
         sched = runner.config.scheduler
         self.capacity = 2 * max(sched.max_num_batched_tokens, max_tokens)
@@ -174,27 +178,32 @@ class EncoderRunner:
                                              self.merge if self.tower.mrope else None)
 
     # ---- a step's inputs ---------------------------------------------------------------
-    def off_arrays(self, positions: np.ndarray) -> tuple:
-        """``(mrope_positions [3, T], mm_rows [T], mm_embeds [C + 1, H][, kv_limit [T]])`` of
-        a step without images."""
+    def off_arrays(self, positions: np.ndarray, num_seqs: int) -> StepImages:
+        """The :class:`StepImages` of a step without images (``positions[T]``, ``num_seqs``
+        rows)."""
         t = positions.shape[0]
         rows = self._off_rows.get(t)
         if rows is None:
             rows = self._off_rows[t] = np.full(t, -1, np.int32)
         pos = (np.broadcast_to(positions, (3, t)).astype(np.int32) if self.tower.mrope
                else positions)
-        return (pos, rows, self.buf) + ((rows,) if self.bidirectional else ())
+        return StepImages(pos, rows, self.buf, rows if self.bidirectional else None,
+                          np.full(num_seqs, -1, np.int32) if self.with_next_rows else None)
 
-    def prepare(self, diff: BatchDiff, positions: np.ndarray) -> tuple:
-        """The step's multimodal arrays (as :meth:`off_arrays`) for the plan's
-        ``positions[T]``, encoding what the step's image tokens need first."""
+    def prepare(self, diff: BatchDiff, positions: np.ndarray, num_seqs: int) -> StepImages:
+        """The step's :class:`StepImages` for the plan's ``positions[T]`` and ``num_seqs``
+        rows, encoding what the step's image tokens need first (and, for the MTP head, the
+        image token after a row's chunk)."""
         t = positions.shape[0]
         mrope = np.broadcast_to(positions, (3, t)).copy() if self.tower.mrope else positions
         rows = np.full(t, -1, np.int32)
         limit = np.full(t, -1, np.int32) if self.bidirectional else None
+        next_rows = np.full(num_seqs, -1, np.int32) if self.with_next_rows else None
         q0 = 0
-        needs = []  # (token slice in the step, request, image, first index in the image)
-        for rid, n, start in zip(diff.req_ids, diff.num_tokens, diff.start_pos):
+        needs = []  # (token slice in the step, image, first index in the image)
+        nexts = []  # (row, image, index in the image) of a chunk's next prompt token
+        for i, (rid, n, start) in enumerate(zip(diff.req_ids, diff.num_tokens,
+                                                diff.start_pos)):
             r = self.reqs.get(rid)
             if r is not None:
                 if r.mrope is not None:
@@ -208,19 +217,21 @@ class EncoderRunner:
                     lo, hi = max(start, im.offset), min(start + n, im.offset + im.num_tokens)
                     if lo < hi:
                         needs.append((q0 + lo - start, q0 + hi - start, im, lo - im.offset))
+                    if next_rows is not None and 0 <= start + n - im.offset < im.num_tokens:
+                        nexts.append((i, im, start + n - im.offset))
             q0 += n
-        extra = () if limit is None else (limit,)
-        if not needs:
-            return (mrope, rows, self.buf) + extra
-        pinned = {im.hash for *_, im, _ in needs}
-        self._encode_missing([im for *_, im, _ in needs], pinned)
+        if needs or nexts:
+            images = [im for *_, im, _ in needs] + [im for _, im, _ in nexts]
+            self._encode_missing(images, {im.hash for im in images})
         for a, b, im, first in needs:
             row, _ = self.entries[im.hash]
             self.entries.move_to_end(im.hash)
             rows[a:b] = row + first + np.arange(b - a)
             if limit is not None:
                 limit[a:b] = im.offset + im.num_tokens - 1
-        return (mrope, rows, self.buf) + extra
+        for i, im, index in nexts:
+            next_rows[i] = self.entries[im.hash][0] + index
+        return StepImages(mrope, rows, self.buf, limit, next_rows)
 
     def _encode_missing(self, images, pinned: set) -> None:
         todo, seen = [], set()

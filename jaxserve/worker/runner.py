@@ -261,12 +261,14 @@ class ModelRunner(PoolMoves):
             before = TRACES.n
             inputs, sampler_inputs = self._step_inputs(plan)
             prev_tokens = self._last_tokens
+            if mm is None and self.stages is None:
+                mm = self.mm_arrays(plan)
             logits, hidden, captured, packed = self.forward(plan, inputs, prev_tokens, mm)
             if host_logits is not None:  # host logits processors: a round trip of [S, V]
                 logits = self._host_logits(logits, plan.num_seqs, host_logits)
             out, self._last_tokens = self.sample(logits, sampler_inputs, prev_tokens,
                                                  self._bitmask(plan))
-            drafts = self.after_verify(inputs, packed, hidden, out, prev_tokens)
+            drafts = self.after_verify(inputs, packed, hidden, out, prev_tokens, mm)
             if drafts is not None:
                 out = (*out, drafts)
             if prompt_next_ids is not None:
@@ -337,11 +339,12 @@ class ModelRunner(PoolMoves):
         """The adapter slots' device weights (None without LoRA): one graph for any mix."""
         return None if self.lora is None else self.lora.arrays
 
-    def after_verify(self, inputs: StepInputs, packed, hidden, out, prev_tokens):
+    def after_verify(self, inputs: StepInputs, packed, hidden, out, prev_tokens, mm=None):
         """What a speculating step runs after its verifier (in the step's own dispatch, so
         nothing waits for the host): the recurrent state's rollback to each verify row's last
         accepted token, then the MTP head's drafts for the next step (None without it).
-        ``packed``: the forward's ``pack(inputs)``."""
+        ``packed``: the forward's ``pack(inputs)``; ``mm``: the step's image arrays (the head
+        reads image tokens as the model does, at their M-RoPE positions)."""
         if self.snapshots is None and self._mtp is None:
             return None
         verify = out[1]
@@ -359,7 +362,7 @@ class ModelRunner(PoolMoves):
             m = self.kv_config.mtp_layer  # the MTP head's cache layer
             drafts, pool[m] = self._mtp(self._state_leaves, pool[m], packed[0], hidden,
                                          prev_tokens, verify.token_ids, verify.num_emitted,
-                                         packed[1])
+                                         packed[1], mm)
         self.kv_pages = pool
         return drafts
 
@@ -372,7 +375,8 @@ class ModelRunner(PoolMoves):
     def mm_arrays(self, plan: StepPlan):
         """A vision-language model's image inputs with their off values (no image in the
         step: the same trace); None for every other model."""
-        return None if self.mm is None else self.mm.off_arrays(plan.positions)
+        return (None if self.mm is None
+                else self.mm.off_arrays(plan.positions, plan.seq_bucket))
 
     def make_lora_slots(self, targets, max_loras: int, max_rank: int, dtype):
         """The device slots of every layer's adapters, placed like the weights they adapt."""

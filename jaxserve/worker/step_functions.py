@@ -106,10 +106,10 @@ def run_stage(model, kv_pages, inputs: StepInputs, lora, x, prev_tokens, *, lo: 
             if mm is None:
                 x = model.embed(token_ids)
             else:  # a vision-language model (worker.mm_step.EncoderRunner): M-RoPE positions
-                positions, mm_rows, mm_embeds, *limit = mm
-                x = model.embed_multimodal(token_ids, (mm_embeds, mm_rows))
-                if limit:  # image tokens that see their whole image (bidirectional runs)
-                    md = md._replace(kv_limit=limit[0])
+                positions = mm.positions
+                x = model.embed_multimodal(token_ids, (mm.embeds, mm.rows))
+                if mm.kv_limit is not None:  # image tokens that see their whole image run
+                    md = md._replace(kv_limit=mm.kv_limit)
     if lora is not None:  # (scale, the range's layers) -> indexed by model layer
         if not model.supports_lora:
             raise ValueError(f"{type(model).__name__} does not support LoRA adapters")
@@ -201,9 +201,15 @@ def mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None, group: i
        hidden state and the draft just made. Their K/V lands where the next step's pass 1
        rewrites it, or on the trash page past the row's pages.
 
+    ``mm`` (a vision-language step, as the forward gets it: positions, image row of each
+    token, image embeddings): the head embeds token ``t + 1`` as the model does (its image
+    embedding where it is an image token of this step) and rotates at the model's positions
+    (M-RoPE); a row's later drafts are text at the row's last position plus ``j``.
+
     Returns (drafts ``[S, k]``, the head's pages)."""
 
-    def propose(state_leaves, mtp_kv, buf, hidden, prev_tokens, emitted, num_emitted, layout):
+    def propose(state_leaves, mtp_kv, buf, hidden, prev_tokens, emitted, num_emitted, layout,
+                mm=None):
         TRACES.n += 1
         model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         inputs: StepInputs = unpack(buf, layout)
@@ -220,12 +226,20 @@ def mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None, group: i
                             emitted[rows, jnp.clip(a, 0, k)])
         nxt = jnp.concatenate([tok[1:], jnp.zeros((1,), tok.dtype)])
         nxt = nxt.at[jnp.where(real, src, T)].set(nxt_row, mode="drop")
-        h, mtp_kv = model.mtp_forward(nxt, inputs.positions, hidden, mtp_kv,
-                                      attention_metadata(inputs, group=group))
+        positions, nxt_mm = inputs.positions, None
+        if mm is not None:  # StepImages: token t + 1's image row (a chunk's next prompt
+            positions = mm.positions  # token's from next_rows; sampled tokens are text)
+            at_src = jnp.where(inputs.next_token_ids >= 0, mm.next_rows, -1)
+            nxt_rows = jnp.concatenate([mm.rows[1:], jnp.full((1,), -1, mm.rows.dtype)])
+            nxt_rows = nxt_rows.at[jnp.where(real, src, T)].set(at_src, mode="drop")
+            nxt_mm = (mm.embeds, nxt_rows)
+        h, mtp_kv = model.mtp_forward(nxt, positions, hidden, mtp_kv,
+                                      attention_metadata(inputs, group=group), mm=nxt_mm)
         h = h[src]
         draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
         drafts = [draft]
         pos = inputs.positions[src]
+        rot = positions[..., src]  # the rotary position of each row's last token
         bt = inputs.block_tables[group:group + 1]  # the head's pool's row
         max_pos = bt.shape[2] * block_size - 1
         for j in range(1, k):  # one position a row: the row's own single-token step
@@ -236,7 +250,8 @@ def mtp_fn(graphdef, state_treedef, k: int, block_size: int, mesh=None, group: i
                                        TRASH_PAGE * block_size)[None],
                 query_start=jnp.arange(S + 1, dtype=jnp.int32),
                 seq_lens=jnp.where(real, p + 1, 1), block_tables=bt, num_seqs=jnp.int32(S))
-            h, mtp_kv = model.mtp_forward(draft, p, h, mtp_kv, attention_metadata(one, group=0))
+            h, mtp_kv = model.mtp_forward(draft, p if mm is None else rot + j, h, mtp_kv,
+                                          attention_metadata(one, group=0))
             draft = jnp.argmax(model.compute_logits(h), axis=-1).astype(jnp.int32)
             drafts.append(draft)
         return jnp.stack(drafts, axis=1), mtp_kv

@@ -16,12 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.step_plan import StepPlan
+
+
+class StepImages(NamedTuple):
+    """A vision-language step's image inputs (``worker.mm_step.EncoderRunner``), a pytree
+    beside :class:`StepInputs`: every step of such a runner carries them (off values without
+    images; the optional fields are None or present for the engine's lifetime), so a bucket
+    has one trace."""
+
+    positions: Any  # [T] int32 text positions, or Qwen's M-RoPE [3, T]
+    rows: Any  # [T] int32 the encoder-buffer row replacing each token's embedding; -1 text
+    embeds: Any  # [C + 1, H] the encoder buffer (image embeddings, a trash row last)
+    kv_limit: Any = None  # [T] int32 last visible position (bidirectional image runs); -1
+    next_rows: Any = None  # [S] int32 buffer row of the token after each row's chunk (MTP)
 
 
 @dataclass(frozen=True)
