@@ -87,8 +87,8 @@ inline float combine(const QuantX& q, int64_t r, int32_t acc_hi, int32_t acc_lo,
 
 #if JS_VNNI
 // From this many activation rows on, weights are packed per block (see packed_rows); fewer
-// rows (decode, a speculative verify step of up to 8 tokens) take single_rows, which reads
-// each weight row once from memory for all of them. Measured on SmolLM2's projections (2-core
+// rows (decode, a speculative verify step of up to 8 tokens) take few_rows, which reads
+// each weight row once for all of them. Measured on SmolLM2's projections (2-core
 // AVX-512 VNNI): 4 rows cost 1.4x one row there against 2.2x packed, 8 rows 2.8x against
 // 4.3x; from ~12 rows on the packed blocks are ahead (16 rows: 5.7x against 6.6x).
 constexpr int64_t kPackedMinRows = 9;
@@ -200,47 +200,99 @@ int64_t packed_rows(const QuantX& q, const int8_t* w, const float* scale, float*
   return n;
 }
 
-// Output rows [n0, n1), one weight row at a time (a sequential read): the decode path. Kept
-// out of rows_kernel so its code does not depend on how the compiler treats the block paths
-// (inlined there, this loop ran 20 % slower).
-__attribute__((noinline)) void single_rows(const QuantX& q, const int8_t* w, const float* scale,
-                                           float* y, int64_t n_out, int64_t n0, int64_t n1) {
-  const int64_t k = q.k, kp = q.kp, m = q.m;
-  const int8_t* H = q.hi.data();
-  const int8_t* L = q.lo.data();
-  int64_t n = n0;
-  for (; n < n1; ++n) {
-    const int8_t* wr = w + n * k;
-    for (int64_t r = 0; r < m; ++r) {
-      const int8_t* hp = H + r * kp;
-      const int8_t* lp = L + r * kp;
-      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-      int64_t j = 0;
-      for (; j + 128 <= kp; j += 128) {
-        const __m512i a0 = load_w(wr + j, k - j), a1 = load_w(wr + j + 64, k - j - 64);
-        h0 = _mm512_dpbusd_epi32(h0, a0, _mm512_loadu_si512(hp + j));
-        h1 = _mm512_dpbusd_epi32(h1, a1, _mm512_loadu_si512(hp + j + 64));
-        l0 = _mm512_dpbusd_epi32(l0, a0, _mm512_loadu_si512(lp + j));
-        l1 = _mm512_dpbusd_epi32(l1, a1, _mm512_loadu_si512(lp + j + 64));
-      }
-      for (; j < kp; j += 64) {
-        const __m512i a0 = load_w(wr + j, k - j);
-        h0 = _mm512_dpbusd_epi32(h0, a0, _mm512_loadu_si512(hp + j));
-        l0 = _mm512_dpbusd_epi32(l0, a0, _mm512_loadu_si512(lp + j));
-      }
-      y[r * n_out + n] = combine(q, r, _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1)),
-                                 _mm512_reduce_add_epi32(_mm512_add_epi32(l0, l1)), scale[n]);
-    }
-  }
+// Lane l of the result is the sum of v[f(l)]'s 16 lanes, f(l) = 4 * (l % 4) + l / 4: four
+// levels of cross-lane adds (15 adds in all) instead of 16 separate horizontal sums.
+inline __m512i sum16(const __m512i* v) {
+  __m512i a[8], b[4], c[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: [v2i | v2i+1], 8 partial sums each
+    a[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x44),
+                            _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xee));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit lane j: v[4i + j], 4 partial sums
+    b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xdd));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // lane j: (v[8i + j], v[8i + 4 + j]), 2 partial sums each
+    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                            _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+  const __m512 c0 = _mm512_castsi512_ps(c[0]), c1 = _mm512_castsi512_ps(c[1]);
+  return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(c0, c1, 0x88)),
+                          _mm512_castps_si512(_mm512_shuffle_ps(c0, c1, 0xdd)));
 }
 
-// Output rows [n0, n1) of one weight, every activation row: from kPackedMinRows activation
-// rows on, packed blocks of 16 weight rows, the last (< 16) rows one at a time; fewer activation
-// rows (decode), one weight row at a time throughout.
+// G weight rows from n against the M activation rows from r0, in one pass over the weight:
+// each 64-byte block of a weight row is loaded once and dotted with every activation row's hi
+// and lo terms (2 * M * G <= 16 accumulators in registers), and the 16 sums come out of one
+// sum16. A verify step of M tokens then reads, and decodes, the weight as often as one token.
+template <int M, int G>
+inline void rows_block(const QuantX& q, const int8_t* w, const float* scale, float* y,
+                       int64_t n_out, int64_t n, int64_t r0) {
+  static_assert(2 * M * G <= 16, "16 accumulators at most");
+  const int64_t k = q.k, kp = q.kp;
+  const int8_t* H = q.hi.data() + r0 * kp;
+  const int8_t* L = q.lo.data() + r0 * kp;
+  const int8_t* wr = w + n * k;
+  __m512i acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < kp; j += 64) {
+    __m512i wv[G];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) wv[g] = load_w(wr + g * k + j, k - j);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const __m512i h = _mm512_loadu_si512(H + r * kp + j);
+      const __m512i l = _mm512_loadu_si512(L + r * kp + j);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        acc[2 * (g * M + r)] = _mm512_dpbusd_epi32(acc[2 * (g * M + r)], wv[g], h);
+        acc[2 * (g * M + r) + 1] = _mm512_dpbusd_epi32(acc[2 * (g * M + r) + 1], wv[g], l);
+      }
+    }
+  }
+  alignas(64) int32_t sums[16];
+  _mm512_store_si512(sums, sum16(acc));
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < M; ++r) {
+      const int a = 2 * (g * M + r);  // accumulator a is in lane 4 * (a % 4) + a / 4
+      y[(r0 + r) * n_out + n + g] =
+          combine(q, r0 + r, sums[4 * (a % 4) + a / 4], sums[4 * ((a + 1) % 4) + (a + 1) / 4],
+                  scale[n + g]);
+    }
+}
+
+// Output rows [n0, n1) for the M (1-8) activation rows from r0: G weight rows at a time
+// (16 / (2 M) of them, so the accumulators fill the registers), the last few one at a time.
+template <int M>
+__attribute__((noinline)) void few_rows(const QuantX& q, const int8_t* w, const float* scale,
+                                        float* y, int64_t n_out, int64_t n0, int64_t n1,
+                                        int64_t r0) {
+  constexpr int G = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + G <= n1; n += G) rows_block<M, G>(q, w, scale, y, n_out, n, r0);
+  for (; n < n1; ++n) rows_block<M, 1>(q, w, scale, y, n_out, n, r0);
+}
+
+// Output rows [n0, n1) of one weight, every activation row: up to 8 activation rows (decode,
+// a speculative verify step) in one pass over the weight rows; from kPackedMinRows on,
+// packed blocks of 16 weight rows, the last (< 16) weight rows 8 activation rows at a time.
 void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,
                  int64_t n0, int64_t n1) {
   const int64_t n = q.m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
-  single_rows(q, w, scale, y, n_out, n, n1);
+  if (n == n1) return;
+  for (int64_t r0 = 0; r0 < q.m; r0 += 8) {
+    switch (std::min<int64_t>(8, q.m - r0)) {
+      case 1: few_rows<1>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 2: few_rows<2>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 3: few_rows<3>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 4: few_rows<4>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 5: few_rows<5>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 6: few_rows<6>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 7: few_rows<7>(q, w, scale, y, n_out, n, n1, r0); break;
+      default: few_rows<8>(q, w, scale, y, n_out, n, n1, r0); break;
+    }
+  }
 }
 #else
 void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,

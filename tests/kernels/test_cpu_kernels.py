@@ -27,7 +27,7 @@ def _numpy_reference(x, w, s):
     return (acc_hi.astype(np.float32) + acc_lo.astype(np.float32) * np.float32(1 / 254)) * a * s
 
 
-# rows: one (decode), 2-8 (the one-row loop over several rows: a verify step), the packed
+# rows: one (decode), 2-8 (one pass over the weight for all rows: a verify step), the packed
 # block path from 9 rows and its odd tail; K: whole 64-byte vectors, a masked tail, and one
 # shorter than a vector; N: whole 64-row chunks and not
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (2, 1536, 576), (5, 576, 1536),
@@ -46,6 +46,23 @@ def test_kernel_matches_reference(m, n, k):
     # the integer sums are exact; only float rounding order differs
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(y, _numpy_reference(x, w, s), rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("m", range(1, 10))
+def test_few_rows_match_reference_on_ragged_shapes(m):
+    """1-8 activation rows (decode, a verify step) take one pass over the weight rows for
+    all of them (G weight rows at a time, a tail one at a time); 9 the packed path. Odd K
+    (a masked tail) and odd N (a tail of weight rows in each 64-row chunk and at the end)."""
+    rng = np.random.default_rng(100 + m)
+    for n, k in [(rng.integers(1, 200) * 2 + 1, rng.integers(1, 300) * 2 + 1), (77, 129)]:
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
+        w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+        s = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+        y = np.asarray(cpu_kernels.int8_matmul(jnp.asarray(x), [(w, s)])[0])
+        ref = np.asarray(reference.int8_matmul_reference(x, w, s))
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(y, _numpy_reference(x, w, s), rtol=0,
+                                   atol=1e-5 * np.abs(ref).max())
 
 
 def test_kernel_shares_one_input_between_weights():

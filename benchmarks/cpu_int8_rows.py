@@ -1,0 +1,131 @@
+"""The CPU int8 matmul kernel's cost per activation row count: what a speculative verify step
+of M tokens pays for its projections against a one-token decode step.
+
+One timed call is a decode step's projections for SmolLM2-135M (30 layers of q/k/v, o,
+gate/up and down, then the 49,152-row LM head: ~134 MB of int8 weights, each read once), run
+back to back on ``M`` activation rows. Each ``--repo`` (a checkout of jaxserve: its
+``pallas_kernels/cpu_int8_matmul.cc``) is timed in its own process, the repos taking turns
+for ``--rounds`` rounds (a shared machine drifts); the result is the median per repo and M, and
+each M's time over M = 1's of the same repo.
+
+    python benchmarks/cpu_int8_rows.py --repo . --repo /path/to/baseline --rows 1,2,4,8 \\
+        --output-json benchmarks/results/cpu-spec-2026-11-28/int8-rows.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common as B  # noqa: E402
+
+# SmolLM2-135M: hidden 576, 9 q heads and 3 kv heads of 64, MLP 1536, vocab 49,152, 30 layers
+HIDDEN, KV, MLP, VOCAB, LAYERS = 576, 192, 1536, 49152, 30
+
+
+def _worker(rows: list[int], iters: int) -> dict:
+    """Time the step's projections at each M in this process (the repo on sys.path[0])."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        raise SystemExit("cpu kernels not available")
+    rng = np.random.default_rng(0)
+
+    def weight(n, k):
+        return (jnp.asarray(rng.integers(-127, 128, (n, k), dtype=np.int8)),
+                jnp.asarray(rng.uniform(1e-3, 1e-2, n).astype(np.float32)))
+
+    layers = [dict(qkv=[weight(HIDDEN, HIDDEN), weight(KV, HIDDEN), weight(KV, HIDDEN)],
+                   o=[weight(HIDDEN, HIDDEN)], gu=[weight(MLP, HIDDEN), weight(MLP, HIDDEN)],
+                   down=[weight(HIDDEN, MLP)]) for _ in range(LAYERS)]
+    head = [weight(VOCAB, HIDDEN)]
+
+    @jax.jit
+    def step(x, layers, head):
+        # each call's input depends on the last one's output, so they run in order
+        for p in layers:
+            q, k, v = cpu_kernels.int8_matmul(x, p["qkv"])
+            x = x + 1e-3 * cpu_kernels.int8_matmul(q + k.sum() + v.sum(), p["o"])[0]
+            g, u = cpu_kernels.int8_matmul(x, p["gu"])
+            x = x + 1e-3 * cpu_kernels.int8_matmul(g * u, p["down"])[0]
+        return cpu_kernels.int8_matmul(x, head)[0]
+
+    out = {}
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, HIDDEN)).astype(np.float32))
+        t = B.time_fn(step, x, layers, head, warmup=2, iters=iters, calls_per_sample=1)
+        out[m] = t["median_s"]
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repo", action="append", default=None,
+                   help="a jaxserve checkout to time (repeatable; default: this one)")
+    p.add_argument("--rows", default="1,2,3,4,5,6,8", help="activation row counts M")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15, help="timed steps per M per round")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    B.add_output_args(p)
+    args = p.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.worker:
+        print(json.dumps(_worker(rows, args.iters)))
+        return {}
+    repos = [os.path.abspath(r) for r in (args.repo or [B.ROOT])]
+    samples = {r: {m: [] for m in rows} for r in repos}
+    loads = []
+    for i in range(args.rounds):
+        for repo in repos:
+            env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
+            cmd = [sys.executable, os.path.join(repo, "benchmarks", "cpu_int8_rows.py"),
+                   "--worker", "--rows", args.rows, "--iters", str(args.iters)]
+            if not os.path.isfile(cmd[1]):  # a baseline checkout without this script
+                cmd[1] = os.path.abspath(__file__)
+            loads.append(os.getloadavg()[0])
+            res = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
+                                 check=True)
+            times = json.loads(res.stdout.strip().splitlines()[-1])
+            for m in rows:
+                samples[repo][m].append(times[str(m)])
+            print(f"round {i} {repo}: " + ", ".join(f"M={m} {times[str(m)] * 1e3:.2f} ms"
+                                                     for m in rows), flush=True)
+    table = {}
+    for repo in repos:
+        med = {m: statistics.median(samples[repo][m]) for m in rows}
+        table[repo] = dict(
+            git_commit=subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                                      text=True).stdout.strip(),
+            median_ms={m: med[m] * 1e3 for m in rows},
+            vs_one_row={m: med[m] / med[rows[0]] for m in rows},
+            samples_ms={m: [s * 1e3 for s in samples[repo][m]] for m in rows})
+    result = dict(B.run_metadata(), benchmark="cpu_int8_rows", rows=rows, rounds=args.rounds,
+                  iters=args.iters, weight_bytes=LAYERS * HIDDEN * (2 * HIDDEN + 2 * KV + 3 * MLP)
+                  + VOCAB * HIDDEN, load_average_at_each_run=loads, repos=table)
+    path = B.result_path("cpu_int8_rows", args)
+    B.write_json(path, result)
+    if not args.no_plot:
+        names = {r: os.path.basename(r.rstrip("/")) + f" ({table[r]['git_commit'][:7]})"
+                 for r in repos}
+        B.bar_plot(path[:-5] + ".png", [f"M={m}" for m in rows],
+                   {names[r]: [table[r]["vs_one_row"][m] for m in rows] for r in repos},
+                   ylabel="time / time at M=1 (same kernel)", hline=1.0,
+                   title="int8 kernel: SmolLM2-135M step projections, M activation rows")
+    for repo in repos:
+        print(repo, {m: f"{table[repo]['median_ms'][m]:.2f} ms ({table[repo]['vs_one_row'][m]:.2f}x)"
+                     for m in rows})
+    print(path)
+    return result
+
+
+if __name__ == "__main__":
+    main()
