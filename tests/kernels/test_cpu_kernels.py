@@ -86,6 +86,43 @@ def test_all_zero_rows_give_zeros():
     assert np.all(y == 0)
 
 
+# ----------------------------------------------------------------------------- argmax
+
+@pytest.mark.parametrize("v", [1, 15, 16, 17, 100, 49155])
+def test_argmax_matches_jnp_argmax(v):
+    """Random rows, a tied maximum (the first wins), a NaN (the first NaN wins), all -inf,
+    +inf, and 0.0 against -0.0 (equal): the kernel gives jnp.argmax's index, in a masked
+    tail too."""
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((9, v)).astype(np.float32)
+    j = int(rng.integers(0, v))
+    x[1, j] = x[1, (j + 1) % v] = x[1].max() + 1  # tie
+    x[2, [v - 1, j]] = np.nan
+    x[3] = -np.inf
+    x[4, v - 1] = np.inf
+    x[5] = -1.0
+    x[5, j], x[5, v - 1] = -0.0, 0.0
+    x[6, v - 1] = 50.0  # the last element, in the tail
+    x[7, 0] = 50.0
+    got = np.asarray(jax.jit(cpu_kernels.argmax)(jnp.asarray(x)))
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    assert got[6] == v - 1 and got[2] == min(j, v - 1)
+
+
+def test_argmax_batched_and_under_vmap():
+    """Leading axes are rows; vmap (the batch as more rows) and a 1-D row work too."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 301)).astype(np.float32))
+    want = np.asarray(jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.argmax(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(cpu_kernels.argmax))(x)), want)
+    assert int(cpu_kernels.argmax(x[0, 0, 0])) == int(want[0, 0, 0])
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.argmax(x.astype(jnp.bfloat16))
+
+
 # ----------------------------------------------------------------------------- attention
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
