@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,8 +36,12 @@ def _worker(rows: list[int], iters: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    repo = os.environ["CPU_INT8_ROWS_REPO"]
+    sys.path.insert(0, repo)  # that checkout's kernels, not this script's
+    sys.modules.pop("pallas_kernels", None)
     from pallas_kernels import cpu_kernels
 
+    assert os.path.abspath(cpu_kernels.__file__).startswith(repo + os.sep), cpu_kernels.__file__
     if not cpu_kernels.available():
         raise SystemExit("cpu kernels not available")
     rng = np.random.default_rng(0)
@@ -63,8 +68,15 @@ def _worker(rows: list[int], iters: int) -> dict:
     out = {}
     for m in rows:
         x = jnp.asarray(rng.standard_normal((m, HIDDEN)).astype(np.float32))
-        t = B.time_fn(step, x, layers, head, warmup=2, iters=iters, calls_per_sample=1)
-        out[m] = [t["median_s"], t["min_s"]]
+        for _ in range(2):
+            jax.block_until_ready(step(x, layers, head))
+        wall, cpu = [], []
+        for _ in range(iters):
+            t, c = time.perf_counter(), time.process_time()
+            jax.block_until_ready(step(x, layers, head))
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
+        out[m] = [statistics.median(wall), min(wall), statistics.median(cpu)]
     return out
 
 
@@ -75,6 +87,10 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", default="1,2,3,4,5,6,8", help="activation row counts M")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=15, help="timed steps per M per round")
+    p.add_argument("--pin-cpu", type=int, default=None, metavar="N",
+                   help="run each worker on core N alone (taskset): one thread, no helpers, "
+                        "and its CPU time (process_time) as a measure that other processes' "
+                        "load disturbs less than wall time")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     B.add_output_args(p)
     args = p.parse_args(argv)
@@ -85,14 +101,15 @@ def main(argv=None) -> dict:
     repos = [os.path.abspath(r) for r in (args.repo or [B.ROOT])]
     samples = {r: {m: [] for m in rows} for r in repos}
     fastest = {r: {m: [] for m in rows} for r in repos}
+    cpu = {r: {m: [] for m in rows} for r in repos}
     loads = []
     for i in range(args.rounds):
         for repo in repos:
-            env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu")
-            cmd = [sys.executable, os.path.join(repo, "benchmarks", "cpu_int8_rows.py"),
-                   "--worker", "--rows", args.rows, "--iters", str(args.iters)]
-            if not os.path.isfile(cmd[1]):  # a baseline checkout without this script
-                cmd[1] = os.path.abspath(__file__)
+            env = dict(os.environ, PYTHONPATH=repo, JAX_PLATFORMS="cpu", CPU_INT8_ROWS_REPO=repo)
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rows", args.rows,
+                   "--iters", str(args.iters)]
+            if args.pin_cpu is not None:
+                cmd = ["taskset", "-c", str(args.pin_cpu), *cmd]
             loads.append(os.getloadavg()[0])
             res = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
                                  check=True)
@@ -100,12 +117,14 @@ def main(argv=None) -> dict:
             for m in rows:
                 samples[repo][m].append(times[str(m)][0])
                 fastest[repo][m].append(times[str(m)][1])
+                cpu[repo][m].append(times[str(m)][2])
             print(f"round {i} {repo}: " + ", ".join(f"M={m} {times[str(m)][0] * 1e3:.2f} ms"
                                                      for m in rows), flush=True)
     table = {}
     for repo in repos:
         med = {m: statistics.median(samples[repo][m]) for m in rows}
         best = {m: min(fastest[repo][m]) for m in rows}
+        cpu_med = {m: statistics.median(cpu[repo][m]) for m in rows}
         table[repo] = dict(
             git_commit=subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
                                       text=True).stdout.strip(),
@@ -113,21 +132,27 @@ def main(argv=None) -> dict:
             vs_one_row={m: med[m] / med[rows[0]] for m in rows},
             min_ms={m: best[m] * 1e3 for m in rows},
             min_vs_one_row={m: best[m] / best[rows[0]] for m in rows},
+            cpu_ms={m: cpu_med[m] * 1e3 for m in rows},
+            cpu_vs_one_row={m: cpu_med[m] / cpu_med[rows[0]] for m in rows},
             samples_ms={m: [s * 1e3 for s in samples[repo][m]] for m in rows})
     result = dict(B.run_metadata(), benchmark="cpu_int8_rows", rows=rows, rounds=args.rounds,
-                  iters=args.iters, weight_bytes=LAYERS * HIDDEN * (2 * HIDDEN + 2 * KV + 3 * MLP)
+                  iters=args.iters, pin_cpu=args.pin_cpu, weight_bytes=LAYERS * HIDDEN * (2 * HIDDEN + 2 * KV + 3 * MLP)
                   + VOCAB * HIDDEN, load_average_at_each_run=loads, repos=table)
     path = B.result_path("cpu_int8_rows", args)
+    # pinned: CPU time is the measure; otherwise wall time
+    key = "cpu" if args.pin_cpu is not None else "median"
+    ratio = "cpu_vs_one_row" if args.pin_cpu is not None else "vs_one_row"
+    result["measure"] = "process CPU time, median" if key == "cpu" else "wall time, median"
     B.write_json(path, result)
     if not args.no_plot:
         names = {r: os.path.basename(r.rstrip("/")) + f" ({table[r]['git_commit'][:7]})"
                  for r in repos}
         B.bar_plot(path[:-5] + ".png", [f"M={m}" for m in rows],
-                   {names[r]: [table[r]["vs_one_row"][m] for m in rows] for r in repos},
-                   ylabel="time / time at M=1 (same kernel)", hline=1.0,
+                   {names[r]: [table[r][ratio][m] for m in rows] for r in repos},
+                   ylabel=f"{result['measure']} / M=1's (same kernel)", hline=1.0,
                    title="int8 kernel: SmolLM2-135M step projections, M activation rows")
     for repo in repos:
-        print(repo, {m: f"{table[repo]['median_ms'][m]:.2f} ms ({table[repo]['vs_one_row'][m]:.2f}x)"
+        print(repo, {m: f"{table[repo][key + '_ms'][m]:.2f} ms ({table[repo][ratio][m]:.2f}x)"
                      for m in rows})
     print(path)
     return result

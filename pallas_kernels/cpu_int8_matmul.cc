@@ -87,10 +87,12 @@ inline float combine(const QuantX& q, int64_t r, int32_t acc_hi, int32_t acc_lo,
 
 #if JS_VNNI
 // From this many activation rows on, weights are packed per block (see packed_rows); fewer
-// rows (decode, a speculative verify step of up to 8 tokens) take few_rows, which reads
-// each weight row once for all of them. Measured on SmolLM2's projections (2-core
+// rows (decode, a speculative verify step of up to 8 tokens) take single_rows / few_rows,
+// which read each weight row once for all of them. Measured on SmolLM2's projections (2-core
 // AVX-512 VNNI): 4 rows cost 1.4x one row there against 2.2x packed, 8 rows 2.8x against
-// 4.3x; from ~12 rows on the packed blocks are ahead (16 rows: 5.7x against 6.6x).
+// 4.3x; from ~12 rows on the packed blocks are ahead (16 rows: 5.7x against 6.6x). Past ~2
+// rows the dots, not the weight's bytes, are the cost: two vpdpbusd per 64 weight bytes for
+// each activation row (the two-term rule), the same count in every layout.
 constexpr int64_t kPackedMinRows = 9;
 
 // The weight as unsigned bytes (w + 128, by flipping the sign bit; zeros past k), for
@@ -221,14 +223,50 @@ inline __m512i sum16(const __m512i* v) {
                           _mm512_castps_si512(_mm512_shuffle_ps(c0, c1, 0xdd)));
 }
 
-// G weight rows from n against the M activation rows from r0, in one pass over the weight:
-// each 64-byte block of a weight row is loaded once and dotted with every activation row's hi
-// and lo terms (2 * M * G <= 16 accumulators in registers), and the 16 sums come out of one
-// sum16. A verify step of M tokens then reads, and decodes, the weight as often as one token.
-template <int M, int G>
-inline void rows_block(const QuantX& q, const int8_t* w, const float* scale, float* y,
-                       int64_t n_out, int64_t n, int64_t r0) {
-  static_assert(2 * M * G <= 16, "16 accumulators at most");
+// One activation row (decode), output rows [n0, n1), one weight row at a time (a sequential
+// read). Kept out of rows_kernel so its code does not depend on how the compiler treats the
+// block paths (inlined there, this loop ran 20 % slower).
+__attribute__((noinline)) void single_rows(const QuantX& q, const int8_t* w, const float* scale,
+                                           float* y, int64_t n_out, int64_t n0, int64_t n1) {
+  const int64_t k = q.k, kp = q.kp, m = q.m;
+  const int8_t* H = q.hi.data();
+  const int8_t* L = q.lo.data();
+  int64_t n = n0;
+  for (; n < n1; ++n) {
+    const int8_t* wr = w + n * k;
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* hp = H + r * kp;
+      const int8_t* lp = L + r * kp;
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+      int64_t j = 0;
+      for (; j + 128 <= kp; j += 128) {
+        const __m512i a0 = load_w(wr + j, k - j), a1 = load_w(wr + j + 64, k - j - 64);
+        h0 = _mm512_dpbusd_epi32(h0, a0, _mm512_loadu_si512(hp + j));
+        h1 = _mm512_dpbusd_epi32(h1, a1, _mm512_loadu_si512(hp + j + 64));
+        l0 = _mm512_dpbusd_epi32(l0, a0, _mm512_loadu_si512(lp + j));
+        l1 = _mm512_dpbusd_epi32(l1, a1, _mm512_loadu_si512(lp + j + 64));
+      }
+      for (; j < kp; j += 64) {
+        const __m512i a0 = load_w(wr + j, k - j);
+        h0 = _mm512_dpbusd_epi32(h0, a0, _mm512_loadu_si512(hp + j));
+        l0 = _mm512_dpbusd_epi32(l0, a0, _mm512_loadu_si512(lp + j));
+      }
+      y[r * n_out + n] = combine(q, r, _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1)),
+                                 _mm512_reduce_add_epi32(_mm512_add_epi32(l0, l1)), scale[n]);
+    }
+  }
+}
+
+// Weight row n against the M (1-8) activation rows from r0, in one pass over the weight row:
+// each 64-byte block is loaded once and dotted with every activation row's hi and lo terms
+// (2 M accumulators in registers), and the 2 M sums come out of one sum16. Weight rows are
+// taken one at a time, a sequential read: interleaving 2-8 weight rows per trip (fewer sums)
+// measured 1.3-2x slower. The dots are the cost from ~4 rows on: each activation row adds
+// two vpdpbusd per 64 weight bytes.
+template <int M>
+__attribute__((always_inline)) inline void row_dots(const QuantX& q, const int8_t* w, const float* scale, float* y,
+                     int64_t n_out, int64_t n, int64_t r0) {
+  static_assert(2 * M <= 16, "16 accumulators at most");
   const int64_t k = q.k, kp = q.kp;
   const int8_t* H = q.hi.data() + r0 * kp;
   const int8_t* L = q.lo.data() + r0 * kp;
@@ -237,48 +275,35 @@ inline void rows_block(const QuantX& q, const int8_t* w, const float* scale, flo
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
   for (int64_t j = 0; j < kp; j += 64) {
-    __m512i wv[G];
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) wv[g] = load_w(wr + g * k + j, k - j);
+    const __m512i wv = load_w(wr + j, k - j);
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r) {
-      const __m512i h = _mm512_loadu_si512(H + r * kp + j);
-      const __m512i l = _mm512_loadu_si512(L + r * kp + j);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) {
-        acc[2 * (g * M + r)] = _mm512_dpbusd_epi32(acc[2 * (g * M + r)], wv[g], h);
-        acc[2 * (g * M + r) + 1] = _mm512_dpbusd_epi32(acc[2 * (g * M + r) + 1], wv[g], l);
-      }
+      acc[2 * r] = _mm512_dpbusd_epi32(acc[2 * r], wv, _mm512_loadu_si512(H + r * kp + j));
+      acc[2 * r + 1] =
+          _mm512_dpbusd_epi32(acc[2 * r + 1], wv, _mm512_loadu_si512(L + r * kp + j));
     }
   }
   alignas(64) int32_t sums[16];
   _mm512_store_si512(sums, sum16(acc));
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < M; ++r) {
-      const int a = 2 * (g * M + r);  // accumulator a is in lane 4 * (a % 4) + a / 4
-      y[(r0 + r) * n_out + n + g] =
-          combine(q, r0 + r, sums[4 * (a % 4) + a / 4], sums[4 * ((a + 1) % 4) + (a + 1) / 4],
-                  scale[n + g]);
-    }
+  for (int r = 0; r < M; ++r)  // accumulator a is in lane 4 * (a % 4) + a / 4
+    y[(r0 + r) * n_out + n] = combine(q, r0 + r, sums[4 * (2 * r % 4) + r / 2],
+                                      sums[4 * ((2 * r + 1) % 4) + r / 2], scale[n]);
 }
 
-// Output rows [n0, n1) for the M (1-8) activation rows from r0: G weight rows at a time
-// (16 / (2 M) of them, so the accumulators fill the registers), the last few one at a time.
 template <int M>
 __attribute__((noinline)) void few_rows(const QuantX& q, const int8_t* w, const float* scale,
                                         float* y, int64_t n_out, int64_t n0, int64_t n1,
                                         int64_t r0) {
-  constexpr int G = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
-  int64_t n = n0;
-  for (; n + G <= n1; n += G) rows_block<M, G>(q, w, scale, y, n_out, n, r0);
-  for (; n < n1; ++n) rows_block<M, 1>(q, w, scale, y, n_out, n, r0);
+  for (int64_t n = n0; n < n1; ++n) row_dots<M>(q, w, scale, y, n_out, n, r0);
 }
 
-// Output rows [n0, n1) of one weight, every activation row: up to 8 activation rows (decode,
-// a speculative verify step) in one pass over the weight rows; from kPackedMinRows on,
-// packed blocks of 16 weight rows, the last (< 16) weight rows 8 activation rows at a time.
+// Output rows [n0, n1) of one weight, every activation row: one activation row by
+// single_rows, 2-8 (a speculative verify step) in one pass over the weight rows by few_rows;
+// from kPackedMinRows on, packed blocks of 16 weight rows, the last (< 16) weight rows 8
+// activation rows at a time.
 void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,
                  int64_t n0, int64_t n1) {
+  if (q.m == 1) return single_rows(q, w, scale, y, n_out, n0, n1);
   const int64_t n = q.m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
   if (n == n1) return;
   for (int64_t r0 = 0; r0 < q.m; r0 += 8) {
