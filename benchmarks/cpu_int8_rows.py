@@ -77,6 +77,17 @@ def _worker(rows: list[int], iters: int) -> dict:
             wall.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
         out[m] = [statistics.median(wall), min(wall), statistics.median(cpu)]
+    # the greedy pick over SmolLM2's vocabulary at the same row counts: XLA's argmax and, where
+    # the checkout has it, the kernel's
+    fns = {"xla": jax.jit(lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))}
+    if hasattr(cpu_kernels, "argmax"):
+        fns["kernel"] = jax.jit(cpu_kernels.argmax)
+    for name, fn in fns.items():
+        out[f"argmax_{name}"] = {}
+        for m in rows:
+            x = jnp.asarray(rng.standard_normal((m, VOCAB)).astype(np.float32))
+            t = B.time_fn(fn, x, warmup=3, iters=50, calls_per_sample=1)
+            out[f"argmax_{name}"][m] = [t["median_s"], t["min_s"]]
     return out
 
 
@@ -102,6 +113,7 @@ def main(argv=None) -> dict:
     samples = {r: {m: [] for m in rows} for r in repos}
     fastest = {r: {m: [] for m in rows} for r in repos}
     cpu = {r: {m: [] for m in rows} for r in repos}
+    argmax_us = {}  # repo -> argmax_xla / argmax_kernel -> M -> fastest call per round
     loads = []
     for i in range(args.rounds):
         for repo in repos:
@@ -114,6 +126,10 @@ def main(argv=None) -> dict:
             res = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
                                  check=True)
             times = json.loads(res.stdout.strip().splitlines()[-1])
+            for key in [x for x in times if x.startswith("argmax_")]:
+                for m in rows:
+                    argmax_us.setdefault(repo, {}).setdefault(key, {}).setdefault(m, []).append(
+                        times[key][str(m)][1] * 1e6)
             for m in rows:
                 samples[repo][m].append(times[str(m)][0])
                 fastest[repo][m].append(times[str(m)][1])
@@ -134,7 +150,9 @@ def main(argv=None) -> dict:
             min_vs_one_row={m: best[m] / best[rows[0]] for m in rows},
             cpu_ms={m: cpu_med[m] * 1e3 for m in rows},
             cpu_vs_one_row={m: cpu_med[m] / cpu_med[rows[0]] for m in rows},
-            samples_ms={m: [s * 1e3 for s in samples[repo][m]] for m in rows})
+            samples_ms={m: [s * 1e3 for s in samples[repo][m]] for m in rows},
+            argmax_min_us={key: {m: statistics.median(v) for m, v in per.items()}
+                           for key, per in argmax_us.get(repo, {}).items()})
     result = dict(B.run_metadata(), benchmark="cpu_int8_rows", rows=rows, rounds=args.rounds,
                   iters=args.iters, pin_cpu=args.pin_cpu, weight_bytes=LAYERS * HIDDEN * (2 * HIDDEN + 2 * KV + 3 * MLP)
                   + VOCAB * HIDDEN, load_average_at_each_run=loads, repos=table)
