@@ -87,8 +87,8 @@ inline float combine(const QuantX& q, int64_t r, int32_t acc_hi, int32_t acc_lo,
 
 #if JS_VNNI
 // From this many activation rows on, weights are packed per block (see packed_rows); fewer
-// rows (decode, a speculative verify step of up to 8 tokens) take single_rows / few_rows,
-// which read each weight row once for all of them. Measured on SmolLM2's projections (2-core
+// rows (decode, a speculative verify step of up to 8 tokens) take single_rows or few_rows,
+// which read each weight row once from memory for all of them. Measured on SmolLM2's projections (2-core
 // AVX-512 VNNI): 4 rows cost 1.4x one row there against 2.2x packed, 8 rows 2.8x against
 // 4.3x; from ~12 rows on the packed blocks are ahead (16 rows: 5.7x against 6.6x). Past ~2
 // rows the dots, not the weight's bytes, are the cost: two vpdpbusd per 64 weight bytes for
@@ -223,8 +223,9 @@ inline __m512i sum16(const __m512i* v) {
                           _mm512_castps_si512(_mm512_shuffle_ps(c0, c1, 0xdd)));
 }
 
-// One activation row (decode), output rows [n0, n1), one weight row at a time (a sequential
-// read). Kept out of rows_kernel so its code does not depend on how the compiler treats the
+// Output rows [n0, n1) for up to kFewRowsMin - 1 activation rows (decode, a short verify step),
+// one weight row at a time (a sequential read), each activation row in turn against it (from
+// L1). Kept out of rows_kernel so its code does not depend on how the compiler treats the
 // block paths (inlined there, this loop ran 20 % slower).
 __attribute__((noinline)) void single_rows(const QuantX& q, const int8_t* w, const float* scale,
                                            float* y, int64_t n_out, int64_t n0, int64_t n1) {
@@ -257,12 +258,16 @@ __attribute__((noinline)) void single_rows(const QuantX& q, const int8_t* w, con
   }
 }
 
+// From this many activation rows, few_rows: against single_rows on SmolLM2's shapes (one
+// thread, a step's weights cold; min of 12-25 runs, shared machine), 6-8 rows took 0.73-0.93x
+// single_rows's time; 5 rows were no faster and 2-4 up to 1.4x slower (K = 1536).
+constexpr int64_t kFewRowsMin = 6;
+
 // Weight row n against the M (1-8) activation rows from r0, in one pass over the weight row:
 // each 64-byte block is loaded once and dotted with every activation row's hi and lo terms
 // (2 M accumulators in registers), and the 2 M sums come out of one sum16. Weight rows are
 // taken one at a time, a sequential read: interleaving 2-8 weight rows per trip (fewer sums)
-// measured 1.3-2x slower. The dots are the cost from ~4 rows on: each activation row adds
-// two vpdpbusd per 64 weight bytes.
+// measured 1.3-2x slower.
 template <int M>
 __attribute__((always_inline)) inline void row_dots(const QuantX& q, const int8_t* w, const float* scale, float* y,
                      int64_t n_out, int64_t n, int64_t r0) {
@@ -297,13 +302,13 @@ __attribute__((noinline)) void few_rows(const QuantX& q, const int8_t* w, const 
   for (int64_t n = n0; n < n1; ++n) row_dots<M>(q, w, scale, y, n_out, n, r0);
 }
 
-// Output rows [n0, n1) of one weight, every activation row: one activation row by
-// single_rows, 2-8 (a speculative verify step) in one pass over the weight rows by few_rows;
-// from kPackedMinRows on, packed blocks of 16 weight rows, the last (< 16) weight rows 8
-// activation rows at a time.
+// Output rows [n0, n1) of one weight, every activation row: up to 5 activation rows by
+// single_rows, 6-8 (a longer speculative verify step) in one pass over the weight rows by
+// few_rows; from kPackedMinRows on, packed blocks of 16 weight rows, the last (< 16) weight
+// rows 8 activation rows at a time.
 void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,
                  int64_t n0, int64_t n1) {
-  if (q.m == 1) return single_rows(q, w, scale, y, n_out, n0, n1);
+  if (q.m < kFewRowsMin) return single_rows(q, w, scale, y, n_out, n0, n1);
   const int64_t n = q.m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
   if (n == n1) return;
   for (int64_t r0 = 0; r0 < q.m; r0 += 8) {

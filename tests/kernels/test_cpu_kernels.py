@@ -50,9 +50,9 @@ def test_kernel_matches_reference(m, n, k):
 
 @pytest.mark.parametrize("m", range(1, 10))
 def test_few_rows_match_reference_on_ragged_shapes(m):
-    """1-8 activation rows (decode, a verify step) take one pass over the weight rows for
-    all of them (G weight rows at a time, a tail one at a time); 9 the packed path. Odd K
-    (a masked tail) and odd N (a tail of weight rows in each 64-row chunk and at the end)."""
+    """1-5 activation rows take the row-at-a-time loop, 6-8 the one-pass loop over each
+    weight row for all of them, 9 the packed path (and its < 16-row tail). Odd K (a masked
+    tail) and odd N (a tail of weight rows in each 64-row chunk and at the end)."""
     rng = np.random.default_rng(100 + m)
     for n, k in [(rng.integers(1, 200) * 2 + 1, rng.integers(1, 300) * 2 + 1), (77, 129)]:
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
