@@ -7,7 +7,10 @@ back to back on ``M`` activation rows. Each ``--repo`` (a checkout of jaxserve: 
 ``pallas_kernels/cpu_int8_matmul.cc``) is timed in its own process, the repos taking turns
 for ``--rounds`` rounds (a shared machine drifts); the result is the median per repo and M (of
 the rounds' medians), and each M's time over M = 1's of the same repo; the fastest step of
-all rounds (``min_ms``), less disturbed by other work on a shared machine, beside it.
+all rounds (``min_ms``) beside it. ``--pin-cpu N`` runs each worker on one core and records its
+CPU time (``cpu_ms``), which other processes on a shared machine disturb less than wall time.
+Each worker also times the greedy argmax over 49,152 logits at the same row counts: XLA's and,
+where the checkout has it, the C++ kernel's (``argmax_min_us``).
 
     python benchmarks/cpu_int8_rows.py --repo . --repo /path/to/baseline --rows 1,2,4,8 \\
         --output-json benchmarks/results/cpu-spec-2026-11-28/int8-rows.json
