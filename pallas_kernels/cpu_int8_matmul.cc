@@ -87,10 +87,12 @@ inline float combine(const QuantX& q, int64_t r, int32_t acc_hi, int32_t acc_lo,
 
 #if JS_VNNI
 // From this many activation rows on, weights are packed per block (see packed_rows); fewer
-// rows (decode, a speculative verify step of up to 8 tokens) take single_rows, which reads
-// each weight row once from memory for all of them. Measured on SmolLM2's projections (2-core
+// rows (decode, a speculative verify step of up to 8 tokens) take single_rows or few_rows,
+// which read each weight row once from memory for all of them. Measured on SmolLM2's projections (2-core
 // AVX-512 VNNI): 4 rows cost 1.4x one row there against 2.2x packed, 8 rows 2.8x against
-// 4.3x; from ~12 rows on the packed blocks are ahead (16 rows: 5.7x against 6.6x).
+// 4.3x; from ~12 rows on the packed blocks are ahead (16 rows: 5.7x against 6.6x). Past ~2
+// rows the dots, not the weight's bytes, are the cost: two vpdpbusd per 64 weight bytes for
+// each activation row (the two-term rule), the same count in every layout.
 constexpr int64_t kPackedMinRows = 9;
 
 // The weight as unsigned bytes (w + 128, by flipping the sign bit; zeros past k), for
@@ -200,9 +202,31 @@ int64_t packed_rows(const QuantX& q, const int8_t* w, const float* scale, float*
   return n;
 }
 
-// Output rows [n0, n1), one weight row at a time (a sequential read): the decode path. Kept
-// out of rows_kernel so its code does not depend on how the compiler treats the block paths
-// (inlined there, this loop ran 20 % slower).
+// Lane l of the result is the sum of v[f(l)]'s 16 lanes, f(l) = 4 * (l % 4) + l / 4: four
+// levels of cross-lane adds (15 adds in all) instead of 16 separate horizontal sums.
+inline __m512i sum16(const __m512i* v) {
+  __m512i a[8], b[4], c[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: [v2i | v2i+1], 8 partial sums each
+    a[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x44),
+                            _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xee));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit lane j: v[4i + j], 4 partial sums
+    b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xdd));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // lane j: (v[8i + j], v[8i + 4 + j]), 2 partial sums each
+    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                            _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+  const __m512 c0 = _mm512_castsi512_ps(c[0]), c1 = _mm512_castsi512_ps(c[1]);
+  return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(c0, c1, 0x88)),
+                          _mm512_castps_si512(_mm512_shuffle_ps(c0, c1, 0xdd)));
+}
+
+// Output rows [n0, n1) for up to kFewRowsMin - 1 activation rows (decode, a short verify step),
+// one weight row at a time (a sequential read), each activation row in turn against it (from
+// L1). Kept out of rows_kernel so its code does not depend on how the compiler treats the
+// block paths (inlined there, this loop ran 20 % slower).
 __attribute__((noinline)) void single_rows(const QuantX& q, const int8_t* w, const float* scale,
                                            float* y, int64_t n_out, int64_t n0, int64_t n1) {
   const int64_t k = q.k, kp = q.kp, m = q.m;
@@ -234,13 +258,71 @@ __attribute__((noinline)) void single_rows(const QuantX& q, const int8_t* w, con
   }
 }
 
-// Output rows [n0, n1) of one weight, every activation row: from kPackedMinRows activation
-// rows on, packed blocks of 16 weight rows, the last (< 16) rows one at a time; fewer activation
-// rows (decode), one weight row at a time throughout.
+// From this many activation rows, few_rows: against single_rows on SmolLM2's shapes (one
+// thread, a step's weights cold; min of 12-25 runs, shared machine), 6-8 rows took 0.73-0.93x
+// single_rows's time; 5 rows were no faster and 2-4 up to 1.4x slower (K = 1536).
+constexpr int64_t kFewRowsMin = 6;
+
+// Weight row n against the M (1-8) activation rows from r0, in one pass over the weight row:
+// each 64-byte block is loaded once and dotted with every activation row's hi and lo terms
+// (2 M accumulators in registers), and the 2 M sums come out of one sum16. Weight rows are
+// taken one at a time, a sequential read: interleaving 2-8 weight rows per trip (fewer sums)
+// measured 1.3-2x slower.
+template <int M>
+__attribute__((always_inline)) inline void row_dots(const QuantX& q, const int8_t* w, const float* scale, float* y,
+                     int64_t n_out, int64_t n, int64_t r0) {
+  static_assert(2 * M <= 16, "16 accumulators at most");
+  const int64_t k = q.k, kp = q.kp;
+  const int8_t* H = q.hi.data() + r0 * kp;
+  const int8_t* L = q.lo.data() + r0 * kp;
+  const int8_t* wr = w + n * k;
+  __m512i acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < kp; j += 64) {
+    const __m512i wv = load_w(wr + j, k - j);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      acc[2 * r] = _mm512_dpbusd_epi32(acc[2 * r], wv, _mm512_loadu_si512(H + r * kp + j));
+      acc[2 * r + 1] =
+          _mm512_dpbusd_epi32(acc[2 * r + 1], wv, _mm512_loadu_si512(L + r * kp + j));
+    }
+  }
+  alignas(64) int32_t sums[16];
+  _mm512_store_si512(sums, sum16(acc));
+  for (int r = 0; r < M; ++r)  // accumulator a is in lane 4 * (a % 4) + a / 4
+    y[(r0 + r) * n_out + n] = combine(q, r0 + r, sums[4 * (2 * r % 4) + r / 2],
+                                      sums[4 * ((2 * r + 1) % 4) + r / 2], scale[n]);
+}
+
+template <int M>
+__attribute__((noinline)) void few_rows(const QuantX& q, const int8_t* w, const float* scale,
+                                        float* y, int64_t n_out, int64_t n0, int64_t n1,
+                                        int64_t r0) {
+  for (int64_t n = n0; n < n1; ++n) row_dots<M>(q, w, scale, y, n_out, n, r0);
+}
+
+// Output rows [n0, n1) of one weight, every activation row: up to 5 activation rows by
+// single_rows, 6-8 (a longer speculative verify step) in one pass over the weight rows by
+// few_rows; from kPackedMinRows on, packed blocks of 16 weight rows, the last (< 16) weight
+// rows 8 activation rows at a time.
 void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,
                  int64_t n0, int64_t n1) {
+  if (q.m < kFewRowsMin) return single_rows(q, w, scale, y, n_out, n0, n1);
   const int64_t n = q.m >= kPackedMinRows ? packed_rows(q, w, scale, y, n_out, n0, n1) : n0;
-  single_rows(q, w, scale, y, n_out, n, n1);
+  if (n == n1) return;
+  for (int64_t r0 = 0; r0 < q.m; r0 += 8) {
+    switch (std::min<int64_t>(8, q.m - r0)) {
+      case 1: few_rows<1>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 2: few_rows<2>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 3: few_rows<3>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 4: few_rows<4>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 5: few_rows<5>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 6: few_rows<6>(q, w, scale, y, n_out, n, n1, r0); break;
+      case 7: few_rows<7>(q, w, scale, y, n_out, n, n1, r0); break;
+      default: few_rows<8>(q, w, scale, y, n_out, n, n1, r0); break;
+    }
+  }
 }
 #else
 void rows_kernel(const QuantX& q, const int8_t* w, const float* scale, float* y, int64_t n_out,

@@ -8,6 +8,8 @@
   gate/up), so the activation is quantized once for them.
 * ``cpu_team.h``: helper threads shared by both, polling briefly between calls (a decode
   step makes ~150 short calls; waking a parked pool thread for each costs as much as its share).
+* ``cpu_argmax.cc``: the greedy sampler's argmax over the vocabulary; XLA:CPU's (value,
+  index) pair reduction takes ~0.23 ms a row over 49,152 logits, the kernel ~0.02 ms.
 * ``cpu_attention.cc``: XLA's loop attention (``xla_attention.py``) costs a few dozen small
   ops per loop trip and gathers whole chunks of pages; the kernel reads only each token's
   own positions.
@@ -16,7 +18,8 @@ The kernels are built on first use with the machine's C++ compiler (``$CXX`` or 
 -march=native``) into ``~/.cache/jaxserve/kernels`` (one file per source, flags, jaxlib and
 CPU), and registered as an FFI target. Where there is no compiler, the build fails, the
 backend is not the CPU, or ``JAXSERVE_CPU_KERNELS=0``, :func:`available` is False and
-callers use the XLA path (``reference.int8_matmul_reference``, ``xla_attention``: the same rules).
+callers use the XLA path (``reference.int8_matmul_reference``, ``xla_attention``,
+``jnp.argmax``: the same rules).
 """
 from __future__ import annotations
 
@@ -36,11 +39,13 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-_SRCS = [os.path.join(_DIR, f) for f in ("cpu_int8_matmul.cc", "cpu_attention.cc")]
+_SRCS = [os.path.join(_DIR, f)
+         for f in ("cpu_int8_matmul.cc", "cpu_attention.cc", "cpu_argmax.cc")]
 _HEADERS = [os.path.join(_DIR, "cpu_team.h")]
 _MATMUL = "jaxserve_int8_matmul"
 _ATTENTION = "jaxserve_paged_attention"
 _WRITE_ATTENTION = "jaxserve_paged_write_attention"
+_ARGMAX = "jaxserve_argmax"
 # the page dtypes the attention kernel reads (and writes) in place
 PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -118,7 +123,7 @@ def _load() -> bool:
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(path)
-        for target in [_MATMUL, _ATTENTION, _WRITE_ATTENTION]:
+        for target in [_MATMUL, _ATTENTION, _WRITE_ATTENTION, _ARGMAX]:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
                                         platform="cpu")
     except Exception as e:  # a broken cache entry or an ABI mismatch: fall back
@@ -141,6 +146,16 @@ def int8_matmul(x, weights) -> list:
         args += [w, s.astype(jnp.float32)]
     res = jax.ffi.ffi_call(_MATMUL, outs)(*args)
     return list(res)
+
+
+def argmax(x):
+    """``jnp.argmax(x, axis=-1)`` as int32 for float32 ``x [..., V]`` by the kernel: the first
+    index of each row's maximum, the first NaN where a row has one. Under ``vmap`` the kernel
+    takes the batch axis as more rows."""
+    if x.dtype != jnp.float32:
+        raise ValueError(f"argmax: float32 logits, got {x.dtype}")
+    return jax.ffi.ffi_call(_ARGMAX, jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32),
+                            vmap_method="broadcast_all")(x)
 
 
 def _rows(query_start, seq_lens, num_seqs):

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models import argmax
 from jaxserve.worker.sampler import (SamplingMetadata, apply_logit_bias_and_min_tokens,
                                      apply_top_k_top_p, is_greedy)
 
@@ -65,7 +66,7 @@ def rejection_sample(target_probs: jax.Array, draft_ids: jax.Array, num_draft: j
     resid = jnp.where(rejected[:, None], jnp.maximum(p_a - q_a, 0.0), p_a)
     resid = jnp.where(jnp.sum(resid, axis=-1, keepdims=True) > 0, resid, p_a)  # p == q: unreachable
     scores = jnp.where(resid > 0, jnp.log(jnp.maximum(resid, 1e-38)), _NEG_INF) + gumbel
-    drawn = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    drawn = argmax.argmax(scores)
     return _emit(draft_ids, a, drawn)
 
 
@@ -144,7 +145,7 @@ def verify(logits: jax.Array, md: SamplingMetadata, draft_ids: jax.Array, num_dr
     k = K1 - 1
     x = target_logits(logits, md)
     greedy_rows = is_greedy(md)
-    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32).reshape(S, K1)
+    greedy_ids = argmax.argmax(x).reshape(S, K1)
     out = greedy_verify(greedy_ids, draft_ids, num_draft)
 
     def random_rows(out):

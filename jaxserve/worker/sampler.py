@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core.sampling_params import DEFAULT_MAX_LOGPROBS, SAMPLING_EPS
-from jaxserve.models import batch_invariant
+from jaxserve.models import argmax, batch_invariant
 
 _NEG_INF = float("-inf")
 
@@ -164,7 +164,7 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata, greedy_rows: jax.Arr
                      lambda x: apply_top_k_top_p(x, md.top_k, md.top_p), lambda x: x, x)
     keys = _row_keys(md.seeds, md.steps)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-    return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+    return argmax.argmax(x + gumbel)
 
 
 def _log_softmax(x: jax.Array) -> jax.Array:
@@ -219,7 +219,7 @@ def sample(logits: jax.Array, md: SamplingMetadata,
         x = apply_logit_bias_and_min_tokens(raw, md)
         x = apply_processors(x, processors, argmax_invariant=False)
         x = jax.lax.cond(any_penalty, lambda x: apply_penalties(x, md), lambda x: x, x)
-        greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        greedy = argmax.argmax(x)
         return jax.lax.cond(
             jnp.all(greedy_rows), lambda x: greedy,
             lambda x: jnp.where(greedy_rows, greedy,
@@ -227,7 +227,7 @@ def sample(logits: jax.Array, md: SamplingMetadata,
 
     # The common step (all greedy, nothing to edit) is a bare argmax: no [S, V] copies.
     token_ids = jax.lax.cond(jnp.all(greedy_rows) & ~any_edit,
-                             lambda r: jnp.argmax(r, axis=-1).astype(jnp.int32), processed, raw)
+                             argmax.argmax, processed, raw)
 
     tok_lp = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
     k = num_top_logprobs

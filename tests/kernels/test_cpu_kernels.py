@@ -27,7 +27,7 @@ def _numpy_reference(x, w, s):
     return (acc_hi.astype(np.float32) + acc_lo.astype(np.float32) * np.float32(1 / 254)) * a * s
 
 
-# rows: one (decode), 2-8 (the one-row loop over several rows: a verify step), the packed
+# rows: one (decode), 2-8 (one pass over the weight for all rows: a verify step), the packed
 # block path from 9 rows and its odd tail; K: whole 64-byte vectors, a masked tail, and one
 # shorter than a vector; N: whole 64-row chunks and not
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (2, 1536, 576), (5, 576, 1536),
@@ -46,6 +46,23 @@ def test_kernel_matches_reference(m, n, k):
     # the integer sums are exact; only float rounding order differs
     np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(y, _numpy_reference(x, w, s), rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("m", range(1, 10))
+def test_few_rows_match_reference_on_ragged_shapes(m):
+    """1-5 activation rows take the row-at-a-time loop, 6-8 the one-pass loop over each
+    weight row for all of them, 9 the packed path (and its < 16-row tail). Odd K (a masked
+    tail) and odd N (a tail of weight rows in each 64-row chunk and at the end)."""
+    rng = np.random.default_rng(100 + m)
+    for n, k in [(rng.integers(1, 200) * 2 + 1, rng.integers(1, 300) * 2 + 1), (77, 129)]:
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
+        w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+        s = rng.uniform(1e-3, 1e-1, n).astype(np.float32)
+        y = np.asarray(cpu_kernels.int8_matmul(jnp.asarray(x), [(w, s)])[0])
+        ref = np.asarray(reference.int8_matmul_reference(x, w, s))
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(y, _numpy_reference(x, w, s), rtol=0,
+                                   atol=1e-5 * np.abs(ref).max())
 
 
 def test_kernel_shares_one_input_between_weights():
@@ -67,6 +84,43 @@ def test_all_zero_rows_give_zeros():
     s = np.ones(8, np.float32)
     y = np.asarray(cpu_kernels.int8_matmul(jnp.asarray(x), [(w, s)])[0])
     assert np.all(y == 0)
+
+
+# ----------------------------------------------------------------------------- argmax
+
+@pytest.mark.parametrize("v", [1, 15, 16, 17, 100, 49155])
+def test_argmax_matches_jnp_argmax(v):
+    """Random rows, a tied maximum (the first wins), a NaN (the first NaN wins), all -inf,
+    +inf, and 0.0 against -0.0 (equal): the kernel gives jnp.argmax's index, in a masked
+    tail too."""
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((9, v)).astype(np.float32)
+    j = int(rng.integers(0, v))
+    x[1, j] = x[1, (j + 1) % v] = x[1].max() + 1  # tie
+    x[2, [v - 1, j]] = np.nan
+    x[3] = -np.inf
+    x[4, v - 1] = np.inf
+    x[5] = -1.0
+    x[5, j], x[5, v - 1] = -0.0, 0.0
+    x[6, v - 1] = 50.0  # the last element, in the tail
+    x[7, 0] = 50.0
+    got = np.asarray(jax.jit(cpu_kernels.argmax)(jnp.asarray(x)))
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    assert got[6] == v - 1 and got[2] == min(j, v - 1)
+
+
+def test_argmax_batched_and_under_vmap():
+    """Leading axes are rows; vmap (the batch as more rows) and a 1-D row work too."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 301)).astype(np.float32))
+    want = np.asarray(jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.argmax(x)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(cpu_kernels.argmax))(x)), want)
+    assert int(cpu_kernels.argmax(x[0, 0, 0])) == int(want[0, 0, 0])
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.argmax(x.astype(jnp.bfloat16))
 
 
 # ----------------------------------------------------------------------------- attention
