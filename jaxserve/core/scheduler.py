@@ -239,7 +239,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         if self.kv_transfer is None or not self.kv_transfer.hold(
-                req, status, self.block_manager.swap_pages(req)):
+                req, status, *self._held_rows(req)):
             self.block_manager.free(req)  # a held prefill's pages wait for their pull
         req.in_batch = False
         self._swapped_pages.pop(request_id, None)
@@ -538,11 +538,24 @@ class Scheduler:
             self._add_scheduled(out, req, n)
             budget -= n
 
+    def _held_rows(self, req: Request) -> tuple[list[list[int]], int]:
+        """A finished request's pages per pool by position up to its computed tokens (0:
+        released out of a window; a sliding pool keeps what its last step read), and the
+        first full-attention pool's row."""
+        end = -(-req.num_computed_tokens // self.block_size)
+        managers = getattr(self.block_manager, "managers", [self.block_manager])
+        full = next((g for g, m in enumerate(managers) if m.sliding_window is None), 0)
+        return [list(p[:end]) for p in req.pages_per_group()], full
+
     def _start_load(self, req: Request) -> bool:
         """A decode whose prompt KV is remote: fresh pages for all but its last prompt token,
-        then it waits beside the queue while the connector pulls them (False: no pages)."""
+        then it waits beside the queue while the connector pulls them (False: no pages).
+        Allocated as if those tokens were computed, so a sliding-window pool takes only the
+        pages the last token's window reads."""
         n = req.num_prompt_tokens - 1
-        if not self.block_manager.allocate_slots(req, n, []):
+        req.num_computed_tokens = n
+        if not self.block_manager.allocate_slots(req, 0, []):
+            req.num_computed_tokens = 0
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.kv_transfer.start_load(req, req.pages_per_group(), n)
@@ -571,6 +584,7 @@ class Scheduler:
         self.kv_transfer.num_load_failures_total += 1
         if self.kv_transfer.config.kv_load_failure_policy == "recompute":
             self.block_manager.free(req)  # taken again (with any prefix hit) when admitted
+            req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
             bisect.insort(self.waiting, req, key=_order_key)
             return None
