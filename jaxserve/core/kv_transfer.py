@@ -229,6 +229,8 @@ class HeldPrefill:
     prompt_token_ids: list[int]
     deadline: float
     pulling: bool = False
+    # recurrent-state models: the slot holding the state before the last prompt token
+    state_slot: int = -1
 
 
 @dataclass
@@ -334,7 +336,8 @@ class KVTransferState:
         n = req.num_computed_tokens
         self.held[req.request_id] = HeldPrefill(
             req, [list(p) for p in pages], n, list(req.prompt_token_ids),
-            self.clock() + float(self.config.extra("abort_request_timeout")))
+            self.clock() + float(self.config.extra("abort_request_timeout")),
+            state_slot=getattr(req, "kv_state_snapshot", -1))
         host, port = self.address
         req.kv_transfer_params = dict(
             do_remote_decode=False, do_remote_prefill=True,

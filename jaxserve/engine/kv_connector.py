@@ -65,6 +65,7 @@ class KVConnector:
         runner, scheduler = engine.runner, engine.scheduler
         check_supported(engine)
         self.layout = pages_io.page_layout(runner)
+        self.state_layout = pages_io.state_layout(runner)
         want = config.extra("transport")
         jax_ok = pages_io.jax_transfer_supported(runner)
         if want == "jax" and not jax_ok:
@@ -122,6 +123,7 @@ class KVConnector:
             req = st.release(rid, pulled=True)
             if req is not None:
                 bm.free(req)
+                sched.free_state_snapshot(req)
         with self._lock:
             expired = st.expired_holds()
             reqs = [st.release(rid, pulled=False) for rid in expired]
@@ -129,6 +131,7 @@ class KVConnector:
             logger.warning("KV transfer: prefill %s was not pulled within %ss; its pages are "
                            "freed", rid, self.config.extra("abort_request_timeout"))
             bm.free(req)
+            sched.free_state_snapshot(req)
         outputs = []
         while True:
             try:
@@ -142,7 +145,8 @@ class KVConnector:
                 out = sched.remote_kv_failed(rid, result)
             else:
                 pages_io.write_pulled(self.engine.runner,
-                                      [[b for b in p if b] for p in load.pages], result)
+                                      [[b for b in p if b] for p in load.pages], result,
+                                      load.request.state_slot)
                 sched.remote_kv_loaded(rid)
                 out = None
             if out is not None:
@@ -233,7 +237,14 @@ class KVConnector:
         if msg.get("prompt_digest") != prompt_digest(held.prompt_token_ids):
             return [_ENC.encode({"error": "the decode's prompt differs from the prefilled "
                                           "one"})]
-        arrays = pages_io.gather_pages(self.engine.runner, wanted)
+        if msg.get("state_layout", []) != [[list(s), d] for s, d in self.state_layout]:
+            return [_ENC.encode({"error": "the recurrent-state layouts differ (same model on "
+                                          "both sides)"})]
+        if self.state_layout and held.state_slot < 0:
+            return [_ENC.encode({"error": "the prefill kept no recurrent state for its "
+                                          "decode (no free state slot when it ran)"})]
+        arrays = pages_io.gather_pages(self.engine.runner, wanted,
+                                       held.state_slot if self.state_layout else -1)
         if msg.get("transport") == "jax" and self.transfer is not None:
             uid = uuid.uuid4().int >> 65
             self.transfer.offer(uid, arrays)
@@ -259,6 +270,7 @@ class KVConnector:
             sock.send_multipart([b"", _ENC.encode(dict(
                 request_id=remote.request_id, engine_id=remote.engine_id,
                 group_block_ids=wanted, layout=layout, prompt_digest=digest,
+                state_layout=[[list(s), d] for s, d in self.state_layout],
                 transport=self.transport))])
             wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
             if not sock.poll(wait_ms):
@@ -274,11 +286,12 @@ class KVConnector:
             n = pages_io.page_bucket(max(len(p) for p in wanted))
             if "uuid" in info:
                 return self.transfer.pull(f"{remote.host}:{info['port']}", info["uuid"],
-                                          self.layout, n)
-            if len(frames) != len(self.layout):
+                                          self.layout, n, self.state_layout)
+            shapes = [((s[0], n, *s[1:]), d) for s, d in self.layout] + self.state_layout
+            if len(frames) != len(shapes):
                 return "kv_transfer_params: the pull's reply is incomplete"
-            return [np.frombuffer(f.buffer, dtype=_np_dtype(d)).reshape(s[0], n, *s[1:])
-                    for f, (s, d) in zip(frames, self.layout)]
+            return [np.frombuffer(f.buffer, dtype=_np_dtype(d)).reshape(s)
+                    for f, (s, d) in zip(frames, shapes)]
         finally:
             sock.close(0)
 
@@ -309,12 +322,8 @@ def _np_dtype(name: str):
 
 def check_supported(engine) -> None:
     """Pages move per pool (a sliding-window pool: the pages of the last prompt token's
-    window); a request's pages must be all it needs: no recurrent state (not paged), one
-    host, no draft model (its own pool would stay empty)."""
-    bm = engine.block_manager
-    if getattr(bm, "state_slots", None) is not None:
-        raise InvalidRequestError("--kv-transfer-config: models with recurrent-state layers "
-                                  "are not supported yet", param="kv_transfer_config")
+    window) and a recurrent state as its slot's arrays; a request's pages must be all it
+    needs: one host, no draft model (its own pool would stay empty)."""
     par = engine.config.parallel
     if par.num_hosts > 1 or par.pipeline_parallel_size > 1 or engine.config.speculative:
         raise InvalidRequestError("--kv-transfer-config runs on one host, without pipeline "

@@ -372,3 +372,33 @@ def test_scheduler_takes_only_the_window_pages_of_a_sliding_pool():
     with pytest.raises(InvalidRequestError, match="2 cache groups: the params need remote_group_block_ids"):
         s.add_request(Request("e", list(range(3, 23)), SamplingParams(
             max_tokens=4, extra_args={"kv_transfer_params": _remote(20)})))
+
+
+# ---- recurrent state (Qwen 3.5: a state slot per request beside the attention pages) -------
+def test_recurrent_state_moves_with_the_pages_and_matches_colocated(tmp_path_factory):
+    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
+
+    d = str(make_tiny_qwen3_5(tmp_path_factory.mktemp("pd_q35") / "q35", moe=False, vl=False,
+                              mtp=False))
+    kw = dict(KW, max_num_batched_tokens=32)
+    a = LLM(d, kv_transfer_config=kv_config("auto"), **kw)
+    b = LLM(d, kv_transfer_config=kv_config("zmq"), **kw)
+    try:
+        slots = a.llm_engine.block_manager.state_slots
+        assert slots is not None
+        for i, (n, src, dst) in enumerate([(20, a, b), (47, b, a), (70, a, a)]):
+            ids = prompt(50 + i, n)
+            want = a.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            params = prefill(src, ids)
+            held = src.llm_engine.kv_connector.state.held[params["remote_request_id"]]
+            assert held.state_slot >= 0  # the state before the last prompt token, kept
+            got = decode(dst, ids, params)
+            assert got.outputs[0].token_ids == want, (n, src is a, dst is a)
+            assert got.num_cached_tokens == n - 1
+            src.llm_engine.core_step()
+            for llm in (a, b):
+                bm = llm.llm_engine.block_manager
+                assert bm.num_used_pages == 0 and bm.state_slots.num_used == 0
+    finally:
+        for llm in (a, b):
+            llm.llm_engine.kv_connector.close()
