@@ -13,7 +13,8 @@ The protocol, as vLLM's NixlConnector:
   cache groups (a pool per group: sliding-window and full attention) adds
   ``remote_group_block_ids``, one list per block-table row, indexed by page position (``0``: a
   page released out of a sliding window); ``remote_block_ids`` stays the first full-attention
-  pool's list, as vLLM's single-group params.
+  pool's list, as vLLM's single-group params. With a recurrent state the prefill also holds
+  a copy of its state before the last prompt token (the decode computes that token again).
 - a request with ``{"do_remote_prefill": true, ...}`` gets fresh pages for its first
   ``prompt - 1`` tokens, waits (beside the queue, holding nobody up) while the connector pulls
   them, then runs as if those tokens were computed: the last prompt token is computed here and

@@ -392,6 +392,7 @@ def test_recurrent_state_moves_with_the_pages_and_matches_colocated(tmp_path_fac
             params = prefill(src, ids)
             held = src.llm_engine.kv_connector.state.held[params["remote_request_id"]]
             assert held.state_slot >= 0  # the state before the last prompt token, kept
+            src.llm_engine.block_manager.check_invariants([held.request])
             got = decode(dst, ids, params)
             assert got.outputs[0].token_ids == want, (n, src is a, dst is a)
             assert got.num_cached_tokens == n - 1
