@@ -3,10 +3,10 @@ bookkeeping (core.kv_transfer) joined to the bytes that move between instances.
 
 Control goes over ZMQ: a producer binds a ROUTER at ``kv_ip:kv_port``; a consumer's pull is one
 request ``{request_id, group_block_ids}`` (per pool, the producer's pages it needs: every page of
-a full-attention pool, the last token's window of a sliding one) and one reply. The pages travel either through
-``jax.experimental.transfer`` (the reply names a uuid the consumer pulls device to device) or,
-where the transfer server cannot serve the pool (sharded, pipelined) or ``transport`` says
-``zmq``, inside the reply as raw host bytes. Either way:
+a full-attention pool, the last token's window of a sliding one) and one reply. The pages (and
+a recurrent state's slot) travel either through ``jax.experimental.transfer`` (the reply names
+a uuid the consumer pulls device to device) or, where the transfer server cannot serve the pool
+(sharded, pipelined) or ``transport`` says ``zmq``, inside the reply as raw host bytes. Either way:
 
 - producer: the server thread finds the held prefill, gathers its pages (device arrays made
   under the pool lock, so steps go on), offers or sends them, and reports the pull; the engine

@@ -369,7 +369,8 @@ def test_scheduler_takes_only_the_window_pages_of_a_sliding_pool():
     short = dataclasses_replace(load.remote, group_block_ids=((1, 2, 3, 4, 5), (0, 0, 0, 0, 9)))
     with pytest.raises(ValueError, match=r"no page at position\(s\) \[3\]"):
         remote_pages(short, load.pages)
-    with pytest.raises(InvalidRequestError, match="2 cache groups: the params need remote_group_block_ids"):
+    with pytest.raises(InvalidRequestError,
+                       match="2 cache groups: the params need remote_group_block_ids"):
         s.add_request(Request("e", list(range(3, 23)), SamplingParams(
             max_tokens=4, extra_args={"kv_transfer_params": _remote(20)})))
 
