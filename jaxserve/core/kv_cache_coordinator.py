@@ -223,6 +223,8 @@ class KVCacheCoordinator:
             m.check_invariants(requests)
         if self.state_slots is not None:
             held = {r.state_slot: r.request_id for r in requests if r.state_slot >= 0}
+            held.update({r.kv_state_snapshot: r.request_id + "#kv" for r in requests
+                         if r.kv_state_snapshot >= 0})  # a P/D prefill's held state
             assert held == self.state_slots.owners(), \
                 f"state slots {self.state_slots.owners()} != held by requests {held}"
 

@@ -9,7 +9,12 @@ The protocol, as vLLM's NixlConnector:
   it finishes, its pages are *held* (not freed) and its output carries the params a decode
   instance needs: ``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``,
   ``remote_host``, ``remote_port``, ``remote_request_id``, ``remote_num_tokens``. The pages go
-  back to the pool once pulled, or after ``abort_request_timeout`` seconds.
+  back to the pool once pulled, or after ``abort_request_timeout`` seconds. A model with several
+  cache groups (a pool per group: sliding-window and full attention) adds
+  ``remote_group_block_ids``, one list per block-table row, indexed by page position (``0``: a
+  page released out of a sliding window); ``remote_block_ids`` stays the first full-attention
+  pool's list, as vLLM's single-group params. With a recurrent state the prefill also holds
+  a copy of its state before the last prompt token (the decode computes that token again).
 - a request with ``{"do_remote_prefill": true, ...}`` gets fresh pages for its first
   ``prompt - 1`` tokens, waits (beside the queue, holding nobody up) while the connector pulls
   them, then runs as if those tokens were computed: the last prompt token is computed here and
@@ -49,6 +54,7 @@ EXTRA_DEFAULTS: dict[str, Any] = {
 
 # the kv_transfer_params keys a request may carry (vLLM's, plus ours for the pull)
 REQUEST_KEYS = ("do_remote_decode", "do_remote_prefill", "remote_block_ids",
+                "remote_group_block_ids",
                 "remote_engine_id", "remote_host", "remote_port", "remote_request_id",
                 "remote_num_tokens", "tp_size")
 
@@ -150,6 +156,25 @@ class RemotePrefill:
     port: int
     request_id: str
     num_tokens: int
+    # per block-table row, by page position (0: released out of a window); None: one pool
+    group_block_ids: tuple[tuple[int, ...], ...] | None = None
+
+    def pages_by_row(self, num_rows: int) -> list[list[int]]:
+        """The producer's page of every position, per row of a pool layout of ``num_rows``."""
+        if self.group_block_ids is None:
+            if num_rows != 1:
+                raise _bad(f"this model has {num_rows} cache groups: the params need "
+                           "remote_group_block_ids (a prefill instance of the same model)")
+            return [list(self.block_ids)]
+        if len(self.group_block_ids) != num_rows:
+            raise _bad(f"remote_group_block_ids has {len(self.group_block_ids)} lists, this "
+                       f"model has {num_rows} cache groups")
+        return [list(g) for g in self.group_block_ids]
+
+
+def _page_ids(v) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in v)
 
 
 def parse_request_params(params: Any) -> tuple[bool, RemotePrefill | None]:
@@ -175,9 +200,14 @@ def parse_request_params(params: Any) -> tuple[bool, RemotePrefill | None]:
         raise _bad(f"do_remote_prefill needs {missing} (the prefill response's "
                    "kv_transfer_params, passed on unchanged)")
     ids = params["remote_block_ids"]
-    if not isinstance(ids, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+    if not _page_ids(ids):
         raise _bad("remote_block_ids must be a list of page ids")
+    groups = params.get("remote_group_block_ids")
+    if groups is not None:
+        if not isinstance(groups, list) or not groups or not all(_page_ids(g) for g in groups):
+            raise _bad("remote_group_block_ids must be a list (one per cache group) of lists "
+                       "of page ids")
+        groups = tuple(tuple(g) for g in groups)
     port, n = params["remote_port"], params["remote_num_tokens"]
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise _bad(f"remote_port must be a port number, got {port!r}")
@@ -187,7 +217,7 @@ def parse_request_params(params: Any) -> tuple[bool, RemotePrefill | None]:
         if not isinstance(params[k], str) or not params[k]:
             raise _bad(f"{k} must be a non-empty string")
     return False, RemotePrefill(tuple(ids), params["remote_engine_id"], params["remote_host"],
-                                port, params["remote_request_id"], n)
+                                port, params["remote_request_id"], n, groups)
 
 
 @dataclass
@@ -195,11 +225,13 @@ class HeldPrefill:
     """A finished prefill's pages kept for a decode instance to pull."""
 
     request: Any  # core.request.Request (its pages stay allocated)
-    pages: list[list[int]]  # per pool
+    pages: list[list[int]]  # per pool, by position (0: released out of a window)
     num_tokens: int  # tokens whose K/V the pages hold
     prompt_token_ids: list[int]
     deadline: float
     pulling: bool = False
+    # recurrent-state models: the slot holding the state before the last prompt token
+    state_slot: int = -1
 
 
 @dataclass
@@ -208,7 +240,8 @@ class PendingLoad:
 
     request: Any
     remote: RemotePrefill
-    pages: list[list[int]]  # per pool, this instance's fresh pages
+    pages: list[list[int]]  # per pool by position, this instance's fresh pages (0: none,
+    # out of a sliding window)
     num_tokens: int
     deadline: float
     started: bool = False
@@ -220,8 +253,10 @@ class KVTransferState:
     with ``pulled`` / ``loaded`` / ``load_failed``; every method runs on the engine thread."""
 
     def __init__(self, config: KVTransferConfig, block_size: int,
-                 address: tuple[str, int] | None = None, clock=time.monotonic):
+                 address: tuple[str, int] | None = None, clock=time.monotonic,
+                 num_rows: int = 1):
         self.config = config
+        self.num_rows = num_rows  # block-table rows (a pool per cache group)
         # named in the params a prefill hands out (a random one per engine unless configured)
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self.block_size = block_size
@@ -260,6 +295,7 @@ class KVTransferState:
             if remote.num_tokens != req.num_prompt_tokens:
                 raise _bad(f"remote_num_tokens {remote.num_tokens} differs from this "
                            f"prompt's {req.num_prompt_tokens} tokens")
+            remote.pages_by_row(self.num_rows)  # the layout of this model's pools
             if req.prefix_parent is None and req.num_prompt_tokens > 1:
                 req.remote_prefill = remote
 
@@ -287,9 +323,11 @@ class KVTransferState:
         return self.loading.pop(request_id, None)
 
     # -- requests out ------------------------------------------------------------------------
-    def hold(self, req, status, pages: list[list[int]]) -> bool:
+    def hold(self, req, status, pages: list[list[int]], full_row: int = 0) -> bool:
         """A request ends: True when it is a finished prefill whose pages wait for a pull
-        (the caller then does not free them); its output carries the decode's params."""
+        (the caller then does not free them); its output carries the decode's params.
+        ``pages``: per pool, the page of every computed position (0: released out of a
+        window); ``full_row`` the first full-attention pool (``remote_block_ids``)."""
         self.loading.pop(req.request_id, None)  # ended while loading: its pages are freed
         if req.request_id not in self.remote_decode:
             return False
@@ -299,13 +337,17 @@ class KVTransferState:
         n = req.num_computed_tokens
         self.held[req.request_id] = HeldPrefill(
             req, [list(p) for p in pages], n, list(req.prompt_token_ids),
-            self.clock() + float(self.config.extra("abort_request_timeout")))
+            self.clock() + float(self.config.extra("abort_request_timeout")),
+            state_slot=getattr(req, "kv_state_snapshot", -1))
         host, port = self.address
         req.kv_transfer_params = dict(
-            do_remote_decode=False, do_remote_prefill=True, remote_block_ids=list(pages[0]),
+            do_remote_decode=False, do_remote_prefill=True,
+            remote_block_ids=list(pages[full_row]),
             remote_engine_id=self.engine_id, remote_host=host, remote_port=port,
             remote_request_id=req.request_id, remote_num_tokens=req.num_prompt_tokens,
             tp_size=1)
+        if len(pages) > 1:
+            req.kv_transfer_params["remote_group_block_ids"] = [list(p) for p in pages]
         return True
 
     def expired_holds(self) -> list[str]:
@@ -326,7 +368,7 @@ class KVTransferState:
 
     @property
     def num_held_pages(self) -> int:
-        return sum(len(p) for h in self.held.values() for p in h.pages)
+        return sum(1 for h in self.held.values() for p in h.pages for b in p if b)
 
     def stats(self) -> dict:
         return dict(kv_transfer_held_requests=len(self.held),

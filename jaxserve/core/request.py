@@ -106,6 +106,8 @@ class Request:
         # (core.kv_cache_coordinator); block_ids is row 0's, the same list. None: one pool.
         self.group_block_ids: list[list[int]] | None = None
         self.state_slot = -1  # recurrent-state pool slot (LinearState layers); -1: none
+        # a remote decode's prefill: the slot holding its state before its last prompt token
+        self.kv_state_snapshot = -1
         # what the worker's persistent batch holds of it (core.batch_diff): whether it has a
         # row, each group's page-list length it knows, and whether entries it knows changed
         # in place since (a sliding window released pages)

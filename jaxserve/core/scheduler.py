@@ -239,8 +239,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         if self.kv_transfer is None or not self.kv_transfer.hold(
-                req, status, self.block_manager.swap_pages(req)):
+                req, status, *self._held_rows(req)):
             self.block_manager.free(req)  # a held prefill's pages wait for their pull
+            self.free_state_snapshot(req)
         req.in_batch = False
         self._swapped_pages.pop(request_id, None)
         self.siblings.drop(req)
@@ -267,7 +268,13 @@ class Scheduler:
 
     def _image_run_cut(self, req: Request, start: int, n: int) -> int:
         """``n`` new tokens from ``start``, cut back so the chunk does not end inside an image's
-        placeholder run (``whole_image_runs``); 0 when the run's remainder does not fit."""
+        placeholder run (``whole_image_runs``); 0 when the run's remainder does not fit. A
+        prefill for a remote decode with a recurrent state ends a chunk before its last prompt
+        token: the state there is what the decode instance continues from."""
+        if (self.kv_transfer is not None and self.block_manager.state_slots is not None
+                and req.request_id in self.kv_transfer.remote_decode
+                and start < req.num_prompt_tokens - 1 < start + n):
+            n = req.num_prompt_tokens - 1 - start
         if not self.whole_image_runs or req.mm is None:
             return n
         end = start + n
@@ -339,6 +346,9 @@ class Scheduler:
             req.pages_dirty = False
             b.page_updates += ups
         # else: one pool, no page gained (a decode inside its last page): nothing to send
+        if (start == req.num_prompt_tokens - 1 > 0 and self.kv_transfer is not None
+                and req.request_id in self.kv_transfer.remote_decode):
+            self._snapshot_state(out, req)
         self._cols.append((req.request_id, len(ids), start, sample, nd,
                            len(req.output_token_ids)))
         b.token_ids += ids
@@ -416,7 +426,9 @@ class Scheduler:
                 continue
             c = req.num_computed_tokens
             toks = req.all_token_ids
+            # (a prompt's last token alone takes the general path: a remote decode's state)
             if (inline and len(toks) - c == 1 and c < max_len and req.in_batch
+                    and c != req.num_prompt_tokens - 1
                     and c < len(req.block_ids) * bs and not req.spec_token_ids
                     and not req.pages_dirty and req.group_block_ids is None
                     and len(req.block_ids) == req.sent_pages[0]
@@ -538,11 +550,41 @@ class Scheduler:
             self._add_scheduled(out, req, n)
             budget -= n
 
+    def _snapshot_state(self, out: SchedulerOutput, req: Request) -> None:
+        """A remote decode's prefill about to compute its last prompt token: its recurrent
+        state so far copied into a slot of its own (before the step), which the decode
+        instance pulls; it recomputes that token itself. No free slot: nothing is kept and
+        the pull is refused."""
+        slots = self.block_manager.state_slots
+        if slots is None or req.state_slot < 0 or req.kv_state_snapshot >= 0 \
+                or not slots.num_free:
+            return
+        req.kv_state_snapshot = slots.allocate(req.request_id + "#kv")
+        out.fork_states.append((req.state_slot, req.kv_state_snapshot))
+
+    def free_state_snapshot(self, req: Request) -> None:
+        if req.kv_state_snapshot >= 0:
+            self.block_manager.state_slots.free(req.kv_state_snapshot)
+            req.kv_state_snapshot = -1
+
+    def _held_rows(self, req: Request) -> tuple[list[list[int]], int]:
+        """A finished request's pages per pool by position up to its computed tokens (0:
+        released out of a window; a sliding pool keeps what its last step read), and the
+        first full-attention pool's row."""
+        end = -(-req.num_computed_tokens // self.block_size)
+        managers = getattr(self.block_manager, "managers", [self.block_manager])
+        full = next((g for g, m in enumerate(managers) if m.sliding_window is None), 0)
+        return [list(p[:end]) for p in req.pages_per_group()], full
+
     def _start_load(self, req: Request) -> bool:
         """A decode whose prompt KV is remote: fresh pages for all but its last prompt token,
-        then it waits beside the queue while the connector pulls them (False: no pages)."""
+        then it waits beside the queue while the connector pulls them (False: no pages).
+        Allocated as if those tokens were computed, so a sliding-window pool takes only the
+        pages the last token's window reads."""
         n = req.num_prompt_tokens - 1
-        if not self.block_manager.allocate_slots(req, n, []):
+        req.num_computed_tokens = n
+        if not self.block_manager.allocate_slots(req, 0, []):
+            req.num_computed_tokens = 0
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.kv_transfer.start_load(req, req.pages_per_group(), n)
@@ -571,6 +613,7 @@ class Scheduler:
         self.kv_transfer.num_load_failures_total += 1
         if self.kv_transfer.config.kv_load_failure_policy == "recompute":
             self.block_manager.free(req)  # taken again (with any prefix hit) when admitted
+            req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
             bisect.insort(self.waiting, req, key=_order_key)
             return None

@@ -2,10 +2,11 @@
 bookkeeping (core.kv_transfer) joined to the bytes that move between instances.
 
 Control goes over ZMQ: a producer binds a ROUTER at ``kv_ip:kv_port``; a consumer's pull is one
-request ``{request_id, block_ids, num_pages}`` and one reply. The pages travel either through
-``jax.experimental.transfer`` (the reply names a uuid the consumer pulls device to device) or,
-where the transfer server cannot serve the pool (sharded, pipelined) or ``transport`` says
-``zmq``, inside the reply as raw host bytes. Either way:
+request ``{request_id, group_block_ids}`` (per pool, the producer's pages it needs: every page of
+a full-attention pool, the last token's window of a sliding one) and one reply. The pages (and
+a recurrent state's slot) travel either through ``jax.experimental.transfer`` (the reply names
+a uuid the consumer pulls device to device) or, where the transfer server cannot serve the pool
+(sharded, pipelined) or ``transport`` says ``zmq``, inside the reply as raw host bytes. Either way:
 
 - producer: the server thread finds the held prefill, gathers its pages (device arrays made
   under the pool lock, so steps go on), offers or sends them, and reports the pull; the engine
@@ -64,6 +65,7 @@ class KVConnector:
         runner, scheduler = engine.runner, engine.scheduler
         check_supported(engine)
         self.layout = pages_io.page_layout(runner)
+        self.state_layout = pages_io.state_layout(runner)
         want = config.extra("transport")
         jax_ok = pages_io.jax_transfer_supported(runner)
         if want == "jax" and not jax_ok:
@@ -97,7 +99,9 @@ class KVConnector:
             address = (self.host, port)
             self._server_thread = threading.Thread(target=self._serve, name="kv-server",
                                                    daemon=True)
-        self.state = KVTransferState(config, scheduler.block_size, address)
+        self.num_rows = len(getattr(scheduler.block_manager, "managers", [None]))
+        self.state = KVTransferState(config, scheduler.block_size, address,
+                                     num_rows=self.num_rows)
         scheduler.kv_transfer = self.state
         if self._server_thread is not None:
             self._server_thread.start()
@@ -119,6 +123,7 @@ class KVConnector:
             req = st.release(rid, pulled=True)
             if req is not None:
                 bm.free(req)
+                sched.free_state_snapshot(req)
         with self._lock:
             expired = st.expired_holds()
             reqs = [st.release(rid, pulled=False) for rid in expired]
@@ -126,6 +131,7 @@ class KVConnector:
             logger.warning("KV transfer: prefill %s was not pulled within %ss; its pages are "
                            "freed", rid, self.config.extra("abort_request_timeout"))
             bm.free(req)
+            sched.free_state_snapshot(req)
         outputs = []
         while True:
             try:
@@ -138,7 +144,9 @@ class KVConnector:
             if isinstance(result, str):
                 out = sched.remote_kv_failed(rid, result)
             else:
-                pages_io.write_pulled(self.engine.runner, load.pages, result)
+                pages_io.write_pulled(self.engine.runner,
+                                      [[b for b in p if b] for p in load.pages], result,
+                                      load.request.state_slot)
                 sched.remote_kv_loaded(rid)
                 out = None
             if out is not None:
@@ -158,16 +166,15 @@ class KVConnector:
         """Start the pulls the scheduler asked for (fresh pages taken this step)."""
         for load in self.state.loads_to_start():
             r = load.remote
-            n_pages = len(load.pages[0])
-            if n_pages > len(r.block_ids):
-                self._done.put((load.request.request_id,
-                                f"kv_transfer_params: remote_block_ids has {len(r.block_ids)}"
-                                f" pages, the prompt needs {n_pages}"))
+            try:
+                wanted = remote_pages(r, load.pages)
+            except ValueError as e:
+                self._done.put((load.request.request_id, f"kv_transfer_params: {e}"))
                 continue
             # a thread each: one stuck on a dead producer holds up no other pull (its
             # request fails at the deadline regardless)
             threading.Thread(target=self._pull, name="kv-pull", daemon=True, args=(
-                load.request.request_id, r, n_pages,
+                load.request.request_id, r, wanted,
                 prompt_digest(load.request.prompt_token_ids), load.deadline)).start()
         if not scheduled_any and self.state.loading and not self.engine.scheduler.running:
             time.sleep(IDLE_SLEEP_S)  # only pulls in flight: do not spin the loop
@@ -208,8 +215,6 @@ class KVConnector:
                 return [_ENC.encode({"error": f"no prefill {rid!r} is held on "
                                               f"{self.state.engine_id} (never run here, "
                                               f"already pulled, or expired)"})]
-            if list(msg.get("block_ids", [])) != held.pages[0][:len(msg.get("block_ids", []))]:
-                return [_ENC.encode({"error": f"remote_block_ids do not match prefill {rid!r}"})]
             held.pulling = True
         try:  # served or refused, the held prefill is released: one pull per prefill
             return self._send(msg, held)
@@ -217,17 +222,29 @@ class KVConnector:
             self._pulled.put(rid)
 
     def _send(self, msg: dict, held) -> list[bytes]:
-        n = int(msg["num_pages"])
-        if not 0 < n <= len(held.pages[0]):
-            return [_ENC.encode({"error": f"num_pages {n}: the prefill holds "
-                                          f"{len(held.pages[0])} pages"})]
+        wanted = msg.get("group_block_ids")
+        if not isinstance(wanted, list) or len(wanted) != len(held.pages):
+            return [_ENC.encode({"error": f"the pull names pages of "
+                                          f"{len(wanted) if isinstance(wanted, list) else 0} "
+                                          f"cache groups, the prefill has {len(held.pages)}"})]
+        for g, (ids, have) in enumerate(zip(wanted, held.pages)):
+            if not set(ids) <= set(have) - {0}:
+                return [_ENC.encode({"error": f"remote_block_ids do not match prefill "
+                                              f"{held.request.request_id!r} (cache group {g})"})]
         if msg.get("layout") != [[list(s), d] for s, d in self.layout]:
             return [_ENC.encode({"error": "the KV page layouts differ (same model, "
                                           "--block-size and --kv-cache-dtype on both sides)"})]
         if msg.get("prompt_digest") != prompt_digest(held.prompt_token_ids):
             return [_ENC.encode({"error": "the decode's prompt differs from the prefilled "
                                           "one"})]
-        arrays = pages_io.gather_pages(self.engine.runner, [p[:n] for p in held.pages])
+        if msg.get("state_layout", []) != [[list(s), d] for s, d in self.state_layout]:
+            return [_ENC.encode({"error": "the recurrent-state layouts differ (same model on "
+                                          "both sides)"})]
+        if self.state_layout and held.state_slot < 0:
+            return [_ENC.encode({"error": "the prefill kept no recurrent state for its "
+                                          "decode (no free state slot when it ran)"})]
+        arrays = pages_io.gather_pages(self.engine.runner, wanted,
+                                       held.state_slot if self.state_layout else -1)
         if msg.get("transport") == "jax" and self.transfer is not None:
             uid = uuid.uuid4().int >> 65
             self.transfer.offer(uid, arrays)
@@ -236,14 +253,15 @@ class KVConnector:
         return [_ENC.encode({"num_arrays": len(host)}), *host]
 
     # -- consumer: one worker thread per pull ---------------------------------------------
-    def _pull(self, rid: str, remote, n_pages: int, digest: int, deadline: float) -> None:
+    def _pull(self, rid: str, remote, wanted: list[list[int]], digest: int,
+              deadline: float) -> None:
         try:
-            self._done.put((rid, self._fetch(remote, n_pages, digest, deadline)))
+            self._done.put((rid, self._fetch(remote, wanted, digest, deadline)))
         except Exception as e:  # noqa: BLE001 - the request ends with it
             self._done.put((rid, f"kv_transfer_params: pulling the KV cache from "
                                  f"{remote.host}:{remote.port} failed: {type(e).__name__}: {e}"))
 
-    def _fetch(self, remote, n_pages: int, digest: int, deadline: float):
+    def _fetch(self, remote, wanted: list[list[int]], digest: int, deadline: float):
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
@@ -251,8 +269,8 @@ class KVConnector:
             layout = [[list(s), d] for s, d in self.layout]
             sock.send_multipart([b"", _ENC.encode(dict(
                 request_id=remote.request_id, engine_id=remote.engine_id,
-                block_ids=list(remote.block_ids[:n_pages]),
-                num_pages=n_pages, layout=layout, prompt_digest=digest,
+                group_block_ids=wanted, layout=layout, prompt_digest=digest,
+                state_layout=[[list(s), d] for s, d in self.state_layout],
                 transport=self.transport))])
             wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
             if not sock.poll(wait_ms):
@@ -264,16 +282,37 @@ class KVConnector:
             if "error" in info:
                 return f"kv_transfer_params: the prefill instance refused the pull: " \
                        f"{info['error']}"
-            n = pages_io.page_bucket(n_pages)  # the producer pads its gather so
+            # the producer pads its gather so
+            n = pages_io.page_bucket(max(len(p) for p in wanted))
             if "uuid" in info:
                 return self.transfer.pull(f"{remote.host}:{info['port']}", info["uuid"],
-                                          self.layout, n)
-            if len(frames) != len(self.layout):
+                                          self.layout, n, self.state_layout)
+            shapes = [((s[0], n, *s[1:]), d) for s, d in self.layout] + self.state_layout
+            if len(frames) != len(shapes):
                 return "kv_transfer_params: the pull's reply is incomplete"
-            return [np.frombuffer(f.buffer, dtype=_np_dtype(d)).reshape(s[0], n, *s[1:])
-                    for f, (s, d) in zip(frames, self.layout)]
+            return [np.frombuffer(f.buffer, dtype=_np_dtype(d)).reshape(s)
+                    for f, (s, d) in zip(frames, shapes)]
         finally:
             sock.close(0)
+
+
+def remote_pages(remote, pages: list[list[int]]) -> list[list[int]]:
+    """Per pool, the producer's pages of the positions this instance took pages for (``pages``
+    by position, 0 where a sliding window needs none); ValueError where the producer has none
+    there (a prompt longer than its params, another window)."""
+    theirs = remote.pages_by_row(len(pages))
+    out = []
+    for g, (mine, have) in enumerate(zip(pages, theirs)):
+        if len(mine) > len(have):
+            name = "remote_block_ids" if remote.group_block_ids is None else \
+                f"remote_group_block_ids[{g}]"
+            raise ValueError(f"{name} has {len(have)} pages, the prompt needs {len(mine)}")
+        missing = [c for c, b in enumerate(mine) if b and not have[c]]
+        if missing:
+            raise ValueError(f"remote_group_block_ids[{g}] has no page at position(s) "
+                             f"{missing} (released out of the producer's window)")
+        out.append([have[c] for c, b in enumerate(mine) if b])
+    return out
 
 
 def _np_dtype(name: str):
@@ -282,15 +321,9 @@ def _np_dtype(name: str):
 
 
 def check_supported(engine) -> None:
-    """Pages move per pool; a request's pages must be all it needs: full-attention pools
-    only (a sliding window frees pages, a recurrent state is not paged), one host, no draft
-    model (its own pool would stay empty)."""
-    bm = engine.block_manager
-    managers = getattr(bm, "managers", [bm])
-    if bm.state_slots is not None or any(m.sliding_window is not None for m in managers):
-        raise InvalidRequestError("--kv-transfer-config: models with sliding-window or "
-                                  "recurrent-state layers are not supported yet",
-                                  param="kv_transfer_config")
+    """Pages move per pool (a sliding-window pool: the pages of the last prompt token's
+    window) and a recurrent state as its slot's arrays; a request's pages must be all it
+    needs: one host, no draft model (its own pool would stay empty)."""
     par = engine.config.parallel
     if par.num_hosts > 1 or par.pipeline_parallel_size > 1 or engine.config.speculative:
         raise InvalidRequestError("--kv-transfer-config runs on one host, without pipeline "

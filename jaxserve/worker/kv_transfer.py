@@ -1,7 +1,8 @@
 """Pages of a runner's pools in and out for disaggregated prefill/decode (the device half of
 engine/kv_connector.py): a prefill's pages gathered into device arrays (one ``(k, v)`` pair
-of ``[Hkv, n, block, D]`` per paged layer, as swap moves them), a decode's pulled arrays
-written into its fresh pages, and ``jax.experimental.transfer``'s server that hands the
+of ``[Hkv, n, block, D]`` per paged layer, as swap moves them, then each state layer's
+arrays at the prefill's state slot), a decode's pulled arrays written into its fresh pages
+and slot, and ``jax.experimental.transfer``'s server that hands the
 gathered arrays to another process without a host copy."""
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def page_layout(runner) -> list[tuple[tuple[int, ...], str]]:
     return out
 
 
+def state_layout(runner) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of one slot of every state layer's arrays, in order (none without
+    LinearState layers)."""
+    with runner._pool_lock:
+        return [(tuple(a.shape[1:]), str(a.dtype)) for i in runner.state_layers
+                for a in runner.kv_pages[i]]
+
+
 def page_bucket(n: int) -> int:
     """Pages a transfer moves for ``n``: 1, 2, 3, 4, 6, 8, 12, 16, ... (two sizes an octave),
     so the gathers and scatters compile for a few shapes, padded by at most half."""
@@ -39,26 +48,37 @@ def padded(ids: list[int], n: int) -> np.ndarray:
     return np.asarray(list(ids) + [0] * (n - len(ids)), dtype=np.int32)
 
 
-def gather_pages(runner, pages: list[list[int]]) -> list:
+def gather_pages(runner, pages: list[list[int]], state_slot: int = -1) -> list:
     """The pages (ids per pool, padded to ``page_bucket``) as fresh device arrays, flat: k, v
-    of each paged layer. Only enqueued under the pool lock; reading them does not hold up the
-    next step."""
+    of each paged layer, then (``state_slot`` >= 0) each state layer's arrays at that slot.
+    Only enqueued under the pool lock; reading them does not hold up the next step."""
     n = page_bucket(max(len(p) for p in pages))
     idx = [jax.numpy.asarray(padded(p, n)) for p in pages]
     with runner._pool_lock:
-        return [a[:, idx[g]] for i, g in runner._pool_rows() for a in runner.kv_pages[i]]
+        out = [a[:, idx[g]] for i, g in runner._pool_rows() for a in runner.kv_pages[i]]
+        if state_slot >= 0:
+            slot = jax.numpy.asarray(state_slot, dtype=jax.numpy.int32)
+            out += [a[slot] for i in runner.state_layers for a in runner.kv_pages[i]]
+        return out
 
 
 def to_host(arrays: list) -> list[np.ndarray]:
     return [np.asarray(a) for a in jax.device_get(arrays)]
 
 
-def write_pulled(runner, pages: list[list[int]], arrays: list) -> None:
+def write_pulled(runner, pages: list[list[int]], arrays: list, state_slot: int = -1) -> None:
     """Write pulled arrays (flat, as ``gather_pages`` made them: padded) into this runner's
-    pages; the pads go to the trash page."""
+    pages, and the state arrays after them into ``state_slot``; the pads go to the trash
+    page."""
     n = page_bucket(max(len(p) for p in pages))
-    saved = [tuple(arrays[2 * k:2 * k + 2]) for k in range(len(arrays) // 2)]
+    n_paged = sum(len(runner.kv_pages[i]) for i, _ in runner._pool_rows())
+    saved = [tuple(arrays[2 * k:2 * k + 2]) for k in range(n_paged // 2)]
     runner.swap_in([padded(p, n).tolist() for p in pages], saved)
+    if state_slot >= 0 and runner.state_layers:
+        rest, states = iter(arrays[n_paged:]), []
+        for i in runner.state_layers:
+            states.append(tuple(next(rest) for _ in runner.kv_pages[i]))
+        runner.swap_in_state(state_slot, states)
 
 
 def jax_transfer_supported(runner) -> bool:
@@ -90,14 +110,17 @@ class TransferServer:
     def offer(self, uuid: int, arrays: list) -> None:
         self._server.await_pull(uuid, arrays)
 
-    def pull(self, address: str, uuid: int, layout, num_pages: int) -> list:
-        """The offered arrays on this device (blocks until they arrived)."""
+    def pull(self, address: str, uuid: int, layout, num_pages: int, states=()) -> list:
+        """The offered arrays on this device (blocks until they arrived): ``layout``'s pages
+        then ``states``' slot arrays."""
         conn = self._conns.get(address)
         if conn is None:
             conn = self._conns[address] = self._server.connect(address)
         sharding = jax.sharding.SingleDeviceSharding(self.device)
         specs = [jax.ShapeDtypeStruct((shape[0], num_pages, *shape[1:]), jax.numpy.dtype(dtype),
                                       sharding=sharding) for shape, dtype in layout]
+        specs += [jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype), sharding=sharding)
+                  for shape, dtype in states]
         arrays = conn.pull(uuid, specs)
         jax.block_until_ready(arrays)
         return list(arrays)

@@ -5,6 +5,7 @@ never arrives (counted pages: nothing leaks)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace as dataclasses_replace
 import time
 
 import numpy as np
@@ -282,3 +283,124 @@ def test_scheduler_holds_a_finished_prefill_until_released():
     s.abort_request("q")
     assert q.status == RequestStatus.FINISHED_ABORTED and not s.kv_transfer.held
     assert bm.num_free_pages == free
+
+
+# ---- cache groups: a pool per group (Gemma 4: sliding-window and full attention) -----------
+@pytest.fixture(scope="module")
+def gemma4_pair(tmp_path_factory):
+    from jaxserve.testing.tiny_gemma4 import make_tiny_gemma4
+
+    d = str(make_tiny_gemma4(tmp_path_factory.mktemp("pd_g4") / "gemma4"))  # window 16
+    kw = dict(KW, max_num_batched_tokens=32)  # long prompts prefill in chunks
+    a = LLM(d, kv_transfer_config=kv_config("auto"), **kw)
+    b = LLM(d, kv_transfer_config=kv_config("zmq"), **kw)
+    yield a, b
+    for llm in (a, b):
+        llm.llm_engine.kv_connector.close()
+
+
+def pools_free(llm) -> bool:
+    bm = llm.llm_engine.block_manager
+    return all(m.num_free_pages == m.num_usable_pages for m in bm.managers)
+
+
+def test_cache_groups_pull_every_pool_and_match_colocated(gemma4_pair):
+    a, b = gemma4_pair
+    managers = a.llm_engine.block_manager.managers
+    assert len(managers) > 1 and any(m.sliding_window for m in managers)
+    full = next(g for g, m in enumerate(managers) if m.sliding_window is None)
+    # 47: the producer's window at its last token has dropped a page the decode's last
+    # token still reads; 70: the producer's chunks released pages (0 in its params)
+    for i, (n, src, dst) in enumerate([(20, a, b), (47, b, a), (70, a, b), (70, b, b)]):
+        ids = prompt(30 + i, n)
+        want = a.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        params = prefill(src, ids)
+        groups = params["remote_group_block_ids"]
+        assert len(groups) == len(managers) and params["remote_block_ids"] == groups[full]
+        assert all(len(g) == -(-n // 16) for g in groups)
+        if n == 70:
+            assert 0 in [b_ for g in groups for b_ in g]  # released out of the window
+        got = decode(dst, ids, params)
+        assert got.outputs[0].token_ids == want, (n, src is a, dst is a)
+        assert got.num_cached_tokens == n - 1
+        src.llm_engine.core_step()  # the pull is reported: the held pages go back
+        assert not src.llm_engine.kv_connector.state.held
+        assert pools_free(a) and pools_free(b)
+    # a consumer of several groups needs them all: vLLM's single list is refused clearly
+    with pytest.raises(InvalidRequestError, match="remote_group_block_ids"):
+        decode(b, ids, {k: v for k, v in params.items() if k != "remote_group_block_ids"})
+    assert pools_free(b)
+
+
+def test_scheduler_takes_only_the_window_pages_of_a_sliding_pool():
+    from jaxserve.config import CacheConfig, SchedulerConfig
+    from jaxserve.core.kv_cache_coordinator import make_kv_cache_manager
+    from jaxserve.core.kv_transfer import KVTransferState
+    from jaxserve.core.request import Request, RequestStatus
+    from jaxserve.core.scheduler import Scheduler
+
+    bm = make_kv_cache_manager([("full", 17, None), ("sliding", 17, 8)], block_size=4,
+                               num_state_slots=None, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                  CacheConfig(block_size=4), bm, 64)
+    cfg = KVTransferConfig.parse({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+    s.kv_transfer = KVTransferState(cfg, 4, ("h", 1), num_rows=2)
+    groups = [[1, 2, 3, 4, 5], [0, 6, 7, 8, 9]]
+    d = Request("d", list(range(3, 23)), SamplingParams(max_tokens=4, extra_args={
+        "kv_transfer_params": dict(_remote(20), remote_block_ids=groups[0],
+                                   remote_group_block_ids=groups)}))
+    s.add_request(d)
+    s.schedule()
+    assert d.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = s.kv_transfer.loads_to_start()
+    # 19 tokens: 5 pages in the full pool; the sliding pool only the window of the last
+    # prompt token (position 19 reads 12..19: pages 3 and 4)
+    assert [len(p) for p in load.pages] == [5, 5] and load.pages[1][:3] == [0, 0, 0]
+    assert all(load.pages[1][3:]) and bm.managers[1].num_used_pages == 2
+    from jaxserve.engine.kv_connector import remote_pages
+    assert remote_pages(load.remote, load.pages) == [groups[0], [8, 9]]
+    s.remote_kv_loaded("d")
+    (row,) = s.schedule().scheduled
+    assert row.start_pos == 19 and row.num_new_tokens == 1
+    bm.check_invariants([d])
+    s.abort_request("d")
+    assert bm.managers[0].num_used_pages == 0 and bm.managers[1].num_used_pages == 0
+    # a prefix longer than the producer's window kept: a clear error
+    short = dataclasses_replace(load.remote, group_block_ids=((1, 2, 3, 4, 5), (0, 0, 0, 0, 9)))
+    with pytest.raises(ValueError, match=r"no page at position\(s\) \[3\]"):
+        remote_pages(short, load.pages)
+    with pytest.raises(InvalidRequestError,
+                       match="2 cache groups: the params need remote_group_block_ids"):
+        s.add_request(Request("e", list(range(3, 23)), SamplingParams(
+            max_tokens=4, extra_args={"kv_transfer_params": _remote(20)})))
+
+
+# ---- recurrent state (Qwen 3.5: a state slot per request beside the attention pages) -------
+def test_recurrent_state_moves_with_the_pages_and_matches_colocated(tmp_path_factory):
+    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
+
+    d = str(make_tiny_qwen3_5(tmp_path_factory.mktemp("pd_q35") / "q35", moe=False, vl=False,
+                              mtp=False))
+    kw = dict(KW, max_num_batched_tokens=32)
+    a = LLM(d, kv_transfer_config=kv_config("auto"), **kw)
+    b = LLM(d, kv_transfer_config=kv_config("zmq"), **kw)
+    try:
+        slots = a.llm_engine.block_manager.state_slots
+        assert slots is not None
+        for i, (n, src, dst) in enumerate([(20, a, b), (47, b, a), (70, a, a)]):
+            ids = prompt(50 + i, n)
+            want = a.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            params = prefill(src, ids)
+            held = src.llm_engine.kv_connector.state.held[params["remote_request_id"]]
+            assert held.state_slot >= 0  # the state before the last prompt token, kept
+            src.llm_engine.block_manager.check_invariants([held.request])
+            got = decode(dst, ids, params)
+            assert got.outputs[0].token_ids == want, (n, src is a, dst is a)
+            assert got.num_cached_tokens == n - 1
+            src.llm_engine.core_step()
+            for llm in (a, b):
+                bm = llm.llm_engine.block_manager
+                assert bm.num_used_pages == 0 and bm.state_slots.num_used == 0
+    finally:
+        for llm in (a, b):
+            llm.llm_engine.kv_connector.close()
