@@ -47,6 +47,12 @@ def server(tmp_path_factory):
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(port, [proc], [log_path], timeout=300)
+        # the server answers while warm-up still compiles in the background: the alerts are
+        # about compiles after it ends
+        deadline = time.time() + 300
+        while "warm-up: " not in log_path.read_text():
+            assert proc.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
         yield port, f"http://127.0.0.1:{port}"
     finally:
         stop(proc, timeout=60)
