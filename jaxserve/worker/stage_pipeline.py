@@ -31,8 +31,8 @@ from jaxserve.worker.kv_cache import allocate_kv_cache, fork_copy, fork_pairs
 from jaxserve.worker.kv_moves import write_pages, write_slot
 from jaxserve.worker.stages import (FLAG, StageLink, StageLoRASlots, abstract, check_model,
                                     check_shared_kv, layer_partition, make_stage,
-                                    place, release_unused, stage_forward_fn, stage_is_local,
-                                    state_sharding)
+                                    place, release_unused, stage_forward_fn, stage_images,
+                                    stage_is_local, state_sharding)
 
 logger = logging.getLogger(__name__)
 
@@ -182,14 +182,19 @@ class PipelineStages:
                 out_shardings=rep)()
         return self._zero_embeds[t]
 
-    def forward(self, plan: StepPlan, inputs=None, before_last=None, gather: bool = True):
+    def forward(self, plan: StepPlan, inputs=None, before_last=None, gather: bool = True,
+                mm=None):
         """The stages in order; returns the last stage's (logits, hidden, captured hidden
         states or None). Across hosts: the
         logits on the sampling stage, hidden on the last stage or None; with ``gather=False``
         the last stage's (logits, hidden) as they are (None on other hosts).
-        ``before_last()`` runs after the hand-off into the last stage, before its program."""
+        ``before_last()`` runs after the hand-off into the last stage, before its program.
+        ``mm``: a vision-language step's ``StepImages`` (its encoder buffer on stage 0's
+        devices; the off values when None), each stage given its share."""
         if inputs is None:
             inputs = self.runner._step_inputs(plan)[0]
+        if mm is None:
+            mm = self.runner.mm_arrays(plan)
         prev = self.prev_tokens(plan)
         x, out, caps = None, None, []
         t = plan.token_bucket
@@ -203,7 +208,8 @@ class PipelineStages:
                 before_last()
             if fn is not None:
                 out = fn(self.stage_leaves[i], self.stage_pages[i], inputs, self._lora(i), x,
-                         prev if i == 0 else None, self.embeds(plan) if i == 0 else None)
+                         prev if i == 0 else None, self.embeds(plan) if i == 0 else None,
+                         stage_images(mm, i))
                 x, self.stage_pages[i] = out[0], out[1]
                 caps.append(out[-1])
             else:
@@ -234,12 +240,13 @@ class PipelineStages:
             leaves, pages = list(self.stage_leaves), list(self.stage_pages)
             inputs = r._step_inputs(plan)[0]
             loras = [self._lora(i) for i in range(self.num_stages)]
+            mm = r.mm_arrays(plan)  # a vision-language model's image inputs (off values)
         x = out = None
         for i, fn in enumerate(self.stage_fns):
             with TRACE_LOCK:
                 lowered = fn.lower(leaves[i], pages[i], inputs, loras[i], x,
                                    self.no_tokens if i == 0 else None,
-                                   self.embeds(plan) if i == 0 else None)
+                                   self.embeds(plan) if i == 0 else None, stage_images(mm, i))
             out = lowered.compile().out_info[0]
             if i + 1 < len(self.stage_fns):
                 rep = sharding.replicated(self.stage_meshes[i + 1])

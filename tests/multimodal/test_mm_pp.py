@@ -1,0 +1,146 @@
+"""Images under pipeline parallelism (2 stages on 2 fake CPU devices): the vision tower runs on
+stage 0's devices, stage 0 merges the image embeddings, and every stage reads the step's
+per-token image inputs (Qwen's M-RoPE positions, Gemma 4's bidirectional ``kv_limit``).
+
+* the tiny Qwen 3.5 VLM at pp 2: greedy tokens for prompts with 0, 1 and 2 images equal HF
+  ``generate`` (the 32-token budget splits an image's run), nothing compiles after warm-up;
+  a stage that read text positions instead of M-RoPE would fail here;
+* the tiny Gemma 4 VLM whose image tokens see each other both ways, at pp 2 (layers "2,4":
+  the KV-sharing layers in their producers' stage), equals pp 1, token for token and in the
+  first token's log-probabilities.
+
+The engines run in a child process started with ``--xla_force_host_platform_device_count=2``;
+it prints one JSON document, asserted here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve.testing.multimodal import IMAGE, PROMPT_HEAD, PROMPT_TAIL, make_image
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 8
+G4_HEAD, G4_TAIL, G4_IMAGE = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n", \
+    "<|image|>"
+
+
+def _qwen_cases():
+    """0, 1, 2 images of different sizes; the 1-image prompt's image run (16 placeholders)
+    starts past token 20, so the 32-token budget splits it (as ``test_mm_engine``)."""
+    return [
+        (PROMPT_HEAD + "Hello there, no picture today." + PROMPT_TAIL, []),
+        (PROMPT_HEAD + "Please describe this: " + IMAGE + " thanks" + PROMPT_TAIL,
+         [make_image(128, 128, 0)]),
+        (PROMPT_HEAD + "Compare " + IMAGE + " with " + IMAGE + PROMPT_TAIL,
+         [make_image(96, 40, 1), make_image(64, 96, 2)]),
+    ]
+
+
+def _gemma4_cases():
+    """1 and 2 images (64, then 60 + 56 soft tokens), each run whole in a 64-token step."""
+    return [
+        (G4_HEAD + "Please describe this: " + G4_IMAGE + " thanks" + G4_TAIL,
+         [make_image(128, 128, 0)]),
+        (G4_HEAD + "Compare " + G4_IMAGE + " with " + G4_IMAGE + G4_TAIL,
+         [make_image(96, 40, 1), make_image(40, 120, 2)]),
+    ]
+
+
+def _generate(llm, cases, logprobs=None):
+    from jaxserve.core.sampling_params import SamplingParams
+
+    prompts = [{"prompt": p, "multi_modal_data": {"image": ims}} if ims else p
+               for p, ims in cases]
+    out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True,
+                                               logprobs=logprobs), use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in out]
+    if logprobs is None:
+        return tokens, None
+    first = [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in out]
+    return tokens, first
+
+
+def _child(paths: dict) -> dict:
+    import jax
+
+    from jaxserve.entrypoints.llm import LLM
+
+    out = {"num_devices": len(jax.devices())}
+    llm = LLM(paths["qwen"], pipeline_parallel_size=2, dtype="float32",
+              max_num_batched_tokens=32, min_token_bucket=32, max_num_seqs=4,
+              max_model_len=256, block_size=8)
+    eng = llm.llm_engine
+    runner = eng.runner
+    warm = runner.num_compiles
+    out["qwen"] = _generate(llm, _qwen_cases())[0]
+    out["qwen_compiles_after_warmup"] = runner.num_compiles - warm
+    out["qwen_encoded"] = runner.mm.num_encoded
+    out["qwen_stages"] = runner.stages.num_stages
+    out["encoder_devices"] = sorted(str(d) for d in runner.mm.buf.sharding.device_set)
+    out["stage0_devices"] = sorted(str(d) for d in runner.stages.stage_meshes[0].devices.flat)
+    del llm, eng, runner
+
+    g4 = {}
+    for pp in (1, 2):
+        if pp == 2:
+            os.environ["JAXSERVE_PP_LAYER_PARTITION"] = "2,4"
+        llm = LLM(paths["gemma4"], pipeline_parallel_size=pp, dtype="float32",
+                  max_num_batched_tokens=64, min_token_bucket=64, max_num_seqs=2,
+                  max_model_len=256, block_size=8, enforce_eager=True)
+        assert llm.llm_engine.scheduler.whole_image_runs
+        g4[pp] = _generate(llm, _gemma4_cases(), logprobs=5)
+        del llm
+    out["gemma4"] = {str(k): v for k, v in g4.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(tiny_vlm, tmp_path_factory):
+    from jaxserve.testing.tiny_gemma4 import make_tiny_gemma4
+
+    g4 = make_tiny_gemma4(tmp_path_factory.mktemp("g4pp") / "g4", conditional=True,
+                          use_bidirectional_attention="vision")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
+    env.pop("VLLM_PP_LAYER_PARTITION", None)
+    paths = {"qwen": str(tiny_vlm), "gemma4": str(g4)}
+    proc = subprocess.run([sys.executable, __file__, json.dumps(paths)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a child process with 2 CPU devices
+def test_qwen_images_under_pp2_equal_hf_generate(report, hf_ref):
+    cases = _qwen_cases()
+    ids = hf_ref.ids(*cases[1])
+    first = ids.index(hf_ref.image_id)
+    assert first < 32 < first + 16  # the budget splits the image's run
+    assert report["num_devices"] == 2 and report["qwen_stages"] == 2
+    assert report["qwen"] == [hf_ref.greedy(p, ims, N) for p, ims in cases]
+    assert report["qwen_encoded"] == 3
+    assert report["qwen_compiles_after_warmup"] == 0
+    assert report["encoder_devices"] == report["stage0_devices"]
+
+
+@pytest.mark.slow
+def test_gemma4_bidirectional_images_under_pp2_equal_pp1(report):
+    one, two = report["gemma4"]["1"], report["gemma4"]["2"]
+    assert two[0] == one[0]
+    for a, b in zip(one[1], two[1]):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert abs(a[t] - b[t]) < 2e-4
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))
