@@ -24,12 +24,9 @@ def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
     """Give the runner its encoder step (before warm-up) when the model takes images."""
     if processor is None or engine.model.visual is None:
         return
-    parallel, spec = engine.config.parallel, engine.config.speculative
-    if parallel.num_hosts > 1 or (parallel.pipeline_parallel_size > 1 and spec is not None
-                                  and spec.method == "mtp"):
-        # not yet: across hosts the stages' hand-offs carry no image inputs, and under
-        # pipeline parallelism the MTP head (last stage) has no image embeddings: images stay
-        # off (a 400 naming the part), text is served
+    if engine.config.parallel.num_hosts > 1:
+        # not yet: the cross-host hand-offs carry no image inputs: images stay off (a 400
+        # naming the part), text is served
         engine.mm_processor = None
         return
     from jaxserve.worker.mm_step import EncoderRunner

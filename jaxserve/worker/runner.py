@@ -350,7 +350,7 @@ class ModelRunner(PoolMoves):
         verify = out[1]
         if self.stages is not None:
             return self.stages.after_verify(inputs, packed, hidden, verify, prev_tokens,
-                                            self._mtp)
+                                            self._mtp, mm)
         pool = list(self.kv_pages)
         if self._rollback is not None:
             states = self._rollback([pool[i] for i in self.state_layers],

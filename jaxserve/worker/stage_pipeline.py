@@ -37,6 +37,13 @@ from jaxserve.worker.stages import (FLAG, StageLink, StageLoRASlots, abstract, c
 logger = logging.getLogger(__name__)
 
 
+@jax.jit
+def _gather_rows(buf, idx):
+    """``buf``'s rows ``idx`` (-1: any row; the reader masks it)."""
+    step_fns.TRACES.n += 1
+    return buf[jnp.maximum(idx, 0)]
+
+
 class PipelineStages:
     """The stages of one runner: their meshes, weights, pages and programs."""
 
@@ -423,10 +430,11 @@ class PipelineStages:
                                    for j, a in enumerate(pool)]
 
     # ---- after the verifier: the rollback on every stage, the MTP head on the last ----------
-    def after_verify(self, inputs, packed, hidden, verify, prev_tokens, mtp):
+    def after_verify(self, inputs, packed, hidden, verify, prev_tokens, mtp, mm=None):
         """Each stage's LinearState layers rolled back to each verify row's last accepted
         token (the stage reads the last stage's verification), then the MTP head's drafts for
-        the next step on the last stage (None without it)."""
+        the next step on the last stage (None without it); ``mm``: a vision-language step's
+        ``StepImages`` (:meth:`head_images`)."""
         r = self.runner
         if r.snapshots is not None:
             for i, smesh in enumerate(self.stage_meshes):
@@ -445,6 +453,22 @@ class PipelineStages:
             return None
         pages = self.stage_pages[-1]  # the MTP head's layer: the last stage's last cache
         drafts, head = mtp(r._state_leaves, pages[-1], packed[0], hidden, prev_tokens,
-                           verify.token_ids, verify.num_emitted, packed[1])
+                           verify.token_ids, verify.num_emitted, packed[1],
+                           self.head_images(mm))
         self.stage_pages[-1] = list(pages[:-1]) + [head]
         return drafts
+
+    def head_images(self, mm):
+        """The MTP head's image inputs on the last stage: the encoder buffer stays on stage 0,
+        so only the rows the head reads (each token's and each row's next token's, ``[T + S,
+        H]``) are gathered there and handed on, with the rows renumbered into that block."""
+        if mm is None:
+            return None
+        rows, nxt = np.asarray(mm.rows), np.asarray(mm.next_rows)
+        t, s = rows.shape[0], nxt.shape[0]
+        block = jax.device_put(_gather_rows(mm.embeds, np.concatenate([rows, nxt])),
+                               sharding.replicated(self.stage_meshes[-1]))
+        return mm._replace(
+            rows=np.where(rows >= 0, np.arange(t, dtype=np.int32), -1).astype(np.int32),
+            embeds=block, kv_limit=None,
+            next_rows=np.where(nxt >= 0, t + np.arange(s, dtype=np.int32), -1).astype(np.int32))

@@ -68,6 +68,37 @@ def _generate(llm, cases, logprobs=None):
     return tokens, first
 
 
+def _mtp(path: str, pp: int) -> dict:
+    """The MTP head's drafts of every step (pp 2: on the last stage, reading the image rows
+    stage 0 hands on) and the greedy tokens; pp 2 also warmed up (no compile after)."""
+    from jaxserve.entrypoints.llm import LLM
+
+    llm = LLM(path, pipeline_parallel_size=pp, dtype="float32", max_num_batched_tokens=32,
+              min_token_bucket=32, max_num_seqs=4, max_model_len=256, block_size=8,
+              enforce_eager=pp == 1, speculative_config={"method": "mtp",
+                                                         "num_speculative_tokens": 2})
+    import numpy as np
+
+    runner = llm.llm_engine.runner
+    seen, keys = [], []
+
+    def record(req, drafts):
+        if len(req.all_token_ids) == len(req.prompt_token_ids) + 1:  # right after the prompt
+            # the head's keys of every prompt position (image ones from stage 0's rows)
+            k_pages = np.asarray(runner.kv_pages[runner.kv_config.mtp_layer][0])
+            pos = np.arange(len(req.prompt_token_ids))
+            keys.append((list(req.all_token_ids), k_pages[
+                :, np.asarray(req.block_ids)[pos // 8], pos % 8].tolist()))
+        seen.append((list(req.all_token_ids), list(drafts)))
+        return drafts
+
+    llm.llm_engine.proposer.override = record
+    warm = runner.num_compiles
+    tokens = _generate(llm, _qwen_cases()[1:])[0]
+    return dict(tokens=tokens, drafts=sorted(seen), keys=sorted(keys),
+                compiles_after_warmup=runner.num_compiles - warm, images=runner.mm is not None)
+
+
 def _child(paths: dict) -> dict:
     import jax
 
@@ -88,6 +119,8 @@ def _child(paths: dict) -> dict:
     out["stage0_devices"] = sorted(str(d) for d in runner.stages.stage_meshes[0].devices.flat)
     del llm, eng, runner
 
+    out["mtp"] = {str(pp): _mtp(paths["qwen_mtp"], pp) for pp in (1, 2)}
+
     os.environ["JAXSERVE_PP_LAYER_PARTITION"] = "1,5"
     llm = LLM(paths["gemma4"], pipeline_parallel_size=2, dtype="float32",
               max_num_batched_tokens=64, min_token_bucket=64, max_num_seqs=2,
@@ -106,12 +139,16 @@ def tiny_g4_bidir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def report(tiny_vlm, tiny_g4_bidir):
+def report(tiny_vlm, tiny_g4_bidir, tmp_path_factory):
+    from jaxserve.testing.qwen3_5 import make_tiny_qwen3_5
+
+    qwen_mtp = make_tiny_qwen3_5(tmp_path_factory.mktemp("vlm-mtp-pp") / "q", vl=True,
+                                 mtp=True)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("JAXSERVE_PP_LAYER_PARTITION", None)
     env.pop("VLLM_PP_LAYER_PARTITION", None)
-    paths = {"qwen": str(tiny_vlm), "gemma4": str(tiny_g4_bidir)}
+    paths = {"qwen": str(tiny_vlm), "gemma4": str(tiny_g4_bidir), "qwen_mtp": str(qwen_mtp)}
     proc = subprocess.run([sys.executable, __file__, json.dumps(paths)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -129,6 +166,24 @@ def test_qwen_images_under_pp2_equal_hf_generate(report, hf_ref):
     assert report["qwen_encoded"] == 3
     assert report["qwen_compiles_after_warmup"] == 0
     assert report["encoder_devices"] == report["stage0_devices"]
+
+
+@pytest.mark.slow
+def test_qwen_mtp_head_reads_images_under_pp2_as_at_pp1(report):
+    """The MTP head on the last stage gets each image token's embedding from stage 0 and the
+    M-RoPE positions: its keys of every prompt position (image ones too) and its drafts at
+    pp 2 are pp 1's, step for step."""
+    import numpy as np
+
+    one, two = report["mtp"]["1"], report["mtp"]["2"]
+    assert one["images"] and two["images"]
+    assert two["tokens"] == one["tokens"] == report["qwen"][1:]
+    assert len(two["drafts"]) >= 8 and two["drafts"] == one["drafts"]
+    assert len(two["keys"]) == 2
+    for (ids1, k1), (ids2, k2) in zip(one["keys"], two["keys"]):
+        assert ids1 == ids2
+        np.testing.assert_allclose(np.asarray(k2), np.asarray(k1), atol=1e-5, rtol=0)
+    assert two["compiles_after_warmup"] == 0
 
 
 @pytest.mark.slow
