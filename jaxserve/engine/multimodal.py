@@ -24,8 +24,9 @@ def attach_encoder(engine, processor: MultiModalInputProcessor | None) -> None:
     """Give the runner its encoder step (before warm-up) when the model takes images."""
     if processor is None or engine.model.visual is None:
         return
-    if engine.config.parallel.pipeline_parallel_size > 1 or engine.config.parallel.num_hosts > 1:
-        # those runners build their own step inputs: images stay off (a 400 naming the part)
+    if engine.config.parallel.num_hosts > 1:
+        # not yet: the cross-host hand-offs carry no image inputs: images stay off (a 400
+        # naming the part), text is served
         engine.mm_processor = None
         return
     from jaxserve.worker.mm_step import EncoderRunner

@@ -140,18 +140,29 @@ class EncoderRunner:
         sched = runner.config.scheduler
         self.capacity = 2 * max(sched.max_num_batched_tokens, max_tokens)
         hidden = runner.model_config.hidden_size
+        # the tower runs where the embeddings are merged: the model, or pipeline stage 0
+        stages = runner.stages
+        if stages is None:
+            graphdef, treedef = runner.graphdef, jax.tree_util.tree_structure(runner.state)
+            mesh = runner.mesh
+        else:
+            (graphdef, treedef), mesh = stages.stage_defs[0], stages.stage_meshes[0]
         # placed (committed) from the start, as every encoder output is: one trace per bucket
         self.buf = jax.device_put(jnp.zeros((self.capacity + 1, hidden), dtype),
-                                  sharding.replicated(runner.mesh or sharding.default_mesh()))
+                                  sharding.replicated(mesh or sharding.default_mesh()))
         self._compiles = [0]
-        self._encode = _encode_fn(runner.graphdef, jax.tree_util.tree_structure(runner.state),
-                                  self._compiles)
+        self._encode = _encode_fn(graphdef, treedef, self._compiles)
         self.entries: OrderedDict[str, tuple[int, int]] = OrderedDict()  # hash -> (row, n)
         self.reqs: dict[str, _Req] = {}
         self.num_encoded = 0  # images run through the tower (cache misses)
         self._off_rows: dict[int, np.ndarray] = {}  # [T] -1 of each token bucket
         if warmup and not runner.config.enforce_eager:
             self.warmup()
+
+    def _tower_leaves(self) -> list:
+        """The params the tower reads (under pipeline parallelism: stage 0's, which hold it)."""
+        r = self.runner
+        return r._state_leaves if r.stages is None else r.stages.stage_leaves[0]
 
     @property
     def num_compiles(self) -> int:
@@ -162,7 +173,7 @@ class EncoderRunner:
         for b in self.ladder:
             inp = self.tower.inputs([np.zeros((b, self.tower.patch_dim), np.float32)],
                                     [self.tower.warmup_grid(b)], b)
-            self.buf = self._encode(self.runner._state_leaves, self.buf, inp,
+            self.buf = self._encode(self._tower_leaves(), self.buf, inp,
                                     np.full(b // self.unit, self.capacity, np.int32))
         jax.block_until_ready(self.buf)
         logger.info("vision encoder: %d patch buckets compiled (%s)", len(self.ladder),
@@ -267,7 +278,7 @@ class EncoderRunner:
         inp = self.tower.inputs([im.pixel_array() for im in images],
                                 [im.grid_thw for im in images], bucket)
         before = self._compiles[0]
-        self.buf = self._encode(self.runner._state_leaves, self.buf, inp, write)
+        self.buf = self._encode(self._tower_leaves(), self.buf, inp, write)
         if self._compiles[0] != before:
             self.runner._add_compiles(self._compiles[0] - before)
         self.num_encoded += len(images)

@@ -244,7 +244,7 @@ class ModelRunner(PoolMoves):
         (through the stages in order under pipeline parallelism). Caller holds the pool lock."""
         if self.stages is not None:  # (the MTP head reads the packed inputs)
             packed = pack(inputs) if self._mtp is not None else None
-            logits, hidden, captured = self.stages.forward(plan, inputs)
+            logits, hidden, captured = self.stages.forward(plan, inputs, mm=mm)
             return logits, hidden, captured, packed
         packed = pack(inputs)
         logits, self.kv_pages, hidden, captured = self._forward(
@@ -261,7 +261,7 @@ class ModelRunner(PoolMoves):
             before = TRACES.n
             inputs, sampler_inputs = self._step_inputs(plan)
             prev_tokens = self._last_tokens
-            if mm is None and self.stages is None:
+            if mm is None:
                 mm = self.mm_arrays(plan)
             logits, hidden, captured, packed = self.forward(plan, inputs, prev_tokens, mm)
             if host_logits is not None:  # host logits processors: a round trip of [S, V]
@@ -350,7 +350,7 @@ class ModelRunner(PoolMoves):
         verify = out[1]
         if self.stages is not None:
             return self.stages.after_verify(inputs, packed, hidden, verify, prev_tokens,
-                                            self._mtp)
+                                            self._mtp, mm)
         pool = list(self.kv_pages)
         if self._rollback is not None:
             states = self._rollback([pool[i] for i in self.state_layers],

@@ -31,10 +31,17 @@ from jaxserve.worker.kv_cache import allocate_kv_cache, fork_copy, fork_pairs
 from jaxserve.worker.kv_moves import write_pages, write_slot
 from jaxserve.worker.stages import (FLAG, StageLink, StageLoRASlots, abstract, check_model,
                                     check_shared_kv, layer_partition, make_stage,
-                                    place, release_unused, stage_forward_fn, stage_is_local,
-                                    state_sharding)
+                                    place, release_unused, stage_forward_fn, stage_images,
+                                    stage_is_local, state_sharding)
 
 logger = logging.getLogger(__name__)
+
+
+@jax.jit
+def _gather_rows(buf, idx):
+    """``buf``'s rows ``idx`` (-1: any row; the reader masks it)."""
+    step_fns.TRACES.n += 1
+    return buf[jnp.maximum(idx, 0)]
 
 
 class PipelineStages:
@@ -182,14 +189,19 @@ class PipelineStages:
                 out_shardings=rep)()
         return self._zero_embeds[t]
 
-    def forward(self, plan: StepPlan, inputs=None, before_last=None, gather: bool = True):
+    def forward(self, plan: StepPlan, inputs=None, before_last=None, gather: bool = True,
+                mm=None):
         """The stages in order; returns the last stage's (logits, hidden, captured hidden
         states or None). Across hosts: the
         logits on the sampling stage, hidden on the last stage or None; with ``gather=False``
         the last stage's (logits, hidden) as they are (None on other hosts).
-        ``before_last()`` runs after the hand-off into the last stage, before its program."""
+        ``before_last()`` runs after the hand-off into the last stage, before its program.
+        ``mm``: a vision-language step's ``StepImages`` (its encoder buffer on stage 0's
+        devices; the off values when None), each stage given its share."""
         if inputs is None:
             inputs = self.runner._step_inputs(plan)[0]
+        if mm is None:
+            mm = self.runner.mm_arrays(plan)
         prev = self.prev_tokens(plan)
         x, out, caps = None, None, []
         t = plan.token_bucket
@@ -203,7 +215,8 @@ class PipelineStages:
                 before_last()
             if fn is not None:
                 out = fn(self.stage_leaves[i], self.stage_pages[i], inputs, self._lora(i), x,
-                         prev if i == 0 else None, self.embeds(plan) if i == 0 else None)
+                         prev if i == 0 else None, self.embeds(plan) if i == 0 else None,
+                         stage_images(mm, i))
                 x, self.stage_pages[i] = out[0], out[1]
                 caps.append(out[-1])
             else:
@@ -234,12 +247,13 @@ class PipelineStages:
             leaves, pages = list(self.stage_leaves), list(self.stage_pages)
             inputs = r._step_inputs(plan)[0]
             loras = [self._lora(i) for i in range(self.num_stages)]
+            mm = r.mm_arrays(plan)  # a vision-language model's image inputs (off values)
         x = out = None
         for i, fn in enumerate(self.stage_fns):
             with TRACE_LOCK:
                 lowered = fn.lower(leaves[i], pages[i], inputs, loras[i], x,
                                    self.no_tokens if i == 0 else None,
-                                   self.embeds(plan) if i == 0 else None)
+                                   self.embeds(plan) if i == 0 else None, stage_images(mm, i))
             out = lowered.compile().out_info[0]
             if i + 1 < len(self.stage_fns):
                 rep = sharding.replicated(self.stage_meshes[i + 1])
@@ -416,10 +430,11 @@ class PipelineStages:
                                    for j, a in enumerate(pool)]
 
     # ---- after the verifier: the rollback on every stage, the MTP head on the last ----------
-    def after_verify(self, inputs, packed, hidden, verify, prev_tokens, mtp):
+    def after_verify(self, inputs, packed, hidden, verify, prev_tokens, mtp, mm=None):
         """Each stage's LinearState layers rolled back to each verify row's last accepted
         token (the stage reads the last stage's verification), then the MTP head's drafts for
-        the next step on the last stage (None without it)."""
+        the next step on the last stage (None without it); ``mm``: a vision-language step's
+        ``StepImages`` (:meth:`head_images`)."""
         r = self.runner
         if r.snapshots is not None:
             for i, smesh in enumerate(self.stage_meshes):
@@ -438,6 +453,22 @@ class PipelineStages:
             return None
         pages = self.stage_pages[-1]  # the MTP head's layer: the last stage's last cache
         drafts, head = mtp(r._state_leaves, pages[-1], packed[0], hidden, prev_tokens,
-                           verify.token_ids, verify.num_emitted, packed[1])
+                           verify.token_ids, verify.num_emitted, packed[1],
+                           self.head_images(mm))
         self.stage_pages[-1] = list(pages[:-1]) + [head]
         return drafts
+
+    def head_images(self, mm):
+        """The MTP head's image inputs on the last stage: the encoder buffer stays on stage 0,
+        so only the rows the head reads (each token's and each row's next token's, ``[T + S,
+        H]``) are gathered there and handed on, with the rows renumbered into that block."""
+        if mm is None:
+            return None
+        rows, nxt = np.asarray(mm.rows), np.asarray(mm.next_rows)
+        t, s = rows.shape[0], nxt.shape[0]
+        block = jax.device_put(_gather_rows(mm.embeds, np.concatenate([rows, nxt])),
+                               sharding.replicated(self.stage_meshes[-1]))
+        return mm._replace(
+            rows=np.where(rows >= 0, np.arange(t, dtype=np.int32), -1).astype(np.int32),
+            embeds=block, kv_limit=None,
+            next_rows=np.where(nxt >= 0, t + np.arange(s, dtype=np.int32), -1).astype(np.int32))

@@ -174,6 +174,8 @@ class Stage(nnx.Module):
         self.model = StageLayers(model.model, lo, hi, first, last,
                                  model.lm_head is None or model.mtp is not None)
         self.lm_head = model.lm_head if last else None
+        # the vision tower (worker.mm_step) runs where the image embeddings are merged
+        self.visual = nnx.data(getattr(model, "visual", None) if first else None)
         self.mtp = model.mtp if last else None  # drafts from the last stage's hidden states
 
     def kv_producers(self) -> tuple:
@@ -202,25 +204,28 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
                      state_layers: tuple[int, ...] = (), num_layers: int = 0,
                      snapshots: tuple[int, int] | None = None, invariant: bool = False):
     """One stage's program, jitted on its mesh:
-    ``(leaves, kv_pages, inputs, lora, x, prev_tokens, embeds) -> (x, kv_pages, captured)``,
+    ``(leaves, kv_pages, inputs, lora, x, prev_tokens, embeds, mm) -> (x, kv_pages, captured)``,
     on the last stage ``(logits, kv_pages, hidden, captured)``: the single program's forward
     (``step_functions.run_stage``) over the stage's layers. The first stage takes token ids
     (``x`` unused) and, with ``--enable-prompt-embeds``, the ``[T, H]`` prompt embeddings; the
-    others the previous stage's hidden states. ``inputs``: the step's ``StepInputs``;
+    others the previous stage's hidden states; ``mm``: a vision-language step's
+    ``StepImages``, the stage's share (:func:`stage_images`). ``inputs``: the step's
+    ``StepInputs``;
     ``lora``: this stage's layers' adapter slots (None: no LoRA). ``state_layers``: the
     stage's LinearState layers (stage-local indices), whose caches are state-pool arrays;
     ``num_layers``: the stage's; ``snapshots`` (first scratch slot, k): speculative
     snapshots (``step_functions.snapshot_slots``); ``invariant``: batch-invariant reductions
     (``models.batch_invariant``)."""
 
-    def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens, embeds=None):
+    def forward(state_leaves, kv_pages, step: StepInputs, lora, x, prev_tokens, embeds=None,
+                mm=None):
         step_fns.TRACES.n += 1
         stage = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_treedef, state_leaves))
         with batch_invariant.mode(invariant):
             return step_fns.run_stage(stage, kv_pages, step, lora, x, prev_tokens, lo=stage.lo,
                                       hi=stage.hi, first=stage.first, last=stage.last,
                                       state_layers=state_layers, snapshots=snapshots,
-                                      embeds=embeds)
+                                      embeds=embeds, mm=mm)
 
     rep, pool = sharding.replicated(mesh), sharding.kv_pool_sharding(mesh)
     if state_layers:
@@ -228,6 +233,18 @@ def stage_forward_fn(graphdef, state_treedef, mesh, last: bool,
         pool = [state if j in state_layers else pool for j in range(num_layers)]
     return jax.jit(forward, donate_argnums=(1,),
                    out_shardings=(rep, pool, rep, rep) if last else (rep, pool, rep))
+
+
+def stage_images(mm, i: int):
+    """Stage ``i``'s share of a step's image inputs (``step_inputs.StepImages``): every stage
+    the per-token positions (Qwen's M-RoPE) and ``kv_limit`` (bidirectional image runs), which
+    its layers read and the hidden carry does not hold; the first stage also the encoder
+    buffer and each token's row in it (it merges the image embeddings). The MTP head's
+    ``next_rows`` go to no stage. None: a text-only model."""
+    if mm is None:
+        return None
+    return mm._replace(next_rows=None) if i == 0 else mm._replace(rows=None, embeds=None,
+                                                                  next_rows=None)
 
 
 def place(state, mesh):

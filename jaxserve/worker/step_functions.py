@@ -81,9 +81,10 @@ def run_stage(model, kv_pages, inputs: StepInputs, lora, x, prev_tokens, *, lo: 
     range (``worker.stages``). ``kv_pages``: the range's caches (after them, passed through:
     the MTP head's); ``x``: the previous stage's hidden carry (the first stage embeds the
     step's tokens instead: placeholders read ``prev_tokens``, ``embeds`` are
-    ``--enable-prompt-embeds``' ``[T, H]``, ``mm`` a vision-language step's (positions, rows,
-    image embeddings)); ``lora``: (scale, the range's per-layer adapter weights) or None;
-    ``state_layers``: the LinearState layers among ``kv_pages``.
+    ``--enable-prompt-embeds``' ``[T, H]``); ``mm``: a vision-language step's
+    ``StepImages`` (every stage reads its positions and ``kv_limit``; the first stage merges
+    the image embeddings, later stages get them as None: ``stages.stage_images``);
+    ``lora``: (scale, the range's per-layer adapter weights) or None; ``state_layers``: the LinearState layers among ``kv_pages``.
 
     Returns ``(x, caches, captured)``; the last stage ``(logits, caches, hidden, captured)``
     (logits of ``inputs.logits_indices``: ``[S, V]``, or ``[S, k+1, V]`` when verifying).
@@ -98,6 +99,10 @@ def run_stage(model, kv_pages, inputs: StepInputs, lora, x, prev_tokens, *, lo: 
     capture = (forward_hooks.token_layers(inputs.hidden_layers, inputs.query_start, T)
                if inputs.hidden_layers.shape[1] else None)  # return_hidden_states: K a token
     positions = inputs.positions
+    if mm is not None:  # a vision-language model (worker.mm_step.EncoderRunner): per-token
+        positions = mm.positions  # inputs every stage's layers read: M-RoPE positions,
+        if mm.kv_limit is not None:  # and image tokens that see their whole image run
+            md = md._replace(kv_limit=mm.kv_limit)
     if first:
         ref = inputs.prev_ref
         token_ids = jnp.where(ref >= 0, prev_tokens[jnp.maximum(ref, 0)], inputs.token_ids)
@@ -105,11 +110,8 @@ def run_stage(model, kv_pages, inputs: StepInputs, lora, x, prev_tokens, *, lo: 
               if embeds is not None else nullcontext()):
             if mm is None:
                 x = model.embed(token_ids)
-            else:  # a vision-language model (worker.mm_step.EncoderRunner): M-RoPE positions
-                positions = mm.positions
+            else:  # the image embeddings at their placeholders
                 x = model.embed_multimodal(token_ids, (mm.embeds, mm.rows))
-                if mm.kv_limit is not None:  # image tokens that see their whole image run
-                    md = md._replace(kv_limit=mm.kv_limit)
     if lora is not None:  # (scale, the range's layers) -> indexed by model layer
         if not model.supports_lora:
             raise ValueError(f"{type(model).__name__} does not support LoRA adapters")

@@ -226,9 +226,10 @@ class BucketWarmup:
                 inputs, sampler_inputs = r._step_inputs(plan)
                 logits, hidden, _, packed = r.forward(plan, inputs, last)
                 sampled = r.sample(logits, sampler_inputs, last, ones)
-                if r.num_spec_tokens:  # the rollback and the MTP head's drafts
-                    with TRACE_LOCK:
-                        r.after_verify(inputs, packed, hidden, sampled[0], last)
+                if r.num_spec_tokens:  # the rollback and the MTP head's drafts (a
+                    with TRACE_LOCK:  # vision-language model's: with its image inputs)
+                        r.after_verify(inputs, packed, hidden, sampled[0], last,
+                                       r.mm_arrays(plan))
                 jax.block_until_ready(sampled)
             for sampler_inputs, mask in others:
                 jax.block_until_ready(r.sample(logits, sampler_inputs, last, mask))
