@@ -9,13 +9,12 @@ decode them unchanged. Host side only: msgspec, no jax, no zmq.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import msgspec
 
-from jaxserve.core.json_object import json_object
+from jaxserve.core.json_object import config_from
 
 MEDIUM = "GPU"  # vLLM's name for the device pool (swap would be "CPU")
 
@@ -88,12 +87,4 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: Any) -> "KVEventsConfig | None":
         """A dict, its JSON text (the CLI's form) or None; unknown keys are an error."""
-        if value is None or isinstance(value, cls):
-            return value
-        value = json_object(value, "kv_events_config")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: "
-                             f"{sorted(known)}")
-        return cls(**value)
+        return config_from(cls, value, "kv_events_config")

@@ -24,13 +24,12 @@ The protocol, as vLLM's NixlConnector:
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.core.json_object import json_object
+from jaxserve.core.json_object import config_from, json_object
 from jaxserve.errors import InvalidRequestError
 
 # our connector, and vLLM's names a seed command line uses for the same protocol
@@ -131,15 +130,7 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value: Any) -> "KVTransferConfig | None":
         """A dict, its JSON text (the CLI's form) or None; unknown keys are an error."""
-        if value is None or isinstance(value, cls):
-            return value
-        value = json_object(value, "kv_transfer_config")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown field(s) {unknown}; known: "
-                             f"{sorted(known)}")
-        return cls(**value)
+        return config_from(cls, value, "kv_transfer_config")
 
 
 def _bad(msg: str) -> InvalidRequestError:
