@@ -130,6 +130,8 @@ class DataParallelAsyncLLM:
         per = [r.stats() for r in self.replicas]
         out = {k: sum(s.get(k, 0) for s in per) for k in _SUMMED if k in per[0]}
         out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per) / len(per)
+        if all("num_compiles_at_warmup" in s for s in per):  # once every warm-up has ended
+            out["num_compiles_at_warmup"] = sum(s["num_compiles_at_warmup"] for s in per)
         if all("memory_bytes" in s for s in per):  # each replica is its own process
             out["memory_bytes"] = {k: sum(s["memory_bytes"].get(k, 0) for s in per)
                                    for k in per[0]["memory_bytes"]}

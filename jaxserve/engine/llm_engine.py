@@ -98,6 +98,7 @@ class LLMEngine(WeightControl):
         self.block_manager = block_manager
         self.scheduler = scheduler
         self.proposer = proposer
+        self._compiles_at_warmup: int | None = None  # stats' num_compiles when warm-up ended
         self.kv_event_publisher = kv_event_publisher  # None: KV-cache events off
         self.kv_connector = None  # engine.kv_connector.KVConnector (--kv-transfer-config)
         self.lora_manager = lora_manager  # jaxserve.lora.cache.LoRAManager; None: LoRA off
@@ -604,6 +605,11 @@ class LLMEngine(WeightControl):
             num_pages=self.runner.num_pages,
             memory_bytes=memory_by_part(self.runner),
         )
+        if self.runner.compiles_at_warmup is not None:
+            if self._compiles_at_warmup is None:  # the draft's count as it stands then
+                self._compiles_at_warmup = s["num_compiles"] - (self.runner.num_compiles
+                                                                - self.runner.compiles_at_warmup)
+            s["num_compiles_at_warmup"] = self._compiles_at_warmup
         if self.proposer is not None:
             s.update(self.spec_stats.as_dict())
         if self.lora_manager is not None:

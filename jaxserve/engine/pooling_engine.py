@@ -140,6 +140,7 @@ class PoolingEngine:
     def stats(self) -> dict:
         return dict(num_running=0, num_waiting=len(self._waiting), num_pages=0, free_pages=0,
                     num_compiles=self.runner.num_compiles,
+                    num_compiles_at_warmup=self.runner.compiles_at_warmup,
                     prompt_tokens_total=self.prompt_tokens_total, num_steps=self.num_steps)
 
     def reset_prefix_cache(self) -> bool:

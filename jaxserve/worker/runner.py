@@ -201,6 +201,7 @@ class ModelRunner(PoolMoves):
         self.logits_processors = None
         self._sample = sample_fn(self.mesh, self.num_top_logprobs, (), self.batch_invariant)
         self.num_compiles = 0  # traces of the step this runner caused (each is a compile)
+        self.compiles_at_warmup: int | None = None  # num_compiles when warm-up ended
         # --enforce-eager: no warm-up; a bucket compiles on the first step that needs it
         self.enforce_eager = engine_config.enforce_eager
         # One step at a time touches the KV pool: the engine's steps and the warm-up runs of

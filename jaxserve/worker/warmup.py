@@ -156,6 +156,7 @@ class BucketWarmup:
             last = self._jobs_done == self._num_jobs
             if last:
                 self.done = True
+                self.runner.compiles_at_warmup = self.runner.num_compiles
             if self._on_token_limit is not None:  # under the lock: the latest value wins
                 # (the pool marks this job done after this callback: count it here)
                 ready = self.ready() + ([t] if kind == "forward" else [])

@@ -93,6 +93,10 @@ class EngineStatsCollector:
         yield gauge("num_compiles",
                     "XLA compilations of the step so far (warm-up included; must not grow).",
                     s.get("num_compiles", 0))
+        if "num_compiles_at_warmup" in s:  # absent while the warm-up still compiles
+            yield gauge("num_compiles_at_warmup",
+                        "num_compiles when warm-up ended: any above it is a step shape the "
+                        "bucket ladder missed.", s["num_compiles_at_warmup"])
         yield counter("prefix_cache_queries", "Prefix cache queries, in tokens.", queries)
         yield counter("prefix_cache_hits", "Prefix cache hits, in tokens.", hits)
         if "external_prefix_cache_queries" in s:  # the host-memory tier (--kv-offloading-size)
