@@ -175,7 +175,7 @@ class Stage(nnx.Module):
                                  model.lm_head is None or model.mtp is not None)
         self.lm_head = model.lm_head if last else None
         # the vision tower (worker.mm_step) runs where the image embeddings are merged
-        self.visual = nnx.data(getattr(model, "visual", None) if first else None)
+        self.visual = nnx.data(model.visual if first else None)
         self.mtp = model.mtp if last else None  # drafts from the last stage's hidden states
 
     def kv_producers(self) -> tuple:
